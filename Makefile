@@ -1,0 +1,28 @@
+# make run: set up .venv and run the main job (+recipe=quickstart); make test: set up and test.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+EXTRAS ?= dev,joblib,slurm,postgres
+
+.PHONY: run test lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c constraints.txt -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(PY) -m mlxbun +recipe=quickstart
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+lint: $(STAMP)
+	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/pre-commit run --all-files
+
+bench: $(STAMP)
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""Artifact I/O: safetensors reading, sharded writing and atomic file publication."""

@@ -1,0 +1,80 @@
+"""Atomic publication of files and directories: temp name in the same directory, fsync, rename.
+
+A reader never sees a half-written file under its final name: data goes to a hidden
+``.<name>.tmp-<pid>-<rand>`` sibling, is fsync'd, renamed over the final name, and the parent
+directory is fsync'd so the rename itself survives a power loss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+TMP_MARK = ".tmp-"
+
+
+def tmp_sibling(path: Path) -> Path:
+    """A hidden temporary name beside ``path`` that no reader mistakes for the final file."""
+    return path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync a directory so that renames and creations inside it are durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | Path, mode: str = "wb") -> Iterator[IO[Any]]:
+    """Open a temp sibling of ``path``; on clean exit fsync it, rename it over ``path``, fsync dir.
+
+    On an exception the temp file is removed and ``path`` is left as it was.
+
+    Example:
+        >>> with atomic_open(out / "config.json", "w") as f:
+        ...     f.write("{}")
+    """
+    path = Path(path)
+    tmp = tmp_sibling(path)
+    f = open(tmp, mode)
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        f.close()
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically."""
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def dumps_json(obj: Any) -> str:
+    """Canonical JSON for artifacts: sorted keys, 2-space indent, trailing newline."""
+    return json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> None:
+    """Write ``obj`` as canonical JSON to ``path`` atomically."""
+    atomic_write_bytes(path, dumps_json(obj).encode())
+
+
+def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
+    """Rename a fully written (and fsync'd) directory to its final name, then fsync the parent."""
+    os.replace(tmp_dir, final_dir)
+    fsync_dir(final_dir.parent)

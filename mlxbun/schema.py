@@ -1,0 +1,311 @@
+"""Structured-config dataclasses: the types, choices and ranges of every command's arguments.
+
+Hydra composes YAML from ``conf/`` and ``recipes/`` against :class:`Config` (registered in the
+ConfigStore as ``mlxbun_schema``), so unknown keys and wrong types fail at compose time. Choices
+and ranges are checked in ``__post_init__``, which runs when the CLI turns the composed config
+into these dataclasses (``OmegaConf.to_object``). Each error names the key, the value and what is
+allowed. Command modules receive the resulting :class:`Config` object: plain dataclasses, no
+omegaconf.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxbun.errors import InputError
+
+QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+GROUP_SIZES = (16, 32, 64, 128)
+MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
+DTYPES = ("bfloat16", "float16", "float32")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+
+
+def choose(key: str, value: Any, allowed: tuple | list) -> None:
+    """Raise an InputError unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        shown = ", ".join(str(a) for a in allowed)
+        raise InputError(f"{key}={value!r} is not allowed; choose one of {shown}")
+
+
+def positive(key: str, value: float | int | None, *, allow_zero: bool = False) -> None:
+    """Raise an InputError unless ``value`` is None or > 0 (>= 0 with allow_zero)."""
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise InputError(f"{key}={value!r} is out of range; it must be {bound}")
+
+
+@dataclass
+class CommandCfg:
+    name: str = "help"
+
+
+@dataclass
+class PathsCfg:
+    # Root of run directories; each run's own directory (Hydra's output dir) is run_dir.
+    outputs: str = "outputs"
+    run_dir: str = "${hydra:runtime.output_dir}"
+    cache: str = "~/.cache/mlxbun"
+
+
+@dataclass
+class IoCfg:
+    shard_gb: float = 5.0
+
+    def __post_init__(self) -> None:
+        positive("io.shard_gb", self.shard_gb)
+
+
+@dataclass
+class ModelCfg:
+    # A local model directory, a registry name, or an HF repo id in the local cache.
+    name: str | None = None
+    # Build a same-shaped random checkpoint from `synth` instead of reading `name`.
+    synthetic: bool = False
+
+
+@dataclass
+class SynthCfg:
+    arch: str = "llama"
+    # Named size preset (see mlxbun.synth.PRESETS); explicit dims below override it.
+    preset: str = "tiny"
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_layers: int | None = None
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None
+    tie_embeddings: bool | None = None
+    dtype: str = "bfloat16"
+    seed: int = 0
+    # Planted structure so quantization, rotation and sensitivity have something to find.
+    outlier_channels: int = 0
+    outlier_scale: float = 20.0
+    norm_jitter: float = 0.0
+    out: str | None = None
+
+    def __post_init__(self) -> None:
+        choose("synth.arch", self.arch, ARCHS)
+        choose("synth.dtype", self.dtype, DTYPES)
+        for k in (
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "vocab_size",
+        ):
+            positive(f"synth.{k}", getattr(self, k))
+        positive("synth.outlier_channels", self.outlier_channels, allow_zero=True)
+
+
+@dataclass
+class InspectCfg:
+    # A model directory, a .safetensors file or a registry name; defaults to model.name.
+    path: str | None = None
+    tensors: bool = True
+
+
+@dataclass
+class QuantCfg:
+    mode: str = "affine"
+    bits: int | None = None
+    group_size: int | None = None
+    # Per-layer plan file (from `allocate` or hand-written) or an mlx-lm mixed rule.
+    plan: str | None = None
+    mixed: str | None = None
+    dtype: str = "bfloat16"
+    out: str | None = None
+    resume: bool = True
+    threads: int = 2
+
+    def __post_init__(self) -> None:
+        choose("quant.mode", self.mode, QUANT_MODES)
+        choose("quant.dtype", self.dtype, DTYPES)
+        if self.mixed is not None:
+            choose("quant.mixed", self.mixed, MIXED_RULES)
+        if self.group_size is not None:
+            choose("quant.group_size", self.group_size, GROUP_SIZES)
+        if self.bits is not None and self.mode == "affine":
+            choose("quant.bits", self.bits, AFFINE_BITS)
+        positive("quant.threads", self.threads)
+
+
+@dataclass
+class CalibCfg:
+    # A text or JSONL file; None uses the built-in varied calibration set.
+    path: str | None = None
+    samples: int = 24
+    seq_len: int = 512
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        positive("sensitivity.calib.samples", self.samples)
+        positive("sensitivity.calib.seq_len", self.seq_len)
+
+
+@dataclass
+class SensitivityCfg:
+    bits: list[int] = field(default_factory=lambda: [4, 8])
+    group_size: int = 64
+    mode: str = "affine"
+    method: str = "fast"
+    batch_size: int = 8
+    shard: int = 0
+    num_shards: int = 1
+    calib: CalibCfg = field(default_factory=CalibCfg)
+    # For sensitivity_merge: the run directories (or sensitivity.json files) to combine.
+    inputs: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        choose("sensitivity.mode", self.mode, QUANT_MODES)
+        choose("sensitivity.method", self.method, ("fast", "reference"))
+        choose("sensitivity.group_size", self.group_size, GROUP_SIZES)
+        positive("sensitivity.batch_size", self.batch_size)
+        positive("sensitivity.num_shards", self.num_shards)
+        if not 0 <= self.shard < self.num_shards:
+            raise InputError(
+                f"sensitivity.shard={self.shard} is out of range; it must be in 0..{self.num_shards - 1}"
+                f" for sensitivity.num_shards={self.num_shards}"
+            )
+
+
+@dataclass
+class AllocateCfg:
+    sensitivity: str | None = None
+    bits: list[int] = field(default_factory=lambda: [3, 4, 6, 8])
+    group_sizes: list[int] = field(default_factory=lambda: [64])
+    budget_bpw: float | None = None
+    budget_bytes: int | None = None
+    # Module-path substrings kept at >= protect_bits (e.g. lm_head, embed_tokens).
+    protect: list[str] = field(default_factory=list)
+    protect_bits: int = 8
+    check: bool = True
+
+    def __post_init__(self) -> None:
+        positive("allocate.budget_bpw", self.budget_bpw)
+        positive("allocate.budget_bytes", self.budget_bytes)
+
+
+@dataclass
+class FoldCfg:
+    seed: int = 0
+    dtype: str | None = None
+    verify: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dtype is not None:
+            choose("fold.dtype", self.dtype, DTYPES)
+
+
+@dataclass
+class KvCfg:
+    store: str = "${paths.cache}/kv"
+    name: str | None = None
+    prompt: str | None = None
+    prompt_file: str | None = None
+    layout: str = "blocks"
+    block_kib: int = 1024
+    verify: bool = True
+    cap_gb: float | None = None
+    max_tokens: int = 32
+    execute: bool = False
+
+    def __post_init__(self) -> None:
+        choose("kv.layout", self.layout, ("snapshot", "blocks"))
+        positive("kv.block_kib", self.block_kib)
+        positive("kv.cap_gb", self.cap_gb)
+        positive("kv.max_tokens", self.max_tokens)
+
+
+@dataclass
+class RegistryFilterCfg:
+    vision: bool | None = None
+    max_gb: float | None = None
+    query: str | None = None
+    license: str | None = None
+    model_type: str | None = None
+    quantized: bool | None = None
+
+    def __post_init__(self) -> None:
+        positive("registry.filter.max_gb", self.max_gb)
+
+
+@dataclass
+class RegistryFitCfg:
+    budget_gb: float = 16.0
+    context: int = 8192
+    vision: bool = False
+
+    def __post_init__(self) -> None:
+        positive("registry.fit.budget_gb", self.budget_gb)
+        positive("registry.fit.context", self.context)
+
+
+@dataclass
+class RegistryCfg:
+    # Any playhouse.db_url URL (sqlite:///..., postgresql://...); None uses `path` (sqlite).
+    url: str | None = None
+    path: str = "${paths.cache}/registry.db"
+    # HF hub cache to scan; None follows HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub.
+    hub_cache: str | None = None
+    paths: list[str] = field(default_factory=list)
+    filter: RegistryFilterCfg = field(default_factory=RegistryFilterCfg)
+    fit: RegistryFitCfg = field(default_factory=RegistryFitCfg)
+
+
+@dataclass
+class RunsCfg:
+    command: str | None = None
+    recipe: str | None = None
+    status: str | None = None
+    limit: int = 50
+    # For command=verify: the run directory whose outputs are re-hashed against its manifest.
+    dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.status is not None:
+            choose("runs.status", self.status, ("running", "ok", "failed"))
+        positive("runs.limit", self.limit)
+
+
+@dataclass
+class PipelineCfg:
+    # Commands run in order in one run directory (see mlxbun/pipeline.py).
+    steps: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    command: CommandCfg = field(default_factory=CommandCfg)
+    seed: int = 0
+    verbose: bool = False
+    json: bool = False
+    # Optimized BLAS for MLX on Linux: "auto" (find one), "off", or a path to a shared library.
+    blas: str = "auto"
+    paths: PathsCfg = field(default_factory=PathsCfg)
+    io: IoCfg = field(default_factory=IoCfg)
+    model: ModelCfg = field(default_factory=ModelCfg)
+    synth: SynthCfg = field(default_factory=SynthCfg)
+    inspect: InspectCfg = field(default_factory=InspectCfg)
+    quant: QuantCfg = field(default_factory=QuantCfg)
+    sensitivity: SensitivityCfg = field(default_factory=SensitivityCfg)
+    allocate: AllocateCfg = field(default_factory=AllocateCfg)
+    fold: FoldCfg = field(default_factory=FoldCfg)
+    kv: KvCfg = field(default_factory=KvCfg)
+    registry: RegistryCfg = field(default_factory=RegistryCfg)
+    runs: RunsCfg = field(default_factory=RunsCfg)
+    pipeline: PipelineCfg = field(default_factory=PipelineCfg)
+
+
+def register() -> None:
+    """Register :class:`Config` in Hydra's ConfigStore as ``mlxbun_schema``."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="mlxbun_schema", node=Config)
