@@ -72,12 +72,16 @@ def recipe_summary(name: str) -> str:
     return ""
 
 
-def recipe_from_argv(argv: list[str]) -> str | None:
+def _argv_value(argv: list[str], key: str) -> str | None:
     for arg in argv:
-        for prefix in ("+recipe=", "recipe=", "++recipe="):
+        for prefix in (f"+{key}=", f"{key}=", f"++{key}="):
             if arg.startswith(prefix):
                 return arg[len(prefix) :]
     return None
+
+
+def recipe_from_argv(argv: list[str]) -> str | None:
+    return _argv_value(argv, "recipe")
 
 
 def check_recipe(name: str) -> None:
@@ -87,12 +91,30 @@ def check_recipe(name: str) -> None:
         raise InputError(f"recipe={name!r} does not exist; available recipes: {', '.join(recipes)}")
 
 
-def resolve_command(name: str):
+def check_command(name: str) -> None:
     if name not in COMMANDS:
         raise InputError(f"command={name!r} does not exist; choose one of {', '.join(COMMANDS)}")
-    target = COMMANDS[name][0]
-    module, _, func = target.partition(":")
-    return getattr(importlib.import_module(module), func or "run")
+
+
+def resolve_command(name: str):
+    """Import the chosen command's module (lazily: only this one) and return its function."""
+    check_command(name)
+    module, _, func = COMMANDS[name][0].partition(":")
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name and (e.name == module or module.startswith(e.name + ".")):
+            raise InputError(
+                f"command={name!r} is not available in mlxbun {_version()} (module {module} is missing)"
+            ) from None
+        raise
+    return getattr(mod, func or "run")
+
+
+def _version() -> str:
+    import mlxbun
+
+    return mlxbun.__version__
 
 
 def run_help(cfg: Any) -> Any:
@@ -161,9 +183,12 @@ def config_hash(config: dict[str, Any]) -> str:
 def _task(dcfg: Any) -> None:
     from omegaconf import OmegaConf
 
+    from mlxbun import schema
+
     verbose = bool(dcfg.get("verbose", False))
     try:
         try:
+            schema.check_keys(OmegaConf.to_container(dcfg, resolve=False))
             cfg = OmegaConf.to_object(dcfg)
         except InputError:
             raise
@@ -173,6 +198,8 @@ def _task(dcfg: Any) -> None:
     except (InputError, DriftError) as e:
         if verbose:
             traceback.print_exc()
+        if isinstance(e, InputError):
+            _remove_if_empty(dcfg)
         sys.stderr.write(f"error: {_one_line(e)}\n")
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
@@ -185,6 +212,16 @@ def _task(dcfg: Any) -> None:
         sys.exit(1)
     if code:
         sys.exit(code)
+
+
+def _remove_if_empty(dcfg: Any) -> None:
+    """Remove the run directory Hydra made when bad input stopped the run before any output."""
+    try:
+        run_dir = Path(dcfg.paths.run_dir)
+        run_dir.rmdir()
+        run_dir.parent.rmdir()
+    except Exception:  # not empty, not there, or not resolvable: leave it
+        pass
 
 
 def execute(cfg: Any, resolved: dict[str, Any]) -> int:
@@ -239,9 +276,11 @@ def _recorded_run(cfg: Any, resolved: dict[str, Any], fn: Any, blas_info: dict[s
     try:
         result = fn(cfg)
     except BaseException as e:
-        status = "failed"
-        manifest.finish(status=status, error=_one_line(e))
-        registry.record_run_end(run_id, status=status, error=_one_line(e))
+        registry.record_run_end(run_id, status="failed", error=_one_line(e))
+        if isinstance(e, InputError):
+            (run_dir / "manifest.json").unlink(missing_ok=True)  # bad input: leave no run behind
+        else:
+            manifest.finish(status="failed", error=_one_line(e))
         raise
     mpath = manifest.finish(status="ok", result=result)
     registry.record_run_end(run_id, status="ok", metrics=result.metrics)
@@ -259,13 +298,14 @@ def main() -> None:
     from mlxbun import schema
 
     argv = sys.argv[1:]
-    recipe = recipe_from_argv(argv)
-    if recipe is not None:
-        try:
+    try:
+        if (recipe := recipe_from_argv(argv)) is not None:
             check_recipe(recipe)
-        except InputError as e:
-            sys.stderr.write(f"error: {e}\n")
-            sys.exit(2)
+        if (command := _argv_value(argv, "command")) is not None:
+            check_command(command)
+    except InputError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
     schema.register()
     hydra_utils.run_and_report = _report
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)

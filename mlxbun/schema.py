@@ -10,7 +10,7 @@ omegaconf.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from mlxbun.errors import InputError
@@ -302,6 +302,27 @@ class Config:
     registry: RegistryCfg = field(default_factory=RegistryCfg)
     runs: RunsCfg = field(default_factory=RunsCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
+
+
+def check_keys(data: dict[str, Any], cls: type = None, prefix: str = "") -> None:
+    """Raise an InputError naming the first key of ``data`` that ``cls`` (default Config) lacks.
+
+    Hydra lets ``+key=value`` add keys to a structured config; they would be silently ignored.
+    """
+    cls = cls or Config
+    known = {f.name: f for f in fields(cls)}
+    for key, value in data.items():
+        if key not in known:
+            allowed = ", ".join(sorted(known))
+            raise InputError(f"unknown config key {prefix}{key!r}; keys here are: {allowed}")
+        sub = _dataclass_type(known[key].type)
+        if sub is not None and isinstance(value, dict):
+            check_keys(value, sub, f"{prefix}{key}.")
+
+
+def _dataclass_type(annotation: Any) -> type | None:
+    cls = globals().get(annotation) if isinstance(annotation, str) else annotation
+    return cls if isinstance(cls, type) and is_dataclass(cls) else None
 
 
 def register() -> None:

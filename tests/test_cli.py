@@ -1,0 +1,190 @@
+"""The command suite end to end: config composition, bad input, manifests, verify, sweeps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from cli_util import REPO, run_cli
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from mlxbun import cli, schema
+from mlxbun.errors import InputError
+
+
+def _compose(overrides: list[str]) -> schema.Config:
+    schema.register()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[*overrides, "paths.run_dir=/tmp/x"])
+    return OmegaConf.to_object(cfg)
+
+
+@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+def test_every_command_config_composes(command: str) -> None:
+    cfg = _compose([f"command={command}"])
+    assert cfg.command.name == command
+    assert (cli.CONF_DIR / "command" / f"{command}.yaml").is_file()
+
+
+@pytest.mark.parametrize("recipe", cli.available_recipes())
+def test_every_recipe_composes_and_names_a_command(recipe: str) -> None:
+    cfg = _compose([f"+recipe={recipe}"])
+    assert cfg.command.name in cli.COMMANDS
+    assert cli.recipe_summary(recipe), f"recipes/{recipe}.yaml needs a one-line description comment"
+
+
+def test_help_lists_every_command_and_recipe(tmp_path: Path) -> None:
+    res = run_cli(tmp=tmp_path, isolate=False)
+    assert res.returncode == 0, res.stderr
+    for name in cli.COMMANDS:
+        assert f"  {name} " in res.stdout
+    for recipe in cli.available_recipes():
+        assert f"  {recipe} " in res.stdout or res.stdout.rstrip().endswith(recipe)
+
+
+def test_unknown_recipe_is_an_error_listing_recipes(tmp_path: Path) -> None:
+    res = run_cli("+recipe=does_not_exist", tmp=tmp_path)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does_not_exist" in lines[0] and "quickstart" in lines[0]
+    assert not (tmp_path / "outputs").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["command=quantize", "quant.bits=7"], "quant.bits=7"),
+        (["command=quantize", "quant.mode=int3"], "quant.mode='int3'"),
+        (["command=quantize", "quant.group_size=48"], "quant.group_size=48"),
+        (["command=synth", "synth.arch=gpt5"], "synth.arch='gpt5'"),
+        (["command=synth", "io.shard_gb=-1"], "io.shard_gb=-1"),
+        (["command=synth", "synth.hidden_size=abc"], "synth.hidden_size"),
+        (["command=synth", "+nope=1"], "nope"),
+        (["command=synth", "nope=1"], "nope"),
+        (["command=nosuch"], "command='nosuch'"),
+        (["command=sensitivity", "sensitivity.shard=3", "sensitivity.num_shards=2"], "sensitivity.shard=3"),
+    ],
+)
+def test_bad_value_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
+    res = run_cli(*args, tmp=tmp_path)
+    assert res.returncode == 2, (res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith("error: ") and needle in lines[0]
+    assert "Traceback" not in res.stderr
+    outputs = tmp_path / "outputs"
+    assert not outputs.exists() or not any(outputs.rglob("manifest.json"))
+
+
+def test_verbose_shows_the_traceback(tmp_path: Path) -> None:
+    res = run_cli("command=verify", "runs.dir=/nonexistent", "verbose=true", tmp=tmp_path)
+    assert res.returncode == 2
+    assert "Traceback" in res.stderr and res.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_schema_errors_name_key_value_and_choices() -> None:
+    with pytest.raises(InputError, match=r"quant.mode='fp3' is not allowed; choose one of affine, mxfp4"):
+        schema.QuantCfg(mode="fp3")
+    with pytest.raises(InputError, match=r"kv.block_kib=0 is out of range; it must be > 0"):
+        schema.KvCfg(block_kib=0)
+
+
+def _manifest(run_dir: Path) -> dict:
+    return json.loads((run_dir / "manifest.json").read_text())
+
+
+def _run_dir(stdout: str) -> Path:
+    line = next(x for x in stdout.splitlines() if x.startswith("outputs:"))
+    return Path(line.split(":", 1)[1].strip())
+
+
+@pytest.fixture(scope="module")
+def quickstart_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Path]]:
+    tmp = tmp_path_factory.mktemp("quickstart")
+    dirs = []
+    for _ in range(2):
+        res = run_cli("+recipe=quickstart", tmp=tmp)
+        assert res.returncode == 0, res.stderr
+        dirs.append(_run_dir(res.stdout))
+    return tmp, dirs
+
+
+def test_quickstart_twice_gives_identical_artifacts(quickstart_runs) -> None:
+    _, (a, b) = quickstart_runs
+    ma, mb = _manifest(a), _manifest(b)
+    assert ma["status"] == mb["status"] == "ok"
+    assert ma["outputs"], "quickstart must produce artifacts"
+    assert ma["outputs"] == mb["outputs"]
+    assert ma["started_at"] != mb["started_at"] or a != b
+
+
+def test_manifest_records_provenance(quickstart_runs) -> None:
+    _, (a, _) = quickstart_runs
+    m = _manifest(a)
+    for key in (
+        "config",
+        "overrides",
+        "recipe",
+        "git",
+        "versions",
+        "platform",
+        "seed",
+        "blas",
+        "started_at",
+        "finished_at",
+        "status",
+        "inputs",
+        "outputs",
+    ):
+        assert key in m, key
+    blob = subprocess.run(
+        ["git", "hash-object", "recipes/quickstart.yaml"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert m["recipe"] == {"name": "quickstart", "file": "recipes/quickstart.yaml", "git_blob": blob}
+    assert "+recipe=quickstart" in m["overrides"]
+    assert set(m["versions"]) >= {"python", "mlx", "mlx-lm", "mlxbun"}
+    assert all(set(v) == {"sha256", "size"} for v in m["outputs"].values())
+
+
+def test_verify_passes_then_fails_after_a_flipped_byte(quickstart_runs) -> None:
+    tmp, (a, b) = quickstart_runs
+    for run_dir in (a, b):
+        res = run_cli("command=verify", f"runs.dir={run_dir}", tmp=tmp)
+        assert res.returncode == 0, res.stderr
+    rel = sorted(_manifest(b)["outputs"])[0]
+    target = b / rel
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    res = run_cli("command=verify", f"runs.dir={b}", tmp=tmp)
+    assert res.returncode == 1
+    assert rel in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_runs_lists_recorded_runs(quickstart_runs) -> None:
+    tmp, dirs = quickstart_runs
+    res = run_cli("command=runs", "json=true", "runs.recipe=quickstart", tmp=tmp)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)
+    assert {r["output_dir"] for r in rows} >= {str(d) for d in dirs}
+    assert all(r["status"] == "ok" and r["command"] == "pipeline" for r in rows)
+
+
+def test_joblib_sweep_gives_one_dir_manifest_and_record_per_job(tmp_path: Path) -> None:
+    res = run_cli(
+        "-m", "+recipe=sweep_synth", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", tmp=tmp_path
+    )
+    assert res.returncode == 0, res.stderr
+    manifests = sorted((tmp_path / "outputs" / "multirun").rglob("manifest.json"))
+    assert len(manifests) == 8
+    assert {json.loads(m.read_text())["status"] for m in manifests} == {"ok"}
+    res = run_cli("command=runs", "json=true", "runs.command=synth", tmp=tmp_path)
+    rows = json.loads(res.stdout)
+    assert len(rows) == 8 and {r["output_dir"] for r in rows} == {str(m.parent) for m in manifests}
