@@ -188,3 +188,23 @@ def test_joblib_sweep_gives_one_dir_manifest_and_record_per_job(tmp_path: Path) 
     res = run_cli("command=runs", "json=true", "runs.command=synth", tmp=tmp_path)
     rows = json.loads(res.stdout)
     assert len(rows) == 8 and {r["output_dir"] for r in rows} == {str(m.parent) for m in manifests}
+
+
+@pytest.mark.parametrize("launcher", ["joblib_local", "slurm", "submitit_local", "ray_local"])
+def test_launcher_presets_compose(launcher: str) -> None:
+    from hydra.core.plugins import Plugins  # noqa: F401  (loads launcher plugins)
+
+    if launcher == "ray_local":
+        pytest.importorskip("hydra_plugins.hydra_ray_launcher")
+    schema.register()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
+    assert "Launcher" in cfg.hydra.launcher._target_
+
+
+def test_submitit_local_sweep_records_each_job(tmp_path: Path) -> None:
+    res = run_cli("-m", "command=synth", "synth.seed=0,1", "hydra/launcher=submitit_local",
+                  "hydra.launcher.timeout_min=10", tmp=tmp_path)
+    assert res.returncode == 0, res.stderr
+    manifests = sorted((tmp_path / "outputs" / "multirun").rglob("manifest.json"))
+    assert len(manifests) == 2
