@@ -1,0 +1,506 @@
+"""Validating mmap reader for safetensors files and model directories (one tensor at a time).
+
+A safetensors file::
+
+    offset 0        8                      8 + N                                   EOF
+           ┌────────┬──────────────────────┬──────────────────────────────────────┐
+           │ u64 LE │ header: N bytes of   │ data section: raw little-endian      │
+           │   N    │ UTF-8 JSON object    │ tensor bytes, row-major              │
+           └────────┴──────────────────────┴──────────────────────────────────────┘
+    header = {"__metadata__": {"format": "mlx", ...},            optional, string -> string
+              "<name>": {"dtype": "BF16", "shape": [o, i],
+                         "data_offsets": [begin, end]}, ...}     relative to the data section
+
+The header may be padded with trailing spaces (writers pad it to a multiple of 8 bytes so that
+the data section is aligned). A model directory is one of::
+
+    <dir>/model.safetensors.index.json   {"metadata": {...}, "weight_map": {name: shard file}}
+    <dir>/model-00001-of-0000N.safetensors ...   the shards it names
+    <dir>/model.safetensors              (a single file, no index)
+    <dir>/weights.safetensors            (mlx-whisper)
+    <dir>/config.json                    optional; parsed into ModelDir.config
+
+Every check happens when a file is opened (the header is read with ``read``; tensor bytes are
+never touched), and every failure is an :class:`~mlxbun.errors.InputError` naming the file and
+the tensor. Tensor bytes come from a read-only mmap: ``numpy(name)`` is a zero-copy view and
+``array(name)`` copies just that tensor into MLX memory and drops its pages from the mapping, so
+streaming a model tensor by tensor peaks at about the largest tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxbun.errors import InputError
+
+HEADER_CAP = 100 << 20  # bytes; real headers are < 10 MiB even for 100k-tensor checkpoints
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILES = ("model.safetensors", "weights.safetensors")
+
+# safetensors dtype -> numpy dtype used to view the bytes (BF16 and FP8 have no numpy type).
+NP_DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype("<u1"),
+    "I8": np.dtype("<i1"),
+    "U16": np.dtype("<u2"),
+    "I16": np.dtype("<i2"),
+    "U32": np.dtype("<u4"),
+    "I32": np.dtype("<i4"),
+    "U64": np.dtype("<u8"),
+    "I64": np.dtype("<i8"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype("<u2"),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "C64": np.dtype("<c8"),
+    "F8_E4M3": np.dtype("<u1"),
+    "F8_E5M2": np.dtype("<u1"),
+}
+ITEMSIZE = {k: v.itemsize for k, v in NP_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives: ``start``/``end`` are absolute byte offsets in ``file``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+    file: Path
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+
+def _bad(path: Path, what: str) -> InputError:
+    return InputError(f"{path}: {what}; not a valid safetensors file")
+
+
+def _read_header(path: Path, f: Any, file_size: int) -> tuple[dict[str, Any], int]:
+    """Return (parsed header object, byte offset of the data section)."""
+    if file_size < 8:
+        raise _bad(path, f"file is {file_size} bytes, shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", f.read(8))
+    if n > HEADER_CAP:
+        raise _bad(path, f"header length {n} exceeds the {HEADER_CAP}-byte cap")
+    if 8 + n > file_size:
+        raise _bad(path, f"header length {n} runs past the end of the {file_size}-byte file")
+    raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise _bad(path, f"header is not valid UTF-8 JSON ({type(e).__name__}: {str(e)[:80]})") from None
+    if not isinstance(header, dict):
+        raise _bad(path, f"header is a JSON {type(header).__name__}, not an object")
+    return header, 8 + n
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {dup!r}")
+    return out
+
+
+def _check_metadata(path: Path, meta: Any) -> dict[str, str]:
+    if not isinstance(meta, dict):
+        raise _bad(path, f"__metadata__ is a JSON {type(meta).__name__}, not an object of strings")
+    for k, v in meta.items():
+        if not isinstance(v, str):
+            raise _bad(path, f"__metadata__[{k!r}] is {type(v).__name__} {str(v)[:40]!r}, not a string")
+    return meta
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _tensor_info(path: Path, name: str, entry: Any, data_start: int, data_len: int) -> TensorInfo:
+    """Validate one header entry; errors name the file and the tensor."""
+    where = f"tensor {name!r}"
+    if not isinstance(entry, dict):
+        raise _bad(path, f"{where}: entry is a JSON {type(entry).__name__}, not an object")
+    missing = {"dtype", "shape", "data_offsets"} - entry.keys()
+    if missing:
+        raise _bad(path, f"{where}: entry lacks {', '.join(sorted(missing))}")
+    dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in NP_DTYPES:
+        raise _bad(
+            path, f"{where}: dtype {str(dtype)[:40]!r} unsupported; choose one of {', '.join(NP_DTYPES)}"
+        )
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise _bad(path, f"{where}: shape {str(shape)[:80]} is not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)):
+        raise _bad(path, f"{where}: data_offsets {str(offsets)[:80]} is not [begin, end] integers")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise _bad(path, f"{where}: data_offsets [{begin}, {end}] are not 0 <= begin <= end")
+    want = math.prod(shape) * ITEMSIZE[dtype]
+    if end - begin != want:
+        raise _bad(
+            path, f"{where}: byte range {end - begin} != {want} = prod(shape {shape}) x {ITEMSIZE[dtype]}"
+        )
+    if end > data_len:
+        raise _bad(path, f"{where}: data_offsets end {end} runs past the {data_len}-byte data section")
+    return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end, path)
+
+
+def _check_overlaps(path: Path, infos: dict[str, TensorInfo]) -> None:
+    spans = sorted((i.start, i.end, i.name) for i in infos.values() if i.end > i.start)
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
+        if start_b < end_a:
+            raise _bad(path, f"tensors {a!r} and {b!r} have overlapping byte ranges")
+
+
+class SafetensorsFile:
+    """One safetensors file: validated at open, tensors read lazily from a read-only mmap.
+
+    Args:
+        path: the ``.safetensors`` file.
+
+    Example:
+        >>> with SafetensorsFile("model.safetensors") as f:
+        ...     for name in f.names():
+        ...         w = f.array(name)      # mx.array, only this tensor in memory
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        try:
+            fh = open(self.path, "rb")
+        except OSError as e:
+            raise InputError(f"{self.path}: cannot open ({e.strerror})") from None
+        with fh:
+            size = os.fstat(fh.fileno()).st_size
+            header, data_start = _read_header(self.path, fh, size)
+            self.metadata = _check_metadata(self.path, header.pop("__metadata__", {}))
+            self._infos = {
+                name: _tensor_info(self.path, name, entry, data_start, size - data_start)
+                for name, entry in header.items()
+            }
+            _check_overlaps(self.path, self._infos)
+            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def __enter__(self) -> SafetensorsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Unmap the file; numpy views still alive keep the mapping until they are dropped."""
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:
+                pass  # a zero-copy view still exports the buffer; GC unmaps it later
+            self._mm = None
+
+    def names(self) -> list[str]:
+        """Tensor names, sorted."""
+        return sorted(self._infos)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._infos
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self._infos[name]
+        except KeyError:
+            raise InputError(f"{self.path}: no tensor {name!r}") from None
+
+    def infos(self) -> dict[str, TensorInfo]:
+        """All tensor infos keyed by name, sorted by name."""
+        return {n: self._infos[n] for n in self.names()}
+
+    def numpy(self, name: str) -> np.ndarray:
+        """A read-only zero-copy numpy view (BF16 as uint16, FP8 as uint8 bytes)."""
+        info = self.info(name)
+        if self._mm is None:
+            raise InputError(f"{self.path}: file is closed; cannot read tensor {name!r}")
+        dt = NP_DTYPES[info.dtype]
+        flat = np.frombuffer(self._mm, dtype=dt, count=info.size, offset=info.start)
+        return flat.reshape(info.shape)
+
+    def array(self, name: str) -> Any:
+        """The tensor as an ``mx.array`` (BF16 stays bfloat16), copied out of the mapping."""
+        import mlx.core as mx
+
+        info = self.info(name)
+        view = self.numpy(name)
+        arr = mx.array(view, dtype=mx.float64) if info.dtype == "F64" else mx.array(view)
+        if info.dtype == "BF16":
+            arr = arr.view(mx.bfloat16)
+        mx.eval(arr)
+        del view
+        self._drop_pages(info)
+        return arr
+
+    def _drop_pages(self, info: TensorInfo) -> None:
+        """Release the tensor's pages from this mapping so streaming RSS stays ~one tensor."""
+        begin = info.start - info.start % mmap.PAGESIZE
+        if info.end > begin and hasattr(self._mm, "madvise"):
+            self._mm.madvise(mmap.MADV_DONTNEED, begin, info.end - begin)
+
+
+class ModelDir:
+    """All tensors of a model directory (sharded or single-file) behind one name space.
+
+    Use :func:`open_model` to build one. ``files`` lists the weight files in shard order and
+    ``config`` is the parsed ``config.json`` ({} when absent).
+
+    Example:
+        >>> with open_model("path/to/model") as m:
+        ...     print(m.total_bytes, m.total_parameters)
+        ...     w = m.array("model.embed_tokens.weight")
+    """
+
+    def __init__(self, path: Path, files: list[SafetensorsFile], owner: dict[str, SafetensorsFile]):
+        self.path = path
+        self._files = files
+        self._owner = owner
+        self.config = _read_config(path)
+
+    def __enter__(self) -> ModelDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for f in self._files:
+            f.close()
+
+    @property
+    def files(self) -> list[Path]:
+        return [f.path for f in self._files]
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The ``__metadata__`` of the first weight file."""
+        return dict(self._files[0].metadata) if self._files else {}
+
+    def names(self) -> list[str]:
+        return sorted(self._owner)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._owner
+
+    def _file(self, name: str) -> SafetensorsFile:
+        try:
+            return self._owner[name]
+        except KeyError:
+            raise InputError(f"{self.path}: the model has no tensor {name!r}") from None
+
+    def info(self, name: str) -> TensorInfo:
+        return self._file(name).info(name)
+
+    def infos(self) -> dict[str, TensorInfo]:
+        return {n: self.info(n) for n in self.names()}
+
+    def array(self, name: str) -> Any:
+        return self._file(name).array(name)
+
+    def numpy(self, name: str) -> np.ndarray:
+        return self._file(name).numpy(name)
+
+    def arrays(self) -> Iterator[tuple[str, Any]]:
+        """(name, mx.array) for every tensor in sorted order, one tensor in memory at a time."""
+        for name in self.names():
+            yield name, self.array(name)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.info(n).nbytes for n in self._owner)
+
+    @property
+    def total_parameters(self) -> int:
+        """Parameters by mlx-lm's count (packed quantized weights at their logical size)."""
+        shapes = {n: (i.dtype, i.shape) for n, i in self.infos().items()}
+        return count_parameters(shapes, quantization=quantization_block(self.config))
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return {}
+    try:
+        data = json.loads(cfg.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"{cfg}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise InputError(f"{cfg}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _index_shards(path: Path) -> dict[str, str]:
+    """weight_map of the index, validated (shard names must be plain files in ``path``)."""
+    index = path / INDEX_FILE
+    try:
+        data = json.loads(index.read_text())
+    except (UnicodeDecodeError, ValueError) as e:
+        raise InputError(f"{index}: not valid JSON ({e})") from None
+    wmap = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise InputError(f"{index}: no 'weight_map' object of tensor name -> shard file")
+    for name, shard in wmap.items():
+        if not isinstance(shard, str) or Path(shard).name != shard or shard in ("", ".", ".."):
+            raise InputError(f"{index}: tensor {name!r} maps to {shard!r}, not a file name in {path}")
+    return wmap
+
+
+def _open_indexed(path: Path) -> ModelDir:
+    wmap = _index_shards(path)
+    opened: dict[str, SafetensorsFile] = {}
+    for shard in sorted(set(wmap.values())):
+        if not (path / shard).is_file():
+            raise InputError(f"{path / INDEX_FILE}: shard {shard!r} is listed but missing from {path}")
+        opened[shard] = SafetensorsFile(path / shard)
+    owner = {}
+    for name, shard in wmap.items():
+        if name not in opened[shard]:
+            raise InputError(f"{path / INDEX_FILE}: tensor {name!r} is mapped to {shard!r} but not in it")
+        owner[name] = opened[shard]
+    return ModelDir(path, list(opened.values()), owner)
+
+
+def _open_files(path: Path, files: list[Path]) -> ModelDir:
+    opened = [SafetensorsFile(f) for f in files]
+    owner: dict[str, SafetensorsFile] = {}
+    for f in opened:
+        for name in f.names():
+            if name in owner:
+                raise InputError(
+                    f"{path}: tensor {name!r} is in both {owner[name].path.name} and {f.path.name}"
+                )
+            owner[name] = f
+    return ModelDir(path, opened, owner)
+
+
+def open_model(path: str | Path) -> ModelDir:
+    """Open a model directory (index + shards, ``model.safetensors`` or ``weights.safetensors``).
+
+    A single ``.safetensors`` file is accepted too. Without an index, several
+    ``model*.safetensors`` files are read together (as mlx-lm does).
+
+    Args:
+        path: the model directory or one safetensors file.
+
+    Example:
+        >>> m = open_model("outputs/quantize/run/model")
+        >>> m.info("lm_head.weight").shape
+    """
+    path = Path(path)
+    if path.is_file():
+        return _open_files(path.parent, [path])
+    if not path.is_dir():
+        raise InputError(
+            f"model path {str(path)!r} does not exist; pass a model directory or .safetensors file"
+        )
+    if (path / INDEX_FILE).is_file():
+        return _open_indexed(path)
+    for single in SINGLE_FILES:
+        if (path / single).is_file():
+            return _open_files(path, [path / single])
+    shards = sorted(p for p in path.glob("model*.safetensors") if p.is_file())
+    if shards:
+        return _open_files(path, shards)
+    raise InputError(
+        f"{path}: no weights found; expected {INDEX_FILE}, model.safetensors or weights.safetensors"
+    )
+
+
+# ---------------------------------------------------------------- parameter counting
+
+QUANT_MODE_BY_RATIO = {2: ("nvfp4", 4, 16), 4: ("mxfp4", 4, 32), 8: ("mxfp8", 8, 32)}
+
+
+def quantization_block(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``quantization`` (or ``quantization_config``) block of a config.json, if any."""
+    q = config.get("quantization", config.get("quantization_config"))
+    return q if isinstance(q, dict) else None
+
+
+def quant_params(
+    module: str,
+    *,
+    weight_shape: tuple[int, ...],
+    scales_shape: tuple[int, ...],
+    scales_dtype: str,
+    quantization: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """(bits, group_size, mode) of a packed weight, from the config block or inferred from shapes.
+
+    Rule: an entry for ``module`` in ``quantization`` wins, then its top-level bits/group_size;
+    without a block, uint8 scales give nvfp4/mxfp4/mxfp8 from the packed/groups ratio, and float
+    scales mean affine with group size 64 (mlx's default), else the first of 32, 128, 16 that
+    gives legal bits. The logical input width is ``scales_shape[-1] * group_size``.
+    """
+    q = quantization or {}
+    entry = q.get(module)
+    if isinstance(entry, dict) and "bits" in entry:
+        return {"bits": entry["bits"], "group_size": entry["group_size"], "mode": entry.get("mode", "affine")}
+    if "bits" in q and "group_size" in q:
+        return {"bits": q["bits"], "group_size": q["group_size"], "mode": q.get("mode", "affine")}
+    packed, groups = weight_shape[-1], max(scales_shape[-1], 1)
+    if scales_dtype == "U8" and packed % groups == 0 and packed // groups in QUANT_MODE_BY_RATIO:
+        mode, bits, gs = QUANT_MODE_BY_RATIO[packed // groups]
+        return {"bits": bits, "group_size": gs, "mode": mode}
+    for gs in (64, 32, 128, 16):
+        if (packed * 32) % (groups * gs) == 0 and (packed * 32) // (groups * gs) in (2, 3, 4, 5, 6, 8):
+            return {"bits": packed * 32 // (groups * gs), "group_size": gs, "mode": "affine"}
+    raise InputError(
+        f"cannot infer the bits of packed weight {module!r}: shape {weight_shape}, scales {scales_shape}"
+    )
+
+
+def count_parameters(
+    tensors: dict[str, tuple[str, tuple[int, ...]]], *, quantization: dict[str, Any] | None = None
+) -> int:
+    """Parameter count by mlx-lm's ``get_total_parameters`` convention, from names and shapes.
+
+    A ``<m>.weight`` of dtype U32 with a ``<m>.scales`` sibling is a packed quantized weight and
+    counts ``prod(shape[:-1]) * shape[-1] * 32 // bits`` (its logical size); ``<m>.scales`` and
+    ``<m>.biases`` of such a module count 0; every other tensor counts its element count.
+
+    Args:
+        tensors: name -> (safetensors dtype, shape).
+        quantization: the config.json ``quantization`` block, if known (else bits are inferred).
+    """
+    total = 0
+    for name, (dtype, shape) in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        scales = tensors.get(f"{module}.scales")
+        if scales is None or leaf not in ("weight", "scales", "biases"):
+            total += math.prod(shape)
+        elif leaf == "weight" and dtype == "U32":
+            qp = quant_params(
+                module,
+                weight_shape=shape,
+                scales_shape=scales[1],
+                scales_dtype=scales[0],
+                quantization=quantization,
+            )
+            total += math.prod(shape) * 32 // qp["bits"]
+        elif leaf == "weight":
+            total += math.prod(shape)
+    return total

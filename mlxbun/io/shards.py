@@ -1,0 +1,512 @@
+"""Streaming sharded safetensors writer in mlx-lm's layout: bounded memory, resumable, deterministic.
+
+While a :class:`ShardedWriter` runs, ``out_dir`` holds only hidden names::
+
+    out_dir/
+        .mlxbun-shards.json                   journal: settings + one entry per completed shard
+                                              {file, nbytes, sha256, tensors: {name: [dtype, shape]}}
+        .mlxbun-shard-00001.safetensors       completed shards (fsync'd, then journaled)
+        .mlxbun-shard-00003.safetensors.tmp-* the shard being written (removed if interrupted)
+
+``finish()`` renames the shards and writes the index, after which ``out_dir`` holds::
+
+    model.safetensors                                       one shard: no index
+    model-00001-of-0000N.safetensors ...                    N > 1 shards, and
+    model.safetensors.index.json                            {"metadata": {"total_parameters",
+                                                            "total_size"}, "weight_map": sorted}
+
+Shards are filled greedily in insertion order up to ``shard_bytes`` of tensor data and a tensor
+is never split (an oversize tensor gets its own shard), as ``mlx_lm.utils.make_shards`` does.
+Inside a shard, header entries and data are sorted by name, the header JSON is compact with
+sorted keys (as ``mx.save_safetensors`` writes it) and padded with spaces to a multiple of 8
+bytes, so the same tensors in the same order give the same bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxbun.errors import InputError
+from mlxbun.io.atomic import TMP_MARK, atomic_write_json, fsync_dir, tmp_sibling
+from mlxbun.io.safetensors import INDEX_FILE, ITEMSIZE, count_parameters
+
+JOURNAL = ".mlxbun-shards.json"
+PART_PREFIX = ".mlxbun-shard-"
+JOURNAL_VERSION = 1
+DEFAULT_SHARD_BYTES = 5 << 30
+HASH_CHUNK = 16 << 20
+
+NP_TO_ST = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "uint16": "U16",
+    "int16": "I16",
+    "uint32": "U32",
+    "int32": "I32",
+    "uint64": "U64",
+    "int64": "I64",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "complex64": "C64",
+    "bfloat16": "BF16",
+}
+
+
+class WriterStateError(RuntimeError):
+    """A ShardedWriter call out of order (add after finish, finish twice, ...)."""
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """What a finished writer produced.
+
+    Args:
+        out_dir: the directory holding the shards.
+        shards: shard file name -> tensor names in it (sorted), in shard order.
+        total_size: bytes of tensor data (the index's ``total_size``).
+        total_parameters: parameters by mlx-lm's count (packed weights at their logical size).
+        index: the index dict (written only when there are several shards).
+    """
+
+    out_dir: Path
+    shards: dict[str, list[str]]
+    total_size: int
+    total_parameters: int
+    index: dict[str, Any]
+
+    @property
+    def files(self) -> list[Path]:
+        return [self.out_dir / f for f in self.shards]
+
+    @property
+    def index_written(self) -> bool:
+        return len(self.shards) > 1
+
+
+@dataclass
+class _Shard:
+    """A completed shard as recorded in the journal."""
+
+    file: str
+    nbytes: int
+    sha256: str
+    tensors: dict[str, list[Any]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"file": self.file, "nbytes": self.nbytes, "sha256": self.sha256, "tensors": self.tensors}
+
+
+def part_name(k: int) -> str:
+    return f"{PART_PREFIX}{k:05d}.safetensors"
+
+
+def final_names(n: int) -> list[str]:
+    """mlx-lm's shard names for ``n`` shards."""
+    if n == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def tensor_bytes(array: Any) -> tuple[str, tuple[int, ...], memoryview]:
+    """(safetensors dtype, shape, contiguous little-endian bytes) of an mx.array or numpy array."""
+    import mlx.core as mx
+
+    if isinstance(array, mx.array):
+        dtype = NP_TO_ST.get(str(array.dtype).rpartition(".")[2])
+        if dtype is None:
+            raise InputError(f"dtype {array.dtype} cannot be stored in safetensors")
+        if array.dtype == mx.bfloat16:
+            array = array.view(mx.uint16)
+        mx.eval(array)
+        arr = np.asarray(array)
+    elif isinstance(array, np.ndarray):
+        dtype = NP_TO_ST.get(array.dtype.name)
+        if dtype is None or dtype == "BF16":
+            raise InputError(
+                f"numpy dtype {array.dtype} cannot be stored; choose one of {', '.join(NP_TO_ST)}"
+            )
+        arr = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    else:
+        raise InputError(f"expected an mx.array or numpy array, got {type(array).__name__}")
+    flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+    return dtype, tuple(int(d) for d in arr.shape), memoryview(flat)
+
+
+def header_bytes(entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str]) -> bytes:
+    """Length-prefixed header for (name, dtype, shape, nbytes) entries, in data order."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape, nbytes in entries:
+        header[name] = {"data_offsets": [offset, offset + nbytes], "dtype": dtype, "shape": list(shape)}
+        offset += nbytes
+    text = json.dumps(header, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text
+
+
+def _check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise InputError(
+            f"metadata={dict(metadata)!r} must map strings to strings (safetensors __metadata__)"
+        )
+    return dict(metadata)
+
+
+class ShardedWriter:
+    """Write tensors one by one into mlx-lm-style shards with bounded memory and resume.
+
+    ``add`` evaluates each array and keeps it until its shard is full; the full shard is then
+    written (name-sorted), fsync'd, journaled and its arrays released. Peak memory is one shard
+    plus the tensor in flight (two shards with ``overlap=True``, which writes a full shard on a
+    background thread while the producer fills the next). ``finish`` publishes the shards under
+    their final names; until then nothing in ``out_dir`` looks like a finished model.
+
+    Args:
+        out_dir: directory to write into (created if missing).
+        shard_bytes: ceiling of tensor bytes per shard (mlx-lm: 5 << 30).
+        metadata: the safetensors ``__metadata__`` of every shard (default {"format": "mlx"}).
+        resume: keep the completed shards a previous writer journaled in ``out_dir``; their
+            tensors are in ``done_names`` and ``add`` skips them (returns False).
+        quantization: the config.json ``quantization`` block, to count packed weights'
+            parameters exactly (see ``mlxbun.io.safetensors.count_parameters``).
+        overlap: write full shards on a background thread (at most one at a time).
+        progress: an object with ``update(nbytes)`` called as tensor bytes reach the disk.
+        verify: on resume, re-hash completed shards and drop any that do not match the journal.
+
+    Example:
+        >>> with ShardedWriter(out, shard_bytes=1 << 30, resume=True) as w:
+        ...     for name in names:
+        ...         if name not in w.done_names:
+        ...             w.add(name, transform(src.array(name)))
+        ...     layout = w.finish()
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        *,
+        shard_bytes: int = DEFAULT_SHARD_BYTES,
+        metadata: Mapping[str, str] | None = None,
+        resume: bool = False,
+        quantization: dict[str, Any] | None = None,
+        overlap: bool = False,
+        progress: Any = None,
+        verify: bool = True,
+    ) -> None:
+        if not isinstance(shard_bytes, int) or shard_bytes <= 0:
+            raise InputError(f"shard_bytes={shard_bytes!r} must be a positive integer")
+        self.out_dir = Path(out_dir)
+        self.shard_bytes = shard_bytes
+        self.metadata = _check_metadata({"format": "mlx"} if metadata is None else metadata)
+        self.quantization = quantization
+        self.progress = progress
+        self._state = "open"
+        self._pending: list[tuple[str, Any]] = []
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._shards: list[_Shard] = []
+        self._next = 1  # index of the next shard to be started
+        self._inflight: Future | None = None
+        self._pool = ThreadPoolExecutor(max_workers=1) if overlap else None
+        self._hasher = ThreadPoolExecutor(max_workers=1)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self._refuse_finished_model()
+        self._remove_stray_tmp()
+        if resume:
+            self._load_journal(verify=verify)
+        else:
+            self._discard_journaled()
+        self.done_names: frozenset[str] = frozenset(n for s in self._shards for n in s.tensors)
+        self._seen: set[str] = set(self.done_names)
+        self._next = len(self._shards) + 1
+
+    # ---------------------------------------------------------------- public API
+
+    def __enter__(self) -> ShardedWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if self._state == "open":
+            # An exception leaves completed shards and the journal for a resume, nothing else.
+            self._stop(keep_shards=exc_type is not None)
+            if exc_type is None:
+                self._state = "aborted"
+
+    def add(self, name: str, array: Any) -> bool:
+        """Queue one tensor; returns False (and ignores it) if a resumed shard already holds it."""
+        self._require_open("add")
+        if name in self.done_names:
+            return False
+        if not isinstance(name, str) or name == "__metadata__":
+            raise InputError(f"tensor name {name!r} is not allowed; use a non-reserved string")
+        if name in self._seen:
+            raise InputError(f"tensor {name!r} was already added to this writer; names must be unique")
+        dtype, shape, buf = tensor_bytes(array)
+        self._seen.add(name)
+        if self._pending and self._pending_bytes + buf.nbytes > self.shard_bytes:
+            self._flush()
+        self._pending.append((name, (dtype, shape, buf)))
+        self._pending_bytes += buf.nbytes
+        return True
+
+    def finish(self) -> ShardLayout:
+        """Write the last shard, rename all shards to their final names, write the index."""
+        self._require_open("finish")
+        if self._pending:
+            self._flush()
+        self._wait()
+        if not self._shards:
+            raise InputError(f"no tensors were added to the writer for {self.out_dir}; nothing to write")
+        self._state = "finished"
+        self._shutdown_pools()
+        layout = self._layout()
+        self._publish(layout)
+        return layout
+
+    def abort(self) -> None:
+        """Discard everything this writer (and a journal it resumed) put in ``out_dir``."""
+        if self._state == "finished":
+            raise WriterStateError(f"abort() after finish(): {self.out_dir} is already published")
+        self._stop(keep_shards=False)
+        self._state = "aborted"
+
+    # ---------------------------------------------------------------- shard writing
+
+    def _require_open(self, call: str) -> None:
+        if self._state != "open":
+            raise WriterStateError(f"{call}() on a writer that is already {self._state} ({self.out_dir})")
+        if self._inflight is not None and self._inflight.done() and self._inflight.exception():
+            raise self._inflight.exception()
+
+    def _flush(self) -> None:
+        items, k = self._pending, self._next
+        self._pending, self._pending_bytes = [], 0
+        self._next += 1
+        if self._pool is None:
+            self._write_shard(k, items)
+            return
+        self._wait()  # at most one shard being written
+        self._inflight = self._pool.submit(self._write_shard, k, items)
+
+    def _wait(self) -> None:
+        if self._inflight is not None:
+            fut, self._inflight = self._inflight, None
+            fut.result()
+
+    def _write_shard(self, k: int, items: list[tuple[str, Any]]) -> None:
+        items.sort(key=lambda it: it[0])
+        entries = [(n, d, s, b.nbytes) for n, (d, s, b) in items]
+        final = self.out_dir / part_name(k)
+        tmp = tmp_sibling(final)
+        h = hashlib.sha256()
+        try:
+            with open(tmp, "wb") as f:
+                self._write_hashed(f, memoryview(header_bytes(entries, self.metadata)), h)
+                for i, (_, (_, _, buf)) in enumerate(items):
+                    self._write_hashed(f, buf, h)
+                    items[i] = (items[i][0], None)  # release the array once on disk
+                    if self.progress is not None:
+                        self.progress.update(buf.nbytes)
+                    del buf
+                f.flush()
+                os.fsync(f.fileno())
+                size = f.tell()
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(self.out_dir)
+        tensors = {n: [d, list(s)] for n, d, s, _ in entries}
+        with self._lock:
+            self._shards.append(_Shard(final.name, size, h.hexdigest(), tensors))
+            self._write_journal()
+
+    def _write_hashed(self, f: Any, buf: memoryview, h: Any) -> None:
+        """Write ``buf`` while another thread hashes it (both release the GIL)."""
+        for i in range(0, buf.nbytes, HASH_CHUNK):
+            chunk = buf[i : i + HASH_CHUNK]
+            fut = self._hasher.submit(h.update, chunk)
+            f.write(chunk)
+            fut.result()
+
+    # ---------------------------------------------------------------- journal and resume
+
+    def _journal(self, finishing: int | None = None) -> dict[str, Any]:
+        return {
+            "version": JOURNAL_VERSION,
+            "shard_bytes": self.shard_bytes,
+            "metadata": self.metadata,
+            "finishing": finishing,
+            "shards": [s.to_json() for s in self._shards],
+        }
+
+    def _write_journal(self, finishing: int | None = None) -> None:
+        atomic_write_json(self.out_dir / JOURNAL, self._journal(finishing))
+
+    def _load_journal(self, *, verify: bool) -> None:
+        path = self.out_dir / JOURNAL
+        if not path.is_file():
+            self._clear_previous()
+            return
+        try:
+            data = json.loads(path.read_text())
+            shards = [_Shard(**s) for s in data["shards"]]
+        except (ValueError, KeyError, TypeError) as e:
+            raise InputError(
+                f"{path}: unreadable shard journal ({e}); delete {self.out_dir} to start over"
+            ) from None
+        for key, mine in (("shard_bytes", self.shard_bytes), ("metadata", self.metadata)):
+            if data.get(key) != mine:
+                raise InputError(
+                    f"resume: {path} was written with {key}={data.get(key)!r}, now {key}={mine!r};"
+                    " use the same settings or delete the directory"
+                )
+        if data.get("finishing"):
+            self._unpublish(data["finishing"], len(shards))
+        self._shards = self._valid_prefix(shards, verify=verify)
+        self._remove_unjournaled()
+        self._write_journal()
+
+    def _unpublish(self, n: int, count: int) -> None:
+        """A finish() was interrupted mid-rename: move published names back to part names."""
+        (self.out_dir / INDEX_FILE).unlink(missing_ok=True)
+        for k, name in enumerate(final_names(n)[:count], start=1):
+            if (self.out_dir / name).exists():
+                os.replace(self.out_dir / name, self.out_dir / part_name(k))
+        fsync_dir(self.out_dir)
+
+    def _valid_prefix(self, shards: list[_Shard], *, verify: bool) -> list[_Shard]:
+        """Completed shards up to the first one that is missing or does not match the journal."""
+        from mlxbun.provenance import sha256_file
+
+        good = []
+        for k, s in enumerate(shards, start=1):
+            p = self.out_dir / s.file
+            if s.file != part_name(k) or not p.is_file() or p.stat().st_size != s.nbytes:
+                break
+            if verify and sha256_file(p) != s.sha256:
+                break
+            good.append(s)
+        return good
+
+    def _remove_unjournaled(self) -> None:
+        keep = {s.file for s in self._shards}
+        for p in self.out_dir.glob(f"{PART_PREFIX}*"):
+            if p.name not in keep:
+                p.unlink()
+
+    def _remove_stray_tmp(self) -> None:
+        for p in self.out_dir.glob(f".*{TMP_MARK}*"):
+            if p.name.startswith((PART_PREFIX, f".{PART_PREFIX}", f".{JOURNAL}", f".{INDEX_FILE}")):
+                p.unlink(missing_ok=True)
+
+    def _discard_journaled(self) -> None:
+        """Not resuming: undo a previous writer's interrupted finish, then delete its shards."""
+        try:
+            finishing = json.loads((self.out_dir / JOURNAL).read_text()).get("finishing")
+        except (OSError, ValueError, AttributeError):
+            finishing = None
+        if isinstance(finishing, int) and finishing > 0:
+            self._unpublish(finishing, finishing)
+        self._clear_previous()
+
+    def _clear_previous(self) -> None:
+        (self.out_dir / JOURNAL).unlink(missing_ok=True)
+        for p in self.out_dir.glob(f"{PART_PREFIX}*"):
+            p.unlink()
+
+    def _refuse_finished_model(self) -> None:
+        if (self.out_dir / JOURNAL).is_file():
+            return
+        done = [p.name for p in self.out_dir.glob("model*.safetensors*") if not p.name.startswith(".")]
+        if done:
+            raise InputError(
+                f"{self.out_dir} already holds a model ({sorted(done)[0]}); write into an empty directory"
+            )
+
+    # ---------------------------------------------------------------- publish
+
+    def _layout(self) -> ShardLayout:
+        names = final_names(len(self._shards))
+        shards = {n: sorted(s.tensors) for n, s in zip(names, self._shards, strict=True)}
+        tensors = {t: (d, tuple(shape)) for s in self._shards for t, (d, shape) in s.tensors.items()}
+        total_size = sum(math.prod(shape) * ITEMSIZE[d] for d, shape in tensors.values())
+        params = count_parameters(tensors, quantization=self.quantization)
+        weight_map = {t: n for n, ts in shards.items() for t in ts}
+        index = {
+            "metadata": {"total_size": total_size, "total_parameters": params},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        return ShardLayout(self.out_dir, shards, total_size, params, index)
+
+    def _publish(self, layout: ShardLayout) -> None:
+        self._write_journal(finishing=len(layout.shards))
+        for k, name in enumerate(layout.shards, start=1):
+            os.replace(self.out_dir / part_name(k), self.out_dir / name)
+        fsync_dir(self.out_dir)
+        if layout.index_written:
+            atomic_write_json(self.out_dir / INDEX_FILE, layout.index)
+        (self.out_dir / JOURNAL).unlink()
+        fsync_dir(self.out_dir)
+
+    def _shutdown_pools(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+        self._hasher.shutdown(wait=True)
+
+    def _stop(self, *, keep_shards: bool) -> None:
+        try:
+            self._wait()
+        except BaseException:
+            pass  # the shard being written is discarded either way
+        self._shutdown_pools()
+        self._pending, self._pending_bytes = [], 0
+        self._remove_stray_tmp()
+        if not keep_shards:
+            self._clear_previous()
+
+
+def write_sharded(
+    out_dir: str | Path,
+    tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+    *,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+    metadata: Mapping[str, str] | None = None,
+    quantization: dict[str, Any] | None = None,
+) -> ShardLayout:
+    """Write ``tensors`` (name -> mx/numpy array, in order) as mlx-lm-style shards in ``out_dir``.
+
+    Args:
+        out_dir: target directory (must not already hold a model).
+        tensors: a mapping or (name, array) pairs; packing follows this order.
+        shard_bytes: ceiling of tensor bytes per shard (default 5 GiB, as mlx-lm).
+        metadata: safetensors ``__metadata__`` (default {"format": "mlx"}).
+        quantization: config.json ``quantization`` block for the parameter count.
+
+    Example:
+        >>> layout = write_sharded(out, dict(tree_flatten(model.parameters())), shard_bytes=2 << 30)
+        >>> layout.files, layout.total_parameters
+    """
+    items = tensors.items() if isinstance(tensors, Mapping) else tensors
+    writer = ShardedWriter(out_dir, shard_bytes=shard_bytes, metadata=metadata, quantization=quantization)
+    try:
+        for name, array in items:
+            writer.add(name, array)
+        return writer.finish()
+    except BaseException:
+        if writer._state == "open":
+            writer.abort()
+        raise
