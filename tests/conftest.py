@@ -1,0 +1,36 @@
+"""Shared test helpers: an offline tokenizer so directories written in tests load with mlx_lm.load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+def make_tokenizer_dir(path: str | Path, *, vocab_size: int = 64) -> Path:
+    """Save a tiny WordLevel tokenizer (``<unk> <s> </s> w3 .. w{n-1}``) into ``path``.
+
+    ``mlx_lm.load`` needs a tokenizer next to the weights; this one is built offline with the
+    ``tokenizers`` library and saved through ``transformers.PreTrainedTokenizerFast``.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"w{i}": i for i in range(3, vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture
+def tiny_tokenizer_dir(tmp_path: Path):
+    """A factory: ``tiny_tokenizer_dir(dir, vocab_size=64)`` writes the tokenizer files into ``dir``."""
+
+    def make(path: str | Path | None = None, *, vocab_size: int = 64) -> Path:
+        return make_tokenizer_dir(path or tmp_path / "tokenizer", vocab_size=vocab_size)
+
+    return make
