@@ -232,6 +232,10 @@ class RegistryFilterCfg:
     license: str | None = None
     model_type: str | None = None
     quantized: bool | None = None
+    # Every cached revision, not only each repo's canonical one (refs/main).
+    all_revisions: bool = False
+    # Also directories that could not be read (broken links, unreadable JSON), with the reason.
+    broken: bool = False
 
     def __post_init__(self) -> None:
         positive("registry.filter.max_gb", self.max_gb)
@@ -255,7 +259,10 @@ class RegistryCfg:
     path: str = "${paths.cache}/registry.db"
     # HF hub cache to scan; None follows HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub.
     hub_cache: str | None = None
+    # Local model directories, or directories of model directories, indexed as well.
     paths: list[str] = field(default_factory=list)
+    # Root under which registry_scan finds models written by mlxbun runs; None skips them.
+    runs_root: str | None = "${paths.outputs}"
     filter: RegistryFilterCfg = field(default_factory=RegistryFilterCfg)
     fit: RegistryFitCfg = field(default_factory=RegistryFitCfg)
 
