@@ -122,6 +122,8 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def _check_metadata(path: Path, meta: Any) -> dict[str, str]:
+    if meta is None:  # mx.save_safetensors writes null when there is no metadata
+        return {}
     if not isinstance(meta, dict):
         raise _bad(path, f"__metadata__ is a JSON {type(meta).__name__}, not an object of strings")
     for k, v in meta.items():
