@@ -1,0 +1,187 @@
+"""Single-file snapshots (``snapshots/<name>.kvs``): framed header, then 16 KiB-aligned tensor data.
+
+The byte layout is drawn in :mod:`mlxbun.kv.format`. A snapshot is written to a hidden temporary
+sibling: data first (hashed on worker threads while the main thread writes), then the header
+with the hashes is written over the reserved space at offset 0, the file is fsync'd, renamed over
+the final name, and the directory is fsync'd. Readers validate the header fully before
+allocating, then read and hash tensors on worker threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxbun.io.atomic import fsync_dir, tmp_sibling
+from mlxbun.kv import format as fmt
+from mlxbun.kv.state import LayerState, Tensor
+
+ZERO_HASH = "0" * 64
+
+
+def _write(fd: int, data: memoryview | bytes, offset: int) -> None:
+    """pwrite all of ``data`` (one place to fail for disk-full tests)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def _hash_tensor(t: Tensor) -> str:
+    h = hashlib.sha256()
+    for r in range(t.rows):
+        h.update(t.row(r))
+    return h.hexdigest()
+
+
+def layer_entries(layers: list[LayerState]) -> list[dict[str, Any]]:
+    return [
+        {
+            "class": s.cls,
+            "meta": s.meta,
+            "tensors": {n: {"dtype": t.dtype, "shape": list(t.shape)} for n, t in s.tensors.items()},
+        }
+        for s in layers
+    ]
+
+
+def plan_header(layers: list[LayerState], base: dict[str, Any]) -> tuple[dict[str, Any], list[Tensor]]:
+    """Header with offsets and placeholder hashes (hashes have fixed length, so its size is final)."""
+    header = dict(base, layout="snapshot", layers=layer_entries(layers))
+    order: list[Tensor] = []
+    offset = 0
+    for i, s in enumerate(layers):
+        for n in sorted(s.tensors):
+            t = s.tensors[n]
+            header["layers"][i]["tensors"][n].update(offset=offset, nbytes=t.nbytes, sha256=ZERO_HASH)
+            order.append(t)
+            offset = fmt.align(offset + t.nbytes)
+    header["data_bytes"] = offset
+    header["data_start"] = 0
+    header["data_start"] = fmt.align(len(fmt.encode(header)) + 64)
+    return header, order
+
+
+def write_snapshot(
+    path: Path,
+    layers: list[LayerState],
+    base: dict[str, Any],
+    *,
+    threads: int = 2,
+    on_bytes: Callable[[int], None] | None = None,
+) -> dict[str, Any]:
+    """Write ``layers`` to ``path`` atomically; returns the header written.
+
+    Args:
+        path: final file name (``snapshots/<name>.kvs``).
+        layers: from :func:`mlxbun.kv.state.cache_state`.
+        base: header fields other than layout/layers (model, tokenizer, tokens, tokens_sha256).
+        threads: hashing threads (hashlib releases the GIL).
+        on_bytes: called with the number of bytes written, for progress.
+    """
+    header, order = plan_header(layers, base)
+    start = header["data_start"]
+    tmp = tmp_sibling(path)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            hashes = [pool.submit(_hash_tensor, t) for t in order]
+            for t, entry in zip(order, fmt.tensors_of(header), strict=True):
+                pos = start + entry[1]["offset"]
+                for r in range(t.rows):
+                    row = t.row(r)
+                    _write(fd, row, pos)
+                    pos += len(row)
+                if on_bytes:
+                    on_bytes(t.nbytes)
+            for fut, (_, entry) in zip(hashes, fmt.tensors_of(header), strict=True):
+                entry["sha256"] = fut.result()
+        os.ftruncate(fd, start + header["data_bytes"])
+        head = fmt.encode(header)
+        if len(head) > start:
+            raise AssertionError("snapshot header outgrew its reserved space")
+        _write(fd, head + bytes(start - len(head)), 0)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    return header
+
+
+def check_layout(h: dict[str, Any], size: int, *, what: str) -> None:
+    """Offsets, sizes and alignment of a .kvs header against the file size (before allocating)."""
+    start, total = h.get("data_start"), h.get("data_bytes")
+    fmt._int(start, what, "data_start")
+    fmt._int(total, what, "data_bytes")
+    if start % fmt.ALIGN or start < fmt.PREFIX.size:
+        fmt._fail(what, f"data_start={start} is not a multiple of {fmt.ALIGN}")
+    if start + total != size:
+        fmt._fail(what, f"file is {size} bytes but the header says {start + total} (truncated or extended)")
+    spans = []
+    for name, t in fmt.tensors_of(h):
+        off, nb = t.get("offset"), t.get("nbytes")
+        fmt._int(off, what, f"{name}.offset")
+        if nb != fmt.entry_nbytes(t):
+            fmt._fail(
+                what,
+                f"tensor {name!r}: nbytes={nb} but dtype {t['dtype']} x shape {t['shape']} is {fmt.entry_nbytes(t)}",
+            )
+        if off % fmt.ALIGN or off + nb > total:
+            fmt._fail(what, f"tensor {name!r}: offset={off} is unaligned or runs past data_bytes={total}")
+        if not isinstance(t.get("sha256"), str) or not fmt.HEX64.fullmatch(t["sha256"]):
+            fmt._fail(what, f"tensor {name!r}: sha256 is not 64 hex digits")
+        spans.append((off, off + nb, name))
+    spans.sort()
+    for (_, end, a), (off, _, b) in zip(spans, spans[1:], strict=False):
+        if off < end:
+            fmt._fail(what, f"tensors {a!r} and {b!r} overlap")
+
+
+def read_header(path: Path, *, what: str) -> dict[str, Any]:
+    header, size = fmt.read_header(path, what=what)
+    fmt.check_header(header, what=what)
+    if header["layout"] != "snapshot":
+        fmt._fail(what, f"layout {header['layout']!r} in a .kvs file")
+    check_layout(header, size, what=what)
+    return header
+
+
+def _read_one(fd: int, start: int, name: str, t: dict[str, Any], verify: bool, what: str) -> np.ndarray:
+    buf = np.empty(t["nbytes"], dtype=np.uint8)
+    view, pos = memoryview(buf), start + t["offset"]
+    while view:
+        n = os.preadv(fd, [view], pos)
+        if n == 0:
+            fmt._fail(what, f"tensor {name!r} is truncated")
+        view, pos = view[n:], pos + n
+    if verify and hashlib.sha256(buf).hexdigest() != t["sha256"]:
+        fmt._fail(what, f"tensor {name!r} hash mismatch (corrupt data)")
+    return buf
+
+
+def read_data(
+    path: Path, header: dict[str, Any], *, verify: bool, threads: int, what: str
+) -> dict[str, np.ndarray]:
+    """Raw bytes of every tensor, keyed 'layer.name', hashed when ``verify``."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        with ThreadPoolExecutor(max(1, threads)) as pool:
+            futs = {
+                name: pool.submit(_read_one, fd, header["data_start"], name, t, verify, what)
+                for name, t in fmt.tensors_of(header)
+            }
+            return {name: f.result() for name, f in futs.items()}
+    finally:
+        os.close(fd)

@@ -1,0 +1,210 @@
+"""Turn mlx-lm prompt caches into plain tensors + JSON meta and back, for the allow-listed classes.
+
+Only valid tokens are kept: a ``KVCache`` buffer padded in 256-token steps is trimmed to its
+``offset``; a wrapped ``RotatingKVCache`` ring is stored in temporal order and re-rotated on
+restore so that later steps compute bit-identically. Each layer becomes a :class:`LayerState`
+(class name, meta, named tensors); tensors are numpy views of (evaluated) mlx buffers, cut into
+rows ``(batch, head)`` of shape ``(tokens, width)`` so that a row is contiguous in memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from mlxbun.errors import InputError
+
+CLASSES = ("KVCache", "RotatingKVCache", "QuantizedKVCache", "CacheList")
+LEAF_CLASSES = CLASSES[:3]
+# mlx dtype name -> (numpy dtype used to move the bytes, itemsize)
+DTYPES: dict[str, tuple[Any, int]] = {
+    "float16": (np.float16, 2),
+    "bfloat16": (np.uint16, 2),
+    "float32": (np.float32, 4),
+    "uint32": (np.uint32, 4),
+}
+QUANT_PARTS = ("weight", "scales", "biases")
+
+
+@dataclass
+class Tensor:
+    """One 4-D cache tensor ``(B, H, T, W)``: only the first ``T`` tokens of ``buf`` are valid.
+
+    ``buf`` is a C-contiguous numpy view of the full mlx buffer (which ``ref`` keeps alive),
+    so ``buf[b, h, :T]`` is a contiguous row without copying.
+    """
+
+    dtype: str
+    shape: tuple[int, int, int, int]
+    buf: np.ndarray
+    ref: Any = None
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def row_token_bytes(self) -> int:
+        return self.shape[3] * DTYPES[self.dtype][1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.shape[2] * self.row_token_bytes
+
+    def row(self, r: int, start: int = 0, stop: int | None = None) -> memoryview:
+        b, h = divmod(r, self.shape[1])
+        stop = self.shape[2] if stop is None else min(stop, self.shape[2])
+        return memoryview(self.buf[b, h, start:stop]).cast("B")
+
+
+@dataclass
+class LayerState:
+    cls: str
+    meta: dict[str, Any]
+    tensors: dict[str, Tensor]
+
+
+def _dtype_name(a: mx.array) -> str:
+    name = str(a.dtype).removeprefix("mlx.core.")
+    if name not in DTYPES:
+        raise InputError(f"cache dtype {name!r} is not supported; choose one of {', '.join(DTYPES)}")
+    return name
+
+
+def tensor_of(a: mx.array, tokens: int) -> Tensor:
+    """Wrap the first ``tokens`` tokens (axis 2) of an mlx buffer without copying."""
+    name = _dtype_name(a)
+    if a.ndim != 4 or a.shape[2] < tokens:
+        raise InputError(f"cache tensor shape {tuple(a.shape)} cannot hold {tokens} tokens on axis 2")
+    src = a.view(mx.uint16) if name == "bfloat16" else a
+    mx.eval(src)
+    buf = np.array(src, copy=False)
+    if not buf.flags["C_CONTIGUOUS"]:
+        buf = np.ascontiguousarray(buf)
+    b, h, _, w = a.shape
+    return Tensor(dtype=name, shape=(b, h, tokens, w), buf=buf, ref=src)
+
+
+def _kv_tensors(keys: Any, values: Any, tokens: int, quantized: bool) -> dict[str, Tensor]:
+    if not quantized:
+        return {"keys": tensor_of(keys, tokens), "values": tensor_of(values, tokens)}
+    out = {}
+    for kind, parts in (("keys", keys), ("values", values)):
+        for part, arr in zip(QUANT_PARTS, parts, strict=True):
+            out[f"{kind}.{part}"] = tensor_of(arr, tokens)
+    return out
+
+
+def _temporal(c: Any) -> tuple[mx.array, mx.array]:
+    return c._temporal_order(c.keys), c._temporal_order(c.values)
+
+
+def layer_state(c: Any, where: str) -> LayerState:
+    """Describe one cache object; refuse classes outside the allow-list."""
+    cls = type(c).__name__
+    if cls not in CLASSES or type(c).__module__ != "mlx_lm.models.cache":
+        raise InputError(
+            f"cache class {cls!r} at {where} is not supported; choose one of {', '.join(CLASSES)}"
+        )
+    if cls == "CacheList":
+        subs = [layer_state(s, f"{where}.{i}") for i, s in enumerate(c.caches)]
+        if any(s.cls == "CacheList" for s in subs):
+            raise InputError(f"nested CacheList at {where} is not supported")
+        meta = {"caches": [{"class": s.cls, "meta": s.meta} for s in subs]}
+        tensors = {f"{i}.{k}": t for i, s in enumerate(subs) for k, t in s.tensors.items()}
+        return LayerState(cls, meta, tensors)
+    if c.keys is None:
+        return LayerState(cls, _meta(c, cls) | {"empty": True}, {})
+    if cls == "RotatingKVCache":
+        keys, values = _temporal(c)
+        n = int(keys.shape[2])
+        return LayerState(cls, _meta(c, cls) | {"tokens": n}, _kv_tensors(keys, values, n, False))
+    quantized = cls == "QuantizedKVCache"
+    return LayerState(cls, _meta(c, cls), _kv_tensors(c.keys, c.values, c.offset, quantized))
+
+
+def _meta(c: Any, cls: str) -> dict[str, Any]:
+    if cls == "KVCache":
+        return {"offset": int(c.offset)}
+    if cls == "QuantizedKVCache":
+        return {"offset": int(c.offset), "group_size": int(c.group_size), "bits": int(c.bits)}
+    return {"offset": int(c.offset), "keep": int(c.keep), "max_size": int(c.max_size), "idx": int(c._idx)}
+
+
+def cache_state(cache: list[Any]) -> list[LayerState]:
+    """All layers of a prompt cache (a list of mlx-lm cache objects)."""
+    return [layer_state(c, f"layer {i}") for i, c in enumerate(cache)]
+
+
+# ---------------------------------------------------------------- restore
+
+
+def to_mx(dtype: str, arr: np.ndarray) -> mx.array:
+    a = mx.array(arr)
+    return a.view(mx.bfloat16) if dtype == "bfloat16" else a
+
+
+def _unrotate(t: mx.array, keep: int, idx: int) -> mx.array:
+    """Inverse of RotatingKVCache._temporal_order for a wrapped ring of length L."""
+    n = t.shape[2]
+    if n == idx:
+        return t
+    tail = n - idx
+    return mx.concatenate([t[..., :keep, :], t[..., keep + tail :, :], t[..., keep : keep + tail, :]], axis=2)
+
+
+def build_layer(cls: str, meta: dict[str, Any], arrays: dict[str, mx.array]) -> Any:
+    """An mlx-lm cache object from meta and restored arrays (already validated)."""
+    from mlx_lm.models import cache as C
+
+    if cls == "CacheList":
+        subs = []
+        for i, sub in enumerate(meta["caches"]):
+            prefix = f"{i}."
+            mine = {k[len(prefix) :]: v for k, v in arrays.items() if k.startswith(prefix)}
+            subs.append(build_layer(sub["class"], sub["meta"], mine))
+        return C.CacheList(*subs)
+    if cls == "KVCache":
+        c = C.KVCache()
+    elif cls == "QuantizedKVCache":
+        c = C.QuantizedKVCache(group_size=meta["group_size"], bits=meta["bits"])
+    else:
+        c = C.RotatingKVCache(max_size=meta["max_size"], keep=meta["keep"])
+    c.offset = meta["offset"]
+    if meta.get("empty"):
+        return c
+    if cls == "QuantizedKVCache":
+        c.keys = tuple(arrays[f"keys.{p}"] for p in QUANT_PARTS)
+        c.values = tuple(arrays[f"values.{p}"] for p in QUANT_PARTS)
+    elif cls == "KVCache":
+        c.keys, c.values = arrays["keys"], arrays["values"]
+    else:
+        c.keys = _unrotate(arrays["keys"], meta["keep"], meta["idx"])
+        c.values = _unrotate(arrays["values"], meta["keep"], meta["idx"])
+        c._idx = meta["idx"]
+    return c
+
+
+def expected_tensors(cls: str, meta: dict[str, Any]) -> list[str]:
+    """Tensor names a layer of this class and meta must carry (for header validation)."""
+    if cls == "CacheList":
+        return [
+            f"{i}.{n}" for i, s in enumerate(meta["caches"]) for n in expected_tensors(s["class"], s["meta"])
+        ]
+    if meta.get("empty"):
+        return []
+    if cls == "QuantizedKVCache":
+        return [f"{k}.{p}" for k in ("keys", "values") for p in QUANT_PARTS]
+    return ["keys", "values"]
+
+
+def valid_tokens(cls: str, meta: dict[str, Any]) -> int | None:
+    """Token count every tensor of a leaf layer must have (None: checked elsewhere)."""
+    if cls in ("KVCache", "QuantizedKVCache"):
+        return meta["offset"]
+    if cls == "RotatingKVCache":
+        return meta.get("tokens")
+    return None

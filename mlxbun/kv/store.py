@@ -1,0 +1,450 @@
+"""A directory of persisted prompt KV caches: save, load, longest-prefix lookup, list, verify.
+
+Layout::
+
+    <store>/
+        .lock                  flock: savers and loaders hold it shared, GC holds it exclusive
+        snapshots/<name>.kvs   single-file snapshot   (layout=snapshot, mlxbun.kv.snapshot)
+        snapshots/<name>.kvm   block manifest         (layout=blocks,   mlxbun.kv.blocks)
+        blocks/<sha256>        content-addressed blocks, written once, shared by manifests
+        used/<name>            empty file; its mtime is the snapshot's last use (LRU for kv_gc)
+
+Hidden ``.*.tmp-*`` files are unfinished writes; nothing reads them and GC removes them. Last-use
+times live in ``used/`` rather than in the artifacts, so snapshots stay byte-deterministic.
+
+Example:
+    >>> store = Store("~/.cache/mlxbun/kv")
+    >>> store.save("system", cache, tokens=ids, model=fp)
+    >>> hit = store.lookup(new_ids, model=fp)
+    >>> cache = store.load(hit.name, model=fp, tokens=new_ids).cache
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxbun.errors import InputError
+from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes
+from mlxbun.kv import blocks as blk
+from mlxbun.kv import format as fmt
+from mlxbun.kv import snapshot as snap
+from mlxbun.kv import state
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+SUFFIX = {"snapshot": ".kvs", "blocks": ".kvm"}
+
+
+class MismatchError(InputError):
+    """A snapshot exists but belongs to another model, tokenizer or prompt."""
+
+
+class StoreBusy(InputError):
+    """The store lock could not be taken in time (another writer or GC is running)."""
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    name: str
+    layout: str
+    path: Path
+    tokens: int
+    data_bytes: int
+    file_bytes: int
+    model: str
+    tokenizer: str
+    last_used: float
+    blocks: tuple[str, ...] = ()
+    written_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Match:
+    name: str
+    tokens: int
+
+
+@dataclass
+class Restored:
+    cache: list[Any]
+    tokens: list[int]
+    info: SnapshotInfo
+
+
+def check_snapshot_name(name: str) -> str:
+    if not isinstance(name, str) or not NAME.fullmatch(name) or TMP_MARK in name:
+        raise InputError(
+            f"kv.name={name!r} is not a valid snapshot name; use letters, digits, '.', '_' or '-' (max 128)"
+        )
+    return name
+
+
+class Store:
+    """One KV store directory (created on first write).
+
+    Args:
+        root: the store directory (``kv.store``).
+        block_kib: target block size for the blocks layout.
+        threads: worker threads for hashing and block I/O (hashlib releases the GIL).
+        lock_timeout: seconds to wait for the store lock before raising StoreBusy.
+    """
+
+    def __init__(
+        self, root: str | Path, *, block_kib: int = 1024, threads: int = 2, lock_timeout: float = 600.0
+    ) -> None:
+        self.root = Path(root).expanduser()
+        self.block_bytes = block_kib << 10
+        self.threads = threads
+        self.lock_timeout = lock_timeout
+        self._worker: ThreadPoolExecutor | None = None
+        self._worker_lock = threading.Lock()
+
+    # ------------------------------------------------------------ paths and lock
+    @property
+    def snapshots(self) -> Path:
+        return self.root / "snapshots"
+
+    @property
+    def blocks(self) -> Path:
+        return self.root / "blocks"
+
+    @property
+    def used(self) -> Path:
+        return self.root / "used"
+
+    def _mkdirs(self) -> None:
+        for d in (self.snapshots, self.blocks, self.used):
+            d.mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def locked(self, *, exclusive: bool, timeout: float | None = None) -> Iterator[None]:
+        """Hold the store lock: shared for savers/loaders, exclusive for GC."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        deadline = time.monotonic() + (self.lock_timeout if timeout is None else timeout)
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() >= deadline:
+                        raise StoreBusy(
+                            f"kv.store={self.root} is busy (lock held by another writer or GC); retry later"
+                        ) from None
+                    time.sleep(0.02)
+            yield
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------ save
+    def save(
+        self,
+        name: str,
+        cache: list[Any],
+        *,
+        tokens: list[int],
+        model: str,
+        tokenizer: str = "",
+        layout: str = "blocks",
+        on_bytes: Callable[[int], None] | None = None,
+        on_stage: Callable[[str], None] | None = None,
+    ) -> SnapshotInfo:
+        """Persist ``cache`` (mlx-lm cache objects) as snapshot ``name``, replacing it atomically.
+
+        Args:
+            tokens: the token ids the cache holds (checked against the cache's length).
+            model, tokenizer: fingerprints (see mlxbun.kv.fingerprint); loads must match.
+            layout: "blocks" (deduplicated) or "snapshot" (one file).
+            on_bytes: progress callback; on_stage: called with "data_written" before publishing.
+        """
+        job = self._prepare(name, cache, tokens=tokens, model=model, tokenizer=tokenizer, layout=layout)
+        return self._persist(*job, on_bytes=on_bytes, on_stage=on_stage)
+
+    def save_async(self, name: str, cache: list[Any], **kw: Any) -> Future[SnapshotInfo]:
+        """Like :meth:`save` on a background worker thread; returns a Future.
+
+        The mlx arrays are evaluated and referenced now, in the caller's thread; the Future keeps
+        those (immutable) buffers alive until the write is acknowledged, so the caller may keep
+        generating into its cache meanwhile.
+        """
+        on_bytes, on_stage = kw.pop("on_bytes", None), kw.pop("on_stage", None)
+        job = self._prepare(name, cache, **kw)
+        with self._worker_lock:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="kv-save")
+        return self._worker.submit(self._persist, *job, on_bytes=on_bytes, on_stage=on_stage)
+
+    def close(self) -> None:
+        """Wait for background saves and stop the worker."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+    def _prepare(
+        self,
+        name: str,
+        cache: list[Any],
+        *,
+        tokens: list[int],
+        model: str,
+        tokenizer: str = "",
+        layout: str = "blocks",
+    ) -> tuple:
+        check_snapshot_name(name)
+        if layout not in SUFFIX:
+            raise InputError(f"kv.layout={layout!r} is not allowed; choose one of {', '.join(SUFFIX)}")
+        layers = state.cache_state(cache)
+        tokens = [int(t) for t in tokens]
+        offsets = {s.meta["offset"] for s in layers if "offset" in s.meta}
+        if offsets and offsets != {len(tokens)}:
+            raise InputError(f"tokens has {len(tokens)} ids but the cache holds offset(s) {sorted(offsets)}")
+        base = {
+            "model": model,
+            "tokenizer": tokenizer,
+            "tokens": tokens,
+            "tokens_sha256": fmt.tokens_sha256(tokens),
+        }
+        return name, layers, base, layout
+
+    def _persist(
+        self, name: str, layers: list, base: dict, layout: str, *, on_bytes: Any = None, on_stage: Any = None
+    ) -> SnapshotInfo:
+        with self.locked(exclusive=False):
+            self._mkdirs()
+            target = self.snapshots / f"{name}{SUFFIX[layout]}"
+            if layout == "snapshot":
+                header = snap.write_snapshot(target, layers, base, threads=self.threads, on_bytes=on_bytes)
+                written = target.stat().st_size
+                if on_stage:
+                    on_stage("data_written")
+            else:
+                header, written = blk.write_blocks(
+                    self.blocks,
+                    layers,
+                    base,
+                    block_bytes=self.block_bytes,
+                    threads=self.threads,
+                    on_bytes=on_bytes,
+                )
+                if on_stage:
+                    on_stage("data_written")
+                data = fmt.encode(header)
+                atomic_write_bytes(target, data)
+                written += len(data)
+            other = self.snapshots / f"{name}{SUFFIX['blocks' if layout == 'snapshot' else 'snapshot']}"
+            other.unlink(missing_ok=True)
+            self.touch(name)
+        return self._info(name, target, header, written=written)
+
+    # ------------------------------------------------------------ read
+    def touch(self, name: str) -> None:
+        """Record a use of ``name`` now (LRU order for kv_gc's size cap)."""
+        self.used.mkdir(parents=True, exist_ok=True)
+        p = self.used / name
+        p.touch()
+        os.utime(p)
+
+    def path_of(self, name: str) -> Path:
+        """The snapshot file of ``name`` (the newer one if a crash left both layouts)."""
+        check_snapshot_name(name)
+        found = [p for p in (self.snapshots / f"{name}{s}" for s in SUFFIX.values()) if p.is_file()]
+        if not found:
+            have = ", ".join(self.names()) or "none"
+            raise InputError(f"kv.name={name!r}: no such snapshot in kv.store={self.root}; stored: {have}")
+        return max(found, key=lambda p: p.stat().st_mtime_ns)
+
+    def names(self) -> list[str]:
+        if not self.snapshots.is_dir():
+            return []
+        return sorted(
+            {
+                p.stem
+                for p in self.snapshots.iterdir()
+                if p.suffix in SUFFIX.values() and not p.name.startswith(".")
+            }
+        )
+
+    def header(self, name: str) -> tuple[Path, dict[str, Any]]:
+        """Validated header of ``name`` (no tensor data read)."""
+        path = self.path_of(name)
+        what = f"snapshot {name!r}"
+        if path.suffix == ".kvs":
+            return path, snap.read_header(path, what=what)
+        h, _ = fmt.read_header(path, what=what)
+        fmt.check_header(h, what=what)
+        blk.check_manifest(h, what=what)
+        return path, h
+
+    def _info(self, name: str, path: Path, h: dict[str, Any], *, written: int = 0) -> SnapshotInfo:
+        used = self.used / name
+        last = used.stat().st_mtime if used.exists() else path.stat().st_mtime
+        data = sum(fmt.entry_nbytes(t) for _, t in fmt.tensors_of(h))
+        names = tuple(b["sha256"] for b in h.get("blocks", ()))
+        file_bytes = path.stat().st_size + sum(b["nbytes"] for b in h.get("blocks", ()))
+        return SnapshotInfo(
+            name,
+            h["layout"],
+            path,
+            len(h["tokens"]),
+            data,
+            file_bytes,
+            h["model"],
+            h["tokenizer"],
+            last,
+            names,
+            written,
+        )
+
+    def info(self, name: str) -> SnapshotInfo:
+        path, h = self.header(name)
+        return self._info(name, path, h)
+
+    def list(self) -> tuple[list[SnapshotInfo], list[str]]:
+        """All readable snapshots, and one warning line per unreadable one (the scan goes on)."""
+        out, bad = [], []
+        for n in self.names():
+            try:
+                out.append(self.info(n))
+            except (fmt.CorruptError, fmt.UnsupportedError, OSError) as e:
+                bad.append(str(e))
+        return out, bad
+
+    def _check(
+        self, name: str, h: dict[str, Any], *, model: str, tokenizer: str, tokens: list[int] | None
+    ) -> None:
+        if h["model"] != model:
+            raise MismatchError(
+                f"snapshot {name!r} was saved for model {h['model'][:16]}, not {model[:16]}; refusing to restore it"
+            )
+        if tokenizer and h["tokenizer"] and h["tokenizer"] != tokenizer:
+            raise MismatchError(
+                f"snapshot {name!r} was saved with tokenizer {h['tokenizer'][:16]}, not {tokenizer[:16]}"
+            )
+        if tokens is not None:
+            have = h["tokens"]
+            if len(have) > len(tokens) or list(tokens[: len(have)]) != have:
+                shared = _common(have, tokens)
+                raise MismatchError(
+                    f"snapshot {name!r} holds {len(have)} tokens that are not a prefix of the prompt "
+                    f"({len(tokens)} tokens, {shared} shared); refusing to restore it"
+                )
+
+    def load(
+        self,
+        name: str,
+        *,
+        model: str,
+        tokenizer: str = "",
+        tokens: list[int] | None = None,
+        verify: bool = True,
+    ) -> Restored:
+        """Restore ``name`` as new mlx-lm cache objects (nothing of the caller's is touched).
+
+        The header is validated and matched against ``model``/``tokenizer``/``tokens`` (the
+        snapshot's tokens must be a prefix of ``tokens``) before any data is read; all data is
+        hashed when ``verify``; caches are built off to the side and returned only when complete.
+        """
+        with self.locked(exclusive=False):
+            path, h = self.header(name)
+            self._check(name, h, model=model, tokenizer=tokenizer, tokens=tokens)
+            what = f"snapshot {name!r}"
+            if h["layout"] == "snapshot":
+                raw = snap.read_data(path, h, verify=verify, threads=self.threads, what=what)
+            else:
+                geo = blk.check_manifest(h, what=what)
+                raw = blk.read_blocks(self.blocks, h, geo, verify=verify, threads=self.threads, what=what)
+        cache = _build(h, raw)
+        self.touch(name)
+        return Restored(cache=cache, tokens=list(h["tokens"]), info=self._info(name, path, h))
+
+    def lookup(self, tokens: list[int], *, model: str, tokenizer: str = "") -> Match | None:
+        """The snapshot for ``model`` whose tokens are the longest prefix of ``tokens``."""
+        best: Match | None = None
+        tokens = list(tokens)
+        for n in self.names():
+            try:
+                _, h = self.header(n)
+            except (fmt.CorruptError, fmt.UnsupportedError, OSError):
+                continue
+            have = h["tokens"]
+            ok = h["model"] == model and (not tokenizer or not h["tokenizer"] or h["tokenizer"] == tokenizer)
+            if (
+                ok
+                and len(have) <= len(tokens)
+                and tokens[: len(have)] == have
+                and (best is None or len(have) > best.tokens)
+            ):
+                best = Match(n, len(have))
+        return best
+
+    # ------------------------------------------------------------ verify
+    def verify(self, names: list[str] | None = None) -> tuple[int, list[str]]:
+        """Re-hash snapshots (all by default) and check blocks/ names; (bytes checked, problems)."""
+        problems, checked = self.scan_blocks_dir(), 0
+        for n in names or self.names():
+            try:
+                checked += self._verify_one(n)
+            except (fmt.CorruptError, fmt.UnsupportedError, InputError, OSError) as e:
+                problems.append(str(e))
+        return checked, problems
+
+    def _verify_one(self, name: str) -> int:
+        with self.locked(exclusive=False):
+            path, h = self.header(name)
+            what = f"snapshot {name!r}"
+            if h["layout"] == "snapshot":
+                snap.read_data(path, h, verify=True, threads=self.threads, what=what)
+                return path.stat().st_size
+            blk.check_manifest(h, what=what)
+            for b in h["blocks"]:
+                blk.read_block(self.blocks, b["sha256"], b["nbytes"], verify=True, what=what)
+            return sum(b["nbytes"] for b in h["blocks"]) + path.stat().st_size
+
+    def scan_blocks_dir(self) -> list[str]:
+        """Entries of blocks/ that are not regular files named by 64 lower-case hex digits."""
+        if not self.blocks.is_dir():
+            return []
+        bad = []
+        for p in sorted(self.blocks.iterdir()):
+            if TMP_MARK in p.name and p.name.startswith("."):
+                continue
+            if not fmt.HEX64.fullmatch(p.name):
+                bad.append(f"blocks/{p.name}: not a block name (64 lower-case hex digits)")
+            elif p.is_symlink() or not p.is_file():
+                bad.append(f"blocks/{p.name}: is a symlink or not a regular file")
+        return bad
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _build(h: dict[str, Any], raw: dict[str, np.ndarray]) -> list[Any]:
+    """mlx-lm cache objects from validated raw tensor bytes."""
+    out = []
+    for i, layer in enumerate(h["layers"]):
+        arrays = {}
+        for n, t in layer["tensors"].items():
+            npdt = state.DTYPES[t["dtype"]][0]
+            arr = raw[f"{i}.{n}"].view(npdt).reshape(t["shape"])
+            arrays[n] = state.to_mx(t["dtype"], arr)
+        out.append(state.build_layer(layer["class"], layer["meta"], arrays))
+    return out

@@ -1,0 +1,1 @@
+"""Quantization: streaming conversion, per-layer plans, sensitivity and bit allocation."""

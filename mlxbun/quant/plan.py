@@ -1,0 +1,400 @@
+"""Which module gets quantized how: plan.json, mlx-lm's mixed rules, and the model skeleton.
+
+The structure comes from mlx-lm's own model class for the source's ``model_type``, built from
+``config.json`` without materializing a weight: parameters are lazy MLX arrays that are never
+evaluated, and the source tensors are lazy ``mx.load`` views (headers only). The model's
+``sanitize`` runs on those views, so renames, drops (tied ``lm_head``, rotary ``inv_freq``) and
+stacking (MoE experts) follow mlx-lm exactly; ``nn.quantize`` then runs on the skeleton with
+the same predicate as ``mlx_lm.utils.quantize_model``, which gives the output tensor names, their
+order (``tree_flatten`` of the parameters, as ``mlx_lm.utils.save_model`` writes them) and the
+config ``quantization`` block, all before any weight is read.
+
+plan.json (from ``allocate`` or hand-written)::
+
+    {"version": 1,
+     "default": {"bits": 4, "group_size": 64, "mode": "affine"},
+     "layers": {"model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 64, "mode": "affine"},
+                "lm_head": false},              false = leave unquantized
+     ...}                                       other keys are ignored
+
+Example:
+    >>> for m in module_layout("path/to/hf_model", mode="affine", bits=4):
+    ...     print(m.path, m.in_features, m.out_features, m.quantized, m.bits)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxbun.errors import InputError
+
+# mlx-lm's defaults_for_mode: (group_size, bits).
+MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+AFFINE_GROUPS = (32, 64, 128)
+MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
+CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One quantization setting; ``to_dict`` uses mlx-lm's key order (group_size, bits, mode)."""
+
+    bits: int
+    group_size: int
+    mode: str = "affine"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
+
+
+def spec_for(mode: str, bits: int | None = None, group_size: int | None = None, *, key: str = "quant") -> QuantSpec:
+    """The setting for ``mode`` with mlx-lm's per-mode defaults, checked against what MLX supports.
+
+    Example:
+        >>> spec_for("mxfp4")
+        QuantSpec(bits=4, group_size=32, mode='mxfp4')
+    """
+    if mode not in MODE_DEFAULTS:
+        raise InputError(f"{key}.mode={mode!r} is not allowed; choose one of {', '.join(MODE_DEFAULTS)}")
+    g0, b0 = MODE_DEFAULTS[mode]
+    bits, group_size = bits or b0, group_size or g0
+    if mode == "affine":
+        if bits not in AFFINE_BITS:
+            raise InputError(f"{key}.bits={bits!r} is not allowed for mode=affine; choose one of 2, 3, 4, 5, 6, 8")
+        if group_size not in AFFINE_GROUPS:
+            raise InputError(
+                f"{key}.group_size={group_size!r} is not allowed for mode=affine; choose one of 32, 64, 128"
+            )
+    elif (group_size, bits) != (g0, b0):
+        name, value = ("bits", bits) if bits != b0 else ("group_size", group_size)
+        raise InputError(
+            f"{key}.{name}={value!r} is not allowed for mode={mode}; it supports only bits={b0} with"
+            f" group_size={g0}"
+        )
+    return QuantSpec(bits=int(bits), group_size=int(group_size), mode=mode)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A per-layer plan: ``layers[path]`` is a QuantSpec or None (leave unquantized)."""
+
+    default: QuantSpec
+    layers: dict[str, QuantSpec | None] = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
+        if not isinstance(data, dict) or not isinstance(data.get("default"), dict):
+            raise InputError(f"{source}: a plan is an object with a 'default' setting; see mlxbun/quant/plan.py")
+        if data.get("version", 1) != 1:
+            raise InputError(f"{source}: plan version {data.get('version')!r} is not supported; use version 1")
+        layers = data.get("layers") or {}
+        if not isinstance(layers, dict):
+            raise InputError(f"{source}: 'layers' must map module paths to a setting or false")
+        return cls(default=_spec_from(data["default"], f"{source}: default"), layers=_layers_from(layers, source))
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = {p: (s.to_dict() if s else False) for p, s in sorted(self.layers.items())}
+        return {"version": 1, "default": self.default.to_dict(), "layers": layers}
+
+
+def _spec_from(d: Any, where: str) -> QuantSpec:
+    if not isinstance(d, dict):
+        raise InputError(f"{where}: expected {{bits, group_size, mode}} or false, got {d!r}")
+    return spec_for(d.get("mode", "affine"), d.get("bits"), d.get("group_size"), key=where)
+
+
+def _layers_from(layers: dict[str, Any], source: str) -> dict[str, QuantSpec | None]:
+    out: dict[str, QuantSpec | None] = {}
+    for path, entry in layers.items():
+        if entry is False:
+            out[path] = None
+        else:
+            out[path] = _spec_from(entry, f"{source}: layers[{path!r}]")
+    return out
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan.json; errors name the file and the entry."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise InputError(f"quant.plan={str(path)!r} does not exist; pass a plan.json from `allocate`")
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise InputError(f"quant.plan={str(path)!r} is not valid JSON ({e})") from None
+    return Plan.from_dict(data, source=f"quant.plan={str(path)!r}")
+
+
+# ------------------------------------------------------------------------------- skeleton
+
+
+@dataclass
+class Skeleton:
+    """A model class instance with lazy parameters, and the sanitized lazy source tensors.
+
+    Args:
+        model: the mlx-lm model (quantized in place by :func:`apply_quantization`).
+        config: config.json as ``mlx_lm.utils.load_config`` reads it.
+        weights: parameter name -> lazy array after ``sanitize`` (never evaluated here).
+        sources: parameter name -> source tensor name, when sanitize passed the tensor through
+            unchanged (possibly renamed); absent for tensors sanitize built from others.
+        originals: module path -> the unquantized leaf module (for ``to_quantized``).
+        decisions: module path -> ``to_quantized`` kwargs, for every quantized module.
+        quantization: the config.json ``quantization`` block.
+    """
+
+    model: Any
+    config: dict[str, Any]
+    weights: dict[str, Any]
+    sources: dict[str, str]
+    originals: dict[str, Any] = field(default_factory=dict)
+    decisions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    quantization: dict[str, Any] | None = None
+
+
+def check_source(src: Path) -> dict[str, Any]:
+    """The source's config (mlx-lm's ``load_config``); errors for what cannot be converted."""
+    from mlx_lm.utils import load_config
+
+    if not (src / "config.json").is_file():
+        raise InputError(f"model {src} has no config.json; pass a Hugging Face model directory")
+    config = load_config(src)
+    if "model_type" not in config:
+        raise InputError(f"{src / 'config.json'} has no model_type; mlx-lm cannot pick a model class")
+    if "quantization" in config or "quantization_config" in config:
+        raise InputError(
+            f"model {src} is already quantized (config.json has a quantization block); pass a"
+            " full-precision checkpoint"
+        )
+    return config
+
+
+def _model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
+    from mlx_lm.utils import _get_classes
+
+    try:
+        return _get_classes(config)
+    except ValueError:
+        raise InputError(
+            f"model_type={config['model_type']!r} is not supported by the installed mlx-lm"
+        ) from None
+
+
+def _lazy_source(src: Path) -> dict[str, Any]:
+    import mlx.core as mx
+
+    files = sorted(src.glob("model*.safetensors"))
+    if not files:
+        raise InputError(f"model {src} has no model*.safetensors files")
+    weights: dict[str, Any] = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def build_skeleton(src: str | Path) -> Skeleton:
+    """Instantiate the model class for ``src`` and sanitize lazy views of its tensors."""
+    from mlx.utils import tree_flatten
+
+    src = Path(src)
+    config = check_source(src)
+    model_class, args_class = _model_classes(config)
+    model = model_class(args_class.from_dict(config))
+    raw = _lazy_source(src)
+    by_id = {id(v): k for k, v in raw.items()}
+    weights = model.sanitize(dict(raw)) if hasattr(model, "sanitize") else dict(raw)
+    sources = {k: by_id[id(v)] for k, v in weights.items() if id(v) in by_id and raw[by_id[id(v)]] is v}
+    _check_strict(src, type(model).__module__, dict(tree_flatten(model.parameters())), weights)
+    return Skeleton(model=model, config=config, weights=weights, sources=sources)
+
+
+def _check_strict(src: Path, cls: str, params: dict[str, Any], weights: dict[str, Any]) -> None:
+    """mlx-lm's strict load: the sanitized tensors are exactly the model's parameters."""
+    missing = sorted(set(params) - set(weights))
+    extra = sorted(set(weights) - set(params))
+    if missing or extra:
+        what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+        raise InputError(f"model {src}: tensors do not match the {cls} model class ({what})")
+    for k, v in weights.items():
+        if tuple(v.shape) != tuple(params[k].shape):
+            raise InputError(
+                f"model {src}: tensor {k!r} has shape {tuple(v.shape)}, the model expects {tuple(params[k].shape)}"
+            )
+
+
+# ------------------------------------------------------------------------------- predicates
+
+
+def plan_predicate(plan: Plan) -> Callable[[str, Any], bool | dict[str, Any]]:
+    """Listed paths get their own setting (or stay unquantized); the rest use the default."""
+
+    def predicate(path: str, module: Any) -> bool | dict[str, Any]:
+        if path not in plan.layers:
+            return True
+        spec = plan.layers[path]
+        if spec is None:
+            return False
+        width = module.weight.shape[-1]
+        if width % spec.group_size:
+            raise InputError(
+                f"group_size={spec.group_size} does not divide in_features={width} of {path!r} in"
+                f" quant.plan; choose a group size that divides {width}"
+            )
+        return spec.to_dict()
+
+    return predicate
+
+
+def mixed_predicate(rule: str, model: Any, group_size: int) -> Callable[[str, Any], bool | dict[str, Any]]:
+    """mlx-lm's own mixed-bit rule (``mlx_lm.convert.mixed_quant_predicate_builder``)."""
+    from mlx_lm.convert import mixed_quant_predicate_builder
+
+    if rule not in MIXED_RULES:
+        raise InputError(f"quant.mixed={rule!r} is not allowed; choose one of {', '.join(MIXED_RULES)}")
+    try:
+        return mixed_quant_predicate_builder(rule, model, group_size)
+    except ValueError as e:
+        raise InputError(f"quant.mixed={rule!r}: {e}") from None
+
+
+def apply_quantization(
+    sk: Skeleton,
+    spec: QuantSpec,
+    predicate: Callable[[str, Any], bool | dict[str, Any]] | None,
+    *,
+    plan: Plan | None = None,
+) -> None:
+    """Quantize the skeleton (lazily) as ``mlx_lm.utils.quantize_model`` does; record decisions.
+
+    With ``plan=True`` a module the model's own ``quant_predicate`` refuses stays unquantized and
+    listed plan entries are not subject to the default group size check (they check their own).
+    """
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    model_pred = getattr(sk.model, "quant_predicate", None)
+    user_pred = predicate if predicate is not None else model_pred
+    params = spec.to_dict()
+    block: dict[str, Any] = dict(params)
+    sk.originals = dict(tree_flatten(sk.model.leaf_modules(), is_leaf=nn.Module.is_module))
+
+    def wrapped(path: str, module: Any) -> bool | dict[str, Any]:
+        if not hasattr(module, "to_quantized"):
+            return False
+        listed = plan is not None and path in plan.layers
+        if not listed and module.weight.shape[-1] % spec.group_size != 0:
+            return False
+        if plan is not None and model_pred is not None and not model_pred(path, module):
+            return False
+        decision = user_pred(path, module) if user_pred is not None else True
+        if isinstance(decision, dict):
+            block[path] = decision
+            sk.decisions[path] = dict(decision)
+        elif decision is False and listed:
+            block[path] = False
+        elif decision:
+            sk.decisions[path] = dict(params)
+        return decision
+
+    nn.quantize(sk.model, spec.group_size, spec.bits, mode=spec.mode, class_predicate=wrapped)
+    sk.quantization = block
+
+
+def prepare(
+    src: str | Path,
+    *,
+    mode: str = "affine",
+    bits: int | None = None,
+    group_size: int | None = None,
+    plan: Plan | str | Path | None = None,
+    mixed: str | None = None,
+) -> tuple[Skeleton, QuantSpec]:
+    """Build the skeleton of ``src`` and quantize it lazily by a uniform setting, a plan or a rule."""
+    if plan is not None and mixed is not None:
+        raise InputError("quant.plan and quant.mixed are both set; choose one")
+    if mixed is not None and mode != "affine":
+        raise InputError(f"quant.mixed={mixed!r} needs quant.mode=affine (mlx-lm's rule); got {mode!r}")
+    if plan is not None and not isinstance(plan, Plan):
+        plan = load_plan(plan)
+    spec = plan.default if plan is not None else spec_for(mode, bits, group_size)
+    sk = build_skeleton(src)
+    predicate = None
+    if plan is not None:
+        predicate = plan_predicate(plan)
+    elif mixed is not None:
+        predicate = mixed_predicate(mixed, sk.model, spec.group_size)
+    apply_quantization(sk, spec, predicate, plan=plan)
+    if not sk.decisions:
+        raise InputError(
+            f"quant.group_size={spec.group_size} divides the input width of no quantizable layer of"
+            f" {src}; choose a smaller group size"
+        )
+    return sk, spec
+
+
+# ------------------------------------------------------------------------------- layout
+
+
+@dataclass(frozen=True)
+class ModuleQuant:
+    """How one quantizable module (one with ``to_quantized``) is stored."""
+
+    path: str
+    kind: str
+    in_features: int
+    out_features: int
+    quantized: bool
+    bits: int | None = None
+    group_size: int | None = None
+    mode: str | None = None
+
+
+def module_layout(
+    src: str | Path,
+    *,
+    mode: str = "affine",
+    bits: int | None = None,
+    group_size: int | None = None,
+    plan: Plan | str | Path | None = None,
+    mixed: str | None = None,
+) -> list[ModuleQuant]:
+    """Every quantizable module of ``src`` in output order, with its quantization (or none).
+
+    Reads only config.json and the safetensors headers. ``in_features`` is the weight's last
+    dimension, ``out_features`` the product of the others (experts included).
+
+    Example:
+        >>> sum(m.out_features * m.in_features for m in module_layout(src, bits=4) if m.quantized)
+    """
+    sk, _ = prepare(src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed)
+    out = []
+    for path, m in sk.originals.items():
+        if not hasattr(m, "to_quantized") or "weight" not in m:
+            continue
+        *lead, width = m.weight.shape
+        d = sk.decisions.get(path)
+        out.append(
+            ModuleQuant(
+                path=path,
+                kind=type(m).__name__,
+                in_features=int(width),
+                out_features=int(_prod(lead)),
+                quantized=d is not None,
+                bits=d["bits"] if d else None,
+                group_size=d["group_size"] if d else None,
+                mode=d.get("mode", "affine") if d else None,
+            )
+        )
+    return out
+
+
+def _prod(xs: list[int]) -> int:
+    n = 1
+    for x in xs:
+        n *= int(x)
+    return n
