@@ -120,20 +120,29 @@ class QuantCfg:
     # Per-layer plan file (from `allocate` or hand-written) or an mlx-lm mixed rule.
     plan: str | None = None
     mixed: str | None = None
-    dtype: str = "bfloat16"
+    # dtype of the tensors left unquantized; None follows config.json's torch_dtype (as mlx-lm).
+    dtype: str | None = None
+    # Output model directory; None writes <run_dir>/model (a re-run resumes a killed one).
     out: str | None = None
     resume: bool = True
+    # Modules read, cast and quantized in parallel.
     threads: int = 2
 
     def __post_init__(self) -> None:
+        from mlxbun.quant.plan import spec_for
+
         choose("quant.mode", self.mode, QUANT_MODES)
-        choose("quant.dtype", self.dtype, DTYPES)
+        if self.dtype is not None:
+            choose("quant.dtype", self.dtype, DTYPES)
         if self.mixed is not None:
             choose("quant.mixed", self.mixed, MIXED_RULES)
+            if self.mode != "affine":
+                raise InputError(f"quant.mixed={self.mixed!r} needs quant.mode=affine; got {self.mode!r}")
         if self.group_size is not None:
             choose("quant.group_size", self.group_size, GROUP_SIZES)
         if self.bits is not None and self.mode == "affine":
             choose("quant.bits", self.bits, AFFINE_BITS)
+        spec_for(self.mode, self.bits, self.group_size)
         positive("quant.threads", self.threads)
 
 
