@@ -52,7 +52,9 @@ class QuantSpec:
         return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
 
 
-def spec_for(mode: str, bits: int | None = None, group_size: int | None = None, *, key: str = "quant") -> QuantSpec:
+def spec_for(
+    mode: str, bits: int | None = None, group_size: int | None = None, *, key: str = "quant"
+) -> QuantSpec:
     """The setting for ``mode`` with mlx-lm's per-mode defaults, checked against what MLX supports.
 
     Example:
@@ -65,7 +67,9 @@ def spec_for(mode: str, bits: int | None = None, group_size: int | None = None, 
     bits, group_size = bits or b0, group_size or g0
     if mode == "affine":
         if bits not in AFFINE_BITS:
-            raise InputError(f"{key}.bits={bits!r} is not allowed for mode=affine; choose one of 2, 3, 4, 5, 6, 8")
+            raise InputError(
+                f"{key}.bits={bits!r} is not allowed for mode=affine; choose one of 2, 3, 4, 5, 6, 8"
+            )
         if group_size not in AFFINE_GROUPS:
             raise InputError(
                 f"{key}.group_size={group_size!r} is not allowed for mode=affine; choose one of 32, 64, 128"
@@ -89,13 +93,19 @@ class Plan:
     @classmethod
     def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
         if not isinstance(data, dict) or not isinstance(data.get("default"), dict):
-            raise InputError(f"{source}: a plan is an object with a 'default' setting; see mlxbun/quant/plan.py")
+            raise InputError(
+                f"{source}: a plan is an object with a 'default' setting; see mlxbun/quant/plan.py"
+            )
         if data.get("version", 1) != 1:
-            raise InputError(f"{source}: plan version {data.get('version')!r} is not supported; use version 1")
+            raise InputError(
+                f"{source}: plan version {data.get('version')!r} is not supported; use version 1"
+            )
         layers = data.get("layers") or {}
         if not isinstance(layers, dict):
             raise InputError(f"{source}: 'layers' must map module paths to a setting or false")
-        return cls(default=_spec_from(data["default"], f"{source}: default"), layers=_layers_from(layers, source))
+        return cls(
+            default=_spec_from(data["default"], f"{source}: default"), layers=_layers_from(layers, source)
+        )
 
     def to_dict(self) -> dict[str, Any]:
         layers = {p: (s.to_dict() if s else False) for p, s in sorted(self.layers.items())}

@@ -191,7 +191,9 @@ class Converter:
         return [(n, out[n]) for n in unit.outputs]
 
 
-def stream(units: list[Unit], convert: Converter, *, threads: int) -> Iterator[tuple[Unit, list[tuple[str, Any]]]]:
+def stream(
+    units: list[Unit], convert: Converter, *, threads: int
+) -> Iterator[tuple[Unit, list[tuple[str, Any]]]]:
     """Convert units on ``threads`` workers, yielding results in order; at most threads+1 in flight."""
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="quantize") as pool:
         todo = iter(units)
@@ -242,9 +244,7 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
 # ------------------------------------------------------------------------------- the command
 
 
-def _boundary(
-    src: Path, out: Path, fp: str, partial: Path
-) -> QuantizeResult | None:
+def _boundary(src: Path, out: Path, fp: str, partial: Path) -> QuantizeResult | None:
     """Refuse an out dir that is not ours; return the existing result if it is ours and complete."""
     if out.exists():
         marker = _read_marker(out)
@@ -285,9 +285,10 @@ def _write_shards(
     units = plan_units(sk)
     total = sum(u.nbytes for u in units)
     written = 0
-    with open_model(src) as model_dir, ShardedWriter(
-        partial, shard_bytes=shard_bytes, resume=True, quantization=sk.quantization
-    ) as writer:
+    with (
+        open_model(src) as model_dir,
+        ShardedWriter(partial, shard_bytes=shard_bytes, resume=True, quantization=sk.quantization) as writer,
+    ):
         todo = [u for u in units if not set(u.outputs) <= writer.done_names]
         progress = Progress(total=total, unit="B", desc="quantize")
         progress.update(total - sum(u.nbytes for u in todo))
@@ -344,7 +345,9 @@ def quantize_model_dir(
     t0 = time.monotonic()
     src, out = Path(src).expanduser().resolve(), Path(out).expanduser().resolve()
     if dtype is not None and dtype not in CONVERSION_DTYPES:
-        raise InputError(f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}")
+        raise InputError(
+            f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}"
+        )
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     sk, spec = prepare(src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed)
@@ -363,7 +366,12 @@ def quantize_model_dir(
             )
             atomic_write_json(
                 partial / MARKER,
-                {"fingerprint": fp, "settings": settings, "state": "complete", "quantization": sk.quantization},
+                {
+                    "fingerprint": fp,
+                    "settings": settings,
+                    "state": "complete",
+                    "quantization": sk.quantization,
+                },
             )
         else:
             src_bytes = sum(v.nbytes for v in sk.weights.values())
