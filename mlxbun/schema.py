@@ -86,6 +86,8 @@ class SynthCfg:
     # Planted structure so quantization, rotation and sensitivity have something to find.
     outlier_channels: int = 0
     outlier_scale: float = 20.0
+    # What outlier_scale multiplies: "weights", "activations" or "both" (see mlxbun/synth.py).
+    outlier_target: str = "both"
     norm_jitter: float = 0.0
     out: str | None = None
 
@@ -103,6 +105,9 @@ class SynthCfg:
         ):
             positive(f"synth.{k}", getattr(self, k))
         positive("synth.outlier_channels", self.outlier_channels, allow_zero=True)
+        positive("synth.outlier_scale", self.outlier_scale)
+        positive("synth.norm_jitter", self.norm_jitter, allow_zero=True)
+        choose("synth.outlier_target", self.outlier_target, ("weights", "activations", "both"))
 
 
 @dataclass
