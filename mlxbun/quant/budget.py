@@ -10,11 +10,11 @@ advance, so the size of the output is arithmetic. Two sizes, both predicted to t
 - ``file_bytes``: the sum of the model's ``.safetensors`` file sizes on disk, headers included
   (what ``du`` shows and a download costs). A budget in bytes means this number.
 
-Per quantized ``[out, in]`` weight (``in`` divisible by the group size ``g``)::
+Per quantized ``[..., out, in]`` weight (``in`` divisible by the group size ``g``)::
 
-    <path>.weight  uint32 [out, in * bits / 32]                  packed codes
-    <path>.scales  [out, in / g]   affine: output dtype; mxfp4/mxfp8/nvfp4: uint8
-    <path>.biases  [out, in / g]   affine only, output dtype
+    <path>.weight  uint32 [..., out, in * bits / 32]              packed codes
+    <path>.scales  [..., out, in / g]   affine: output dtype; mxfp4/mxfp8/nvfp4: uint8
+    <path>.biases  [..., out, in / g]   affine only, output dtype
 
 Every other tensor (norms, biases, unquantized weights) is stored in the output dtype when it is
 floating point, else unchanged. A safetensors file is ``u64 header length | JSON header | data``
@@ -69,8 +69,8 @@ class Setting:
         return cls(bits=int(d["bits"]), group_size=int(d["group_size"]), mode=str(d.get("mode", "affine")))
 
     def fits(self, shape: tuple[int, ...]) -> bool:
-        """Whether a weight of ``shape`` can be stored this way (2-D, rows split into whole groups)."""
-        return len(shape) == 2 and shape[-1] % self.group_size == 0
+        """Whether a weight of ``shape`` can be stored this way (rows split into whole groups)."""
+        return len(shape) >= 2 and shape[-1] % self.group_size == 0
 
 
 @dataclass(frozen=True)
@@ -90,22 +90,22 @@ class TensorSpec:
         return self.numel * DTYPE_BYTES[self.dtype]
 
 
-def store_dtype(dtype: str, out_dtype: str) -> str:
-    """The dtype a tensor is written in: floating tensors take the output dtype."""
-    return out_dtype if dtype in FLOAT_DTYPES else dtype
+def store_dtype(dtype: str, out_dtype: str | None) -> str:
+    """The dtype a tensor is written in: floating tensors take the output dtype (None: their own)."""
+    return out_dtype if out_dtype and dtype in FLOAT_DTYPES else dtype
 
 
 def quantized_specs(path: str, shape: tuple[int, ...], setting: Setting, out_dtype: str) -> list[TensorSpec]:
     """The tensors ``mx.quantize`` yields for the weight of module ``path`` (see the module doc)."""
-    rows, cols = shape
-    groups = cols // setting.group_size
+    *lead, cols = shape
+    groups = (*lead, cols // setting.group_size)
     scale_dtype = "U8" if setting.mode in UINT8_SCALE_MODES else out_dtype
     specs = [
-        TensorSpec(f"{path}.weight", "U32", (rows, cols * setting.bits // 32)),
-        TensorSpec(f"{path}.scales", scale_dtype, (rows, groups)),
+        TensorSpec(f"{path}.weight", "U32", (*lead, cols * setting.bits // 32)),
+        TensorSpec(f"{path}.scales", scale_dtype, groups),
     ]
     if setting.mode == "affine":
-        specs.append(TensorSpec(f"{path}.biases", out_dtype, (rows, groups)))
+        specs.append(TensorSpec(f"{path}.biases", out_dtype, groups))
     return specs
 
 
@@ -121,33 +121,78 @@ def module_of(name: str) -> str | None:
     return name[: -len(".weight")] if name.endswith(".weight") else None
 
 
+@dataclass(frozen=True)
+class Source:
+    """A model before quantization: its tensors in writing order and its quantizable modules.
+
+    Attributes:
+        specs: every tensor the output holds (after mlx-lm's ``sanitize``), in the order the
+            writer receives them (``tree_flatten`` of the model's parameters).
+        quantizable: module paths with ``to_quantized`` (Linear, Embedding, SwitchLinear) that
+            the model class does not refuse; only these can take a setting.
+        keep_dtype: tensor names the model's ``cast_predicate`` keeps in their own dtype.
+    """
+
+    specs: tuple[TensorSpec, ...]
+    quantizable: frozenset[str]
+    keep_dtype: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[TensorSpec]) -> Source:
+        """Without a model class: every ``<path>.weight`` of rank >= 2 is quantizable."""
+        specs = tuple(specs)
+        paths = {module_of(s.name) for s in specs if len(s.shape) >= 2}
+        return cls(specs, frozenset(p for p in paths if p))
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Module path -> weight shape, for the quantizable modules."""
+        return {p: s.shape for s in self.specs if (p := module_of(s.name)) in self.quantizable}
+
+    def dtype_of(self, spec: TensorSpec, out_dtype: str | None) -> str:
+        """The dtype ``spec`` is written in (before any quantization)."""
+        return spec.dtype if spec.name in self.keep_dtype else store_dtype(spec.dtype, out_dtype)
+
+    def weight_dtypes(self, out_dtype: str | None) -> dict[str, str]:
+        """Module path -> dtype its weight is cast to before quantizing (scales take it too)."""
+        return {
+            p: self.dtype_of(s, out_dtype) for s in self.specs if (p := module_of(s.name)) in self.quantizable
+        }
+
+    @property
+    def parameters(self) -> int:
+        return sum(s.numel for s in self.specs)
+
+
 def resolve(
     path: str, shape: tuple[int, ...], default: Setting | None, layers: Mapping[str, Setting | None]
 ) -> Setting | None:
     """The setting module ``path`` gets from a plan, or None when it stays unquantized.
 
-    As in mlx-lm, only 2-D weights whose last dimension divides by the group size are quantized.
+    As in mlx-lm, a weight whose last dimension the group size does not divide stays as it is.
     """
     setting = layers[path] if path in layers else default
     return setting if setting is not None and setting.fits(shape) else None
 
 
 def output_specs(
-    source: Iterable[TensorSpec],
+    source: Source,
     *,
     default: Setting | None,
     layers: Mapping[str, Setting | None],
-    out_dtype: str,
+    out_dtype: str | None,
 ) -> list[TensorSpec]:
-    """Every tensor of the quantized model, in source order."""
+    """Every tensor of the quantized model, in writing order."""
     out: list[TensorSpec] = []
-    for spec in source:
+    for spec in source.specs:
         path = module_of(spec.name)
-        setting = resolve(path, spec.shape, default, layers) if path else None
+        quantizable = path in source.quantizable
+        setting = resolve(path, spec.shape, default, layers) if quantizable else None
+        dtype = source.dtype_of(spec, out_dtype)
         if setting is not None:
-            out += quantized_specs(path, spec.shape, setting, out_dtype)
+            out += quantized_specs(path, spec.shape, setting, dtype)
         else:
-            out.append(TensorSpec(spec.name, store_dtype(spec.dtype, out_dtype), spec.shape))
+            out.append(TensorSpec(spec.name, dtype, spec.shape))
     return out
 
 
@@ -196,26 +241,27 @@ class SizeReport:
 
 
 def predict(
-    source: list[TensorSpec],
+    source: Source,
     *,
     default: Setting | None,
     layers: Mapping[str, Setting | None],
-    out_dtype: str = "BF16",
+    out_dtype: str | None = "BF16",
     shard_bytes: int = 5 << 30,
     metadata: Mapping[str, str] | None = None,
 ) -> SizeReport:
     """The size of ``source`` quantized with a plan, to the byte.
 
     Args:
-        source: the source model's tensors (see :func:`read_specs`).
+        source: the source model (see :func:`read_source`).
         default: setting of modules not in ``layers`` (None: leave them unquantized).
         layers: per-module settings; None leaves that module unquantized.
-        out_dtype: safetensors code of the output dtype (``DTYPE_CODES["bfloat16"]``).
+        out_dtype: safetensors code of the output dtype (``DTYPE_CODES["bfloat16"]``); None keeps
+            each tensor's own dtype.
         shard_bytes: the writer's shard limit.
         metadata: the safetensors ``__metadata__`` the writer stores.
 
     Example:
-        >>> predict(read_specs(src), default=Setting(4, 64), layers={}).bpw
+        >>> predict(read_source(src), default=Setting(4, 64), layers={}).bpw
         4.52...
     """
     metadata = {"format": "mlx"} if metadata is None else metadata
@@ -224,7 +270,7 @@ def predict(
     return SizeReport(
         tensor_bytes=sum(s.nbytes for s in specs),
         file_bytes=sum(file_size(shard, metadata) for shard in shards),
-        parameters=sum(s.numel for s in source),
+        parameters=source.parameters,
         shards=len(shards),
     )
 
@@ -235,6 +281,37 @@ def read_specs(model_dir: Path) -> list[TensorSpec]:
 
     with open_model(model_dir) as m:
         return [TensorSpec(i.name, i.dtype, tuple(i.shape)) for i in m.infos().values()]
+
+
+def read_source(model_dir: Path) -> Source:
+    """The model as ``quantize`` sees it: mlx-lm's model class, sanitized tensors, writing order.
+
+    Reads config.json and the safetensors headers only (no tensor data). A directory without
+    config.json falls back to :meth:`Source.from_specs` on its raw tensors.
+    """
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from mlxbun.io.shards import NP_TO_ST
+    from mlxbun.quant.plan import build_skeleton
+
+    if not (Path(model_dir) / "config.json").is_file():
+        return Source.from_specs(read_specs(model_dir))
+    sk = build_skeleton(model_dir)
+    order = [k for k, _ in tree_flatten(sk.model.parameters())]
+    specs = tuple(
+        TensorSpec(k, NP_TO_ST[str(sk.weights[k].dtype).rpartition(".")[2]], tuple(sk.weights[k].shape))
+        for k in order
+    )
+    cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)
+    allow = getattr(sk.model, "quant_predicate", None)
+    leaves = tree_flatten(sk.model.leaf_modules(), is_leaf=nn.Module.is_module)
+    quantizable = frozenset(
+        p
+        for p, m in leaves
+        if hasattr(m, "to_quantized") and "weight" in m and (allow is None or allow(p, m))
+    )
+    return Source(specs, quantizable, frozenset(s.name for s in specs if not cast_ok(s.name)))
 
 
 def measure(model_dir: Path, *, parameters: int) -> SizeReport:

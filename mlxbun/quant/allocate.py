@@ -1,0 +1,412 @@
+"""command=allocate: per-layer quantization settings that minimise summed KL under a true size budget.
+
+Input: ``sensitivity.json`` (per-layer KL at candidate settings, from ``command=sensitivity``) and
+the source model. The budget is bits per weight (stored tensor bits over the logical parameter
+count, scales, biases, embeddings and every unquantized tensor included) or bytes on disk (the
+``.safetensors`` files, headers included); see ``mlxbun.quant.budget`` for both definitions. The
+choice is a multiple-choice knapsack solved exactly or with a stated bound
+(``mlxbun.quant.knapsack``). Output::
+
+    <run_dir>/
+        plan.json     {"version": 1, "default": {bits, group_size, mode},
+                       "layers": {path: {bits, group_size, mode} | false},     what quantize reads
+                       "predicted_bytes", "predicted_bpw", "predicted_kl_sum",
+                       "predicted": {tensor_bytes, file_bytes, parameters, shards, bpw},
+                       "budget": {...}, "solver": {exact, unit, lower_bound, gap, ...},
+                       "choices": {path: {bits, group_size, mode, kl, bytes}}, "source": {...}}
+        check.json    with allocate.check: the plan quantized, measured KL vs the reference
+        model/        with allocate.check: that quantized model
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import re
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxbun.errors import InputError
+from mlxbun.quant import budget
+from mlxbun.quant.budget import Setting, SizeReport, Source
+from mlxbun.quant.knapsack import Solution, solve
+
+PLAN_FILE = "plan.json"
+SENSITIVITY_FILE = "sensitivity.json"
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+DEFAULT = Setting(4, 64, "affine")
+
+
+# ------------------------------------------------------------------------------- sensitivity
+
+
+@dataclass(frozen=True)
+class LayerSensitivity:
+    """Measured KL of one module at each setting it was probed with."""
+
+    path: str
+    params: int
+    kl: Mapping[Setting, float]
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """A sensitivity.json: per-module KL, and fingerprints of the model and calibration."""
+
+    layers: Mapping[str, LayerSensitivity]
+    model_fingerprint: str | None = None
+    calibration_fingerprint: str | None = None
+    path: Path | None = None
+
+
+def _setting_keys(entry: Mapping[str, Any], top: Mapping[str, Any]) -> dict[Setting, float]:
+    """KL per setting from a layer entry: {"kl": {"4": x}} at the file's group size and mode."""
+    group, mode = int(top.get("group_size", 64)), str(top.get("mode", "affine"))
+    out = {}
+    for bits, value in dict(entry.get("kl") or {}).items():
+        if value is not None:
+            out[Setting(int(bits), group, mode)] = float(value)
+    return out
+
+
+def load_sensitivity(path: str | Path) -> Sensitivity:
+    """Read a sensitivity.json (or the run directory holding one).
+
+    Example:
+        >>> sens = load_sensitivity("outputs/sensitivity/2026-12-02_10-00-00/sensitivity.json")
+        >>> sens.layers["model.layers.0.mlp.down_proj"].kl[Setting(4, 64)]
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / SENSITIVITY_FILE
+    if not p.is_file():
+        raise InputError(
+            f"allocate.sensitivity={str(path)!r} does not exist; pass a sensitivity.json or its run dir"
+        )
+    try:
+        data = json.loads(p.read_text())
+        entries = data["layers"]
+        entries = entries.values() if isinstance(entries, dict) else entries
+        layers = {
+            e["path"]: LayerSensitivity(e["path"], int(e.get("params", 0)), _setting_keys(e, data))
+            for e in entries
+        }
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise InputError(f"allocate.sensitivity={str(path)!r} is not a sensitivity.json ({e!r})") from None
+    model, calib = data.get("model") or {}, data.get("calibration") or {}
+    return Sensitivity(layers, model.get("fingerprint"), calib.get("fingerprint"), p)
+
+
+# ------------------------------------------------------------------------------- protection
+
+
+LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``pattern:min_bits``: matching modules get at least ``min_bits``.
+
+    ``pattern`` is a glob over the module path when it has ``*?[``, else a run of whole dotted
+    components (``lm_head``, ``down_proj``, ``layers.0.mlp``); the components ``first`` and
+    ``last`` stand for the first and last block index.
+    """
+
+    pattern: str
+    min_bits: int
+
+    @classmethod
+    def parse(cls, text: str) -> Rule:
+        pattern, sep, bits = str(text).rpartition(":")
+        if not sep or not pattern or not bits.strip().isdigit():
+            raise InputError(
+                f"allocate.protect entry {text!r} is not PATTERN:BITS; e.g. lm_head:6 or layers.first.mlp.down_proj:6"
+            )
+        return cls(pattern.strip(), int(bits))
+
+    def matches(self, path: str, *, n_blocks: int) -> bool:
+        parts = [{"first": "0", "last": str(max(n_blocks - 1, 0))}.get(c, c) for c in self.pattern.split(".")]
+        pattern = ".".join(parts)
+        if any(ch in pattern for ch in "*?["):
+            return fnmatch.fnmatchcase(path, pattern)
+        return f".{pattern}." in f".{path}."
+
+
+def min_bits(path: str, rules: Sequence[Rule], *, n_blocks: int) -> int:
+    return max((r.min_bits for r in rules if r.matches(path, n_blocks=n_blocks)), default=0)
+
+
+def count_blocks(paths: Collection[str]) -> int:
+    return 1 + max((int(m.group(1)) for p in paths if (m := LAYER_INDEX.search(f".{p}."))), default=-1)
+
+
+# ------------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The setting one module gets (None: unquantized), its KL (None: not measured) and bytes."""
+
+    setting: Setting | None
+    kl: float | None
+    nbytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        head = self.setting.to_json() if self.setting else {"bits": None, "group_size": None, "mode": None}
+        return {**head, "kl": self.kl, "bytes": self.nbytes, "measured": self.kl is not None}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A per-layer plan with its predicted size and KL, as written to plan.json."""
+
+    default: Setting
+    choices: Mapping[str, Choice]
+    size: SizeReport
+    kl_sum: float
+    budget: Mapping[str, Any] = field(default_factory=dict)
+    solver: Mapping[str, Any] = field(default_factory=dict)
+    source: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def layers(self) -> dict[str, Setting | None]:
+        return {p: c.setting for p, c in self.choices.items()}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "default": self.default.to_json(),
+            "layers": {
+                p: (c.setting.to_json() if c.setting else False) for p, c in sorted(self.choices.items())
+            },
+            "predicted_bytes": self.size.file_bytes,
+            "predicted_bpw": self.size.bpw,
+            "predicted_kl_sum": self.kl_sum,
+            "predicted": self.size.to_json(),
+            "budget": dict(self.budget),
+            "solver": dict(self.solver),
+            "source": dict(self.source),
+            "choices": {p: c.to_json() for p, c in sorted(self.choices.items())},
+        }
+
+
+# ------------------------------------------------------------------------------- allocation
+
+
+@dataclass
+class _Problem:
+    """The knapsack items (measured modules) and what is fixed around them."""
+
+    paths: list[str]
+    options: list[list[tuple[Setting, int, float]]]
+    fixed: dict[str, Setting | None]
+
+
+def _fixed_setting(path: str, shape: tuple[int, ...], default: Setting, need: int) -> Setting | None:
+    """An unmeasured module's setting: the default, raised to ``need`` bits by a protection rule."""
+    if need <= default.bits:
+        return default
+    if default.mode != "affine" or need > max(AFFINE_BITS):
+        raise InputError(
+            f"allocate.protect asks {path!r} for >= {need} bits, which the default "
+            f"{default.mode} {default.bits}-bit setting cannot give; probe {path!r} in sensitivity"
+        )
+    return Setting(min(b for b in AFFINE_BITS if b >= need), default.group_size, default.mode)
+
+
+def _problem(
+    sens: Sensitivity,
+    source: Source,
+    *,
+    candidates: Collection[Setting] | None,
+    rules: Sequence[Rule],
+    default: Setting,
+    out_dtype: str | None,
+) -> _Problem:
+    shapes, dtypes = source.shapes, source.weight_dtypes(out_dtype)
+    unknown = sorted(set(sens.layers) - set(shapes))
+    if unknown:
+        raise InputError(
+            f"allocate.sensitivity has module {unknown[0]!r}, which is not a quantizable module of the"
+            f" model ({len(unknown)} such); pass the sensitivity of this model"
+        )
+    n_blocks = count_blocks(shapes)
+    paths, options, fixed = [], [], {}
+    for path, shape in sorted(shapes.items()):
+        need = min_bits(path, rules, n_blocks=n_blocks)
+        if path not in sens.layers:
+            fixed[path] = _fixed_setting(path, shape, default, need)
+            continue
+        opts = [
+            (s, budget.weight_bytes(shape, s, dtypes[path]), kl)
+            for s, kl in sorted(sens.layers[path].kl.items())
+            if (candidates is None or s in candidates) and s.fits(shape) and s.bits >= need
+        ]
+        if not opts:
+            measured = ", ".join(f"{s.mode}:{s.bits}:{s.group_size}" for s in sorted(sens.layers[path].kl))
+            raise InputError(
+                f"no candidate setting is left for {path!r} (measured {measured}; needs >= {need} bits,"
+                f" in_features={shape[-1]}); widen allocate.bits/group_sizes/modes or probe more bits"
+            )
+        paths.append(path)
+        options.append(opts)
+    return _Problem(paths, options, fixed)
+
+
+def _predict(source: Source, default: Setting, layers: Mapping[str, Setting | None], **kw: Any) -> SizeReport:
+    return budget.predict(source, default=default, layers=layers, **kw)
+
+
+def _range_error(key: str, value: float, lo: SizeReport, hi: SizeReport) -> InputError:
+    return InputError(
+        f"{key}={value} cannot be met: the candidates give between {lo.bpw:.4f} and {hi.bpw:.4f} bpw"
+        f" ({lo.tensor_bytes} to {hi.tensor_bytes} tensor bytes, {lo.file_bytes} to {hi.file_bytes} bytes"
+        " on disk); choose a budget in that range or add lower-bit candidates"
+    )
+
+
+def allocate(
+    sens: Sensitivity,
+    *,
+    model_dir: str | Path,
+    candidates: Collection[Setting] | None = None,
+    budget_bpw: float | None = None,
+    budget_bytes: int | None = None,
+    protect: Sequence[str | Rule] = (),
+    default: Setting = DEFAULT,
+    out_dtype: str | None = "bfloat16",
+    shard_bytes: int = 5 << 30,
+    max_states: int = 1 << 16,
+) -> Plan:
+    """Choose one setting per measured module, minimising summed KL within the budget.
+
+    Modules absent from ``sens`` (embeddings, an unprobed lm_head) take ``default`` (raised by
+    ``protect`` rules) and count in the budget like everything else.
+
+    Args:
+        sens: per-module KL (see :func:`load_sensitivity`).
+        model_dir: the source model the sensitivity was measured on.
+        candidates: settings allowed (None: every measured one).
+        budget_bpw: bits per weight over all stored tensors (``budget.SizeReport.bpw``).
+        budget_bytes: bytes of the ``.safetensors`` files on disk, headers included.
+        protect: ``"pattern:min_bits"`` rules (see :class:`Rule`).
+        default: setting of unmeasured modules and the plan's ``default``.
+        out_dtype: dtype quantize writes (scales, biases and unquantized tensors); None follows
+            config.json as ``quantize`` does.
+        shard_bytes: the writer's shard limit (headers are per shard).
+        max_states: knapsack DP states before sizes are rounded (see ``knapsack``).
+
+    Example:
+        >>> plan = allocate(load_sensitivity(run), model_dir=src, budget_bpw=4.5, protect=["lm_head:6"])
+        >>> plan.size.bpw <= 4.5, plan.kl_sum
+    """
+    if (budget_bpw is None) == (budget_bytes is None):
+        raise InputError("set exactly one of allocate.budget_bpw and allocate.budget_bytes")
+    code = _dtype_code(out_dtype, Path(model_dir))
+    source = budget.read_source(Path(model_dir))
+    rules = [r if isinstance(r, Rule) else Rule.parse(r) for r in protect]
+    prob = _problem(sens, source, candidates=candidates, rules=rules, default=default, out_dtype=code)
+    kw = {"out_dtype": code, "shard_bytes": shard_bytes}
+    lo = _predict(source, default, {**prob.fixed, **_pick(prob, min)}, **kw)
+    hi = _predict(source, default, {**prob.fixed, **_pick(prob, max)}, **kw)
+    fixed_bytes = lo.tensor_bytes - sum(min(o[1] for o in opts) for opts in prob.options)
+    if budget_bpw is not None:
+        key, value, limit = "allocate.budget_bpw", budget_bpw, math.floor(budget_bpw * source.parameters / 8)
+        capacity = limit - fixed_bytes
+        sol = solve(_items(prob), capacity, max_states=max_states) if capacity >= 0 else None
+    else:
+        key, value, limit = "allocate.budget_bytes", budget_bytes, budget_bytes
+        sol = _solve_file_budget(prob, source, default, budget_bytes, fixed_bytes, lo, max_states, kw)
+    if sol is None:
+        raise _range_error(key, value, lo, hi)
+    limits = {"key": key, "value": value, "limit_bytes": limit, "unit": "tensor" if budget_bpw else "file"}
+    return _plan(prob, sol, source, default, kw, sens, limits=limits)
+
+
+def _dtype_code(dtype: str | None, model_dir: Path) -> str | None:
+    """The safetensors code of the dtype ``quantize`` will write, by its own rule."""
+    from mlxbun.quant.uniform import resolve_dtype
+
+    cfg = model_dir / "config.json"
+    resolved = resolve_dtype(dtype, json.loads(cfg.read_text()) if cfg.is_file() else {})
+    return budget.DTYPE_CODES[resolved] if resolved else None
+
+
+def _pick(prob: _Problem, by: Any) -> dict[str, Setting]:
+    """Each item's cheapest (min) or largest (max) option by bytes."""
+    return {
+        p: by(opts, key=lambda o: (o[1], -o[2]))[0] for p, opts in zip(prob.paths, prob.options, strict=True)
+    }
+
+
+def _items(prob: _Problem) -> list[tuple[list[int], list[float]]]:
+    return [([o[1] for o in opts], [o[2] for o in opts]) for opts in prob.options]
+
+
+def _solve_file_budget(
+    prob: _Problem,
+    source: Source,
+    default: Setting,
+    budget_bytes: int,
+    fixed_bytes: int,
+    lo: SizeReport,
+    max_states: int,
+    kw: dict[str, Any],
+) -> Solution | None:
+    """Headers depend (by a few bytes) on the choice: solve, measure the overshoot, tighten, repeat."""
+    headers = lo.file_bytes - lo.tensor_bytes
+    for _ in range(16):
+        capacity = budget_bytes - fixed_bytes - headers
+        sol = solve(_items(prob), capacity, max_states=max_states) if capacity >= 0 else None
+        if sol is None:
+            return None
+        layers = {**prob.fixed, **_chosen(prob, sol)}
+        over = _predict(source, default, layers, **kw).file_bytes - budget_bytes
+        if over <= 0:
+            return sol
+        headers += over
+    return None
+
+
+def _chosen(prob: _Problem, sol: Solution) -> dict[str, Setting]:
+    return {p: prob.options[i][j][0] for i, (p, j) in enumerate(zip(prob.paths, sol.choice, strict=True))}
+
+
+def _plan(
+    prob: _Problem,
+    sol: Solution,
+    source: Source,
+    default: Setting,
+    kw: dict[str, Any],
+    sens: Sensitivity,
+    *,
+    limits: Mapping[str, Any],
+) -> Plan:
+    shapes, dtypes = source.shapes, source.weight_dtypes(kw["out_dtype"])
+    choices: dict[str, Choice] = {}
+    for i, (path, j) in enumerate(zip(prob.paths, sol.choice, strict=True)):
+        setting, nbytes, kl = prob.options[i][j]
+        choices[path] = Choice(setting, kl, nbytes)
+    for path, setting in prob.fixed.items():
+        real = budget.resolve(path, shapes[path], setting, {})
+        choices[path] = Choice(real, None, budget.weight_bytes(shapes[path], real, dtypes[path]))
+    size = _predict(source, default, {p: c.setting for p, c in choices.items()}, **kw)
+    solver = {
+        "exact": sol.exact,
+        "unit_bytes": sol.unit,
+        "lower_bound": sol.lower_bound,
+        "gap_bound": sol.cost - sol.lower_bound,
+        "slack_bound_bytes": sol.slack_bound,
+        "items": len(prob.paths),
+    }
+    src = {
+        "sensitivity": str(sens.path) if sens.path else None,
+        "model_fingerprint": sens.model_fingerprint,
+        "calibration_fingerprint": sens.calibration_fingerprint,
+        "out_dtype": kw["out_dtype"],
+        "shard_bytes": kw["shard_bytes"],
+    }
+    return Plan(default, choices, size, sol.cost, dict(limits), solver, src)
