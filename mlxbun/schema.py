@@ -192,19 +192,51 @@ class SensitivityCfg:
 
 @dataclass
 class AllocateCfg:
+    # sensitivity.json or the run directory holding it (a pipeline's sensitivity step sets it).
     sensitivity: str | None = None
-    bits: list[int] = field(default_factory=lambda: [3, 4, 6, 8])
-    group_sizes: list[int] = field(default_factory=lambda: [64])
+    # Candidates: measured settings with these bits / group sizes / modes ([] = any measured).
+    bits: list[int] = field(default_factory=list)
+    group_sizes: list[int] = field(default_factory=list)
+    modes: list[str] = field(default_factory=list)
+    # Exactly one: bits per weight over every stored tensor, or bytes of the .safetensors files.
     budget_bpw: float | None = None
     budget_bytes: int | None = None
-    # Module-path substrings kept at >= protect_bits (e.g. lm_head, embed_tokens).
+    # Setting of modules the sensitivity did not probe (e.g. embeddings); the plan's default.
+    default_bits: int = 4
+    default_group_size: int = 64
+    default_mode: str = "affine"
+    # "PATTERN:MIN_BITS" rules, e.g. lm_head:6, embed_tokens:6, layers.first.mlp.down_proj:6.
     protect: list[str] = field(default_factory=list)
-    protect_bits: int = 8
+    # Knapsack DP states before option sizes get rounded up (see mlxbun/quant/knapsack.py).
+    max_states: int = 65536
+    # Quantize with the plan and measure the mixed model's KL against the reference.
     check: bool = True
 
     def __post_init__(self) -> None:
         positive("allocate.budget_bpw", self.budget_bpw)
         positive("allocate.budget_bytes", self.budget_bytes)
+        if self.budget_bpw is not None and self.budget_bytes is not None:
+            raise InputError(
+                f"allocate.budget_bpw={self.budget_bpw} and allocate.budget_bytes={self.budget_bytes}"
+                " are both set; choose one"
+            )
+        for b in self.bits:
+            choose("allocate.bits", b, AFFINE_BITS)
+        for g in self.group_sizes:
+            choose("allocate.group_sizes", g, GROUP_SIZES)
+        for m in self.modes:
+            choose("allocate.modes", m, QUANT_MODES)
+        choose("allocate.default_mode", self.default_mode, QUANT_MODES)
+        choose("allocate.default_group_size", self.default_group_size, GROUP_SIZES)
+        positive("allocate.default_bits", self.default_bits)
+        positive("allocate.max_states", self.max_states)
+        for rule in self.protect:
+            pattern, sep, bits = str(rule).rpartition(":")
+            if not sep or not pattern or not bits.isdigit():
+                raise InputError(
+                    f"allocate.protect entry {rule!r} is not PATTERN:BITS; e.g. lm_head:6 or"
+                    " layers.first.mlp.down_proj:6"
+                )
 
 
 @dataclass
