@@ -1,0 +1,314 @@
+"""quantize: bit-identical to ``mlx_lm convert`` on tiny models of four architectures, plans,
+mixed rules, resume after SIGKILL, and bad input refused before anything is written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from conftest import make_tokenizer_dir
+from mlx.utils import tree_flatten
+
+from mlxbun.errors import InputError
+from mlxbun.quant import plan as qplan
+from mlxbun.quant.uniform import MARKER, quantize_model_dir
+
+REPO = Path(__file__).resolve().parent.parent
+BASE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+# intermediate_size 96 is not a multiple of 64: down_proj stays unquantized at group size 64/128.
+CONFIGS = {
+    "llama": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], intermediate_size=96, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+    ),
+    "mistral": dict(
+        model_type="mistral", architectures=["MistralForCausalLM"], intermediate_size=256, rms_norm_eps=1e-5,
+        rope_theta=10000.0, tie_word_embeddings=False, torch_dtype="bfloat16",
+    ),
+    "qwen3": dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], intermediate_size=256, rms_norm_eps=1e-6,
+        head_dim=32, max_position_embeddings=512, rope_theta=1e6, tie_word_embeddings=True,
+        torch_dtype="bfloat16",
+    ),
+    "gemma3_text": dict(
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], intermediate_size=96, head_dim=32,
+        rms_norm_eps=1e-6, sliding_window=16, sliding_window_pattern=2, query_pre_attn_scalar=32,
+        torch_dtype="bfloat16",
+    ),
+}  # fmt: skip
+
+
+def make_hf_model(path: Path, arch: str, *, seed: int = 0, files: int = 1, **over) -> Path:
+    """A tiny HF-layout checkpoint: mlx-lm's own model class, random bf16 weights, extra tensors
+    that mlx-lm's sanitize drops (rotary inv_freq; a tied lm_head), a tokenizer."""
+    from mlx_lm.utils import _get_classes
+
+    cfg = {**BASE, **CONFIGS[arch], **over}
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(seed)
+    weights = {
+        k: v.astype(mx.bfloat16) for k, v in tree_flatten(model_class(args_class.from_dict(cfg)).parameters())
+    }
+    if arch == "llama":
+        weights["model.layers.0.self_attn.rotary_emb.inv_freq"] = mx.arange(16, dtype=mx.float32)
+    if cfg.get("tie_word_embeddings"):
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    path.mkdir(parents=True)
+    names = sorted(weights)
+    parts = [names[i::files] for i in range(files)]
+    index = {}
+    for i, part in enumerate(parts, start=1):
+        fname = "model.safetensors" if files == 1 else f"model-{i:05d}-of-{files:05d}.safetensors"
+        mx.save_safetensors(str(path / fname), {n: weights[n] for n in part}, metadata={"format": "pt"})
+        index.update(dict.fromkeys(part, fname))
+    if files > 1:
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    (path / "config.json").write_text(json.dumps(cfg))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    make_tokenizer_dir(path, vocab_size=cfg["vocab_size"])
+    return path
+
+
+def mlx_lm_convert(src: Path, dst: Path, **kw) -> Path:
+    from mlx_lm.convert import convert
+
+    convert(hf_path=str(src), mlx_path=str(dst), quantize=True, **kw)
+    return dst
+
+
+def tensors(d: Path) -> dict[str, mx.array]:
+    out = {}
+    for f in sorted(d.glob("model*.safetensors")):
+        out.update(mx.load(str(f)))
+    return out
+
+
+def assert_same_tensors(ref: Path, mine: Path) -> None:
+    a, b = tensors(ref), tensors(mine)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert (a[k].dtype, a[k].shape) == (b[k].dtype, b[k].shape), k
+        assert bytes(memoryview(a[k])) == bytes(memoryview(b[k])), f"{k} differs"
+
+
+def index(d: Path) -> dict:
+    return json.loads((d / "model.safetensors.index.json").read_text())
+
+
+CASES = [
+    ("llama", dict(q_bits=4, q_group_size=64), {}),
+    ("qwen3", dict(q_bits=3, q_group_size=32), {}),
+    ("mistral", dict(q_mode="mxfp4"), {}),
+    ("gemma3_text", dict(q_bits=8, q_group_size=128), {}),
+    ("qwen3", dict(q_mode="nvfp4", dtype="float16"), {"dtype": "float16"}),
+    ("llama", dict(q_bits=3, q_group_size=64, quant_predicate="mixed_3_6"), {"mixed": "mixed_3_6"}),
+]
+
+
+@pytest.mark.parametrize(
+    ("arch", "ref_kw", "extra"), CASES, ids=[f"{a}-{i}" for i, (a, _, _) in enumerate(CASES)]
+)
+def test_bit_identical_to_mlx_lm_convert(tmp_path, arch, ref_kw, extra):
+    src = make_hf_model(tmp_path / "src", arch, files=2 if arch == "gemma3_text" else 1)
+    ref = mlx_lm_convert(src, tmp_path / "ref", **ref_kw)
+    res = quantize_model_dir(
+        src,
+        tmp_path / "mine",
+        mode=ref_kw.get("q_mode", "affine"),
+        bits=ref_kw.get("q_bits"),
+        group_size=ref_kw.get("q_group_size"),
+        **extra,
+    )
+    assert_same_tensors(ref, res.out)
+    assert (res.out / "config.json").read_text() == (ref / "config.json").read_text()
+    assert index(res.out) == index(ref)
+    assert (res.out / "generation_config.json").is_file() and (res.out / "tokenizer.json").is_file()
+
+
+def test_shard_packing_and_order_match_mlx_lm(tmp_path, monkeypatch):
+    """With a small shard ceiling on both sides, the same tensors land in the same shards."""
+    import mlx_lm.utils as mu
+
+    limit = 60_000
+
+    def small_shards(weights, max_file_size_gb=5):
+        shards, size = [], 0
+        for k, v in weights.items():
+            if not shards or size + v.nbytes > limit:
+                shards.append({})
+                size = 0
+            shards[-1][k] = v
+            size += v.nbytes
+        return shards
+
+    monkeypatch.setattr(mu, "make_shards", small_shards)
+    src = make_hf_model(tmp_path / "src", "llama")
+    ref = mlx_lm_convert(src, tmp_path / "ref", q_bits=4, q_group_size=64)
+    mine = quantize_model_dir(src, tmp_path / "mine", bits=4, group_size=64, shard_bytes=limit, threads=2)
+    assert len(mine.files) > 2 and mine.files == sorted(p.name for p in ref.glob("model*.safetensors"))
+    assert index(mine.out) == index(ref)
+    assert_same_tensors(ref, mine.out)
+
+
+def test_plan_file_matches_mlx_lm_with_the_same_predicate(tmp_path):
+    src = make_hf_model(tmp_path / "src", "qwen3")
+    layers = {
+        "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 64, "mode": "affine"},
+        "model.layers.1.self_attn.v_proj": {"bits": 4, "group_size": 32, "mode": "mxfp4"},
+        "model.layers.3.mlp.up_proj": False,
+    }
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(
+        json.dumps({"version": 1, "default": {"bits": 3, "group_size": 64}, "layers": layers})
+    )
+
+    def predicate(path, module):  # what the plan means, as an mlx-lm quant_predicate
+        entry = layers.get(path, True)
+        return {k: entry[k] for k in ("group_size", "bits", "mode")} if isinstance(entry, dict) else entry
+
+    ref = mlx_lm_convert(src, tmp_path / "ref", q_bits=3, q_group_size=64, quant_predicate=predicate)
+    res = quantize_model_dir(src, tmp_path / "mine", plan=plan_path)
+    assert_same_tensors(ref, res.out)
+    mine_q = json.loads((res.out / "config.json").read_text())["quantization"]
+    ref_q = json.loads((ref / "config.json").read_text())["quantization"]
+    assert mine_q == {**ref_q, "model.layers.3.mlp.up_proj": False}
+    # The layout the allocator predicts from is what was written.
+    written = tensors(res.out)
+    for m in qplan.module_layout(src, plan=plan_path):
+        assert (f"{m.path}.scales" in written) == m.quantized, m.path
+        if m.quantized:
+            assert written[f"{m.path}.weight"].shape[-1] * 32 // m.bits == m.in_features
+
+
+def test_mlx_lm_generates_the_same_tokens(tmp_path):
+    from mlx_lm import generate, load
+
+    src = make_hf_model(tmp_path / "src", "llama")
+    ref = mlx_lm_convert(src, tmp_path / "ref", q_bits=4, q_group_size=32)
+    mine = quantize_model_dir(src, tmp_path / "mine", bits=4, group_size=32).out
+    outs = []
+    for d in (ref, mine):
+        model, tok = load(str(d))
+        outs.append(generate(model, tok, prompt="w3 w4 w5 w6", max_tokens=12))
+    assert outs[0] == outs[1] and outs[0]
+
+
+KILL_SCRIPT = """
+import os, signal, sys
+sys.path.insert(0, {repo!r})
+from mlxbun.io import shards
+from mlxbun.quant.uniform import quantize_model_dir
+real = shards.ShardedWriter._write_shard
+def write_then_die(self, k, items):
+    real(self, k, items)
+    if k == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+shards.ShardedWriter._write_shard = write_then_die
+quantize_model_dir({src!r}, {out!r}, bits=4, group_size=64, shard_bytes=40000)
+"""
+
+
+def test_resume_after_sigkill_gives_identical_bytes(tmp_path):
+    src = make_hf_model(tmp_path / "src", "llama", files=2)
+    out = tmp_path / "killed" / "model"
+    script = KILL_SCRIPT.format(repo=str(REPO), src=str(src), out=str(out))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert not out.exists()  # nothing that looks finished
+    (partial,) = [p for p in out.parent.iterdir() if p.name.startswith(".model.partial-")]
+    assert len(list(partial.glob(".mlxbun-shard-*.safetensors"))) == 3
+    resumed = quantize_model_dir(src, out, bits=4, group_size=64, shard_bytes=40000)
+    clean = quantize_model_dir(src, tmp_path / "clean" / "model", bits=4, group_size=64, shard_bytes=40000)
+    assert resumed.files == clean.files and len(clean.files) > 3
+    for name in [*clean.files, "config.json", "model.safetensors.index.json"]:
+        assert (out / name).read_bytes() == (clean.out / name).read_bytes(), name
+    assert not partial.exists()
+    again = quantize_model_dir(src, out, bits=4, group_size=64, shard_bytes=40000)
+    assert again.reused
+
+
+def _nothing_written(root: Path, before: set[str]) -> None:
+    assert {p.name for p in root.iterdir()} == before
+
+
+@pytest.mark.parametrize(
+    ("kw", "match"),
+    [
+        ({"mode": "int3"}, r"quant.mode='int3' is not allowed; choose one of affine"),
+        ({"mode": "mxfp4", "bits": 3}, r"quant.bits=3 is not allowed for mode=mxfp4"),
+        ({"bits": 7}, r"quant.bits=7 is not allowed for mode=affine; choose one of 2, 3, 4, 5, 6, 8"),
+        ({"group_size": 128}, r"quant.group_size=128 divides the input width of no quantizable layer"),
+        ({"mixed": "mixed_9_9"}, r"quant.mixed='mixed_9_9' is not allowed"),
+        ({"dtype": "int8"}, r"quant.dtype='int8' is not allowed"),
+    ],
+)
+def test_bad_settings_are_refused_before_writing(tmp_path, kw, match):
+    src = make_hf_model(
+        tmp_path / "src", "llama", hidden_size=96, num_attention_heads=3, num_key_value_heads=1
+    )
+    before = {p.name for p in tmp_path.iterdir()}
+    with pytest.raises(InputError, match=match):
+        quantize_model_dir(src, tmp_path / "out", **kw)
+    _nothing_written(tmp_path, before)
+
+
+def test_bad_sources_and_outputs_are_refused(tmp_path):
+    src = make_hf_model(tmp_path / "src", "llama")
+    (tmp_path / "noconfig").mkdir()
+    with pytest.raises(InputError, match=r"has no config.json"):
+        quantize_model_dir(tmp_path / "noconfig", tmp_path / "out")
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    with pytest.raises(InputError, match=r"quant.out=.*taken.* already exists and is not this conversion"):
+        quantize_model_dir(src, tmp_path / "taken")
+    assert sorted(p.name for p in (tmp_path / "taken").iterdir()) == ["notes.txt"]
+    plan = tmp_path / "plan.json"
+    plan.write_text(
+        json.dumps({"default": {"bits": 4}, "layers": {"model.layers.0.mlp.down_proj": {"bits": 4}}})
+    )
+    with pytest.raises(
+        InputError, match=r"group_size=64 does not divide in_features=96 of 'model.layers.0.mlp.down_proj'"
+    ):
+        quantize_model_dir(src, tmp_path / "out", plan=plan)
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+    quantized = quantize_model_dir(src, tmp_path / "q", bits=4).out
+    with pytest.raises(InputError, match=r"already quantized"):
+        quantize_model_dir(quantized, tmp_path / "qq")
+
+
+def test_a_different_conversion_does_not_reuse_an_output(tmp_path):
+    src = make_hf_model(tmp_path / "src", "llama")
+    first = quantize_model_dir(src, tmp_path / "out", bits=4)
+    assert json.loads((first.out / MARKER).read_text())["state"] == "complete"
+    with pytest.raises(InputError, match=r"already exists and is not this conversion"):
+        quantize_model_dir(src, tmp_path / "out", bits=8)
+
+
+def test_cli_quantize_writes_a_model_and_exits_2_on_bad_input(tmp_path):
+    src = make_hf_model(tmp_path / "src", "qwen3")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    common = [
+        f"model.name={src}",
+        f"paths.outputs={tmp_path / 'outputs'}",
+        f"paths.cache={tmp_path / 'cache'}",
+        "blas=off",
+    ]
+    ok = subprocess.run(
+        [sys.executable, "-m", "mlxbun", "command=quantize", "quant.bits=4", *common],
+        capture_output=True, text=True, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    (run_dir,) = (tmp_path / "outputs" / "quantize").iterdir()
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["status"] == "ok" and "model/model.safetensors" in manifest["outputs"]
+    assert json.loads((run_dir / "model" / "config.json").read_text())["quantization"]["bits"] == 4
+    bad = subprocess.run(
+        [sys.executable, "-m", "mlxbun", "command=quantize", "quant.mode=mxfp4", "quant.bits=3", *common],
+        capture_output=True, text=True, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "quant.bits=3" in bad.stderr and "Traceback" not in bad.stderr
