@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 
 import mlx.core as mx
@@ -154,7 +155,7 @@ def test_predicted_size_equals_written_size(tmp_path, out_dtype, shard_bytes):
         "lm_head": Setting(6, 64),
     }
     default = Setting(3, 64)
-    source = budget.read_specs(src)
+    source = budget.Source.from_specs(budget.read_specs(src))
     code = budget.DTYPE_CODES[out_dtype]
     pred = budget.predict(source, default=default, layers=layers, out_dtype=code, shard_bytes=shard_bytes)
     q = quantize_by_hand(tensors, default=default, layers=layers, out_dtype=getattr(mx, out_dtype))
@@ -174,3 +175,161 @@ def test_resolve_follows_the_plan_and_group_divisibility():
     assert budget.resolve("a", (64, 64), Setting(4, 64), {"a": None}) is None
     assert budget.resolve("a", (64,), Setting(4, 64), {}) is None
     assert TensorSpec("x", "BF16", (3, 5)).nbytes == 30
+
+
+# ---------------------------------------------------------------- allocation on a real model skeleton
+
+from mlxbun.errors import InputError  # noqa: E402
+from mlxbun.io.atomic import atomic_write_json  # noqa: E402
+from mlxbun.quant import allocate as al  # noqa: E402
+
+MEASURED = [
+    "lm_head",
+    "model.layers.0.mlp.down_proj",
+    "model.layers.1.self_attn.q_proj",
+    "model.layers.1.mlp.down_proj",
+]
+BITS = (2, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from mlxbun import synth
+
+    cache = tmp_path_factory.mktemp("alloc-synth")
+    return synth.ensure_synthetic(cache_dir=cache, arch="llama", preset="tiny", tie_embeddings=False)
+
+
+def fake_sensitivity(paths, *, seed=0, bits=BITS, group_size=64):
+    """KL falling with bits, at random per-layer scales (what matters is that layers differ)."""
+    rng = random.Random(seed)
+    layers = {}
+    for p in paths:
+        scale = rng.uniform(0.1, 10)
+        kl = {Setting(b, group_size): scale * 2.0 ** (-b) * rng.uniform(0.8, 1.2) for b in bits}
+        layers[p] = al.LayerSensitivity(p, 0, kl)
+    return al.Sensitivity(layers)
+
+
+def brute_force_plan(model, sens, *, fits, fixed=None):
+    """Lowest summed KL over every combination of measured settings whose full size fits."""
+    source = budget.read_source(model)
+    paths = sorted(sens.layers)
+    best = None
+    for combo in itertools.product(*[sorted(sens.layers[p].kl) for p in paths]):
+        layers = {**(fixed or {}), **dict(zip(paths, combo, strict=True))}
+        size = budget.predict(source, default=al.DEFAULT, layers=layers)
+        kl = sum(sens.layers[p].kl[s] for p, s in zip(paths, combo, strict=True))
+        if fits(size) and (best is None or kl < best):
+            best = kl
+    return best
+
+
+@pytest.mark.parametrize("bpw", [3.9, 4.3, 4.6, 5.2])
+def test_allocate_bpw_is_optimal_by_brute_force(model, bpw):
+    sens = fake_sensitivity(MEASURED, seed=int(bpw * 10))
+    plan = al.allocate(sens, model_dir=model, budget_bpw=bpw)
+    assert plan.size.bpw <= bpw
+    assert plan.size.tensor_bytes <= bpw * plan.size.parameters / 8
+    best = brute_force_plan(model, sens, fits=lambda s: s.tensor_bytes * 8 <= bpw * s.parameters)
+    assert plan.kl_sum == pytest.approx(best, rel=1e-12)
+    assert plan.solver["exact"] and plan.solver["lower_bound"] <= plan.kl_sum + 1e-12
+    # Unmeasured modules keep the default and are listed explicitly.
+    assert plan.layers["model.embed_tokens"] == al.DEFAULT and plan.choices["model.embed_tokens"].kl is None
+
+
+def test_allocate_bytes_budget_is_optimal_and_counts_headers(model):
+    sens = fake_sensitivity(MEASURED, seed=3)
+    source = budget.read_source(model)
+    lo, hi = (
+        budget.predict(source, default=al.DEFAULT, layers={p: Setting(b, 64) for p in MEASURED})
+        for b in (2, 8)
+    )
+    for frac in (0.3, 0.6):
+        limit = int(lo.file_bytes + frac * (hi.file_bytes - lo.file_bytes))
+        plan = al.allocate(sens, model_dir=model, budget_bytes=limit)
+        assert plan.size.file_bytes <= limit
+        assert plan.size.file_bytes > plan.size.tensor_bytes  # headers are counted
+        best = brute_force_plan(model, sens, fits=lambda s, limit=limit: s.file_bytes <= limit)
+        assert plan.kl_sum == pytest.approx(best, rel=1e-12)
+
+
+def test_infeasible_budget_names_the_range(model):
+    sens = fake_sensitivity(MEASURED)
+    with pytest.raises(
+        InputError, match=r"allocate.budget_bpw=1.0 cannot be met.*between [0-9.]+ and [0-9.]+ bpw"
+    ):
+        al.allocate(sens, model_dir=model, budget_bpw=1.0)
+    with pytest.raises(InputError, match="allocate.budget_bytes=1000 cannot be met"):
+        al.allocate(sens, model_dir=model, budget_bytes=1000)
+    with pytest.raises(InputError, match="exactly one"):
+        al.allocate(sens, model_dir=model)
+    # A generous budget is not an error: every module takes its lowest-KL setting.
+    plan = al.allocate(sens, model_dir=model, budget_bpw=16)
+    assert all(plan.layers[p].bits == 8 for p in MEASURED)
+
+
+def test_protection_rules(model):
+    sens = fake_sensitivity(MEASURED, seed=5)
+    tight = al.allocate(sens, model_dir=model, budget_bpw=3.9)
+    assert tight.layers["lm_head"].bits < 8 or tight.layers["model.layers.1.mlp.down_proj"].bits < 8
+    rules = ["lm_head:8", "layers.last.mlp.down_proj:4", "embed_tokens:6"]
+    plan = al.allocate(sens, model_dir=model, budget_bpw=6.0, protect=rules)
+    assert plan.layers["lm_head"].bits == 8
+    assert plan.layers["model.layers.1.mlp.down_proj"].bits >= 4
+    assert plan.layers["model.embed_tokens"] == Setting(6, 64)  # unmeasured: default raised
+    # Optimal among the settings the rules leave, with the protected embedding counted.
+    need = {"lm_head": 8, "model.layers.1.mlp.down_proj": 4}
+    allowed = al.Sensitivity(
+        {
+            p: al.LayerSensitivity(p, 0, {s: v for s, v in layer.kl.items() if s.bits >= need.get(p, 0)})
+            for p, layer in sens.layers.items()
+        }
+    )
+    best = brute_force_plan(
+        model,
+        allowed,
+        fits=lambda s: s.tensor_bytes * 8 <= 6.0 * s.parameters,
+        fixed={"model.embed_tokens": Setting(6, 64)},
+    )
+    assert plan.kl_sum == pytest.approx(best, rel=1e-12)
+    with pytest.raises(InputError, match="no candidate setting is left for 'lm_head'"):
+        al.allocate(sens, model_dir=model, budget_bpw=6, protect=["lm_head:9"])
+
+
+def test_rule_matching():
+    r = al.Rule.parse("layers.first.mlp.down_proj:6")
+    assert r.min_bits == 6
+    assert r.matches("model.layers.0.mlp.down_proj", n_blocks=4)
+    assert not r.matches("model.layers.3.mlp.down_proj", n_blocks=4)
+    last = al.Rule.parse("layers.last.mlp.down_proj:6")
+    assert last.matches("model.layers.3.mlp.down_proj", n_blocks=4)
+    assert al.Rule.parse("layers.1:5").matches("model.layers.1.mlp.up_proj", n_blocks=12)
+    assert not al.Rule.parse("layers.1:5").matches("model.layers.10.mlp.up_proj", n_blocks=12)
+    assert al.Rule.parse("*.self_attn.?_proj:5").matches("model.layers.2.self_attn.q_proj", n_blocks=4)
+    for bad in ("lm_head", "lm_head:x", ":6"):
+        with pytest.raises(InputError, match="PATTERN:BITS"):
+            al.Rule.parse(bad)
+
+
+def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
+    """The project's quantize writes exactly the predicted bytes (headers and all)."""
+    from mlxbun.quant.plan import load_plan
+    from mlxbun.quant.uniform import quantize_model_dir
+
+    sens = fake_sensitivity(sorted(budget.read_source(model).shapes), seed=9, bits=(2, 3, 4, 6, 8))
+    plan = al.allocate(sens, model_dir=model, budget_bpw=4.25, protect=["lm_head:6"])
+    atomic_write_json(tmp_path / "plan.json", plan.to_json())
+    assert load_plan(tmp_path / "plan.json").layers.keys() == plan.layers.keys()
+    res = quantize_model_dir(model, tmp_path / "out", plan=tmp_path / "plan.json", dtype="bfloat16")
+    assert budget.measure(res.out, parameters=plan.size.parameters) == plan.size
+    index = json.loads((res.out / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == plan.size.tensor_bytes
+    assert index["metadata"]["total_parameters"] == plan.size.parameters
+    # Sizes are also exact for a multi-shard layout.
+    small = al.allocate(sens, model_dir=model, budget_bpw=4.25, shard_bytes=30_000)
+    atomic_write_json(tmp_path / "small.json", small.to_json())
+    res = quantize_model_dir(
+        model, tmp_path / "out2", plan=tmp_path / "small.json", dtype="bfloat16", shard_bytes=30_000
+    )
+    assert small.size.shards > 1 and budget.measure(res.out, parameters=small.size.parameters) == small.size

@@ -60,6 +60,7 @@ class Sensitivity:
     model_fingerprint: str | None = None
     calibration_fingerprint: str | None = None
     path: Path | None = None
+    calibration: Mapping[str, Any] = field(default_factory=dict)
 
 
 def _setting_keys(entry: Mapping[str, Any], top: Mapping[str, Any]) -> dict[Setting, float]:
@@ -96,8 +97,13 @@ def load_sensitivity(path: str | Path) -> Sensitivity:
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise InputError(f"allocate.sensitivity={str(path)!r} is not a sensitivity.json ({e!r})") from None
+    if data.get("shard"):
+        raise InputError(
+            f"allocate.sensitivity={str(path)!r} is shard {data['shard'].get('index')} of"
+            f" {data['shard'].get('count')}; combine the shards with command=sensitivity_merge first"
+        )
     model, calib = data.get("model") or {}, data.get("calibration") or {}
-    return Sensitivity(layers, model.get("fingerprint"), calib.get("fingerprint"), p)
+    return Sensitivity(layers, model.get("fingerprint"), calib.get("fingerprint"), p, calib)
 
 
 # ------------------------------------------------------------------------------- protection
@@ -410,3 +416,192 @@ def _plan(
         "shard_bytes": kw["shard_bytes"],
     }
     return Plan(default, choices, size, sol.cost, dict(limits), solver, src)
+
+
+# ------------------------------------------------------------------------------- check
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The plan quantized for real: sizes predicted vs written, summed vs measured KL."""
+
+    out: Path
+    predicted: SizeReport
+    measured: SizeReport
+    predicted_kl_sum: float
+    measured_kl: float
+    calibration_fingerprint: str
+    calibration_matches: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": str(self.out),
+            "predicted": self.predicted.to_json(),
+            "measured": self.measured.to_json(),
+            "size_exact": self.predicted == self.measured,
+            "predicted_kl_sum": self.predicted_kl_sum,
+            "measured_kl": self.measured_kl,
+            "calibration_fingerprint": self.calibration_fingerprint,
+            "calibration_matches_sensitivity": self.calibration_matches,
+        }
+
+
+def measured_kl(ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batch_size: int = 8) -> float:
+    """KL(reference || model) of the output distributions, mean over tokens and samples.
+
+    Both models run dequantized in float32 (BLAS matmuls on CPU), as the sensitivity probes do,
+    so the number is on the same scale as the per-layer KLs it is compared with.
+    """
+    import mlx.core as mx
+
+    from mlxbun.quant.sensitivity import kl_rows, load_model, log_probs
+
+    ref, _, _ = load_model(ref_dir)
+    cur, _, _ = load_model(model_dir)
+    total = 0.0
+    for i in range(0, len(tokens), batch_size):
+        batch = mx.array(tokens[i : i + batch_size])
+        kl = kl_rows(log_probs(ref(batch)), cur(batch))
+        total += float(mx.sum(kl).item())
+    return total / len(tokens)
+
+
+def check_plan(
+    plan: Plan,
+    plan_path: str | Path,
+    *,
+    model_dir: str | Path,
+    out: str | Path,
+    calib_path: str | None = None,
+    samples: int = 24,
+    seq_len: int = 512,
+    seed: int = 0,
+    out_dtype: str | None = "bfloat16",
+    shard_bytes: int = 5 << 30,
+    expected_calibration: str | None = None,
+) -> CheckResult:
+    """Quantize ``model_dir`` with the plan into ``out``; measure its size and its KL.
+
+    Example:
+        >>> r = check_plan(plan, "plan.json", model_dir=src, out="run/model", samples=8, seq_len=256)
+        >>> r.predicted == r.measured, r.measured_kl, r.predicted_kl_sum
+    """
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.uniform import quantize_model_dir
+
+    res = quantize_model_dir(model_dir, out, plan=plan_path, dtype=out_dtype, shard_bytes=shard_bytes)
+    measured = budget.measure(res.out, parameters=plan.size.parameters)
+    tok = load_tokenizer(Path(model_dir))
+    calib = load_calibration(tokenizer=tok, path=calib_path, samples=samples, seq_len=seq_len, seed=seed)
+    kl = measured_kl(model_dir, res.out, calib.tokens)
+    return CheckResult(
+        out=res.out,
+        predicted=plan.size,
+        measured=measured,
+        predicted_kl_sum=plan.kl_sum,
+        measured_kl=kl,
+        calibration_fingerprint=calib.fingerprint,
+        calibration_matches=calib.fingerprint == expected_calibration,
+    )
+
+
+# ------------------------------------------------------------------------------- command
+
+
+def candidate_filter(
+    sens: Sensitivity, *, bits: Collection[int], group_sizes: Collection[int], modes: Collection[str]
+) -> set[Setting]:
+    """Measured settings allowed by the config lists (an empty list allows any)."""
+    measured = {s for layer in sens.layers.values() for s in layer.kl}
+    return {
+        s
+        for s in measured
+        if (not bits or s.bits in bits)
+        and (not group_sizes or s.group_size in group_sizes)
+        and (not modes or s.mode in modes)
+    }
+
+
+def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, Setting]:
+    """Everything that can be wrong with the input, before anything is written."""
+    from mlxbun.quant.plan import spec_for
+    from mlxbun.quant.sensitivity import model_fingerprint
+
+    a = cfg.allocate
+    if not a.sensitivity:
+        raise InputError("allocate.sensitivity is not set; pass a sensitivity.json or the run dir holding it")
+    if a.budget_bpw is None and a.budget_bytes is None:
+        raise InputError("allocate.budget_bpw and allocate.budget_bytes are both unset; set one (e.g. 4.5)")
+    sens = load_sensitivity(a.sensitivity)
+    if sens.model_fingerprint and sens.model_fingerprint != model_fingerprint(src):
+        raise InputError(
+            f"allocate.sensitivity={a.sensitivity!r} was measured on another model than {str(src)!r}"
+            " (model fingerprints differ); pass the model it was measured on"
+        )
+    spec = spec_for(a.default_mode, a.default_bits, a.default_group_size, key="allocate.default")
+    return sens, Setting(spec.bits, spec.group_size, spec.mode)
+
+
+def run(cfg: Any) -> Any:
+    """command=allocate: plan.json for ``model.name`` from ``allocate.sensitivity`` and the budget."""
+    from mlxbun.errors import DriftError
+    from mlxbun.io.atomic import atomic_write_json
+    from mlxbun.provenance import RunResult
+    from mlxbun.source import model_dir
+
+    a, c = cfg.allocate, cfg.sensitivity.calib
+    src = model_dir(cfg)
+    sens, default = _check_boundary(cfg, src)
+    shard_bytes = int(cfg.io.shard_gb * (1 << 30))
+    plan = allocate(
+        sens,
+        model_dir=src,
+        candidates=candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes),
+        budget_bpw=a.budget_bpw,
+        budget_bytes=a.budget_bytes,
+        protect=list(a.protect),
+        default=default,
+        out_dtype=cfg.quant.dtype,
+        shard_bytes=shard_bytes,
+        max_states=a.max_states,
+    )
+    run_dir = Path(cfg.paths.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = run_dir / PLAN_FILE
+    atomic_write_json(plan_path, plan.to_json())
+    outputs = [plan_path]
+    metrics = {
+        "predicted_bytes": plan.size.file_bytes,
+        "predicted_bpw": plan.size.bpw,
+        "predicted_kl_sum": plan.kl_sum,
+        "exact": plan.solver["exact"],
+        "gap_bound": plan.solver["gap_bound"],
+    }
+    msg = (
+        f"plan: {plan.size.bpw:.4f} bpw, {plan.size.file_bytes} bytes on disk, summed KL {plan.kl_sum:.5g}"
+        f" ({'optimal' if plan.solver['exact'] else 'near-optimal'}; LP bound {plan.solver['lower_bound']:.5g})"
+        f" -> {plan_path}"
+    )
+    if a.check:
+        check = check_plan(
+            plan, plan_path, model_dir=src, out=run_dir / "model", calib_path=c.path, samples=c.samples,
+            seq_len=c.seq_len, seed=c.seed, out_dtype=cfg.quant.dtype, shard_bytes=shard_bytes,
+            expected_calibration=sens.calibration_fingerprint,
+        )  # fmt: skip
+        atomic_write_json(run_dir / "check.json", check.to_json())
+        outputs += [run_dir / "check.json", check.out]
+        metrics |= {"measured_bytes": check.measured.file_bytes, "measured_kl": check.measured_kl}
+        msg += f"\ncheck: wrote {check.measured.file_bytes} bytes, measured KL {check.measured_kl:.5g} -> {check.out}"
+        if check.measured != check.predicted:
+            raise DriftError(
+                f"predicted size {check.predicted} != written size {check.measured} ({check.out})"
+            )
+    return RunResult(
+        outputs=outputs,
+        inputs=[src, sens.path],
+        metrics=metrics,
+        message=msg,
+        provides={"quant.plan": str(plan_path)},
+    )
