@@ -34,3 +34,20 @@ def tiny_tokenizer_dir(tmp_path: Path):
         return make_tokenizer_dir(path or tmp_path / "tokenizer", vocab_size=vocab_size)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory):
+    """A factory: ``tiny_model(arch="llama", **synth_fields) -> Path`` of a synthetic model dir.
+
+    Built once per session and spec by ``mlxbun.synth.ensure_synthetic`` (``preset="tiny"``
+    unless given) and shared between tests: copy it before modifying anything inside.
+    """
+    from mlxbun import synth
+
+    cache = tmp_path_factory.mktemp("synth-cache")
+
+    def make(arch: str = "llama", **fields) -> Path:
+        return synth.ensure_synthetic(cache_dir=cache, arch=arch, **fields)
+
+    return make

@@ -1,0 +1,292 @@
+"""synth: real-architecture random checkpoints load in mlx-lm, are deterministic and shaped right."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cli_util import run_cli
+from mlx.utils import tree_flatten
+
+from mlxbun import synth
+from mlxbun.errors import InputError
+from mlxbun.schema import ARCHS
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def _weights(d: Path) -> dict[str, mx.array]:
+    out: dict[str, mx.array] = {}
+    for f in sorted(d.glob("model*.safetensors")):
+        out.update(mx.load(str(f)))
+    return out
+
+
+def _skeleton(config: dict):
+    """mlx-lm's own model for ``config``, parameters left lazy (never allocated)."""
+    from mlx_lm.utils import _get_classes
+
+    model_class, args_class = _get_classes(config=config)
+    return model_class(args_class.from_dict(config))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_each_arch_loads_in_mlx_lm_and_generates(tiny_model, arch):
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    d = tiny_model(arch, outlier_channels=4, norm_jitter=0.1)
+    model, tok = mlx_lm.load(str(d))  # strict: a missing or extra parameter raises
+    loaded = dict(tree_flatten(model.parameters()))
+    on_disk = _weights(d)
+    config = json.loads((d / "config.json").read_text())
+    assert set(loaded) == set(_skeleton(config).sanitize(dict(on_disk)))
+    name = "model.layers.1.mlp.down_proj.weight"
+    assert mx.array_equal(loaded[name], on_disk[name])
+    prompt = tok.apply_chat_template([{"role": "user", "content": "hello"}], add_generation_prompt=True)
+    steps = generate_step(mx.array(prompt), model, max_tokens=4)
+    tokens = [int(t) for t, _ in steps]
+    assert len(tokens) == 4 and all(0 <= t < 512 for t in tokens)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+def test_untied_head_is_written_and_used(tiny_model, arch):
+    import mlx_lm
+
+    d = tiny_model(arch, tie_embeddings=False)
+    assert "lm_head.weight" in _weights(d)
+    model, _ = mlx_lm.load(str(d))
+    assert "lm_head.weight" in dict(tree_flatten(model.parameters()))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("preset", ["1b", "27b"])
+def test_plan_matches_mlx_lm_parameters(arch, preset):
+    spec = synth.resolve_spec(arch=arch, preset=preset)
+    model = _skeleton(synth.hf_config(spec))
+    planned = {t.name: t.shape for t in synth.plan(spec)}
+    kept = model.sanitize(dict.fromkeys(planned))  # drops a tied lm_head, as mlx_lm.load does
+    want = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
+    assert {k: planned[k] for k in kept} == want
+
+
+def test_gemma3_27b_preset_is_gemma_3_27b():
+    spec = synth.resolve_spec(arch="gemma3_text", preset="27b")
+    cfg = synth.hf_config(spec)
+    real = {
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_hidden_layers": 62,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "vocab_size": 262208,
+        "query_pre_attn_scalar": 168,
+        "sliding_window": 1024,
+        "sliding_window_pattern": 6,
+        "tie_word_embeddings": True,
+    }
+    assert {k: cfg[k] for k in real} == real
+    tensors = {t.name: t for t in synth.plan(spec)}
+    assert tensors["model.embed_tokens.weight"].shape == (262208, 5376)
+    assert tensors["model.layers.61.self_attn.k_proj.weight"].shape == (2048, 5376)
+    assert tensors["model.layers.61.mlp.down_proj.weight"].shape == (5376, 21504)
+    assert tensors["model.layers.0.self_attn.q_norm.weight"].shape == (128,)
+    assert "lm_head.weight" not in tensors and "model.layers.62.input_layernorm.weight" not in tensors
+    layer = 2 * 4096 * 5376 + 2 * 2048 * 5376 + 3 * 5376 * 21504 + 2 * 128 + 4 * 5376
+    params = 262208 * 5376 + 62 * layer + 5376
+    assert sum(t.numel for t in tensors.values()) == params == 27_009_346_304
+    assert sum(t.nbytes for t in tensors.values()) == 2 * params
+
+
+def test_explicit_dims_override_the_preset():
+    spec = synth.resolve_spec(arch="qwen3", preset="27b", num_layers=3, vocab_size=1000)
+    assert (spec.shape.num_layers, spec.shape.vocab_size, spec.shape.hidden_size) == (3, 1000, 5376)
+    spec = synth.resolve_spec(arch="llama", preset="tiny", hidden_size=128)
+    assert spec.shape.head_dim == 32  # derived from the new hidden size
+    assert synth.resolve_spec(arch="qwen2", preset="1.5b").shape.hidden_size == 1536
+
+
+def test_same_spec_same_bytes(tmp_path):
+    kw = dict(arch="qwen2", outlier_channels=3, norm_jitter=0.05, seed=7)
+    a = synth.synthesize(tmp_path / "a", **kw)
+    b = synth.synthesize(tmp_path / "b", **kw)
+    c = synth.synthesize(tmp_path / "c", **{**kw, "seed": 8})
+    fa, fb = _files(a), _files(b)
+    assert fa == fb
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= set(fa)
+    assert _files(c)["model.safetensors"] != fa["model.safetensors"]
+    assert not list(tmp_path.glob(".*"))  # no partial directories left behind
+
+
+def test_values_do_not_depend_on_threads_or_order(monkeypatch):
+    spec = synth.resolve_spec(arch="llama", outlier_channels=4)
+    t = next(t for t in synth.plan(spec) if t.name.endswith("o_proj.weight"))
+    ch = synth.planted_channels(spec)
+    monkeypatch.setattr(synth, "CHUNK", 100)  # many chunks: rows are spread over streams
+    monkeypatch.setattr(synth, "THREADS", 1)
+    one = np.array(synth.tensor_array(t, spec=spec, channels=ch).astype(mx.float32))
+    monkeypatch.setattr(synth, "THREADS", 3)
+    three = np.array(synth.tensor_array(t, spec=spec, channels=ch).astype(mx.float32))
+    np.testing.assert_array_equal(one, three)
+
+
+def test_value_scales_are_realistic(tiny_model):
+    w = _weights(tiny_model("llama", preset="small"))
+    q = np.array(w["model.layers.0.self_attn.q_proj.weight"].astype(mx.float32))
+    assert q.std() == pytest.approx(1 / np.sqrt(512), rel=0.02)
+    assert abs(q.mean()) < 1e-3
+    emb = np.array(w["model.embed_tokens.weight"].astype(mx.float32))
+    assert emb.std() == pytest.approx(3 / np.sqrt(512), rel=0.02)
+    assert np.all(np.array(w["model.norm.weight"].astype(mx.float32)) == 1.0)
+    g = _weights(tiny_model("gemma3_text"))
+    assert np.all(np.array(g["model.layers.0.pre_feedforward_layernorm.weight"].astype(mx.float32)) == 0.0)
+
+
+def _col_ratio(w: mx.array, channels: list[int], axis: int) -> float:
+    a = np.abs(np.array(w.astype(mx.float32)))
+    per = a.mean(axis=1 - axis)
+    others = np.delete(per, channels)
+    return float(per[channels].mean() / others.mean())
+
+
+def test_outlier_channels_planted(tiny_model):
+    d = tiny_model("llama", outlier_channels=4, outlier_scale=20.0)
+    ch = json.loads((d / "synth.json").read_text())["planted_channels"]
+    assert len(ch) == 4 and ch == sorted(set(ch))
+    w = _weights(d)
+    for name in ("self_attn.q_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+        assert _col_ratio(w[f"model.layers.1.{name}.weight"], ch, axis=1) == pytest.approx(20, rel=0.2)
+    assert _col_ratio(w["model.embed_tokens.weight"], ch, axis=1) == pytest.approx(20, rel=0.2)
+    assert _col_ratio(w["model.layers.0.mlp.down_proj.weight"], ch, axis=0) == pytest.approx(20, rel=0.2)
+    none = _weights(tiny_model("llama"))
+    assert _col_ratio(none["model.layers.1.self_attn.q_proj.weight"], ch, axis=1) == pytest.approx(1, rel=0.2)
+
+
+def test_planted_channels_dominate_the_hidden_state(tiny_model):
+    import mlx_lm
+
+    d = tiny_model("llama", outlier_channels=4, outlier_target="activations")
+    ch = json.loads((d / "synth.json").read_text())["planted_channels"]
+    model, tok = mlx_lm.load(str(d))
+    h = model.model(mx.array([tok.encode("the residual stream of a tiny model")]))
+    top = np.argsort(np.abs(np.array(h.astype(mx.float32)))[0].mean(axis=0))[-4:]
+    assert sorted(top.tolist()) == ch
+    w = _weights(d)  # activations only: the q/k/v/gate/up weights are untouched
+    assert _col_ratio(w["model.layers.0.self_attn.q_proj.weight"], ch, axis=1) == pytest.approx(1, rel=0.2)
+
+
+def test_norm_jitter_moves_gains(tiny_model):
+    w = _weights(tiny_model("qwen3", norm_jitter=0.1))
+    gains = np.array(w["model.layers.0.self_attn.q_norm.weight"].astype(mx.float32))
+    assert gains.std() == pytest.approx(0.1, rel=0.35) and abs(gains.mean() - 1) < 0.1
+
+
+def test_tokenizer_has_vocab_size_tokens_and_round_trips(tmp_path):
+    from transformers import AutoTokenizer
+
+    for n in (synth.MIN_VOCAB, 512, 9000):
+        assert len(synth.build_tokenizer(n)) == n
+    synth.build_tokenizer(600).save_pretrained(str(tmp_path / "a"))
+    synth.build_tokenizer(600).save_pretrained(str(tmp_path / "b"))
+    assert _files(tmp_path / "a") == _files(tmp_path / "b")
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
+    text = "Größe: 42 tokens, naïve café — ok?\n"
+    ids = tok.encode(text)
+    assert ids[0] == synth.BOS_ID and max(ids) < 600
+    assert tok.decode(ids, skip_special_tokens=True) == text
+    chat = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert chat == "<s><|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_ensure_synthetic_builds_once(tmp_path):
+    a = synth.ensure_synthetic(cache_dir=tmp_path, arch="mistral", preset="tiny", out=None)
+    mtime = (a / "model.safetensors").stat().st_mtime_ns
+    # The same resolved spec spelled differently reuses the cached directory.
+    b = synth.ensure_synthetic(cache_dir=tmp_path, arch="mistral", hidden_size=64, head_dim=16)
+    assert a == b and (b / "model.safetensors").stat().st_mtime_ns == mtime
+    assert a.name == synth.resolve_spec(arch="mistral").hash
+
+
+def test_interrupted_build_resumes_and_leaves_nothing_final(tmp_path, monkeypatch):
+    out = tmp_path / "m"
+    calls = {"n": 0}
+    real = synth.tensor_array
+
+    def flaky(t, **kw):
+        calls["n"] += 1
+        if calls["n"] == 12:
+            raise KeyboardInterrupt
+        return real(t, **kw)
+
+    monkeypatch.setattr(synth, "tensor_array", flaky)
+    with pytest.raises(KeyboardInterrupt):
+        synth.synthesize(out, arch="llama", shard_bytes=20_000)
+    assert not out.exists() and (tmp_path / ".m.partial").is_dir()
+    monkeypatch.setattr(synth, "tensor_array", real)
+    synth.synthesize(out, arch="llama", shard_bytes=20_000)
+    fresh = synth.synthesize(tmp_path / "fresh", arch="llama", shard_bytes=20_000)
+    assert _files(out) == _files(fresh)
+    assert (out / "model.safetensors.index.json").is_file()
+
+
+@pytest.mark.parametrize(
+    ("fields", "key"),
+    [
+        ({"arch": "gpt2"}, "synth.arch"),
+        ({"preset": "huge"}, "synth.preset"),
+        ({"hidden_size": -8}, "synth.hidden_size"),
+        ({"num_kv_heads": 3}, "synth.num_kv_heads"),
+        ({"vocab_size": 100}, "synth.vocab_size"),
+        ({"outlier_channels": 65}, "synth.outlier_channels"),
+        ({"arch": "qwen2", "head_dim": 32}, "synth.head_dim"),
+        ({"outlier_target": "bias"}, "synth.outlier_target"),
+    ],
+)
+def test_bad_specs_name_the_key(tmp_path, fields, key):
+    with pytest.raises(InputError, match=key.replace(".", r"\.")):
+        synth.synthesize(tmp_path / "m", **fields)
+    assert not list(tmp_path.iterdir())
+
+
+def test_existing_output_is_refused(tmp_path):
+    (tmp_path / "m").mkdir()
+    with pytest.raises(InputError, match="already exists"):
+        synth.synthesize(tmp_path / "m")
+
+
+def test_cli_synth_writes_model_and_manifest(tmp_path):
+    r = run_cli("command=synth", "synth.arch=gemma3_text", "synth.outlier_channels=2", tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (manifest,) = (tmp_path / "outputs" / "synth").glob("*/manifest.json")
+    m = json.loads(manifest.read_text())
+    assert m["status"] == "ok" and m["metrics"]["params"] > 0
+    model = manifest.parent / "model"
+    assert "model/model.safetensors" in m["outputs"]
+    assert json.loads((model / "config.json").read_text())["model_type"] == "gemma3_text"
+    assert m["metrics"]["bytes"] == sum(
+        t.nbytes for t in synth.plan(synth.resolve_spec(arch="gemma3_text", outlier_channels=2))
+    )
+
+
+@pytest.mark.parametrize("arg", ["synth.arch=gpt2", "synth.hidden_size=-1", "synth.preset=huge"])
+def test_cli_bad_input_exits_2_with_one_line(tmp_path, arg):
+    r = run_cli("command=synth", arg, tmp=tmp_path)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and arg.split("=")[0] in lines[0]
+    assert not list((tmp_path / "outputs").rglob("*.safetensors"))
+
+
+def test_tiny_model_fixture_is_shared(tiny_model):
+    a, b = tiny_model("qwen3"), tiny_model("qwen3")
+    assert a == b and (a / "config.json").is_file()
+    shutil.copytree(a, a.parent / "copy")  # the documented way to get a private copy
