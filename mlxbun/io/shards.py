@@ -120,14 +120,14 @@ def final_names(n: int) -> list[str]:
     return [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
-def tensor_bytes(array: Any) -> tuple[str, tuple[int, ...], memoryview]:
+def tensor_bytes(array: Any, name: str = "") -> tuple[str, tuple[int, ...], memoryview]:
     """(safetensors dtype, shape, contiguous little-endian bytes) of an mx.array or numpy array."""
     import mlx.core as mx
 
     if isinstance(array, mx.array):
         dtype = NP_TO_ST.get(str(array.dtype).rpartition(".")[2])
         if dtype is None:
-            raise InputError(f"dtype {array.dtype} cannot be stored in safetensors")
+            raise InputError(f"tensor {name!r}: dtype {array.dtype} cannot be stored in safetensors")
         if array.dtype == mx.bfloat16:
             array = array.view(mx.uint16)
         mx.eval(array)
@@ -135,12 +135,13 @@ def tensor_bytes(array: Any) -> tuple[str, tuple[int, ...], memoryview]:
     elif isinstance(array, np.ndarray):
         dtype = NP_TO_ST.get(array.dtype.name)
         if dtype is None or dtype == "BF16":
+            allowed = ", ".join(k for k in NP_TO_ST if k != "bfloat16")
             raise InputError(
-                f"numpy dtype {array.dtype} cannot be stored; choose one of {', '.join(NP_TO_ST)}"
+                f"tensor {name!r}: numpy dtype {array.dtype} cannot be stored; choose one of {allowed}"
             )
         arr = array.astype(array.dtype.newbyteorder("<"), copy=False)
     else:
-        raise InputError(f"expected an mx.array or numpy array, got {type(array).__name__}")
+        raise InputError(f"tensor {name!r}: expected an mx.array or numpy array, got {type(array).__name__}")
     flat = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
     return dtype, tuple(int(d) for d in arr.shape), memoryview(flat)
 
@@ -254,7 +255,7 @@ class ShardedWriter:
             raise InputError(f"tensor name {name!r} is not allowed; use a non-reserved string")
         if name in self._seen:
             raise InputError(f"tensor {name!r} was already added to this writer; names must be unique")
-        dtype, shape, buf = tensor_bytes(array)
+        dtype, shape, buf = tensor_bytes(array, name)
         self._seen.add(name)
         if self._pending and self._pending_bytes + buf.nbytes > self.shard_bytes:
             self._flush()
