@@ -55,14 +55,15 @@ def plan_header(layers: list[LayerState], base: dict[str, Any]) -> tuple[dict[st
     """Header with offsets and placeholder hashes (hashes have fixed length, so its size is final)."""
     header = dict(base, layout="snapshot", layers=layer_entries(layers))
     order: list[Tensor] = []
-    offset = 0
+    offset = end = 0
     for i, s in enumerate(layers):
         for n in sorted(s.tensors):
             t = s.tensors[n]
             header["layers"][i]["tensors"][n].update(offset=offset, nbytes=t.nbytes, sha256=ZERO_HASH)
             order.append(t)
-            offset = fmt.align(offset + t.nbytes)
-    header["data_bytes"] = offset
+            end = offset + t.nbytes
+            offset = fmt.align(end)
+    header["data_bytes"] = end
     header["data_start"] = 0
     header["data_start"] = fmt.align(len(fmt.encode(header)) + 64)
     return header, order

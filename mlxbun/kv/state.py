@@ -57,6 +57,8 @@ class Tensor:
     def row(self, r: int, start: int = 0, stop: int | None = None) -> memoryview:
         b, h = divmod(r, self.shape[1])
         stop = self.shape[2] if stop is None else min(stop, self.shape[2])
+        if stop <= start:
+            return memoryview(b"")
         return memoryview(self.buf[b, h, start:stop]).cast("B")
 
 

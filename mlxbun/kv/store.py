@@ -208,7 +208,7 @@ class Store:
             raise InputError(f"kv.layout={layout!r} is not allowed; choose one of {', '.join(SUFFIX)}")
         layers = state.cache_state(cache)
         tokens = [int(t) for t in tokens]
-        offsets = {s.meta["offset"] for s in layers if "offset" in s.meta}
+        offsets = {s.meta["offset"] for s in layers if "offset" in s.meta and not s.meta.get("empty")}
         if offsets and offsets != {len(tokens)}:
             raise InputError(f"tokens has {len(tokens)} ids but the cache holds offset(s) {sorted(offsets)}")
         base = {

@@ -1,0 +1,210 @@
+"""kv store: round trips per cache class and layout, golden bytes, dedup, lookup, refusals, async."""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import Future
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from kv_util import continue_logits, filled, make_cache, state_arrays, tiny_model, tokens
+from mlx_lm.models import cache as C
+
+from mlxbun.errors import InputError
+from mlxbun.kv import format as fmt
+from mlxbun.kv.store import MismatchError, Store
+
+KINDS = ["kv", "rotating", "quantized", "list"]
+LAYOUTS = ["snapshot", "blocks"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_roundtrip_continues_bit_exactly(model, tmp_path, kind, layout):
+    # 70 prefill + 30 decode steps: the rotating caches (max 48) have wrapped their ring
+    cache, toks = filled(model, kind, 70, decode=30)
+    store = Store(tmp_path, block_kib=4)
+    store.save("s", cache, tokens=toks, model="m", layout=layout)
+    restored = store.load("s", model="m", tokens=toks).cache
+    assert [type(c).__name__ for c in restored] == [type(c).__name__ for c in cache]
+    for a, b in zip(state_arrays(cache), state_arrays(restored), strict=True):
+        np.testing.assert_array_equal(a, b)
+    more = tokens(20, seed=9)
+    ref, got = (
+        continue_logits(model, cache, more, kind=kind),
+        continue_logits(model, restored, more, kind=kind),
+    )
+    np.testing.assert_array_equal(ref, got)
+    for a, b in zip(state_arrays(cache), state_arrays(restored), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_mlx_lm_reference_and_stores_only_valid_tokens(model, tmp_path, layout):
+    cache, toks = filled(model, "kv", 37)
+    C.save_prompt_cache(str(tmp_path / "ref.safetensors"), cache)
+    ref = C.load_prompt_cache(str(tmp_path / "ref.safetensors"))
+    info = Store(tmp_path / "s", block_kib=4).save("s", cache, tokens=toks, model="m", layout=layout)
+    got = Store(tmp_path / "s").load("s", model="m").cache
+    for r, g in zip(ref, got, strict=True):
+        np.testing.assert_array_equal(np.array(r.keys[..., : r.offset, :]), np.array(g.keys))
+        np.testing.assert_array_equal(np.array(r.values[..., : r.offset, :]), np.array(g.values))
+        assert g.offset == r.offset == 37
+    # valid bytes: 2 layers x K/V x (1, 2 heads, 37 tokens, 32) float32; mlx-lm keeps 256 slots
+    assert info.data_bytes == 2 * 2 * 2 * 37 * 32 * 4
+    assert (tmp_path / "ref.safetensors").stat().st_size > 6 * info.data_bytes
+
+
+def _fixed_cache() -> list:
+    c = C.KVCache()
+    k = mx.arange(1 * 2 * 3 * 4, dtype=mx.float16).reshape(1, 2, 3, 4)
+    c.update_and_fetch(k, -k)
+    return [c]
+
+
+def test_golden_bytes_and_determinism(tmp_path):
+    a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
+    a.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
+    b.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
+    raw = (tmp_path / "a/snapshots/g.kvs").read_bytes()
+    assert raw == (tmp_path / "b/snapshots/g.kvs").read_bytes()
+    assert raw[:8] == b"\x89MLXBKV\n" and raw[8:12] == (1).to_bytes(4, "little")
+    assert len(raw) == 16384 + 16384 + 48  # header page, keys page, values
+    keys = np.frombuffer(raw[16384 : 16384 + 48], np.float16)
+    np.testing.assert_array_equal(keys, np.arange(24, dtype=np.float16))
+    assert hashlib.sha256(raw).hexdigest() == GOLDEN_KVS
+
+
+GOLDEN_KVS = "5d65faff0bd6ab79f7af1444bfc3361d9bb132525a92080471f328a46004fef9"
+
+
+def test_appending_tokens_keeps_earlier_blocks_identical(model, tmp_path):
+    store = Store(tmp_path, block_kib=4)  # 1 KiB of K/V per token: 4 tokens per block
+    cache, toks = filled(model, "kv", 30)
+    first = store.save("t1", cache, tokens=toks, model="m")
+    assert store.header("t1")[1]["block_tokens"] == 4
+    more = tokens(10, seed=3)
+    continue_logits(model, cache, more)
+    second = store.save("t2", cache, tokens=toks + more, model="m")
+    full = len(toks) // 4  # blocks of t1 that were full
+    assert first.blocks[:full] == second.blocks[:full]
+    assert first.blocks[full] != second.blocks[full]  # the partial block was rewritten
+    assert second.written_bytes < second.data_bytes * 0.5
+    assert len(set(first.blocks) | set(second.blocks)) == len(second.blocks) + 1
+
+
+def test_longest_prefix_lookup(model, tmp_path):
+    store = Store(tmp_path, block_kib=4)
+    cache, toks = filled(model, "kv", 40)
+    short, _ = filled(model, "kv", 20)
+    store.save("long", cache, tokens=toks, model="m")
+    store.save("short", short, tokens=toks[:20], model="m")
+    store.save("other", short, tokens=toks[:20], model="other-model")
+    assert store.lookup(toks + [1, 2], model="m").name == "long"
+    assert store.lookup(toks[:30], model="m").name == "short"
+    assert store.lookup(toks[:30], model="m").tokens == 20
+    assert store.lookup([99] + toks, model="m") is None
+    assert store.lookup(toks, model="nobody") is None
+
+
+def test_refuses_other_model_tokenizer_or_prompt(model, tmp_path):
+    store = Store(tmp_path, block_kib=4)
+    cache, toks = filled(model, "kv", 20)
+    store.save("s", cache, tokens=toks, model="m", tokenizer="tok")
+    with pytest.raises(MismatchError, match="model"):
+        store.load("s", model="another")
+    with pytest.raises(MismatchError, match="tokenizer"):
+        store.load("s", model="m", tokenizer="tok2")
+    with pytest.raises(MismatchError, match="not a prefix"):
+        store.load("s", model="m", tokens=[7] + toks)
+    with pytest.raises(MismatchError, match="not a prefix"):
+        store.load("s", model="m", tokens=toks[:10])
+    assert len(store.load("s", model="m", tokenizer="tok", tokens=toks + [3]).tokens) == 20
+
+
+def test_refuses_unsupported_cache_classes_and_bad_input(model, tmp_path):
+    store = Store(tmp_path)
+    with pytest.raises(InputError, match="ArraysCache.*choose one of KVCache"):
+        store.save("s", [C.ArraysCache(2)], tokens=[], model="m")
+    with pytest.raises(InputError, match="ChunkedKVCache"):
+        store.save("s", [C.ChunkedKVCache(8)], tokens=[], model="m")
+    cache, toks = filled(model, "kv", 5)
+    with pytest.raises(InputError, match="offset"):
+        store.save("s", cache, tokens=toks[:4], model="m")
+    for bad in ("../x", "a/b", "", ".hidden", "x" * 200):
+        with pytest.raises(InputError, match="kv.name"):
+            store.save(bad, cache, tokens=toks, model="m")
+    assert not (tmp_path / "snapshots").exists() or not list((tmp_path / "snapshots").iterdir())
+
+
+def test_empty_and_bfloat16_caches(tmp_path):
+    c = C.KVCache()
+    k = mx.random.normal((1, 2, 5, 8)).astype(mx.bfloat16)
+    c.update_and_fetch(k, k * 2)
+    store = Store(tmp_path, block_kib=1)
+    store.save("b", [c, C.KVCache()], tokens=[1, 2, 3, 4, 5], model="m")
+    got = store.load("b", model="m").cache
+    assert got[0].keys.dtype == mx.bfloat16 and got[1].keys is None and got[1].offset == 0
+    assert mx.array_equal(got[0].keys, k).item() and mx.array_equal(got[0].values, k * 2).item()
+
+
+def test_save_async_owns_buffers_until_acknowledged(model, tmp_path):
+    store = Store(tmp_path, block_kib=4)
+    cache, toks = filled(model, "kv", 30)
+    before = state_arrays(cache)
+    fut = store.save_async("bg", cache, tokens=toks, model="m", layout="snapshot")
+    assert isinstance(fut, Future)
+    continue_logits(model, cache, tokens(40, seed=5))  # keep generating into the same cache
+    info = fut.result(timeout=60)
+    store.close()
+    assert info.tokens == 30
+    for a, b in zip(before, state_arrays(store.load("bg", model="m").cache), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_layout_switch_replaces_the_other_file(model, tmp_path):
+    store = Store(tmp_path, block_kib=4)
+    cache, toks = filled(model, "kv", 12)
+    store.save("s", cache, tokens=toks, model="m", layout="blocks")
+    store.save("s", cache, tokens=toks, model="m", layout="snapshot")
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["s.kvs"]
+    assert store.names() == ["s"]
+    assert store.info("s").layout == "snapshot"
+
+
+def test_header_versions_and_unknown_classes_refused(model, tmp_path):
+    store = Store(tmp_path, block_kib=4)
+    cache, toks = filled(model, "kv", 8)
+    store.save("s", cache, tokens=toks, model="m")
+    path = tmp_path / "snapshots/s.kvm"
+    header, _ = fmt.read_header(path, what="x")
+    raw = bytearray(path.read_bytes())
+    raw[8:12] = (2).to_bytes(4, "little")
+    path.write_bytes(bytes(raw))
+    with pytest.raises(fmt.UnsupportedError, match="format version 2"):
+        store.load("s", model="m")
+    header["layers"][0]["class"] = "ArraysCache"
+    path.write_bytes(fmt.encode(header))
+    with pytest.raises(fmt.UnsupportedError, match="'ArraysCache' is not supported"):
+        store.load("s", model="m")
+
+
+def test_caller_cache_untouched_when_restore_fails(model, tmp_path):
+    store = Store(tmp_path, block_kib=4)
+    cache, toks = filled(model, "kv", 20)
+    store.save("s", cache, tokens=toks, model="m")
+    mine, _ = filled(model, "kv", 10, seed=4)
+    before = state_arrays(mine)
+    block = next((tmp_path / "blocks").iterdir())
+    block.write_bytes(b"\0" + block.read_bytes()[1:])
+    with pytest.raises(fmt.CorruptError):
+        mine = store.load("s", model="m").cache
+    for a, b in zip(before, state_arrays(mine), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert make_cache("kv")  # the helper still builds fresh caches
