@@ -333,3 +333,97 @@ def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
         model, tmp_path / "out2", plan=tmp_path / "small.json", dtype="bfloat16", shard_bytes=30_000
     )
     assert small.size.shards > 1 and budget.measure(res.out, parameters=small.size.parameters) == small.size
+
+
+# ---------------------------------------------------------------- the command
+
+
+def command_cfg(tmp_path, model, **allocate):
+    from mlxbun import schema
+
+    cfg = schema.Config()
+    cfg.command.name = "allocate"
+    cfg.model.name = str(model)
+    cfg.paths.run_dir = str(tmp_path / "run")
+    cfg.paths.cache = str(tmp_path / "cache")
+    cfg.sensitivity.calib = schema.CalibCfg(samples=2, seq_len=32)
+    cfg.allocate = schema.AllocateCfg(**allocate)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def measured(model, tmp_path_factory):
+    """A real sensitivity.json of the tiny model (2 samples x 32 tokens)."""
+    from mlxbun.quant.sensitivity import sensitivity
+
+    out = tmp_path_factory.mktemp("sens")
+    sensitivity(
+        model_dir=model,
+        out_dir=out,
+        work_dir=out / "work",
+        bits=[2, 4, 8],
+        samples=2,
+        seq_len=32,
+        batch_size=2,
+    )
+    return out / "sensitivity.json"
+
+
+def test_run_writes_a_plan_and_checks_it(model, measured, tmp_path):
+    cfg = command_cfg(
+        tmp_path, model, sensitivity=str(measured.parent), budget_bpw=4.5, protect=["lm_head:8"]
+    )
+    result = al.run(cfg)
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    check = json.loads((tmp_path / "run" / "check.json").read_text())
+    assert result.provides == {"quant.plan": str(tmp_path / "run" / "plan.json")}
+    assert plan["version"] == 1 and plan["layers"]["lm_head"]["bits"] == 8
+    assert plan["predicted_bpw"] <= 4.5 and plan["solver"]["exact"]
+    assert check["size_exact"] and check["measured"]["file_bytes"] == plan["predicted_bytes"]
+    assert check["calibration_matches_sensitivity"]
+    assert check["measured_kl"] > 0 and plan["predicted_kl_sum"] > 0
+    # Same inputs, same plan bytes.
+    cfg2 = command_cfg(
+        tmp_path / "again", model, sensitivity=str(measured), budget_bpw=4.5, protect=["lm_head:8"]
+    )
+    cfg2.allocate.check = False
+    al.run(cfg2)
+    assert (tmp_path / "again" / "run" / "plan.json").read_bytes() == (
+        tmp_path / "run" / "plan.json"
+    ).read_bytes()
+
+
+def test_run_rejects_bad_input_before_writing(model, measured, tmp_path):
+    from mlxbun import synth
+
+    other = synth.ensure_synthetic(cache_dir=tmp_path / "synth", arch="llama", preset="tiny", seed=1)
+    doc = json.loads(measured.read_text())
+    sharded = tmp_path / "sharded.json"
+    sharded.write_text(json.dumps(doc | {"shard": {"index": 0, "count": 2, "groups": [0]}}))
+    cases = [
+        ({"budget_bpw": 4.5}, model, "allocate.sensitivity is not set"),
+        ({"sensitivity": str(measured)}, model, "both unset"),
+        ({"sensitivity": str(measured), "budget_bpw": 4.5}, other, "measured on another model"),
+        ({"sensitivity": str(sharded), "budget_bpw": 4.5}, model, "sensitivity_merge"),
+        ({"sensitivity": str(tmp_path / "nope.json"), "budget_bpw": 4.5}, model, "does not exist"),
+        (
+            {"sensitivity": str(measured), "budget_bpw": 4.5, "default_bits": 7},
+            model,
+            "allocate.default.bits=7",
+        ),
+    ]
+    for fields, model_dir, message in cases:
+        with pytest.raises(InputError, match=message):
+            al.run(command_cfg(tmp_path, model_dir, **fields))
+    assert not (tmp_path / "run").exists()
+
+
+def test_config_validation():
+    from mlxbun.schema import AllocateCfg
+
+    with pytest.raises(InputError, match="both set"):
+        AllocateCfg(budget_bpw=4.5, budget_bytes=10)
+    with pytest.raises(InputError, match="allocate.bits=7"):
+        AllocateCfg(bits=[4, 7])
+    with pytest.raises(InputError, match="PATTERN:BITS"):
+        AllocateCfg(protect=["lm_head"])
