@@ -54,10 +54,17 @@ class PathsCfg:
 
 @dataclass
 class IoCfg:
+    # Ceiling of tensor data per shard in GiB (mlx-lm: 5); see mlxbun.io.shards.
     shard_gb: float = 5.0
+    # Write a full shard on a background thread while the next fills (peak memory: two shards).
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         positive("io.shard_gb", self.shard_gb)
+
+    @property
+    def shard_bytes(self) -> int:
+        return max(1, int(self.shard_gb * (1 << 30)))
 
 
 @dataclass
@@ -114,6 +121,7 @@ class SynthCfg:
 class InspectCfg:
     # A model directory, a .safetensors file or a registry name; defaults to model.name.
     path: str | None = None
+    # false hides the per-tensor table (and per-module entries in json=true output).
     tensors: bool = True
 
 
