@@ -522,9 +522,8 @@ def planted_channels(spec: Spec) -> list[int]:
     """The hidden channels that carry planted outliers (sorted; empty when none are asked)."""
     if spec.outlier_channels == 0:
         return []
-    rng = np.random.Generator(np.random.PCG64(_stream_seed(spec.seed, "outlier_channels", 0)))
-    picked = rng.choice(spec.shape.hidden_size, size=spec.outlier_channels, replace=False)
-    return sorted(int(c) for c in picked)
+    keys = np.random.PCG64(_stream_seed(spec.seed, "outlier_channels", 0)).random_raw(spec.shape.hidden_size)
+    return sorted(int(c) for c in np.argsort(keys, kind="stable")[: spec.outlier_channels])
 
 
 def plan(spec: Spec) -> list[TensorPlan]:
@@ -683,8 +682,9 @@ class _Filler:
 
     def __call__(self, buf: np.ndarray, k: int, r0: int, step: int) -> None:
         block = buf[r0 : r0 + step]
-        rng = np.random.Generator(np.random.PCG64(_stream_seed(self.seed, self.t.name, k)))
-        idx = rng.integers(0, 1 << TABLE_BITS, size=block.shape, dtype=np.uint16)
+        # Raw PCG64 output (a fixed algorithm, unlike Generator methods), 4 indices per draw.
+        raw = np.random.PCG64(_stream_seed(self.seed, self.t.name, k)).random_raw((block.size + 3) // 4)
+        idx = raw.view("<u2")[: block.size].reshape(block.shape)
         block[...] = self.normal[idx]
         if self.scaled is None:
             return
