@@ -202,6 +202,8 @@ class SensitivityCfg:
 class AllocateCfg:
     # sensitivity.json or the run directory holding it (a pipeline's sensitivity step sets it).
     sensitivity: str | None = None
+    # More runs on the same model and calibration (other group sizes or modes): more candidates.
+    extra_sensitivity: list[str] = field(default_factory=list)
     # Candidates: measured settings with these bits / group sizes / modes ([] = any measured).
     bits: list[int] = field(default_factory=list)
     group_sizes: list[int] = field(default_factory=list)

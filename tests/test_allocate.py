@@ -427,3 +427,24 @@ def test_config_validation():
         AllocateCfg(bits=[4, 7])
     with pytest.raises(InputError, match="PATTERN:BITS"):
         AllocateCfg(protect=["lm_head"])
+
+
+def test_extra_sensitivity_adds_group_size_candidates(model, measured, tmp_path):
+    from mlxbun.quant.sensitivity import sensitivity
+
+    sensitivity(
+        model_dir=model, out_dir=tmp_path / "g32", work_dir=tmp_path / "work", bits=[3, 4], group_size=32,
+        samples=2, seq_len=32, batch_size=2,
+    )  # fmt: skip
+    merged = al.merge_sensitivities([al.load_sensitivity(measured), al.load_sensitivity(tmp_path / "g32")])
+    assert {s.group_size for s in merged.layers["lm_head"].kl} == {32, 64}
+    cfg = command_cfg(tmp_path, model, sensitivity=str(measured), budget_bpw=4.0)
+    cfg.allocate.extra_sensitivity = [str(tmp_path / "g32")]
+    al.run(cfg)
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    check = json.loads((tmp_path / "run" / "check.json").read_text())
+    assert check["size_exact"]
+    assert any(v and v["group_size"] == 32 for v in plan["layers"].values())
+    other = al.Sensitivity(merged.layers, "another-model", merged.calibration_fingerprint)
+    with pytest.raises(InputError, match="another model fingerprint"):
+        al.merge_sensitivities([merged, other])

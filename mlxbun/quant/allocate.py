@@ -73,7 +73,7 @@ def _setting_keys(entry: Mapping[str, Any], top: Mapping[str, Any]) -> dict[Sett
     return out
 
 
-def load_sensitivity(path: str | Path) -> Sensitivity:
+def load_sensitivity(path: str | Path, *, key: str = "allocate.sensitivity") -> Sensitivity:
     """Read a sensitivity.json (or the run directory holding one).
 
     Example:
@@ -84,9 +84,7 @@ def load_sensitivity(path: str | Path) -> Sensitivity:
     if p.is_dir():
         p = p / SENSITIVITY_FILE
     if not p.is_file():
-        raise InputError(
-            f"allocate.sensitivity={str(path)!r} does not exist; pass a sensitivity.json or its run dir"
-        )
+        raise InputError(f"{key}={str(path)!r} does not exist; pass a sensitivity.json or its run dir")
     try:
         data = json.loads(p.read_text())
         entries = data["layers"]
@@ -96,14 +94,44 @@ def load_sensitivity(path: str | Path) -> Sensitivity:
             for e in entries
         }
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise InputError(f"allocate.sensitivity={str(path)!r} is not a sensitivity.json ({e!r})") from None
+        raise InputError(f"{key}={str(path)!r} is not a sensitivity.json ({e!r})") from None
+    if data.get("version", 1) != 1:
+        raise InputError(
+            f"{key}={str(path)!r} has schema version {data.get('version')!r}; this reads version 1"
+        )
     if data.get("shard"):
         raise InputError(
-            f"allocate.sensitivity={str(path)!r} is shard {data['shard'].get('index')} of"
-            f" {data['shard'].get('count')}; combine the shards with command=sensitivity_merge first"
+            f"{key}={str(path)!r} is shard {data['shard'].get('index')} of {data['shard'].get('count')};"
+            " combine the shards with command=sensitivity_merge first"
         )
     model, calib = data.get("model") or {}, data.get("calibration") or {}
     return Sensitivity(layers, model.get("fingerprint"), calib.get("fingerprint"), p, calib)
+
+
+def merge_sensitivities(parts: Sequence[Sensitivity]) -> Sensitivity:
+    """One Sensitivity from runs at other group sizes or modes of the same model and calibration.
+
+    Their settings become extra candidates of each module; runs must agree on fingerprints.
+    """
+    first = parts[0]
+    for other in parts[1:]:
+        for what, a, b in (
+            ("model", first.model_fingerprint, other.model_fingerprint),
+            ("calibration", first.calibration_fingerprint, other.calibration_fingerprint),
+        ):
+            if a != b:
+                raise InputError(
+                    f"allocate.extra_sensitivity={str(other.path)!r} has another {what} fingerprint than"
+                    f" allocate.sensitivity={str(first.path)!r}; measure both on the same {what}"
+                )
+    layers: dict[str, LayerSensitivity] = {}
+    for part in parts:
+        for path, layer in part.layers.items():
+            kl = {**(layers[path].kl if path in layers else {}), **layer.kl}
+            layers[path] = LayerSensitivity(path, layer.params, kl)
+    return Sensitivity(
+        layers, first.model_fingerprint, first.calibration_fingerprint, first.path, first.calibration
+    )
 
 
 # ------------------------------------------------------------------------------- protection
@@ -535,6 +563,9 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, Setting]:
     if a.budget_bpw is None and a.budget_bytes is None:
         raise InputError("allocate.budget_bpw and allocate.budget_bytes are both unset; set one (e.g. 4.5)")
     sens = load_sensitivity(a.sensitivity)
+    if a.extra_sensitivity:
+        extra = [load_sensitivity(x, key="allocate.extra_sensitivity") for x in a.extra_sensitivity]
+        sens = merge_sensitivities([sens, *extra])
     if sens.model_fingerprint and sens.model_fingerprint != model_fingerprint(src):
         raise InputError(
             f"allocate.sensitivity={a.sensitivity!r} was measured on another model than {str(src)!r}"
@@ -600,7 +631,7 @@ def run(cfg: Any) -> Any:
             )
     return RunResult(
         outputs=outputs,
-        inputs=[src, sens.path],
+        inputs=[src, sens.path, *(Path(x).expanduser() for x in a.extra_sensitivity)],
         metrics=metrics,
         message=msg,
         provides={"quant.plan": str(plan_path)},
