@@ -929,7 +929,7 @@ def run(cfg: Any) -> Any:
     spec = resolve_spec(**fields)
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "model"
     start = time.perf_counter()
-    path = write_spec(spec, out, shard_bytes=int(cfg.io.shard_gb * (1 << 30)))
+    path = write_spec(spec, out, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap)
     seconds = time.perf_counter() - start
     tensors = plan(spec)
     nbytes, params = sum(t.nbytes for t in tensors), sum(t.numel for t in tensors)

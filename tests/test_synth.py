@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -290,3 +292,31 @@ def test_tiny_model_fixture_is_shared(tiny_model):
     a, b = tiny_model("qwen3"), tiny_model("qwen3")
     assert a == b and (a / "config.json").is_file()
     shutil.copytree(a, a.parent / "copy")  # the documented way to get a private copy
+
+
+def test_concurrent_ensure_synthetic_builds_once(tmp_path):
+    code = (
+        "import sys; from mlxbun import synth; "
+        "print(synth.ensure_synthetic(cache_dir=sys.argv[1], arch='qwen3', preset='small'))"
+    )
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1] and Path(outs[0]).is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == [Path(outs[0]).name]
+
+
+def test_model_synthetic_source_uses_the_cache(tmp_path):
+    from mlxbun.schema import Config
+    from mlxbun.source import model_dir
+
+    cfg = Config()
+    cfg.paths.cache = str(tmp_path)
+    cfg.model.synthetic = True
+    cfg.synth.arch = "gemma3_text"
+    d = model_dir(cfg)
+    assert d.parent == tmp_path / "synth" and d.name == synth.resolve_spec(arch="gemma3_text").hash
+    assert model_dir(cfg) == d
