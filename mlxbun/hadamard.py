@@ -84,8 +84,9 @@ class HadamardSpec:
         return spec
 
     def describe(self) -> str:
-        base = "1" if self.base == "sylvester" else f"{self.base}(q={self.q}, order {self.order})"
-        return f"{base} ⊗ sylvester(2^{self.power})"
+        if self.base == "sylvester":
+            return f"sylvester(2^{self.power})"
+        return f"{self.base}(q={self.q}, order {self.order}) ⊗ sylvester(2^{self.power})"
 
 
 def plan(n: int) -> HadamardSpec:
