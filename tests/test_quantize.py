@@ -312,3 +312,20 @@ def test_cli_quantize_writes_a_model_and_exits_2_on_bad_input(tmp_path):
         capture_output=True, text=True, cwd=tmp_path, env=env,
     )  # fmt: skip
     assert bad.returncode == 2 and "quant.bits=3" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_big_weights_quantized_in_row_blocks_are_bit_identical(tmp_path, monkeypatch):
+    from mlxbun.quant import uniform
+
+    monkeypatch.setattr(uniform, "BIG_TENSOR", 1000)
+    monkeypatch.setattr(uniform, "CHUNK_BYTES", 4096)  # 8 rows of 128 f32 per block
+    blocked = []
+    real = uniform.Converter.quantize_rows
+    monkeypatch.setattr(
+        uniform.Converter, "quantize_rows", lambda self, u: blocked.append(u.path) or real(self, u)
+    )
+    src = make_hf_model(tmp_path / "src", "llama", vocab_size=100)
+    ref = mlx_lm_convert(src, tmp_path / "ref", q_bits=5, q_group_size=32, dtype="float32")
+    mine = quantize_model_dir(src, tmp_path / "mine", bits=5, group_size=32, dtype="float32")
+    assert "model.embed_tokens" in blocked and "model.layers.0.mlp.up_proj" in blocked
+    assert_same_tensors(ref, mine.out)

@@ -60,6 +60,10 @@ COPY_PATTERNS = (
     "generation_config.json",
     "*.py",
 )
+# Plain Linear/Embedding weights larger than this are read and quantized in row blocks of
+# CHUNK_BYTES (quantization groups never cross a row, so the bytes are the same).
+BIG_TENSOR = 256 << 20
+CHUNK_BYTES = 64 << 20
 _build_lock = threading.Lock()  # to_quantized draws from MLX's global PRNG: build graphs one at a time
 
 
@@ -169,10 +173,57 @@ class Converter:
             return a.astype(self.dtype)
         return a
 
-    def __call__(self, unit: Unit) -> list[tuple[str, Any]]:
+    def chunkable(self, unit: Unit) -> bool:
+        """A plain Linear/Embedding whose weight is big and stored as is in the source."""
+        import mlx.nn as nn
+
+        if unit.quant is None or type(self.sk.originals.get(unit.path)) not in (nn.Linear, nn.Embedding):
+            return False
+        name = f"{unit.path}.weight"
+        return name in self.sk.sources and self.sk.weights[name].nbytes > BIG_TENSOR
+
+    def read_rows(self, name: str, r0: int, r1: int) -> Any:
+        """Rows [r0, r1) of a 2-D source tensor, with pread (no mapped pages left behind)."""
         import mlx.core as mx
+        import numpy as np
+
+        from mlxbun.io.safetensors import NP_DTYPES
+
+        info = self.src.info(self.sk.sources[name])
+        row = info.nbytes // info.shape[0]
+        buf = bytearray((r1 - r0) * row)
+        with open(info.file, "rb", buffering=0) as f:
+            f.seek(info.start + r0 * row)
+            f.readinto(buf)
+        arr = mx.array(np.frombuffer(buf, dtype=NP_DTYPES[info.dtype]).reshape(r1 - r0, *info.shape[1:]))
+        return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
+
+    def quantize_rows(self, unit: Unit) -> dict[str, Any]:
+        """mx.quantize of a big weight, block of rows by block of rows, concatenated."""
+        import mlx.core as mx
+
+        name, q = f"{unit.path}.weight", unit.quant
+        rows, width = self.sk.weights.pop(name).shape
+        step = max(1, CHUNK_BYTES // max(1, width * 4))
+        parts: list[list[Any]] = []
+        for r0 in range(0, rows, step):
+            chunk = self.cast(name, self.read_rows(name, r0, min(rows, r0 + step)))
+            out = mx.quantize(chunk, q["group_size"], q["bits"], mode=q.get("mode", "affine"))
+            mx.eval(out)
+            parts.append(list(out))
+        keys = ("weight", "scales", "biases")[: len(parts[0])]
+        result = {f"{unit.path}.{k}": mx.concatenate([p[i] for p in parts]) for i, k in enumerate(keys)}
+        for n in unit.inputs:
+            if n != name:
+                result[n] = self.cast(n, self.read(n))
+        self.sk.originals.pop(unit.path)
+        return result
+
+    def __call__(self, unit: Unit) -> list[tuple[str, Any]]:
         from mlx.utils import tree_flatten, tree_unflatten
 
+        if self.chunkable(unit):
+            return self.finish(unit, self.quantize_rows(unit))
         arrays = {n: self.cast(n, self.read(n)) for n in unit.inputs}
         if unit.quant is None:
             out = arrays
@@ -185,6 +236,11 @@ class Converter:
             out = {prefix + k: v for k, v in tree_flatten(qm.parameters())}
             del module, qm
         del arrays
+        return self.finish(unit, out)
+
+    def finish(self, unit: Unit, out: dict[str, Any]) -> list[tuple[str, Any]]:
+        import mlx.core as mx
+
         mx.eval(list(out.values()))
         if set(out) != set(unit.outputs):
             raise RuntimeError(f"{unit.path}: produced {sorted(out)}, expected {sorted(unit.outputs)}")
