@@ -5,7 +5,8 @@ The Hugging Face hub cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
 
     <hub>/
       models--org--name/
-        refs/main                   text: the revision (commit hash) that `main` points at
+        refs/main                   text: the revision (commit hash) that `main` points at (other
+                                    refs are not read: only `main` decides the canonical one)
         blobs/<etag>                file bytes, or a symlink into the shared store (hf_hub 2.x)
         blobs/<etag>.incomplete     a partial download: ignored
         snapshots/<rev>/<file>      relative symlink -> ../../blobs/<etag>
@@ -31,6 +32,7 @@ import json
 import os
 import re
 import struct
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ INDEX = "model.safetensors.index.json"
 VISION_SIDECAR = "optiq_vision.safetensors"
 NOT_WEIGHTS = {VISION_SIDECAR, "adapters.safetensors"}
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is hostile, not a model
+HEADER_GUESS = 64 << 10
 README_HEAD = 64 << 10
 EXPERT_MARKS = (".experts.", ".switch_mlp.")
 VISION_PREFIXES = ("vision_tower.", "vision_model.", "visual.", "model.vision_tower.", "model.visual.")
@@ -47,6 +50,8 @@ DRAFTER_TOKENS = {"drafter", "draft", "eagle", "eagle3", "medusa", "mtp", "dflas
 DRAFTER_CONFIG_KEYS = ("medusa_num_heads", "medusa_num_layers")
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 LICENSE_RE = re.compile(r"^license:[ \t]*(?:[\"']?([^\"'#\n]+?)[\"']?)?[ \t]*(?:#.*)?$", re.M)
+NON_WORD_RE = re.compile(r"[^a-z0-9]+")
+CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 LIST_ITEM_RE = re.compile(r"\A\s*-\s*[\"']?([^\"'#\n]+?)[\"']?\s*$", re.M)
 
 
@@ -62,12 +67,16 @@ def hub_cache_dir(override: str | os.PathLike | None = None) -> Path:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """One revision of one cached repo: ``<hub>/models--org--name/snapshots/<rev>``."""
+    """One revision of one cached repo: ``<hub>/models--org--name/snapshots/<rev>``.
 
-    path: Path
+    ``key`` changes whenever the snapshot's entries or the repo's blobs change (see :func:`stat_key`).
+    """
+
+    path: str
     repo_id: str
     revision: str
     refs: tuple[str, ...]
+    key: str
 
 
 def repo_id_of(dirname: str) -> str | None:
@@ -78,29 +87,38 @@ def repo_id_of(dirname: str) -> str | None:
     return rest.replace("--", "/")
 
 
-def read_refs(repo_dir: Path) -> dict[str, list[str]]:
-    """revision -> the ref names (``main``, ``refs/pr/1``) pointing at it."""
-    out: dict[str, list[str]] = {}
-    refs = repo_dir / "refs"
-    for root, _dirs, files in os.walk(refs):
-        for name in files:
-            p = os.path.join(root, name)
-            try:
-                with open(p) as f:
-                    rev = f.read().strip()
-            except OSError:
-                continue
-            out.setdefault(rev, []).append(os.path.relpath(p, refs))
-    return out
+def read_main_ref(repo_dir: str) -> str | None:
+    """The revision ``refs/main`` points at (the only ref the registry's canonical rule needs)."""
+    try:
+        return read_bytes(os.path.join(repo_dir, "refs", "main"), 256).decode().strip() or None
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
-def iter_snapshots(hub: Path, warn: Any) -> list[Snapshot]:
-    """Every model snapshot in the hub cache; repos without snapshots are warned about and skipped."""
+def stat_key(path: str, now_ns: int, *, racy_ns: int = 2_000_000_000) -> str:
+    """mtime and inode of a directory; "" (never equal to a stored key) when too recent to trust.
+
+    A directory's mtime ticks coarsely, so a change within the same tick as a scan would go
+    unseen; like git's racy-index rule, an mtime this close to ``now`` forces a re-read next time.
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "-"
+    return "" if now_ns - st.st_mtime_ns < racy_ns else f"{st.st_mtime_ns}.{st.st_ino}"
+
+
+def iter_snapshots(hub: str | os.PathLike, warn: Any) -> list[Snapshot]:
+    """Every model snapshot in the hub cache; repos without snapshots are warned about and skipped.
+
+    Costs a few syscalls per repo and one per snapshot: no file inside a snapshot is touched.
+    """
     out: list[Snapshot] = []
     try:
         entries = sorted(os.scandir(hub), key=lambda e: e.name)
     except OSError:
         return out
+    now = time.time_ns()
     for entry in entries:
         repo_id = repo_id_of(entry.name)
         if repo_id is None or not entry.is_dir():
@@ -111,8 +129,13 @@ def iter_snapshots(hub: Path, warn: Any) -> list[Snapshot]:
         except OSError:
             warn(entry.path, "no snapshots/ directory (partial download?)")
             continue
-        refs = read_refs(Path(entry.path))
-        out += [Snapshot(Path(snaps) / r, repo_id, r, tuple(sorted(refs.get(r, ())))) for r in revs]
+        main = read_main_ref(entry.path)
+        blobs = stat_key(os.path.join(entry.path, "blobs"), now)
+        for r in revs:
+            path = os.path.join(snaps, r)
+            key = stat_key(path, now)
+            refs = ("main",) if r == main else ()
+            out.append(Snapshot(path, repo_id, r, refs, key and blobs and f"hub:{key}:{blobs}"))
     return out
 
 
@@ -126,12 +149,19 @@ class FileStat:
     ino: int
 
 
-def list_files(path: Path) -> list[FileStat]:
-    """Top-level files of ``path``, symlinks followed (through any number of hops)."""
+def list_files(path: Path, *, stat_all: bool = True) -> list[FileStat]:
+    """Top-level files of ``path``, symlinks followed (through any number of hops).
+
+    With ``stat_all=False`` only ``*.safetensors`` files are stat'ed (their sizes are needed);
+    the others are reported with size 0 and found broken when opened. Every stat through a
+    two-hop blob link costs, and a hub snapshot is keyed by directory stats anyway.
+    """
     out = []
     with os.scandir(path) as it:
         for e in it:
-            if e.name.startswith("."):
+            if e.name.startswith(".") or (not stat_all and not e.name.endswith(".safetensors")):
+                if not e.name.startswith(".") and not e.is_dir(follow_symlinks=False):
+                    out.append(FileStat(e.name, 0, 0, 0))
                 continue
             try:
                 st = e.stat()
@@ -148,22 +178,28 @@ def fingerprint(files: list[FileStat]) -> str:
     return ";".join(f"{f.name}:{f.size}:{f.mtime_ns}:{f.ino}" for f in files)
 
 
-def read_safetensors_header(path: Path) -> dict[str, Any]:
+def read_safetensors_header(path: Path, *, size: int | None = None) -> dict[str, Any]:
     """The JSON header of a safetensors file (u64 LE length + JSON), without touching tensor bytes.
+
+    One read covers most headers; a larger one is completed with a second. ``size`` (the file
+    size, when already known) bounds the declared length; a hostile length is rejected before
+    anything is allocated for it.
 
     Example:
         >>> header = read_safetensors_header(Path("model.safetensors"))
         >>> header["model.embed_tokens.weight"]["shape"]
     """
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
+    with open(path, "rb", buffering=0) as f:
+        buf = f.read(HEADER_GUESS)
+        if len(buf) < 8:
             raise ValueError(f"{path.name}: shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", head)
-        size = os.fstat(f.fileno()).st_size
+        (n,) = struct.unpack("<Q", buf[:8])
+        size = os.fstat(f.fileno()).st_size if size is None else size
         if n > MAX_HEADER or n > size - 8:
             raise ValueError(f"{path.name}: header length {n} exceeds the file ({size} bytes)")
-        header = json.loads(f.read(n))
+        if n + 8 > len(buf):
+            buf += f.read(n + 8 - len(buf))
+        header = json.loads(buf[8 : 8 + n])
     if not isinstance(header, dict):
         raise ValueError(f"{path.name}: header is not a JSON object")
     return header
@@ -201,9 +237,24 @@ class ModelInfo:
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
 
+def read_bytes(path: str | os.PathLike, limit: int | None = None) -> bytes:
+    """A file's bytes (at most ``limit``) with the fewest syscalls: open, read until short, close."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        parts, n = [], 0
+        while limit is None or n < limit:
+            chunk = os.read(fd, (1 << 20) if limit is None else min(1 << 20, limit - n))
+            if not chunk:
+                break
+            parts.append(chunk)
+            n += len(chunk)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
 def read_json(path: Path) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return json.loads(read_bytes(path))
 
 
 def read_model_dir(path: Path, files: list[FileStat], *, repo_id: str | None = None) -> ModelInfo:
@@ -350,7 +401,7 @@ def _weights(path: Path, by_name: dict[str, FileStat], config: dict, warnings: l
             continue
         out["weight_bytes"] += f.size
         try:
-            header = read_safetensors_header(path / name)
+            header = read_safetensors_header(path / name, size=f.size)
         except (OSError, ValueError) as e:
             warnings.append(f"{name}: unreadable header ({str(e)[:80]})")
             continue
@@ -405,7 +456,7 @@ def _has_tools(path: Path, by_name: dict[str, FileStat], warnings: list[str]) ->
     jinja = by_name.get("chat_template.jinja")
     if jinja is not None and jinja.size is not None:
         try:
-            templates.append((path / "chat_template.jinja").read_text(encoding="utf-8", errors="replace"))
+            templates.append(read_bytes(path / "chat_template.jinja").decode("utf-8", errors="replace"))
         except OSError:
             pass
     return any(isinstance(t, str) and "tools" in t for t in templates)
@@ -417,8 +468,7 @@ def _license(path: Path, by_name: dict[str, FileStat]) -> str | None:
     if f is None or f.size is None:
         return None
     try:
-        with open(path / "README.md", encoding="utf-8", errors="replace") as fh:
-            head = fh.read(README_HEAD)
+        head = read_bytes(path / "README.md", README_HEAD).decode("utf-8", errors="replace")
     except OSError:
         return None
     if not head.startswith("---"):
@@ -435,7 +485,7 @@ def _license(path: Path, by_name: dict[str, FileStat]) -> str | None:
 
 
 def _tokens(text: str | None) -> set[str]:
-    return set(re.split(r"[^a-z0-9]+", (text or "").lower())) - {""}
+    return set(NON_WORD_RE.split((text or "").lower())) - {""}
 
 
 def is_drafter(config: dict[str, Any], repo_id: str | None) -> bool:
@@ -448,6 +498,6 @@ def is_drafter(config: dict[str, Any], repo_id: str | None) -> bool:
     if isinstance(tc, dict):
         words |= _tokens(str(tc.get("model_type") or ""))
     for a in archs:  # CamelCase: EagleLlamaForCausalLM -> eagle llama for causal lm
-        words |= _tokens(re.sub(r"(?<=[a-z0-9])(?=[A-Z])", " ", str(a)))
+        words |= _tokens(CAMEL_RE.sub(" ", str(a)))
     name_words = _tokens((repo_id or "").rpartition("/")[2])
     return bool(words & DRAFTER_TOKENS or name_words & (DRAFTER_TOKENS - {"draft", "mtp"}))

@@ -13,6 +13,7 @@ versioned (table ``schema_version``) and upgraded in place by ordered :data:`MIG
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import peewee as pw
 from playhouse.db_url import connect as url_connect
@@ -101,6 +102,9 @@ class ModelRecord(BaseModel):
     revision = pw.CharField(null=True)
     refs = pw.TextField(default="")  # comma-separated refs pointing at this revision ("main")
     fingerprint = pw.TextField(default="")
+    digest = pw.CharField(
+        default=""
+    )  # of the indexed fields: a re-read that finds no change keeps scanned_at
     model_type = pw.CharField(null=True, index=True)
     text_model_type = pw.CharField(null=True)
     architectures = pw.TextField(null=True)
@@ -303,13 +307,14 @@ def list_runs(
 class Candidate:
     """A directory that may hold a model, and how it was found."""
 
-    path: Path
+    path: str
     source: str
     root: str
     name: str
     repo_id: str | None = None
     revision: str | None = None
     refs: str = ""
+    key: str | None = None  # hub snapshots: a cheap change key from stats (nothing inside is read)
 
 
 @dataclass(frozen=True)
@@ -333,8 +338,11 @@ def _abs(p: str | os.PathLike) -> str:
 
 def hub_candidates(hub_dir: Path, warnings: list[str]) -> list[Candidate]:
     root = _abs(hub_dir)
-    snaps = hub.iter_snapshots(Path(root), lambda p, w: warnings.append(f"{p}: {w}"))
-    return [Candidate(s.path, "hub", root, s.repo_id, s.repo_id, s.revision, ",".join(s.refs)) for s in snaps]
+    snaps = hub.iter_snapshots(root, lambda p, w: warnings.append(f"{p}: {w}"))
+    return [
+        Candidate(s.path, "hub", root, s.repo_id, s.repo_id, s.revision, ",".join(s.refs), s.key)
+        for s in snaps
+    ]
 
 
 def _is_model_dir(path: str) -> bool:
@@ -347,14 +355,14 @@ def local_candidates(paths: Iterable[str | os.PathLike]) -> list[Candidate]:
     for p in paths:
         root = _abs(p)
         if _is_model_dir(root):
-            out.append(Candidate(Path(root), "local", root, os.path.basename(root)))
+            out.append(Candidate(root, "local", root, os.path.basename(root)))
             continue
         try:
             subs = sorted(e.path for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
         except OSError:
             log.warning("registry: registry.paths entry %s is not a directory; skipped", root)
             continue
-        out += [Candidate(Path(s), "local", root, os.path.basename(s)) for s in subs if _is_model_dir(s)]
+        out += [Candidate(s, "local", root, os.path.basename(s)) for s in subs if _is_model_dir(s)]
     return out
 
 
@@ -374,7 +382,7 @@ def run_candidates(runs_root: str | os.PathLike, *, max_depth: int = 6) -> list[
         names = {e.name for e in entries}
         in_run = in_run or "manifest.json" in names
         if in_run and "config.json" in names:
-            out.append(Candidate(Path(d), "run", root, os.path.relpath(d, root)))
+            out.append(Candidate(d, "run", root, os.path.relpath(d, root)))
             return
         if depth < max_depth:
             for e in sorted(entries, key=lambda e: e.name):
@@ -385,32 +393,48 @@ def run_candidates(runs_root: str | os.PathLike, *, max_depth: int = 6) -> list[
     return out
 
 
-def _row(c: Candidate, info: hub.ModelInfo, fp: str, now: datetime) -> dict[str, Any]:
+class Known(NamedTuple):
+    fingerprint: str
+    refs: str
+    root: str
+    digest: str
+    scanned_at: datetime
+
+
+def _row(c: Candidate, info: hub.ModelInfo, fp: str, now: datetime, old: Known | None) -> dict[str, Any]:
     row = {k: getattr(info, k) for k in INFO_FIELDS}
     row.update(
-        path=str(c.path), source=c.source, root=c.root, name=c.name, repo_id=c.repo_id,
-        revision=c.revision, refs=c.refs, fingerprint=fp, scanned_at=now,
-        total_bytes=info.weight_bytes + info.vision_bytes,
-        warning="; ".join(info.warnings) or None,
+        source=c.source, root=c.root, name=c.name, repo_id=c.repo_id, revision=c.revision,
+        total_bytes=info.weight_bytes + info.vision_bytes, warning="; ".join(info.warnings) or None,
     )  # fmt: skip
+    digest = hashlib.sha1(repr(sorted(row.items())).encode()).hexdigest()
+    unchanged = old is not None and old.digest == digest
+    row.update(path=c.path, refs=c.refs, fingerprint=fp, digest=digest)
+    row["scanned_at"] = old.scanned_at if unchanged else now
     return row
 
 
-def _read(c: Candidate, known: dict[str, tuple[str, str]], now: datetime, report: list[str]) -> Any:
-    """A row dict when ``c`` changed, the string "refs" when only its refs moved, else None."""
+def _read(c: Candidate, known: dict[str, Known], now: datetime, report: list[str]) -> Any:
+    """A row dict when ``c`` changed, the string "refs" when only its refs moved, else None.
+
+    Hub snapshots are compared by their stat key before anything inside them is listed; other
+    directories (edited in place) by the names, sizes, mtimes and inodes of their entries.
+    """
+    old = known.get(c.path)
+    if c.key and old is not None and old.fingerprint == c.key:
+        return "refs" if old.refs != c.refs else None
     try:
-        files = hub.list_files(c.path)
+        files = hub.list_files(Path(c.path), stat_all=c.key is None)
     except OSError as e:
         report.append(f"{c.path}: unreadable directory ({e})")
         files = []
-    fp = hub.fingerprint(files)
-    old = known.get(str(c.path))
-    if old is not None and old[0] == fp:
-        return "refs" if old[1] != c.refs else None
-    info = hub.read_model_dir(c.path, files, repo_id=c.repo_id or c.name)
+    fp = c.key if c.key is not None else hub.fingerprint(files)
+    if c.key is None and old is not None and old.fingerprint == fp:
+        return "refs" if old.refs != c.refs else None
+    info = hub.read_model_dir(Path(c.path), files, repo_id=c.repo_id or c.name)
     for w in info.warnings:
         report.append(f"{c.path}: {w}")
-    return _row(c, info, fp, now)
+    return _row(c, info, fp, now, old)
 
 
 def scan(
@@ -445,37 +469,33 @@ def scan(
     cands += _registered_candidates(cands) if registered else []
     known = _known(roots, cands)
     rows, moved = _read_all(cands, known, warnings, progress)
-    seen = {str(c.path) for c in cands}
-    stale = [p for p, (_, _, root) in known.items() if p not in seen and root in set(roots)]
-    gone = [p for p in known if p in seen and not os.path.isdir(p)]
-    _write(rows, moved, stale + gone)
+    seen, scanned = {c.path for c in cands}, set(roots)
+    stale = [p for p, k in known.items() if p not in seen and k.root in scanned]
+    _write(rows, moved, stale)
     for w in warnings:
         log.warning("registry: %s", w)
-    n_unchanged = len(cands) - len(rows)
     return ScanReport(
-        len(rows), n_unchanged, len(stale) + len(gone), tuple(warnings), time.perf_counter() - t0
+        len(rows), len(cands) - len(rows), len(stale), tuple(warnings), time.perf_counter() - t0
     )
 
 
 def _registered_candidates(found: list[Candidate]) -> list[Candidate]:
-    have = {str(c.path) for c in found}
-    q = ModelRecord.select().where(ModelRecord.source == "registered")
+    have = {c.path for c in found}
+    q = ModelRecord.select(ModelRecord.path, ModelRecord.root, ModelRecord.name)
+    q = q.where(ModelRecord.source == "registered").tuples()
     return [
-        Candidate(Path(r.path), "registered", r.root, r.name)
-        for r in q
-        if r.path not in have and os.path.isdir(r.path)
+        Candidate(p, "registered", root, name) for p, root, name in q if p not in have and os.path.isdir(p)
     ]
 
 
-def _known(roots: list[str], cands: list[Candidate]) -> dict[str, tuple[str, str, str]]:
-    """path -> (fingerprint, refs, root) of stored rows under ``roots`` or at a candidate's path."""
-    q = ModelRecord.select(ModelRecord.path, ModelRecord.fingerprint, ModelRecord.refs, ModelRecord.root)
-    rows = q.where(ModelRecord.root.in_(roots)).tuples()
-    out = {p: (fp, refs, root) for p, fp, refs, root in rows}
-    extra = [str(c.path) for c in cands if str(c.path) not in out]
+def _known(roots: list[str], cands: list[Candidate]) -> dict[str, Known]:
+    """What is stored for rows under ``roots`` or at a candidate's path, by path."""
+    M = ModelRecord
+    q = M.select(M.path, M.fingerprint, M.refs, M.root, M.digest, M.scanned_at)
+    out = {r[0]: Known(*r[1:]) for r in q.where(M.root.in_(roots)).tuples()}
+    extra = [c.path for c in cands if c.path not in out]
     for chunk in pw.chunked(extra, 500):
-        for p, fp, refs, root in q.where(ModelRecord.path.in_(chunk)).tuples():
-            out[p] = (fp, refs, root)
+        out.update({r[0]: Known(*r[1:]) for r in q.where(M.path.in_(chunk)).tuples()})
     return out
 
 
@@ -501,16 +521,35 @@ def _write(rows: list[dict[str, Any]], moved: list[Candidate], delete: list[str]
     """Upsert changed rows, update moved refs, delete stale paths: one write transaction, if any."""
     if not (rows or moved or delete):
         return
-    preserve = [getattr(ModelRecord, k) for k in rows[0] if k != "path"] if rows else []
     with write_txn():
-        for chunk in pw.chunked(rows, 100):
-            ModelRecord.insert_many(chunk).on_conflict(
-                conflict_target=[ModelRecord.path], preserve=preserve
-            ).execute()
+        for chunk in pw.chunked(rows, 500):
+            _upsert(chunk)
         for c in moved:
-            ModelRecord.update(refs=c.refs).where(ModelRecord.path == str(c.path)).execute()
+            ModelRecord.update(refs=c.refs).where(ModelRecord.path == c.path).execute()
         for chunk in pw.chunked(delete, 500):
             ModelRecord.delete().where(ModelRecord.path.in_(chunk)).execute()
+
+
+def _upsert(rows: list[dict[str, Any]]) -> None:
+    """INSERT .. ON CONFLICT(path) DO UPDATE for many rows in one executemany (sqlite and PostgreSQL).
+
+    peewee's insert_many builds SQL per value; at thousands of rows that costs more than the scan.
+    """
+    database, cols = db.obj, list(rows[0])
+    fields = [ModelRecord._meta.fields[c] for c in cols]
+    names = ", ".join(f'"{c}"' for c in cols)
+    sets = ", ".join(f'"{c}" = EXCLUDED."{c}"' for c in cols if c != "path")
+    marks = ", ".join([database.param] * len(cols))
+    sql = f'INSERT INTO "{ModelRecord._meta.table_name}" ({names}) VALUES ({marks}) ON CONFLICT ("path") DO UPDATE SET {sets}'
+    sqlite = isinstance(database, pw.SqliteDatabase)
+
+    def value(f: pw.Field, v: Any) -> Any:
+        v = f.db_value(v)
+        return str(v) if sqlite and isinstance(v, datetime) else v
+
+    database.cursor().executemany(
+        sql, [tuple(value(f, r[c]) for f, c in zip(fields, cols, strict=True)) for r in rows]
+    )
 
 
 def register_model(path: str | os.PathLike, *, name: str | None = None) -> dict[str, Any]:
@@ -527,7 +566,7 @@ def register_model(path: str | os.PathLike, *, name: str | None = None) -> dict[
     if not p.is_dir():
         raise InputError(f"path={str(path)!r} is not a directory; pass a model directory")
     _require_db()
-    c = Candidate(p, "registered", str(p), name or p.name)
+    c = Candidate(str(p), "registered", str(p), name or p.name)
     warnings: list[str] = []
     row = _read(c, {}, utcnow(), warnings)
     for w in warnings:
@@ -681,7 +720,7 @@ def record_for(path: str | os.PathLike) -> ModelRecord:
     p = _abs(path)
     rec = ModelRecord.get_or_none(ModelRecord.path == p)
     if rec is None:
-        c = Candidate(Path(p), "local", p, os.path.basename(p))
+        c = Candidate(p, "local", p, os.path.basename(p))
         warnings: list[str] = []
         _write([_read(c, {}, utcnow(), warnings)], [], [])
         rec = ModelRecord.get(ModelRecord.path == p)

@@ -134,6 +134,12 @@ class Hub:
             (repo / "refs" / "main").write_text(rev)
         return snap
 
+    def age(self, seconds: float = 3600) -> None:
+        """Date every directory back, as in a cache downloaded earlier (mtimes this fresh are "racy")."""
+        t = time.time() - seconds
+        for d, _dirs, _files in os.walk(self.root):
+            os.utime(d, (t, t))
+
     def break_link(self, snap: Path, name: str) -> None:
         """Delete the blob behind ``snap/name`` (as an interrupted download or a manual rm would)."""
         os.unlink(os.path.realpath(snap / name))
@@ -359,6 +365,9 @@ def test_hostile_safetensors_header_is_a_warning(reg, hubtree):
 def test_rescan_reads_only_changes_and_prunes(reg, hubtree, monkeypatch):
     snaps = [hubtree.add(f"org/m{i}", "r1", model_files(llama_config(vocab_size=32 + i))) for i in range(4)]
     assert reg.scan(hub_cache=hubtree.root).read == 4
+    assert reg.scan(hub_cache=hubtree.root).read == 4  # mtimes too fresh to trust: read again
+    hubtree.age()
+    assert reg.scan(hub_cache=hubtree.root).read == 4  # stores the now-trusted keys
     calls = []
     real = hub.read_model_dir
     monkeypatch.setattr(hub, "read_model_dir", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
@@ -378,6 +387,7 @@ def test_rescan_reads_only_changes_and_prunes(reg, hubtree, monkeypatch):
 def test_refs_move_without_reread(reg, hubtree):
     hubtree.add("org/m", "r1", model_files(llama_config()))
     new = hubtree.add("org/m", "r2", model_files(llama_config(vocab_size=40)))
+    hubtree.age()
     reg.scan(hub_cache=hubtree.root)
     assert reg.resolve("org/m", hub_cache=hubtree.root) == new
     (hubtree.repo_dir("org/m") / "refs" / "main").write_text("r1")
@@ -394,8 +404,10 @@ def test_resolve_revisions_collapse_to_canonical(reg, hubtree):
     hubtree.add("org/rev", "bbb", model_files(llama_config(vocab_size=48)), main=False)
     # No refs/main: same scan time, so ties go by path.
     assert reg.resolve("org/rev", hub_cache=hubtree.root) == old
+    hubtree.age()
+    reg.scan(hub_cache=hubtree.root)
     time.sleep(0.01)
-    late = hubtree.add("org/rev", "0late", model_files(llama_config(vocab_size=64)), main=False)
+    late = hubtree.add("org/rev", "zzz", model_files(llama_config(vocab_size=64)), main=False)
     assert reg.resolve("rev", hub_cache=hubtree.root) == late  # most recently scanned wins
     hubtree.add("org/rev", "bbb", {}, main=True)  # refs/main -> bbb
     assert reg.resolve("org/rev", hub_cache=hubtree.root).name == "bbb"
