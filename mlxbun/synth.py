@@ -416,6 +416,23 @@ def _check_shape(arch: str, s: Shape) -> None:
         raise InputError(f"synth.head_dim={s.head_dim} must be even (rotary embeddings rotate pairs)")
 
 
+def _check_knobs(shape: Shape, dtype: str, target: str, channels: Any, scale: Any, jitter: Any) -> None:
+    if dtype not in DTYPES:
+        raise InputError(f"synth.dtype={dtype!r} is not allowed; choose one of {', '.join(DTYPES)}")
+    if target not in OUTLIER_TARGETS:
+        raise InputError(
+            f"synth.outlier_target={target!r} is not allowed; choose one of {', '.join(OUTLIER_TARGETS)}"
+        )
+    if isinstance(channels, bool) or not isinstance(channels, int) or not 0 <= channels <= shape.hidden_size:
+        raise InputError(
+            f"synth.outlier_channels={channels!r} is out of range; it must be in 0..{shape.hidden_size}"
+        )
+    if not scale > 0:
+        raise InputError(f"synth.outlier_scale={scale!r} is out of range; it must be > 0")
+    if not jitter >= 0:
+        raise InputError(f"synth.norm_jitter={jitter!r} is out of range; it must be >= 0")
+
+
 def resolve_spec(
     *,
     arch: str = "llama",
@@ -444,20 +461,7 @@ def resolve_spec(
             f"unknown synth field(s) {sorted(unknown)}; allowed: {', '.join(DIMS)}, tie_embeddings"
         )
     shape, extra = resolve_shape(arch, preset, **dims)
-    if dtype not in DTYPES:
-        raise InputError(f"synth.dtype={dtype!r} is not allowed; choose one of {', '.join(DTYPES)}")
-    if outlier_target not in OUTLIER_TARGETS:
-        raise InputError(
-            f"synth.outlier_target={outlier_target!r} is not allowed; choose one of {', '.join(OUTLIER_TARGETS)}"
-        )
-    if not isinstance(outlier_channels, int) or not 0 <= outlier_channels <= shape.hidden_size:
-        raise InputError(
-            f"synth.outlier_channels={outlier_channels!r} is out of range; it must be in 0..{shape.hidden_size}"
-        )
-    if not outlier_scale > 0 or not norm_jitter >= 0:
-        raise InputError(
-            f"synth.outlier_scale={outlier_scale!r} must be > 0 and synth.norm_jitter={norm_jitter!r} >= 0"
-        )
+    _check_knobs(shape, dtype, outlier_target, outlier_channels, outlier_scale, norm_jitter)
     return Spec(
         arch=arch,
         shape=shape,
