@@ -221,18 +221,18 @@ def test_resume_in_process_equals_uninterrupted(tmp_path: Path) -> None:
     assert dir_bytes(tmp_path / "run2") == dir_bytes(tmp_path / "ref")
 
 
-def test_resume_drops_corrupt_shard(tmp_path: Path) -> None:
+@pytest.mark.parametrize("checksum", ["crc32", "sha256"])
+def test_resume_drops_corrupt_shard(tmp_path: Path, checksum: str) -> None:
     produce(tmp_path / "ref", resume=False)
-    produce(tmp_path / "run", resume=False, stop_after_shards=3)._stop(keep_shards=True)
+    produce(tmp_path / "run", resume=False, stop_after_shards=3, checksum=checksum)._stop(keep_shards=True)
     second = tmp_path / "run" / ".mlxbun-shard-00002.safetensors"
     data = bytearray(second.read_bytes())
     data[-1] ^= 0xFF
     second.write_bytes(bytes(data))
-    w = ShardedWriter(tmp_path / "run", shard_bytes=1500, resume=True)
-    assert len(w._shards) == 1  # shard 2 fails its sha256, so 2 and 3 are redone
-    w.abort()
-    produce(tmp_path / "run", resume=False, stop_after_shards=3)._stop(keep_shards=True)
-    produce(tmp_path / "run", resume=True)
+    w = ShardedWriter(tmp_path / "run", shard_bytes=1500, resume=True, checksum=checksum)
+    assert len(w._shards) == 1  # shard 2 fails its checksum, so 2 and 3 are redone
+    w._stop(keep_shards=True)
+    produce(tmp_path / "run", resume=True, checksum=checksum)
     assert dir_bytes(tmp_path / "run") == dir_bytes(tmp_path / "ref")
 
 

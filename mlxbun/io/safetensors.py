@@ -248,20 +248,20 @@ class SafetensorsFile:
         import mlx.core as mx
 
         info = self.info(name)
+        self._advise(info, mmap.MADV_WILLNEED)  # read ahead the whole tensor, not page by page
         view = self.numpy(name)
         arr = mx.array(view, dtype=mx.float64) if info.dtype == "F64" else mx.array(view)
         if info.dtype == "BF16":
             arr = arr.view(mx.bfloat16)
         mx.eval(arr)
         del view
-        self._drop_pages(info)
+        self._advise(info, mmap.MADV_DONTNEED)  # drop its pages: streaming RSS stays ~one tensor
         return arr
 
-    def _drop_pages(self, info: TensorInfo) -> None:
-        """Release the tensor's pages from this mapping so streaming RSS stays ~one tensor."""
+    def _advise(self, info: TensorInfo, advice: int) -> None:
         begin = info.start - info.start % mmap.PAGESIZE
-        if info.end > begin and hasattr(self._mm, "madvise"):
-            self._mm.madvise(mmap.MADV_DONTNEED, begin, info.end - begin)
+        if info.end > begin and self._mm is not None and hasattr(self._mm, "madvise"):
+            self._mm.madvise(advice, begin, info.end - begin)
 
 
 class ModelDir:
