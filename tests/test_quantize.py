@@ -220,7 +220,7 @@ def test_resume_after_sigkill_gives_identical_bytes(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert not out.exists()  # nothing that looks finished
-    (partial,) = [p for p in out.parent.iterdir() if p.name.startswith(".model.partial-")]
+    (partial,) = [p for p in out.parent.iterdir() if p.is_dir() and p.name.startswith(".model.partial-")]
     assert len(list(partial.glob(".mlxbun-shard-*.safetensors"))) == 3
     resumed = quantize_model_dir(src, out, bits=4, group_size=64, shard_bytes=40000)
     clean = quantize_model_dir(src, tmp_path / "clean" / "model", bits=4, group_size=64, shard_bytes=40000)

@@ -20,6 +20,7 @@ On disk::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -300,7 +301,7 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
 # ------------------------------------------------------------------------------- the command
 
 
-def _boundary(src: Path, out: Path, fp: str, partial: Path) -> QuantizeResult | None:
+def _boundary(out: Path, fp: str, partial: Path) -> QuantizeResult | None:
     """Refuse an out dir that is not ours; return the existing result if it is ours and complete."""
     if out.exists():
         marker = _read_marker(out)
@@ -396,8 +397,6 @@ def quantize_model_dir(
         >>> r.files
         ['model.safetensors']
     """
-    import mlx.core as mx
-
     t0 = time.monotonic()
     src, out = Path(src).expanduser().resolve(), Path(out).expanduser().resolve()
     if dtype is not None and dtype not in CONVERSION_DTYPES:
@@ -411,34 +410,54 @@ def quantize_model_dir(
     settings = _settings(spec, plan, mixed, dtype, shard_bytes, src)
     fp = fingerprint(src, settings)
     partial = Path(partial_root or out.parent).expanduser().resolve() / f".{out.name}.partial-{fp[:16]}"
-    if (done := _boundary(src, out, fp, partial)) is not None:
+    if (done := _boundary(out, fp, partial)) is not None:
         return done
-    state = _claim(partial, fp, settings, resume=resume)
-    previous = mx.set_cache_limit(256 << 20)
-    try:
-        if state != "complete":
-            src_bytes, out_bytes = _write_shards(
-                sk, src, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads
-            )
-            atomic_write_json(
-                partial / MARKER,
-                {
-                    "fingerprint": fp,
-                    "settings": settings,
-                    "state": "complete",
-                    "quantization": sk.quantization,
-                },
-            )
-        else:
-            src_bytes = sum(v.nbytes for v in sk.weights.values())
-            out_bytes = sum(p.stat().st_size for p in partial.glob("model*.safetensors"))
-    finally:
-        mx.set_cache_limit(previous)
-    _finish_files(sk, src, partial)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    publish_dir(partial, out)
+    lock = partial.with_name(partial.name + ".lock")
+    with _locked(lock):  # two runs of the same conversion: the second waits, then reuses
+        if (done := _boundary(out, fp, partial)) is not None:
+            return done
+        state = _claim(partial, fp, settings, resume=resume)
+        src_bytes, out_bytes = _convert(
+            sk, src, partial, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads
+        )
+        _finish_files(sk, src, partial)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        publish_dir(partial, out)
+        lock.unlink(missing_ok=True)
     files = sorted(p.name for p in out.glob("model*.safetensors"))
     return QuantizeResult(out, files, sk.quantization or {}, src_bytes, out_bytes, time.monotonic() - t0)
+
+
+def _convert(
+    sk: Skeleton, src: Path, partial: Path, state: str, *, dtype: str | None, shard_bytes: int, threads: int
+) -> tuple[int, int]:
+    """Write the shards (unless a killed run already did) and mark the partial dir complete."""
+    import mlx.core as mx
+
+    if state == "complete":
+        src_bytes = sum(v.nbytes for v in sk.weights.values())
+        return src_bytes, sum(p.stat().st_size for p in partial.glob("model*.safetensors"))
+    previous = mx.set_cache_limit(256 << 20)  # freed buffers go back to the OS, not a cache
+    try:
+        sizes = _write_shards(sk, src, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads)
+    finally:
+        mx.set_cache_limit(previous)
+    marker = _read_marker(partial) or {}
+    atomic_write_json(partial / MARKER, {**marker, "state": "complete", "quantization": sk.quantization})
+    return sizes
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _settings(
