@@ -107,6 +107,9 @@ def put_block(blocks: Path, data: bytes) -> tuple[str, int]:
     try:
         _write(fd, data, 0)
         os.fdatasync(fd)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     finally:
         os.close(fd)
     try:

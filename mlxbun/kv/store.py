@@ -222,6 +222,19 @@ class Store:
     def _persist(
         self, name: str, layers: list, base: dict, layout: str, *, on_bytes: Any = None, on_stage: Any = None
     ) -> SnapshotInfo:
+        try:
+            return self._publish(name, layers, base, layout, on_bytes=on_bytes, on_stage=on_stage)
+        except OSError as e:
+            if e.errno is None:
+                raise
+            raise OSError(
+                e.errno,
+                f"saving KV snapshot {name!r} in {self.root} failed ({e.strerror}); the previous version is untouched",
+            ) from e
+
+    def _publish(
+        self, name: str, layers: list, base: dict, layout: str, *, on_bytes: Any = None, on_stage: Any = None
+    ) -> SnapshotInfo:
         with self.locked(exclusive=False):
             self._mkdirs()
             target = self.snapshots / f"{name}{SUFFIX[layout]}"

@@ -1,0 +1,340 @@
+"""kv fault tests: corruption, lying headers, hostile block names, SIGKILL mid-save, two writers, disk full."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from kv_child import version_cache
+from kv_util import filled, state_arrays, tiny_model
+
+from mlxbun.kv import blocks as blk
+from mlxbun.kv import format as fmt
+from mlxbun.kv import snapshot as snap
+from mlxbun.kv.store import Store
+
+LAYOUTS = ["snapshot", "blocks"]
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def _saved(model, tmp_path, layout):
+    cache, toks = filled(model, "kv", 40)
+    store = Store(tmp_path, block_kib=4)
+    store.save("s", cache, tokens=toks, model="m", layout=layout)
+    return store, cache, toks
+
+
+def _flip(path: Path, pos: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[pos] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def _block(tmp_path: Path) -> Path:
+    return sorted((tmp_path / "blocks").iterdir())[1]
+
+
+# ---------------------------------------------------------------- corruption is detected and named
+
+
+def test_snapshot_data_flip_names_the_tensor(model, tmp_path):
+    store, _, _ = _saved(model, tmp_path, "snapshot")
+    path = tmp_path / "snapshots/s.kvs"
+    h = snap.read_header(path, what="x")
+    t = h["layers"][1]["tensors"]["values"]
+    _flip(path, h["data_start"] + t["offset"] + 5)
+    with pytest.raises(fmt.CorruptError, match=r"tensor '1\.values' hash mismatch"):
+        store.load("s", model="m")
+    assert store.load("s", model="m", verify=False).cache  # verification is switchable
+    _, problems = store.verify()
+    assert len(problems) == 1 and "1.values" in problems[0]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_header_flip_truncation_and_extension(model, tmp_path, layout):
+    store, _, _ = _saved(model, tmp_path, layout)
+    path = tmp_path / "snapshots" / ("s.kvs" if layout == "snapshot" else "s.kvm")
+    good = path.read_bytes()
+    _flip(path, 70)
+    with pytest.raises(fmt.CorruptError, match="header hash mismatch"):
+        store.load("s", model="m")
+    path.write_bytes(good[:40])
+    with pytest.raises(fmt.CorruptError, match="truncated header"):
+        store.load("s", model="m")
+    path.write_bytes(good[:-1] if layout == "snapshot" else good[: len(good) // 2])
+    with pytest.raises(fmt.CorruptError, match="truncated|exceeds the file"):
+        store.load("s", model="m")
+    path.write_bytes(good + b"\0")
+    if layout == "snapshot":
+        with pytest.raises(fmt.CorruptError, match="truncated or extended"):
+            store.load("s", model="m")
+    path.write_bytes(b"GARBAGE!" + good[8:])
+    with pytest.raises(fmt.CorruptError, match="bad magic"):
+        store.load("s", model="m")
+
+
+def test_block_flip_truncate_extend_missing_name_the_block(model, tmp_path):
+    store, _, _ = _saved(model, tmp_path, "blocks")
+    block = _block(tmp_path)
+    good = block.read_bytes()
+    cases = [
+        (good[:-3], "is truncated"),
+        (good + b"xx", "is extended"),
+        (bytes([good[0] ^ 0x80]) + good[1:], "hash mismatch"),
+    ]
+    for data, pattern in cases:
+        block.write_bytes(data)
+        with pytest.raises(fmt.CorruptError, match=f"block {block.name} {pattern}"):
+            store.load("s", model="m")
+        _, problems = store.verify()
+        assert len(problems) == 1 and block.name in problems[0]
+    block.unlink()
+    with pytest.raises(fmt.CorruptError, match=f"block {block.name} is missing"):
+        store.load("s", model="m")
+
+
+# ---------------------------------------------------------------- lying headers
+
+
+def _rewrite(path: Path, h: dict) -> None:
+    """Re-encode a (modified) header with a valid hash, keeping the data."""
+    raw = path.read_bytes()
+    head = fmt.encode(h)
+    if path.suffix == ".kvm":
+        path.write_bytes(head)
+        return
+    n = 16384  # data_start of these small snapshots: keep the data where it is
+    assert len(head) <= n
+    path.write_bytes(head + bytes(n - len(head)) + raw[n:])
+
+
+LIES = [
+    (lambda h: h["layers"][0]["tensors"]["keys"].update(dtype="float64"), "dtype 'float64'"),
+    (lambda h: h["layers"][0]["tensors"]["keys"].update(shape=[1, 2, 40]), "not 4 integers"),
+    (lambda h: h["layers"][0]["tensors"]["keys"].update(shape=[1, 2, 41, 32]), "holds 41 tokens"),
+    (lambda h: h["layers"][0]["tensors"]["keys"].update(shape=[1, 2, -40, 32]), "must be an integer >= 0"),
+    (lambda h: h["layers"][0]["meta"].update(offset=1 << 41), "holds 40 tokens"),
+    (
+        lambda h: (
+            h["layers"][0]["meta"].update(offset=1 << 41),
+            [t.update(shape=[1, 2, 1 << 41, 32]) for t in h["layers"][0]["tensors"].values()],
+        ),
+        "larger than",
+    ),
+    (lambda h: h["layers"][0]["tensors"].pop("values"), "do not match class"),
+    (lambda h: h["layers"][1].update({"class": "MambaCache"}), "'MambaCache' is not supported"),
+    (lambda h: h.update(tokens=h["tokens"][:-1]), "tokens_sha256"),
+]
+SNAPSHOT_LIES = [
+    (lambda h: h["layers"][0]["tensors"]["keys"].update(offset=100), "unaligned"),
+    (lambda h: h["layers"][0]["tensors"]["keys"].update(offset=1 << 40), "runs past"),
+    (lambda h: h["layers"][0]["tensors"]["keys"].update(nbytes=7), "nbytes=7"),
+    (lambda h: h["layers"][0]["tensors"]["values"].update(offset=0), "overlap"),
+    (lambda h: h.update(data_bytes=h["data_bytes"] + 16384), "truncated or extended"),
+]
+BLOCK_LIES = [
+    (lambda h: h["blocks"].pop(), "blocks; the shapes need"),
+    (lambda h: h["blocks"][0].update(nbytes=h["blocks"][0]["nbytes"] + 1), "but the shapes give"),
+    (lambda h: h.update(block_tokens=0), "block_tokens"),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lying_headers_refused_before_allocating(model, tmp_path, layout, monkeypatch):
+    store, _, _ = _saved(model, tmp_path, layout)
+    path = tmp_path / "snapshots" / ("s.kvs" if layout == "snapshot" else "s.kvm")
+    good = path.read_bytes()
+    original, _ = fmt.read_header(path, what="x")
+
+    def no_alloc(*a, **k):
+        raise AssertionError("allocated before the header was validated")
+
+    lies = LIES + (SNAPSHOT_LIES if layout == "snapshot" else BLOCK_LIES)
+    for lie, pattern in lies:
+        h = json.loads(json.dumps(original))
+        lie(h)
+        _rewrite(path, h)
+        monkeypatch.setattr(np, "empty", no_alloc)
+        with pytest.raises((fmt.CorruptError, fmt.UnsupportedError), match=pattern):
+            store.load("s", model="m")
+        monkeypatch.undo()
+        path.write_bytes(good)
+    assert store.load("s", model="m").cache
+
+
+# ---------------------------------------------------------------- hostile block names and symlinks
+
+
+@pytest.mark.parametrize("bad", ["../../x", "A" * 64, "ab" * 31, "0" * 65, "../" + "0" * 61, "g" * 64])
+def test_bad_block_names_rejected(model, tmp_path, bad):
+    store, _, _ = _saved(model, tmp_path, "blocks")
+    path = tmp_path / "snapshots/s.kvm"
+    h, _ = fmt.read_header(path, what="x")
+    h["blocks"][0]["sha256"] = bad
+    path.write_bytes(fmt.encode(h))
+    (tmp_path / "x").write_bytes(b"outside")
+    with pytest.raises(fmt.CorruptError, match="is not 64 lower-case hex digits"):
+        store.load("s", model="m")
+    with pytest.raises(fmt.CorruptError):
+        blk.read_block(tmp_path / "blocks", bad, 7, verify=False, what="t")
+
+
+def test_symlinks_in_blocks_rejected(model, tmp_path):
+    store, _, _ = _saved(model, tmp_path, "blocks")
+    block = _block(tmp_path)
+    elsewhere = tmp_path / "copy"
+    elsewhere.write_bytes(block.read_bytes())
+    block.unlink()
+    block.symlink_to(elsewhere)  # same bytes, right name: still refused
+    with pytest.raises(fmt.CorruptError, match="symlink"):
+        store.load("s", model="m")
+    _, problems = store.verify()
+    assert any("symlink" in p for p in problems)
+    (tmp_path / "blocks" / "README").write_text("stray")
+    assert any("blocks/README: not a block name" in p for p in store.scan_blocks_dir())
+    with pytest.raises(fmt.CorruptError, match="not a regular file"):
+        blk.put_block(tmp_path / "blocks", elsewhere.read_bytes())  # a writer will not trust it either
+
+
+# ---------------------------------------------------------------- SIGKILL mid-save, two writers
+
+
+def _digest(cache) -> str:
+    h = hashlib.sha256()
+    for a in state_arrays(cache):
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _child(root: Path, layout: str, versions: list[int], rounds: int) -> subprocess.Popen:
+    """Started now (imports overlap), saving only after go()."""
+    args = [
+        sys.executable,
+        str(REPO / "tests/kv_child.py"),
+        str(root),
+        layout,
+        str(rounds),
+        *map(str, versions),
+    ]
+    p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return p
+
+
+def go(p: subprocess.Popen) -> None:
+    assert p.stdout.readline().strip() == "ready"
+    p.stdin.write("go\n")
+    p.stdin.flush()
+
+
+SLOW_SNAPSHOT = ["blocks", pytest.param("snapshot", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("layout", SLOW_SNAPSHOT)
+def test_sigkill_mid_save_leaves_old_snapshot_loadable(tmp_path, layout):
+    store = Store(tmp_path, block_kib=64)
+    cache, toks = version_cache(0)
+    store.save("s", cache, tokens=toks, model="m", layout=layout)
+    known = {v: _digest(version_cache(v)[0]) for v in (0, 1, 2)}
+    rng = random.Random(1234)
+    kids = [_child(tmp_path, layout, [1, 2], rounds=50) for _ in range(3)]
+    interrupted = 0
+    for child in kids:
+        go(child)
+        time.sleep(rng.uniform(0.0, 0.8))
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        lines = child.stdout.read().split()
+        interrupted += len(lines) > 1 and lines[-2] == "start"  # killed inside store.save
+        assert store.names() == ["s"]  # no torn file is visible under any name
+        restored = store.load("s", model="m", tokens=[store.header("s")[1]["tokens"][0]] * 1500)
+        digest = _digest(restored.cache)
+        assert digest in known.values()  # bit-exactly one complete version
+        assert store.verify()[1] == []
+    assert interrupted >= 1  # at least one kill landed mid-write
+    from mlxbun.kv import gc
+
+    gc.execute(store, gc.plan(store))  # leftovers of dead writers are only hidden temp files
+    assert not [p for p in tmp_path.rglob(".*tmp-*")]
+    assert store.load("s", model="m").cache
+
+
+@pytest.mark.parametrize("layout", SLOW_SNAPSHOT)
+def test_two_writers_of_the_same_snapshot(tmp_path, layout):
+    store = Store(tmp_path, block_kib=64)
+    kids = [_child(tmp_path, layout, [v], rounds=3) for v in (3, 4)]
+    for k in kids:
+        go(k)
+    for k in kids:
+        assert k.stdout.read().split()[-1] == "done"
+        assert k.wait() == 0
+    digest = _digest(store.load("s", model="m").cache)
+    assert digest in {_digest(version_cache(v)[0]) for v in (3, 4)}
+    assert store.verify()[1] == []
+    assert not [p for p in tmp_path.rglob(".*tmp-*")]
+
+
+# ---------------------------------------------------------------- disk full
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_disk_full_simulated(model, tmp_path, layout, monkeypatch):
+    store, cache, toks = _saved(model, tmp_path, layout)
+    before = state_arrays(store.load("s", model="m").cache)
+    calls = {"n": 0}
+    real = snap._write
+
+    def full(fd, data, offset):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data, offset)
+
+    monkeypatch.setattr(snap, "_write", full)
+    monkeypatch.setattr(blk, "_write", full)
+    bigger, more = filled(model, "kv", 60, seed=7)
+    with pytest.raises(OSError, match="No space left.*previous version is untouched"):
+        store.save("s", bigger, tokens=more, model="m", layout=layout)
+    monkeypatch.undo()
+    for a, b in zip(before, state_arrays(store.load("s", model="m").cache), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert not [p for p in tmp_path.rglob(".*tmp-*")]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_disk_full_on_a_real_small_tmpfs(layout):
+    mnt = Path(tempfile.mkdtemp())
+    if subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True
+    ).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        store = Store(mnt, block_kib=256)
+        small, toks = version_cache(5, tokens=300)  # ~2.4 MB
+        store.save("s", small, tokens=toks, model="m", layout=layout)
+        big, btoks = version_cache(6, tokens=1500)  # ~12 MB: does not fit
+        with pytest.raises(OSError, match="No space left"):
+            store.save("s", big, tokens=btoks, model="m", layout=layout)
+        assert _digest(store.load("s", model="m").cache) == _digest(small)
+        assert not [p for p in mnt.rglob(".*tmp-*")]
+        from mlxbun.kv import gc
+
+        gc.execute(store, gc.plan(store))  # orphan blocks of the failed save are freed
+        assert store.verify()[1] == []
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
