@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import json
 import logging
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -134,6 +135,7 @@ def run_runs(cfg: Any) -> Any:
     from mlxbun import registry
     from mlxbun.provenance import RunResult
 
+    registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
     rows = registry.list_runs(
         command=cfg.runs.command, recipe=cfg.runs.recipe, status=cfg.runs.status, limit=cfg.runs.limit
     )
@@ -297,6 +299,8 @@ def main() -> None:
 
     from mlxbun import schema
 
+    # transformers (imported by mlx-lm for tokenizers) advises installing PyTorch on every run.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     argv = sys.argv[1:]
     try:
         if (recipe := recipe_from_argv(argv)) is not None:
