@@ -25,7 +25,7 @@ def version_cache(v: int, tokens: int = 1500) -> tuple[list, list[int]]:
     return out, [v] * tokens
 
 
-def main(root: str, layout: str, rounds: str, *versions: str) -> None:
+def main(root: str, layout: str, rounds: str, name: str, *versions: str) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from mlxbun.kv.store import Store
 
@@ -36,7 +36,7 @@ def main(root: str, layout: str, rounds: str, *versions: str) -> None:
     for i in range(int(rounds)):
         cache, toks = caches[i % len(caches)]
         print(f"start {i}", flush=True)
-        store.save("s", cache, tokens=toks, model="m", layout=layout)
+        store.save(name, cache, tokens=toks, model="m", layout=layout)
         print(f"end {i}", flush=True)
     print("done", flush=True)
 

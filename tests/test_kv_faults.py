@@ -222,7 +222,7 @@ def _digest(cache) -> str:
     return h.hexdigest()
 
 
-def _child(root: Path, layout: str, versions: list[int], rounds: int) -> subprocess.Popen:
+def _child(root: Path, layout: str, versions: list[int], rounds: int, name: str = "s") -> subprocess.Popen:
     """Started now (imports overlap), saving only after go()."""
     args = [
         sys.executable,
@@ -230,6 +230,7 @@ def _child(root: Path, layout: str, versions: list[int], rounds: int) -> subproc
         str(root),
         layout,
         str(rounds),
+        name,
         *map(str, versions),
     ]
     p = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
