@@ -31,11 +31,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 INDEX = "model.safetensors.index.json"
 VISION_SIDECAR = "optiq_vision.safetensors"
@@ -139,9 +140,11 @@ def iter_snapshots(hub: str | os.PathLike, warn: Any) -> list[Snapshot]:
     return out
 
 
-@dataclass(frozen=True)
-class FileStat:
-    """A top-level entry of a model directory; ``size`` is None for a broken symlink."""
+class FileStat(NamedTuple):
+    """A top-level entry of a model directory; ``size`` is None for a broken symlink.
+
+    A NamedTuple, not a frozen dataclass: a scan builds thousands and their construction shows.
+    """
 
     name: str
     size: int | None
@@ -149,7 +152,7 @@ class FileStat:
     ino: int
 
 
-def list_files(path: Path, *, stat_all: bool = True) -> list[FileStat]:
+def list_files(path: str | os.PathLike, *, stat_all: bool = True) -> list[FileStat]:
     """Top-level files of ``path``, symlinks followed (through any number of hops).
 
     With ``stat_all=False`` only ``*.safetensors`` files are stat'ed (their sizes are needed);
@@ -159,18 +162,22 @@ def list_files(path: Path, *, stat_all: bool = True) -> list[FileStat]:
     out = []
     with os.scandir(path) as it:
         for e in it:
-            if e.name.startswith(".") or (not stat_all and not e.name.endswith(".safetensors")):
-                if not e.name.startswith(".") and not e.is_dir(follow_symlinks=False):
-                    out.append(FileStat(e.name, 0, 0, 0))
+            name = e.name
+            if name[0] == ".":
+                continue
+            if not stat_all and not name.endswith(".safetensors"):
+                if not e.is_dir(follow_symlinks=False):
+                    out.append(FileStat(name, 0, 0, 0))
                 continue
             try:
                 st = e.stat()
             except OSError:
-                out.append(FileStat(e.name, None, 0, 0))
+                out.append(FileStat(name, None, 0, 0))
                 continue
-            if not e.is_dir():
-                out.append(FileStat(e.name, st.st_size, st.st_mtime_ns, st.st_ino))
-    return sorted(out, key=lambda f: f.name)
+            if not stat.S_ISDIR(st.st_mode):
+                out.append(FileStat(name, st.st_size, st.st_mtime_ns, st.st_ino))
+    out.sort()
+    return out
 
 
 def fingerprint(files: list[FileStat]) -> str:
@@ -178,7 +185,7 @@ def fingerprint(files: list[FileStat]) -> str:
     return ";".join(f"{f.name}:{f.size}:{f.mtime_ns}:{f.ino}" for f in files)
 
 
-def read_safetensors_header(path: Path, *, size: int | None = None) -> dict[str, Any]:
+def read_safetensors_header(path: str | os.PathLike, *, size: int | None = None) -> dict[str, Any]:
     """The JSON header of a safetensors file (u64 LE length + JSON), without touching tensor bytes.
 
     One read covers most headers; a larger one is completed with a second. ``size`` (the file
@@ -192,16 +199,16 @@ def read_safetensors_header(path: Path, *, size: int | None = None) -> dict[str,
     with open(path, "rb", buffering=0) as f:
         buf = f.read(HEADER_GUESS)
         if len(buf) < 8:
-            raise ValueError(f"{path.name}: shorter than the 8-byte header length")
+            raise ValueError(f"{os.path.basename(path)}: shorter than the 8-byte header length")
         (n,) = struct.unpack("<Q", buf[:8])
         size = os.fstat(f.fileno()).st_size if size is None else size
         if n > MAX_HEADER or n > size - 8:
-            raise ValueError(f"{path.name}: header length {n} exceeds the file ({size} bytes)")
+            raise ValueError(f"{os.path.basename(path)}: header length {n} exceeds the file ({size} bytes)")
         if n + 8 > len(buf):
             buf += f.read(n + 8 - len(buf))
         header = json.loads(buf[8 : 8 + n])
     if not isinstance(header, dict):
-        raise ValueError(f"{path.name}: header is not a JSON object")
+        raise ValueError(f"{os.path.basename(path)}: header is not a JSON object")
     return header
 
 
@@ -253,11 +260,13 @@ def read_bytes(path: str | os.PathLike, limit: int | None = None) -> bytes:
         os.close(fd)
 
 
-def read_json(path: Path) -> Any:
+def read_json(path: str | os.PathLike) -> Any:
     return json.loads(read_bytes(path))
 
 
-def read_model_dir(path: Path, files: list[FileStat], *, repo_id: str | None = None) -> ModelInfo:
+def read_model_dir(
+    path: str | os.PathLike, files: list[FileStat], *, repo_id: str | None = None
+) -> ModelInfo:
     """Read ``path``'s metadata files (listed in ``files``) into a :class:`ModelInfo`.
 
     Args:
@@ -269,6 +278,7 @@ def read_model_dir(path: Path, files: list[FileStat], *, repo_id: str | None = N
         >>> d = Path("models--org--name/snapshots/abc")
         >>> read_model_dir(d, list_files(d)).weight_bytes
     """
+    path = os.fspath(path)
     warnings: list[str] = []
     by_name = {f.name: f for f in files}
     warnings += [f"broken link: {f.name}" for f in files if f.size is None]
@@ -293,12 +303,12 @@ def read_model_dir(path: Path, files: list[FileStat], *, repo_id: str | None = N
     return ModelInfo(**fields, warnings=tuple(warnings))
 
 
-def _json_file(path: Path, by_name: dict[str, FileStat], name: str, warnings: list[str]) -> Any:
+def _json_file(path: str, by_name: dict[str, FileStat], name: str, warnings: list[str]) -> Any:
     f = by_name.get(name)
     if f is None or f.size is None:
         return None
     try:
-        return read_json(path / name)
+        return read_json(os.path.join(path, name))
     except (OSError, ValueError) as e:
         warnings.append(f"{name}: unreadable ({type(e).__name__}: {str(e)[:80]})")
         return None
@@ -370,7 +380,7 @@ def _quantization(config: dict[str, Any]) -> dict[str, Any]:
     return {"quant_bits": bits, "quant_group_size": _int(q.get("group_size")), "quant_mode": mode}
 
 
-def _weight_files(path: Path, by_name: dict[str, FileStat], warnings: list[str]) -> tuple[list[str], Any]:
+def _weight_files(path: str, by_name: dict[str, FileStat], warnings: list[str]) -> tuple[list[str], Any]:
     """Language-weight shard names (from the index when present) and the index itself."""
     index = _json_file(path, by_name, INDEX, warnings)
     wmap = index.get("weight_map") if isinstance(index, dict) else None
@@ -384,7 +394,7 @@ def _weight_files(path: Path, by_name: dict[str, FileStat], warnings: list[str])
     return sorted(names), index
 
 
-def _weights(path: Path, by_name: dict[str, FileStat], config: dict, warnings: list[str]) -> dict[str, Any]:
+def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: list[str]) -> dict[str, Any]:
     """Bytes (language, vision sidecar, experts) and parameter count, from sizes and headers."""
     names, index = _weight_files(path, by_name, warnings)
     sidecar = by_name.get(VISION_SIDECAR)
@@ -401,7 +411,7 @@ def _weights(path: Path, by_name: dict[str, FileStat], config: dict, warnings: l
             continue
         out["weight_bytes"] += f.size
         try:
-            header = read_safetensors_header(path / name, size=f.size)
+            header = read_safetensors_header(os.path.join(path, name), size=f.size)
         except (OSError, ValueError) as e:
             warnings.append(f"{name}: unreadable header ({str(e)[:80]})")
             continue
@@ -444,7 +454,7 @@ def _logical_params(name: str, info: dict[str, Any], header: dict[str, Any], bit
     return n
 
 
-def _has_tools(path: Path, by_name: dict[str, FileStat], warnings: list[str]) -> bool:
+def _has_tools(path: str, by_name: dict[str, FileStat], warnings: list[str]) -> bool:
     """Whether a chat template mentions ``tools`` (tokenizer_config.json or chat_template.jinja)."""
     tc = _json_file(path, by_name, "tokenizer_config.json", warnings)
     templates = []
@@ -456,19 +466,21 @@ def _has_tools(path: Path, by_name: dict[str, FileStat], warnings: list[str]) ->
     jinja = by_name.get("chat_template.jinja")
     if jinja is not None and jinja.size is not None:
         try:
-            templates.append(read_bytes(path / "chat_template.jinja").decode("utf-8", errors="replace"))
+            templates.append(
+                read_bytes(os.path.join(path, "chat_template.jinja")).decode("utf-8", errors="replace")
+            )
         except OSError:
             pass
     return any(isinstance(t, str) and "tools" in t for t in templates)
 
 
-def _license(path: Path, by_name: dict[str, FileStat]) -> str | None:
+def _license(path: str, by_name: dict[str, FileStat]) -> str | None:
     """``license:`` from README.md front matter (a scalar or the first list item)."""
     f = by_name.get("README.md")
     if f is None or f.size is None:
         return None
     try:
-        head = read_bytes(path / "README.md", README_HEAD).decode("utf-8", errors="replace")
+        head = read_bytes(os.path.join(path, "README.md"), README_HEAD).decode("utf-8", errors="replace")
     except OSError:
         return None
     if not head.startswith("---"):

@@ -166,9 +166,19 @@ def _v3_model_record(migrator: SchemaMigrator) -> None:
     migrator.database.create_tables([ModelRecord], safe=True)
 
 
+def _v4_model_digest(migrator: SchemaMigrator) -> None:
+    # v3 tables created by the current class already have it; early v3 tables do not.
+    if "digest" not in {c.name for c in migrator.database.get_columns("model_record")}:
+        migrate(migrator.add_column("model_record", "digest", pw.CharField(default="")))
+
+
 # (version reached, what it does, step): applied in order to databases below that version.
 # Version 1 is the first released layout: table `runrecord` only, no `schema_version`.
-MIGRATIONS = [(2, "runrecord.host column", _v2_run_host), (3, "model_record table", _v3_model_record)]
+MIGRATIONS = [
+    (2, "runrecord.host column", _v2_run_host),
+    (3, "model_record table", _v3_model_record),
+    (4, "model_record.digest column", _v4_model_digest),
+]
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
@@ -407,7 +417,7 @@ def _row(c: Candidate, info: hub.ModelInfo, fp: str, now: datetime, old: Known |
         source=c.source, root=c.root, name=c.name, repo_id=c.repo_id, revision=c.revision,
         total_bytes=info.weight_bytes + info.vision_bytes, warning="; ".join(info.warnings) or None,
     )  # fmt: skip
-    digest = hashlib.sha1(repr(sorted(row.items())).encode()).hexdigest()
+    digest = hashlib.sha1("\x1f".join(f"{k}={row[k]}" for k in sorted(row)).encode()).hexdigest()
     unchanged = old is not None and old.digest == digest
     row.update(path=c.path, refs=c.refs, fingerprint=fp, digest=digest)
     row["scanned_at"] = old.scanned_at if unchanged else now
@@ -424,14 +434,14 @@ def _read(c: Candidate, known: dict[str, Known], now: datetime, report: list[str
     if c.key and old is not None and old.fingerprint == c.key:
         return "refs" if old.refs != c.refs else None
     try:
-        files = hub.list_files(Path(c.path), stat_all=c.key is None)
+        files = hub.list_files(c.path, stat_all=c.key is None)
     except OSError as e:
         report.append(f"{c.path}: unreadable directory ({e})")
         files = []
     fp = c.key if c.key is not None else hub.fingerprint(files)
     if c.key is None and old is not None and old.fingerprint == fp:
         return "refs" if old.refs != c.refs else None
-    info = hub.read_model_dir(Path(c.path), files, repo_id=c.repo_id or c.name)
+    info = hub.read_model_dir(c.path, files, repo_id=c.repo_id or c.name)
     for w in info.warnings:
         report.append(f"{c.path}: {w}")
     return _row(c, info, fp, now, old)
@@ -536,20 +546,19 @@ def _upsert(rows: list[dict[str, Any]]) -> None:
     peewee's insert_many builds SQL per value; at thousands of rows that costs more than the scan.
     """
     database, cols = db.obj, list(rows[0])
-    fields = [ModelRecord._meta.fields[c] for c in cols]
     names = ", ".join(f'"{c}"' for c in cols)
     sets = ", ".join(f'"{c}" = EXCLUDED."{c}"' for c in cols if c != "path")
     marks = ", ".join([database.param] * len(cols))
     sql = f'INSERT INTO "{ModelRecord._meta.table_name}" ({names}) VALUES ({marks}) ON CONFLICT ("path") DO UPDATE SET {sets}'
+    # Values are plain str/int/bool/None but for scanned_at, stored as peewee stores it on sqlite.
+    when = cols.index("scanned_at")
     sqlite = isinstance(database, pw.SqliteDatabase)
-
-    def value(f: pw.Field, v: Any) -> Any:
-        v = f.db_value(v)
-        return str(v) if sqlite and isinstance(v, datetime) else v
-
-    database.cursor().executemany(
-        sql, [tuple(value(f, r[c]) for f, c in zip(fields, cols, strict=True)) for r in rows]
-    )
+    params = []
+    for r in rows:
+        values = [r[c] for c in cols]
+        values[when] = str(values[when]) if sqlite else values[when]
+        params.append(values)
+    database.cursor().executemany(sql, params)
 
 
 def register_model(path: str | os.PathLike, *, name: str | None = None) -> dict[str, Any]:
@@ -839,19 +848,28 @@ def _filters(cfg: Any) -> dict[str, Any]:
     return asdict(cfg.registry.filter)
 
 
+def _count(n: int | None) -> str:
+    if not n:
+        return "?"
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'GB':>7} {'vision GB':>9}  {'type':<16} {'quant':<9} {'flags':<5} {'license':<12} name"
+    """A terminal table of :func:`ls` rows: size, vision sidecar, params, type, quantization, flags."""
+    head = f"{'size':>10} {'vision':>10} {'params':>8}  {'type':<16} {'quant':<10} {'flags':<5} {'license':<12} name"
     lines = [head]
     for r in rows:
         quant = f"{r['quant_bits']}b/g{r['quant_group_size']}" if r["quant_bits"] else "-"
         flags = "".join(c for c, on in (("V", r["has_vision"]), ("T", r["has_tools"]), ("K", r["has_kv_config"]),
-                                         ("E", r["expert_bytes"]), ("!", r["warning"])) if on)  # fmt: skip
+                                         ("E", r["expert_bytes"]), ("D", r["is_drafter"]), ("!", r["warning"])) if on)  # fmt: skip
+        params = _count(r["param_count"])
         lines.append(
-            f"{r['total_bytes'] / GB:>7.2f} {r['vision_bytes'] / GB:>9.2f}  {str(r['text_model_type'] or '-'):<16} "
-            f"{quant:<9} {flags or '-':<5} {str(r['license'] or '-'):<12} {r['name']}"
+            f"{_human(r['total_bytes']):>10} {_human(r['vision_bytes']) if r['vision_bytes'] else '-':>10} "
+            f"{params:>8}  {str(r['text_model_type'] or '-'):<16} {quant:<10} {flags or '-':<5} "
+            f"{str(r['license'] or '-'):<12} {r['name']}"
         )
     lines.append(
-        f"{len(rows)} model(s); flags: V vision, T tool calling, K kv_config, E experts, ! unreadable"
+        f"{len(rows)} model(s); flags: V vision, T tool calling, K kv_config, E experts, D drafter, ! unreadable"
     )
     return "\n".join(lines)
 

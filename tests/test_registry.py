@@ -374,7 +374,7 @@ def test_rescan_reads_only_changes_and_prunes(reg, hubtree, monkeypatch):
     again = reg.scan(hub_cache=hubtree.root)
     assert (again.read, again.unchanged, again.pruned, calls) == (0, 4, 0, [])
     (snaps[1] / "kv_config.json").write_text("{}")  # a new file: that snapshot changes
-    assert reg.scan(hub_cache=hubtree.root).read == 1 and calls == [snaps[1]]
+    assert reg.scan(hub_cache=hubtree.root).read == 1 and calls == [str(snaps[1])]
     assert row(snaps[1])["has_kv_config"] is True
     import shutil
 
@@ -657,3 +657,21 @@ def test_commands_scan_ls_resolve_fit(dburl, hubtree):
     cfg.model.name = None
     with pytest.raises(InputError, match="model.name is not set"):
         registry.run_fit(cfg)
+
+
+def test_cli_scan_ls_json_and_missing_repo(tmp_path):
+    from cli_util import run_cli
+
+    Hub(tmp_path / "hub").add(
+        "org/clitest", "r1", model_files(llama_config(), **{"README.md": b"---\nlicense: mit\n---\n"})
+    )
+    scan = run_cli("command=registry_scan", "registry.runs_root=null", tmp=tmp_path)
+    assert scan.returncode == 0, scan.stderr
+    assert "1 read" in scan.stdout and "manifest:" in scan.stdout
+    ls = run_cli("command=registry_ls", "json=true", "registry.filter.license=mit", tmp=tmp_path)
+    assert ls.returncode == 0, ls.stderr
+    assert [r["repo_id"] for r in json.loads(ls.stdout)] == ["org/clitest"]
+    missing = run_cli("command=registry_resolve", "model.name=org/not-here", tmp=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().startswith("error: model.name='org/not-here' is not in the local HF cache")
+    assert "Traceback" not in missing.stderr
