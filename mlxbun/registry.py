@@ -476,11 +476,11 @@ def scan(
     roots = sorted({c.root for c in cands} | {_abs(hub.hub_cache_dir(hub_cache))})
     roots += [_abs(runs_root)] if runs_root else []
     roots += [_abs(p) for p in paths]
-    cands += _registered_candidates(cands) if registered else []
+    cands, gone = _with_registered(cands, recheck=registered)
     known = _known(roots, cands)
     rows, moved = _read_all(cands, known, warnings, progress)
     seen, scanned = {c.path for c in cands}, set(roots)
-    stale = [p for p, k in known.items() if p not in seen and k.root in scanned]
+    stale = [p for p, k in known.items() if p not in seen and k.root in scanned] + gone
     _write(rows, moved, stale)
     for w in warnings:
         log.warning("registry: %s", w)
@@ -489,13 +489,23 @@ def scan(
     )
 
 
-def _registered_candidates(found: list[Candidate]) -> list[Candidate]:
-    have = {c.path for c in found}
+def _with_registered(cands: list[Candidate], *, recheck: bool) -> tuple[list[Candidate], list[str]]:
+    """Candidates with registered directories keeping their source and given name; and, with
+    ``recheck``, the registered directories found nowhere else (plus the vanished ones, to drop)."""
     q = ModelRecord.select(ModelRecord.path, ModelRecord.root, ModelRecord.name)
-    q = q.where(ModelRecord.source == "registered").tuples()
-    return [
-        Candidate(p, "registered", root, name) for p, root, name in q if p not in have and os.path.isdir(p)
-    ]
+    reg = {p: (root, name) for p, root, name in q.where(ModelRecord.source == "registered").tuples()}
+    out = [Candidate(c.path, "registered", *reg[c.path]) if c.path in reg else c for c in cands]
+    if not recheck:
+        return out, []
+    have, gone = {c.path for c in cands}, []
+    for p, (root, name) in reg.items():
+        if p in have:
+            continue
+        if os.path.isdir(p):
+            out.append(Candidate(p, "registered", root, name))
+        else:
+            gone.append(p)
+    return out, gone
 
 
 def _known(roots: list[str], cands: list[Candidate]) -> dict[str, Known]:

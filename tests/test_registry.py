@@ -489,6 +489,16 @@ def test_local_paths_run_outputs_and_registered(reg, hubtree, tmp_path):
     assert reg.scan(hub_cache=hubtree.root, paths=[models], runs_root=tmp_path / "outputs").read == 0
     with pytest.raises(InputError, match="is not a directory"):
         reg.register_model(tmp_path / "missing")
+    # A registered dir under a scanned path keeps its name; a vanished one is dropped by the next scan.
+    reg.register_model(models / "beta", name="beta-tuned")
+    reg.scan(hub_cache=hubtree.root, paths=[models])
+    assert reg.resolve("beta-tuned", hub_cache=hubtree.root, paths=[models]) == models / "beta"
+    assert row(models / "beta")["source"] == "registered"
+    import shutil
+
+    shutil.rmtree(own)
+    assert reg.scan(hub_cache=hubtree.root).pruned == 1
+    assert registry.ModelRecord.get_or_none(registry.ModelRecord.path == str(own)) is None
 
 
 # --------------------------------------------------------------------------- ls
