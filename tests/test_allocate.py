@@ -448,3 +448,22 @@ def test_extra_sensitivity_adds_group_size_candidates(model, measured, tmp_path)
     other = al.Sensitivity(merged.layers, "another-model", merged.calibration_fingerprint)
     with pytest.raises(InputError, match="another model fingerprint"):
         al.merge_sensitivities([merged, other])
+
+
+def test_rounded_dp_stays_within_budget_and_reports_its_bound(model):
+    sens = fake_sensitivity(MEASURED, seed=2)
+    exact = al.allocate(sens, model_dir=model, budget_bpw=4.6)
+    rough = al.allocate(sens, model_dir=model, budget_bpw=4.6, max_states=3)
+    assert not rough.solver["exact"] and rough.solver["slack_bound_bytes"] > 0
+    assert rough.size.bpw <= 4.6
+    assert exact.kl_sum <= rough.kl_sum
+    assert rough.solver["lower_bound"] <= exact.kl_sum + 1e-12
+
+
+def test_load_sensitivity_rejects_other_files(tmp_path):
+    (tmp_path / "v2.json").write_text(json.dumps({"version": 2, "layers": []}))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(InputError, match="schema version 2"):
+        al.load_sensitivity(tmp_path / "v2.json")
+    with pytest.raises(InputError, match="is not a sensitivity.json"):
+        al.load_sensitivity(tmp_path / "bad.json")
