@@ -138,7 +138,9 @@ class ModelRecord(BaseModel):
         table_name = "model_record"
 
     def to_dict(self) -> dict[str, Any]:
-        out = {f: getattr(self, f) for f in self._meta.sorted_field_names if f != "fingerprint"}
+        out = {
+            f: getattr(self, f) for f in self._meta.sorted_field_names if f not in ("fingerprint", "digest")
+        }
         out["scanned_at"] = _iso(self.scanned_at)
         return out
 
@@ -864,6 +866,13 @@ def _count(n: int | None) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
 
 
+def _display_name(r: dict[str, Any]) -> str:
+    """The name, with the revision when it is not the one refs/main points at."""
+    if r["revision"] and "main" not in (r["refs"] or "").split(","):
+        return f"{r['name']}@{r['revision'][:8]}"
+    return r["name"]
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """A terminal table of :func:`ls` rows: size, vision sidecar, params, type, quantization, flags."""
     head = f"{'size':>10} {'vision':>10} {'params':>8}  {'type':<16} {'quant':<10} {'flags':<5} {'license':<12} name"
@@ -876,7 +885,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"{_human(r['total_bytes']):>10} {_human(r['vision_bytes']) if r['vision_bytes'] else '-':>10} "
             f"{params:>8}  {str(r['text_model_type'] or '-'):<16} {quant:<10} {flags or '-':<5} "
-            f"{str(r['license'] or '-'):<12} {r['name']}"
+            f"{str(r['license'] or '-'):<12} {_display_name(r)}"
         )
     lines.append(
         f"{len(rows)} model(s); flags: V vision, T tool calling, K kv_config, E experts, D drafter, ! unreadable"

@@ -544,6 +544,11 @@ def test_fit_kv_cache_and_verdict(reg, hubtree):
     assert (f.kv_bytes, f.total_bytes, f.fits) == (kv, w + kv, True)
     f = reg.fit("org/fitme", hub_cache=hubtree.root, budget_gb=(w + kv - 1) / 1e9, context=1000)
     assert f.fits is False
+    local = hubtree.root.parent / "plain-dir"  # a directory never scanned: read on the spot
+    local.mkdir()
+    for name, data in model_files(cfg).items():
+        (local / name).write_bytes(data)
+    assert reg.fit(str(local), hub_cache=hubtree.root, context=1000).kv_bytes == kv
     assert "does NOT fit" in registry.format_fit(f) and "KV cache" in registry.format_fit(f)
 
 
