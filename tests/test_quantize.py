@@ -329,3 +329,22 @@ def test_big_weights_quantized_in_row_blocks_are_bit_identical(tmp_path, monkeyp
     mine = quantize_model_dir(src, tmp_path / "mine", bits=5, group_size=32, dtype="float32")
     assert "model.embed_tokens" in blocked and "model.layers.0.mlp.up_proj" in blocked
     assert_same_tensors(ref, mine.out)
+
+
+def test_quantize_skips_transformers_and_mlx_lm_still_imports_normally(tmp_path):
+    src = make_hf_model(tmp_path / "src", "qwen3")
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from mlxbun.quant.uniform import quantize_model_dir\n"
+        f"out = quantize_model_dir({str(src)!r}, {str(tmp_path / 'q')!r}, bits=4).out\n"
+        "assert 'transformers' not in sys.modules\n"
+        "import mlx_lm\n"
+        "from mlx_lm import generate, load\n"
+        "model, tok = load(str(out))\n"
+        "print('OK', mlx_lm.__version__, len(generate(model, tok, prompt='w3 w4', max_tokens=4)) > 0)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert res.returncode == 0 and "OK" in res.stdout and res.stdout.strip().endswith("True"), res.stderr[
+        -2000:
+    ]

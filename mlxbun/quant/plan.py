@@ -169,7 +169,7 @@ class Skeleton:
 
 def check_source(src: Path) -> dict[str, Any]:
     """The source's config (mlx-lm's ``load_config``); errors for what cannot be converted."""
-    from mlx_lm.utils import load_config
+    from mlxbun.quant.mlxlm import load_config
 
     if not (src / "config.json").is_file():
         raise InputError(f"model {src} has no config.json; pass a Hugging Face model directory")
@@ -182,17 +182,6 @@ def check_source(src: Path) -> dict[str, Any]:
             " full-precision checkpoint"
         )
     return config
-
-
-def _model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
-    from mlx_lm.utils import _get_classes
-
-    try:
-        return _get_classes(config)
-    except ValueError:
-        raise InputError(
-            f"model_type={config['model_type']!r} is not supported by the installed mlx-lm"
-        ) from None
 
 
 def _lazy_source(src: Path) -> dict[str, Any]:
@@ -211,9 +200,11 @@ def build_skeleton(src: str | Path) -> Skeleton:
     """Instantiate the model class for ``src`` and sanitize lazy views of its tensors."""
     from mlx.utils import tree_flatten
 
+    from mlxbun.quant.mlxlm import model_classes
+
     src = Path(src)
     config = check_source(src)
-    model_class, args_class = _model_classes(config)
+    model_class, args_class = model_classes(config)
     model = model_class(args_class.from_dict(config))
     raw = _lazy_source(src)
     by_id = {id(v): k for k, v in raw.items()}

@@ -276,7 +276,7 @@ def stream(
 
 def config_text(sk: Skeleton) -> str:
     """config.json exactly as ``mlx_lm.utils.save_config`` writes it for this model."""
-    from mlx_lm.utils import _encode_tagged_floats
+    from mlxbun.quant.mlxlm import encode_tagged_floats
 
     config = json.loads(json.dumps(sk.config))
     config["quantization"] = sk.quantization
@@ -284,7 +284,7 @@ def config_text(sk: Skeleton) -> str:
     if "vision_tower" not in getattr(sk.model, "model", {}):
         config.pop("vision_config", None)
     config["quantization_config"] = config["quantization"]
-    return json.dumps(_encode_tagged_floats(dict(sorted(config.items()))), indent=4)
+    return json.dumps(encode_tagged_floats(dict(sorted(config.items()))), indent=4)
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:

@@ -1,0 +1,182 @@
+"""Streaming quantize vs ``mlx_lm convert``: wall time, CPU time and peak RSS on the same models.
+
+Run: .venv/bin/python bench/quantize_vs_mlx_lm.py [--work DIR] [--keep] [--quick]
+Builds two synthetic bf16 llama checkpoints (1.7B, then 3.6B; --quick: 0.2B and 0.4B), then for
+each runs, as child processes on a warm page cache, ``mlx_lm.convert -q`` (4-bit, g64), mlxbun's
+``quantize_model_dir`` with the same settings (5 GiB shards as mlx-lm, then 1 GiB shards) and
+``python -m mlxbun command=quantize`` (1 GiB shards; adds Hydra start-up, sha256 of every input
+and output file for the manifest, the registry), checks every tensor is bit-identical to
+mlx-lm's, and prints ratios. Peak RSS is each child's
+``ru_maxrss`` from ``os.wait4``. Models and outputs are deleted afterwards unless --keep.
+Results are appended to bench/results/quantize.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+MODELS = {  # name -> synth overrides (llama dims; preset 1b = Llama 3.2 1B, 4b = Llama 3.2 3B)
+    "full": [("llama-1.7b", dict(preset="1b", num_layers=24)), ("llama-3.6b", dict(preset="4b", num_layers=32))],
+    "quick": [("llama-0.2b", dict(preset="small", num_layers=16, hidden_size=1024, intermediate_size=2816)),
+              ("llama-0.4b", dict(preset="small", num_layers=32, hidden_size=1024, intermediate_size=2816))],
+}  # fmt: skip
+
+
+def run_child(cmd: list[str], *, cwd: Path) -> dict:
+    """Run ``cmd``; wall seconds, user+sys CPU seconds and peak RSS (GB) of that child alone."""
+    env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
+    env["PYTHONPATH"] = str(REPO)
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = proc.stdout.read().decode(errors="replace")
+    _, status, ru = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{out[-3000:]}")
+    return {"wall": wall, "cpu": ru.ru_utime + ru.ru_stime, "rss_gb": ru.ru_maxrss * 1024 / 1e9, "log": out}
+
+
+def warm(src: Path) -> None:
+    for f in src.glob("*.safetensors"):
+        with open(f, "rb") as fh:
+            while fh.read(64 << 20):
+                pass
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    code = (
+        "import sys, mlx.core as mx; from pathlib import Path\n"
+        "def load(d):\n  o={}\n  [o.update(mx.load(str(f))) for f in sorted(Path(d).glob('model*.safetensors'))]\n  return o\n"
+        "x, y = load(sys.argv[1]), load(sys.argv[2])\n"
+        "ok = sorted(x) == sorted(y) and all(bytes(memoryview(x[k])) == bytes(memoryview(y[k])) for k in x)\n"
+        "print('SAME' if ok else 'DIFFERENT')\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code, str(a), str(b)], capture_output=True, text=True)
+    return res.stdout.strip().endswith("SAME")
+
+
+LIB = (
+    "import sys; from mlxbun.quant.uniform import quantize_model_dir\n"
+    "r = quantize_model_dir(sys.argv[1], sys.argv[2], bits=4, group_size=64, shard_bytes=int(sys.argv[3]) << 30)\n"
+    "print('seconds', r.seconds)\n"
+)
+
+
+def bench_model(name: str, src: Path, work: Path) -> list[dict]:
+    """mlx-lm, then mlxbun as a library call (5 and 1 GiB shards) and as the CLI command (1 GiB)."""
+    ref = work / f"{name}-mlx_lm"
+    warm(src)
+    r = run_child(
+        [str(REPO / ".venv/bin/mlx_lm.convert"), "--hf-path", str(src), "--mlx-path", str(ref), "-q",
+         "--q-bits", "4", "--q-group-size", "64"],
+        cwd=work,
+    )  # fmt: skip
+    rows = [{"model": name, "tool": "mlx_lm convert", "shard_gb": 5, **r}]
+    for shard_gb in (5, 1):
+        out = work / f"{name}-mlxbun-{shard_gb}"
+        warm(src)
+        r = run_child([sys.executable, "-c", LIB, str(src), str(out), str(shard_gb)], cwd=work)
+        r["identical"] = same_tensors(ref, out) if shard_gb == 5 else None
+        rows.append({"model": name, "tool": "mlxbun (library call)", "shard_gb": shard_gb, **r})
+        shutil.rmtree(out)
+    outputs = work / f"{name}-mlxbun-cli"
+    warm(src)
+    r = run_child(
+        [sys.executable, "-m", "mlxbun", "command=quantize", f"model.name={src}", "quant.bits=4",
+         "quant.group_size=64", "io.shard_gb=1", f"paths.outputs={outputs}", f"paths.cache={work / 'cache'}",
+         f"registry.path={work / 'registry.db'}"],
+        cwd=work,
+    )  # fmt: skip
+    rows.append({"model": name, "tool": "mlxbun CLI (+manifest hashing)", "shard_gb": 1, **r})
+    shutil.rmtree(outputs)
+    shutil.rmtree(ref)
+    return rows
+
+
+def synthesize(src: Path, dims: dict) -> None:
+    """Build the source in a child: this process stays small, and children inherit its peak RSS."""
+    code = "import sys, json; from mlxbun.synth import synthesize; synthesize(sys.argv[1], arch='llama', **json.loads(sys.argv[2]))"
+    run_child([sys.executable, "-c", code, str(src), json.dumps(dims)], cwd=src.parent)
+
+
+def report(rows: list[dict], sizes: dict[str, float], load: tuple[str, str]) -> str:
+    lines = [
+        f"## quantize vs mlx_lm convert ({time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC)",
+        "",
+        f"Machine: {os.cpu_count()}-core {platform.machine()} Linux, mlx {_ver('mlx')} CPU, mlx-lm {_ver('mlx-lm')};"
+        f" shared with other jobs (load average before/after: {load[0]} / {load[1]}), so wall times are noisy;"
+        " CPU seconds are steadier. 4-bit affine g64, bf16 synthetic llama sources on a warm page cache.",
+        "",
+        "| model | source GB | run | shards | wall s | CPU s | peak RSS GB | tensors identical to mlx-lm |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ident = {True: "yes", False: "NO", None: "-"}[r.get("identical")]
+        lines.append(
+            f"| {r['model']} | {sizes[r['model']]:.2f} | {r['tool']} | {r['shard_gb']} GiB | {r['wall']:.1f}"
+            f" | {r['cpu']:.1f} | {r['rss_gb']:.2f} | {ident} |"
+        )
+    lines += ["", *ratios(rows), ""]
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        ref = next(r for r in rows if r["model"] == model and r["tool"] == "mlx_lm convert")
+        for r in rows:
+            if r["model"] == model and r["tool"].startswith("mlxbun"):
+                out.append(
+                    f"- {model}, {r['tool']}, {r['shard_gb']} GiB shards: {ref['wall'] / r['wall']:.2f}x mlx-lm's"
+                    f" speed (wall), {ref['cpu'] / r['cpu']:.2f}x (CPU s); peak RSS {r['rss_gb']:.2f} GB vs"
+                    f" {ref['rss_gb']:.2f} GB"
+                )
+    return out
+
+
+def _ver(pkg: str) -> str:
+    from importlib import metadata
+
+    return metadata.version(pkg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, default=Path("/tmp/mlxbun-bench-quantize"))
+    ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="small models (a smoke run, not the result)")
+    args = ap.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    load0 = open("/proc/loadavg").read().split()[0]
+    rows, sizes = [], {}
+    try:
+        for name, dims in MODELS["quick" if args.quick else "full"]:
+            src = args.work / name
+            if not src.exists():
+                synthesize(src, dims)
+            sizes[name] = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
+            rows += bench_model(name, src, args.work)
+            print("\n".join(ratios(rows)), flush=True)
+    finally:
+        if not args.keep:
+            shutil.rmtree(args.work, ignore_errors=True)
+    text = report(rows, sizes, (load0, open("/proc/loadavg").read().split()[0]))
+    print(text)
+    if not args.quick:
+        results = REPO / "bench" / "results" / "quantize.md"
+        results.parent.mkdir(parents=True, exist_ok=True)
+        with open(results, "a") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""mlx-lm's model classes and config rules, reached without importing ``transformers``.
+
+``import mlx_lm.models.llama`` runs ``mlx_lm/__init__.py``, which imports ``mlx_lm.utils`` and
+with it ``transformers`` (2-4 s of start-up here) although a conversion needs only the model
+classes. :func:`model_classes` registers the ``mlx_lm`` package without running its
+``__init__``; the first attribute anyone asks of the package (``from mlx_lm import load``) runs
+it then, so other code sees the normal package. The remapping tables are read from
+``mlx_lm/utils.py`` itself (``ast``), and ``load_config`` / the tagged-float rules mirror
+``mlx_lm.utils`` (tests compare our config.json with mlx-lm's byte for byte).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.util
+import json
+import math
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from mlxbun.errors import InputError
+
+_FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _lazy_package() -> None:
+    """Put ``mlx_lm`` in sys.modules with its __init__ deferred to the first attribute lookup."""
+    if "mlx_lm" in sys.modules:
+        return
+    spec = importlib.util.find_spec("mlx_lm")
+    pkg = importlib.util.module_from_spec(spec)
+
+    def __getattr__(attr: str) -> Any:  # noqa: N807 - module-level __getattr__ (PEP 562)
+        del pkg.__dict__["__getattr__"]
+        spec.loader.exec_module(pkg)
+        return getattr(pkg, attr)
+
+    pkg.__getattr__ = __getattr__  # type: ignore[attr-defined]
+    sys.modules["mlx_lm"] = pkg
+
+
+@cache
+def _utils_constant(name: str) -> Any:
+    """A literal table (e.g. MODEL_REMAPPING) from mlx_lm/utils.py, without importing it."""
+    spec = importlib.util.find_spec("mlx_lm")
+    source = Path(next(iter(spec.submodule_search_locations))) / "utils.py"
+    for node in ast.parse(source.read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def model_type_module(config: dict[str, Any]) -> str:
+    """The mlx_lm.models module name for a config (mlx-lm's ``_get_classes`` remapping)."""
+    model_type = config["model_type"]
+    archs = config.get("architectures") or ()
+    archs = (archs,) if isinstance(archs, str) else archs
+    by_arch = _utils_constant("MODEL_ARCHITECTURE_REMAPPING")
+    for arch in archs:
+        if (model_type, arch) in by_arch:
+            return by_arch[(model_type, arch)]
+    return _utils_constant("MODEL_REMAPPING").get(model_type, model_type)
+
+
+def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
+    """(Model, ModelArgs) of mlx-lm for ``config``; InputError for an unsupported model_type."""
+    name = model_type_module(config)
+    _lazy_package()
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{name}")
+    except ImportError:
+        raise InputError(
+            f"model_type={config['model_type']!r} is not supported by the installed mlx-lm"
+        ) from None
+    return module.Model, module.ModelArgs
+
+
+def decode_tagged_floats(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__float__"} and obj["__float__"] in _FLOAT_TAGS:
+            return _FLOAT_TAGS[obj["__float__"]]
+        return {k: decode_tagged_floats(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [decode_tagged_floats(v) for v in obj]
+    return obj
+
+
+def encode_tagged_floats(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {"__float__": "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")}
+    if isinstance(obj, dict):
+        return {k: encode_tagged_floats(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [encode_tagged_floats(v) for v in obj]
+    return obj
+
+
+def load_config(model_path: Path) -> dict[str, Any]:
+    """config.json as mlx-lm reads it: tagged floats decoded, generation_config's eos_token_id."""
+    config = decode_tagged_floats(json.loads((model_path / "config.json").read_text()))
+    gen = model_path / "generation_config.json"
+    if gen.exists():
+        try:
+            eos = json.loads(gen.read_text()).get("eos_token_id", False)
+        except json.JSONDecodeError:
+            eos = False
+        if eos:
+            config["eos_token_id"] = eos
+    return config
