@@ -135,3 +135,13 @@ def test_cli(quantized_dir: tuple[Path, nn.Module], tmp_path: Path) -> None:
     assert not list(tmp_path.rglob("manifest.json"))  # read-only: no recorded run
     bad = run_cli("command=inspect", f"inspect.path={tmp_path / 'missing'}", tmp=tmp_path)
     assert bad.returncode == 2 and bad.stderr.startswith("error: inspect.path=")
+
+
+def test_odd_packed_shape_is_reported_not_fatal(tmp_path: Path) -> None:
+    from mlxbun.io.shards import write_sharded
+
+    write_sharded(tmp_path, {"x.weight": mx.zeros((4, 7), dtype=mx.uint32), "x.scales": mx.ones((4, 3))})
+    report = inspect_model(tmp_path)
+    assert report["parameters"] == 28  # counted as its 32-bit words
+    assert report["quantization"]["modules"]["x"]["source"] == "unknown"
+    assert "packed modules" in format_report(report)

@@ -270,6 +270,11 @@ def test_count_parameters_rules() -> None:
     # An explicit block wins over inference: 8 bits for 'l' means 64 inputs.
     q = {"group_size": 64, "bits": 4, "l": {"bits": 8, "group_size": 32}}
     assert count_parameters(shapes, quantization=q) == 8 * 64 + 8 + 128 + 8 * 128
+    # A block that contradicts the shapes (or is malformed) is ignored in favour of the shapes.
+    for bad in ({"l": {"bits": 3, "group_size": 64}}, {"bits": 0, "group_size": 64}, {"bits": "4"}, {"l": 1}):
+        assert count_parameters(shapes, quantization=bad) == count_parameters(shapes)
+    with pytest.raises(InputError, match="cannot infer the bits of packed weight 'x'"):
+        count_parameters({"x.weight": ("U32", (4, 7)), "x.scales": ("F16", (4, 3))})
 
 
 # ---------------------------------------------------------------- fuzzing headers of real files

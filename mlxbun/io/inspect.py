@@ -30,20 +30,21 @@ def _quantized_modules(model: ModelDir, block: dict[str, Any] | None) -> dict[st
         scales = infos.get(f"{module}.scales")
         if leaf != "weight" or info.dtype != "U32" or scales is None:
             continue
-        qp = quant_params(
-            module,
-            weight_shape=info.shape,
-            scales_shape=scales.shape,
-            scales_dtype=scales.dtype,
-            quantization=block,
-        )
-        explicit = block is not None and (isinstance(block.get(module), dict) or "bits" in block)
+        try:
+            qp = quant_params(
+                module,
+                weight_shape=info.shape,
+                scales_shape=scales.shape,
+                scales_dtype=scales.dtype,
+                quantization=block,
+            )
+        except InputError:  # odd shapes: report the module, counted as its words (as the total is)
+            qp = {"bits": 32, "group_size": None, "mode": "unknown", "source": "unknown"}
         parts = [info, scales] + ([infos[f"{module}.biases"]] if f"{module}.biases" in infos else [])
         params = info.size * 32 // qp["bits"]
         nbytes = sum(p.nbytes for p in parts)
         out[module] = {
             **qp,
-            "source": "config" if explicit else "inferred",
             "parameters": params,
             "bytes": nbytes,
             "bits_per_weight": round(nbytes * 8 / params, 4) if params else None,
@@ -69,7 +70,7 @@ def _quant_summary(model: ModelDir, params: int) -> dict[str, Any] | None:
         "modules": modules,
         "by_bits": [
             {"bits": b, "group_size": g, "mode": mo, "modules": n, "parameters": group_params[(b, g, mo)]}
-            for (b, g, mo), n in sorted(groups.items())
+            for (b, g, mo), n in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0, kv[0][2]))
         ],
         "quantized_parameters": qparams,
         "unquantized_parameters": params - qparams,
@@ -150,7 +151,7 @@ def _quant_lines(q: dict[str, Any]) -> list[str]:
     lines.append(f"  {'bits':>4} {'group':>5} {'mode':<7} {'modules':>7} {'parameters':>14}")
     for g in q["by_bits"]:
         lines.append(
-            f"  {g['bits']:>4} {g['group_size']:>5} {g['mode']:<7} {g['modules']:>7} {g['parameters']:>14,}"
+            f"  {g['bits']:>4} {g['group_size'] or '-':>5} {g['mode']:<7} {g['modules']:>7} {g['parameters']:>14,}"
         )
     differ = [
         m

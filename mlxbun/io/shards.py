@@ -484,7 +484,8 @@ class ShardedWriter:
         shards = {n: sorted(s.tensors) for n, s in zip(names, self._shards, strict=True)}
         tensors = {t: (d, tuple(shape)) for s in self._shards for t, (d, shape) in s.tensors.items()}
         total_size = sum(math.prod(shape) * ITEMSIZE[d] for d, shape in tensors.values())
-        params = count_parameters(tensors, quantization=self.quantization)
+        # Never fail a finished write over an odd packed shape: count its words instead.
+        params = count_parameters(tensors, quantization=self.quantization, strict=False)
         weight_map = {t: n for n, ts in shards.items() for t in ts}
         index = {
             "metadata": {"total_size": total_size, "total_parameters": params},
