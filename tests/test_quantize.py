@@ -307,6 +307,11 @@ def test_cli_quantize_writes_a_model_and_exits_2_on_bad_input(tmp_path):
     manifest = json.loads((run_dir / "manifest.json").read_text())
     assert manifest["status"] == "ok" and "model/model.safetensors" in manifest["outputs"]
     assert json.loads((run_dir / "model" / "config.json").read_text())["quantization"]["bits"] == 4
+    from mlxbun import registry
+
+    registry.open_db(path=tmp_path / "cache" / "registry.db")
+    found = registry.resolve("src-4bit-g64", hub_cache=tmp_path / "hub", paths=[])
+    assert found == (run_dir / "model").resolve()
     bad = subprocess.run(
         [sys.executable, "-m", "mlxbun", "command=quantize", "quant.mode=mxfp4", "quant.bits=3", *common],
         capture_output=True, text=True, cwd=tmp_path, env=env,

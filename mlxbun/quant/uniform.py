@@ -502,7 +502,7 @@ def run(cfg: Any) -> Any:
         threads=q.threads,
         partial_root=partial_root,
     )
-    _register(cfg, res.out)
+    _register(cfg, res.out, res.quantization)
     rate = res.source_bytes / res.seconds / 1e9 if res.seconds else 0.0
     metrics = {
         "source_bytes": res.source_bytes,
@@ -530,9 +530,25 @@ def _stable_partial_root(outputs: Path, out: Path) -> Path:
     return root if os.stat(root).st_dev == os.stat(out.parent).st_dev else out.parent
 
 
-def _register(cfg: Any, path: Path) -> None:
+def registry_name(cfg: Any, quantization: dict[str, Any]) -> str:
+    """A name later recipes can use: ``<source>-<setting>``, e.g. ``Qwen3-4B-4bit-g64``."""
+    q = cfg.quant
+    if cfg.model.synthetic:
+        base = f"synth-{cfg.synth.arch}-{cfg.synth.preset}"
+    else:
+        base = str(cfg.model.name).rstrip("/").rpartition("/")[2]
+    if q.plan or q.mixed:
+        tag = q.mixed or f"plan-{Path(q.plan).stem}"
+    elif quantization.get("mode", "affine") == "affine":
+        tag = f"{quantization.get('bits')}bit-g{quantization.get('group_size')}"
+    else:
+        tag = quantization["mode"]
+    return f"{base}-{tag}"
+
+
+def _register(cfg: Any, path: Path, quantization: dict[str, Any]) -> None:
     from mlxbun import registry
 
     if hasattr(registry, "register_model"):
         registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
-        registry.register_model(path)
+        registry.register_model(path, name=registry_name(cfg, quantization))
