@@ -1,0 +1,196 @@
+"""Train the small llama fixture in tests/fixtures/llama-text-3m from offline text, on the CPU.
+
+Run: ``.venv/bin/python scripts/train_fixture.py [--out tests/fixtures/llama-text-3m] [--steps 300]``
+
+The corpus is text that every Debian/Python machine carries: the licence texts in
+``/usr/share/common-licenses`` and a fixed list of CPython 3.11 standard-library modules (English
+docstrings and comments plus Python code). A byte-level BPE tokenizer (2048 tokens) is trained on
+it with ``tokenizers``; a 4-layer llama (hidden 256, ~3.3M parameters, tied embeddings) is
+trained with AdamW in float32 and saved in bfloat16 so the fixture stays under 8 MB::
+
+    tests/fixtures/llama-text-3m/
+        config.json  model.safetensors  model.safetensors.index.json
+        tokenizer.json  tokenizer_config.json  special_tokens_map.json  FIXTURE.json
+
+FIXTURE.json records the corpus files, their sha256, the settings and the loss curve, so the
+weights have real structure (sensitivities differ by layer and module) instead of noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from mlxbun import blas  # noqa: E402
+
+blas.load()
+
+import mlx.core as mx  # noqa: E402
+import mlx.nn as nn  # noqa: E402
+import mlx.optimizers as optim  # noqa: E402
+import numpy as np  # noqa: E402
+from mlx.utils import tree_flatten, tree_map  # noqa: E402
+from mlx_lm.models import llama  # noqa: E402
+
+STDLIB = "/usr/lib/python3.11"
+MODULES = (
+    "textwrap argparse functools pathlib heapq bisect fractions statistics difflib shutil tempfile "
+    "csv calendar string random decimal datetime enum dataclasses inspect typing "
+    "logging/__init__ json/__init__ collections/__init__"
+).split()
+LICENCES = "/usr/share/common-licenses"
+CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 256,
+    "intermediate_size": 640,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 2048,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+}
+
+
+def corpus_files() -> list[Path]:
+    files = sorted(Path(LICENCES).iterdir())
+    files += [Path(STDLIB) / f"{m}.py" for m in MODULES]
+    return [f for f in files if f.is_file()]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def save_tokenizer(tok, out: Path) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>", model_max_length=1024
+    )
+    fast.save_pretrained(str(out))
+
+
+def batches(ids: np.ndarray, *, seq: int, batch: int, steps: int, seed: int):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        starts = rng.integers(0, len(ids) - seq - 1, size=batch)
+        chunk = np.stack([ids[s : s + seq + 1] for s in starts])
+        yield mx.array(chunk[:, :-1]), mx.array(chunk[:, 1:])
+
+
+def train(model, ids: np.ndarray, *, steps: int, seq: int, batch: int, lr: float, seed: int) -> list:
+    def loss_fn(m, x, y):
+        return nn.losses.cross_entropy(m(x), y, reduction="mean")
+
+    warm = max(1, steps // 20)
+    sched = optim.join_schedules(
+        [optim.linear_schedule(lr / 20, lr, warm), optim.cosine_decay(lr, steps - warm, lr / 20)], [warm]
+    )
+    opt = optim.AdamW(learning_rate=sched, weight_decay=0.05)
+    step_fn = nn.value_and_grad(model, loss_fn)
+    curve, t0 = [], time.time()
+    for i, (x, y) in enumerate(batches(ids, seq=seq, batch=batch, steps=steps, seed=seed)):
+        loss, grads = step_fn(model, x, y)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(model, grads)
+        mx.eval(model.parameters(), opt.state, loss)
+        if i % 10 == 0 or i == steps - 1:
+            curve.append([i, round(loss.item(), 4)])
+            print(f"step {i:4d}  loss {loss.item():.3f}  {time.time() - t0:6.1f}s", flush=True)
+    return curve
+
+
+def eval_loss(model, ids: np.ndarray, *, seq: int) -> float:
+    n = (len(ids) - 1) // seq
+    x = mx.array(ids[: n * seq].reshape(n, seq))
+    y = mx.array(ids[1 : n * seq + 1].reshape(n, seq))
+    return nn.losses.cross_entropy(model(x), y, reduction="mean").item()
+
+
+def save(model, out: Path, meta: dict) -> None:
+    weights = dict(tree_flatten(model.parameters()))
+    weights = {k: v.astype(mx.bfloat16) for k, v in sorted(weights.items())}
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    total = sum(v.nbytes for v in weights.values())
+    index = {
+        "metadata": {"total_size": total, "total_parameters": sum(v.size for v in weights.values())},
+        "weight_map": {k: "model.safetensors" for k in weights},
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4) + "\n")
+    (out / "config.json").write_text(json.dumps(CONFIG, indent=4, sort_keys=True) + "\n")
+    (out / "FIXTURE.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(REPO / "tests/fixtures/llama-text-3m"))
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    files = corpus_files()
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    tok = train_tokenizer(texts, CONFIG["vocab_size"])
+    save_tokenizer(tok, out)
+    eot = tok.token_to_id("<|endoftext|>")
+    ids = np.concatenate([np.array(tok.encode(t).ids + [eot], dtype=np.int32) for t in texts])
+    held = ids[-8192:]  # the tail (end of the last stdlib module) is held out
+    ids = ids[:-8192]
+    print(f"corpus: {len(files)} files, {sum(map(len, texts))} chars, {len(ids)} train tokens")
+
+    mx.random.seed(args.seed)
+    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
+    mx.eval(model.parameters())
+    # Scale the residual-output projections down (GPT-2 style) so 4 layers train stably.
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            lin.weight = lin.weight / math.sqrt(2 * CONFIG["num_hidden_layers"])
+    t0 = time.time()
+    curve = train(model, ids, steps=args.steps, seq=args.seq, batch=args.batch, lr=args.lr, seed=args.seed)
+    model.update(tree_map(lambda a: a.astype(mx.bfloat16).astype(mx.float32), model.parameters()))
+    held_loss = eval_loss(model, held, seq=args.seq)
+    meta = {
+        "corpus": [{"file": str(f), "sha256": hashlib.sha256(f.read_bytes()).hexdigest()} for f in files],
+        "train_tokens": int(len(ids)),
+        "settings": vars(args) | {"out": out.name},
+        "loss_curve": curve,
+        "heldout_loss_bf16": round(held_loss, 4),
+        "train_seconds": round(time.time() - t0, 1),
+        "script": "scripts/train_fixture.py",
+    }
+    save(model, out, meta)
+    print(f"held-out loss (bf16 weights): {held_loss:.3f}; wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
