@@ -74,6 +74,34 @@ def make_hf_model(path: Path, arch: str, *, seed: int = 0, files: int = 1, **ove
     return path
 
 
+def make_mixtral(path: Path) -> Path:
+    """A tiny Mixtral in HF layout: one tensor per expert, which mlx-lm's sanitize stacks."""
+    import re
+
+    from mlx_lm.utils import _get_classes
+
+    cfg = dict(
+        BASE, model_type="mixtral", architectures=["MixtralForCausalLM"], intermediate_size=128,
+        num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6, torch_dtype="bfloat16",
+    )  # fmt: skip
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(1)
+    hf, names = {}, {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
+    for k, v in tree_flatten(model_class(args_class.from_dict(cfg)).parameters()):
+        m = re.match(r"(model\.layers\.\d+)\.block_sparse_moe\.switch_mlp\.(\w+)\.weight", k)
+        for e in range(v.shape[0] if m else 0):
+            hf[f"{m.group(1)}.block_sparse_moe.experts.{e}.{names[m.group(2)]}.weight"] = v[e].astype(
+                mx.bfloat16
+            )
+        if not m:
+            hf[k] = v.astype(mx.bfloat16)
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), hf, metadata={"format": "pt"})
+    (path / "config.json").write_text(json.dumps(cfg))
+    make_tokenizer_dir(path, vocab_size=cfg["vocab_size"])
+    return path
+
+
 def mlx_lm_convert(src: Path, dst: Path, **kw) -> Path:
     from mlx_lm.convert import convert
 
@@ -353,3 +381,12 @@ def test_quantize_skips_transformers_and_mlx_lm_still_imports_normally(tmp_path)
     assert res.returncode == 0 and "OK" in res.stdout and res.stdout.strip().endswith("True"), res.stderr[
         -2000:
     ]
+
+
+def test_moe_experts_stacked_by_sanitize_match_mlx_lm(tmp_path):
+    src = make_mixtral(tmp_path / "src")
+    ref = mlx_lm_convert(src, tmp_path / "ref", q_bits=4, q_group_size=64)
+    mine = quantize_model_dir(src, tmp_path / "mine", bits=4, group_size=64, threads=2)
+    assert "model.layers.1.block_sparse_moe.switch_mlp.down_proj.scales" in tensors(mine.out)
+    assert_same_tensors(ref, mine.out)
+    assert (mine.out / "config.json").read_text() == (ref / "config.json").read_text()

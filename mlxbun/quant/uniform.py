@@ -164,8 +164,17 @@ class Converter:
         src = self.sk.sources.get(name)
         if src is not None:
             return self.src.array(src)
-        mx.eval(lazy)  # built by sanitize from other tensors (e.g. stacked experts)
+        mx.eval(lazy)  # already evaluated by prefetch, on the thread that built it
         return lazy
+
+    def prefetch(self, unit: Unit) -> None:
+        """Evaluate tensors sanitize built from others (e.g. stacked experts) on this thread:
+        MLX streams are per thread, so a graph built here cannot be evaluated by a worker."""
+        import mlx.core as mx
+
+        built = [self.sk.weights[n] for n in unit.inputs if n not in self.sk.sources]
+        if built:
+            mx.eval(built)
 
     def cast(self, name: str, a: Any) -> Any:
         import mlx.core as mx
@@ -257,6 +266,7 @@ def stream(
         window: deque[tuple[Unit, Future]] = deque()
         try:
             for unit in todo:
+                convert.prefetch(unit)
                 window.append((unit, pool.submit(convert, unit)))
                 if len(window) > threads:
                     break
@@ -264,6 +274,7 @@ def stream(
                 unit, fut = window.popleft()
                 nxt = next(todo, None)
                 if nxt is not None:
+                    convert.prefetch(nxt)
                     window.append((nxt, pool.submit(convert, nxt)))
                 yield unit, fut.result()
         finally:
