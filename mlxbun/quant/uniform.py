@@ -7,15 +7,17 @@ about one shard plus a few modules in flight, whatever the model size.
 
 On disk::
 
-    <partial>/                          hidden; beside <out>, or <paths.outputs>/.partial/ for a
-        .mlxbun-quantize.json           default out, so that re-running the command resumes.
-        .mlxbun-shards.json             marker (fingerprint of source + settings; state) and the
-        .mlxbun-shard-0000k.safetensors ShardedWriter journal + completed shards
-    <out>/                              published by one rename when everything is written
-        model.safetensors | model-0000i-of-0000N.safetensors (+ model.safetensors.index.json)
-        config.json                     with "quantization" and "quantization_config"
+    .<out name>.partial-<fp16>/           hidden; beside <out>, or in <paths.outputs>/.partial/
+                                          for the default out, so that a re-run finds it
+        .mlxbun-quantize.json             marker: fingerprint of source + settings, state
+        .mlxbun-shards.json               ShardedWriter journal (completed shards, digests)
+        .mlxbun-shard-0000k.safetensors   completed shards
+    .<out name>.partial-<fp16>.lock       flock held while a run works on it
+    <out>/                                the partial dir, renamed when everything is written
+        model.safetensors | model-0000i-of-0000N.safetensors, model.safetensors.index.json
+        config.json                       with "quantization" and "quantization_config"
         tokenizer files, generation_config.json, *.py   copied from the source
-        .mlxbun-quantize.json           the marker, so a later run recognises its own output
+        .mlxbun-quantize.json             the marker, so a later run recognises its own output
 """
 
 from __future__ import annotations
@@ -358,6 +360,13 @@ def _write_shards(
         ShardedWriter(partial, shard_bytes=shard_bytes, resume=True, quantization=sk.quantization) as writer,
     ):
         todo = [u for u in units if not set(u.outputs) <= writer.done_names]
+        if writer.done_names:
+            log.info(
+                "quantize: resuming %s, %d of %d units already written",
+                partial,
+                len(units) - len(todo),
+                len(units),
+            )
         progress = Progress(total=total, unit="B", desc="quantize")
         progress.update(total - sum(u.nbytes for u in todo))
         for unit, tensors in stream(todo, Converter(sk, model_dir, dtype), threads=threads):
