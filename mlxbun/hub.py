@@ -196,17 +196,20 @@ def read_safetensors_header(path: str | os.PathLike, *, size: int | None = None)
         >>> header = read_safetensors_header(Path("model.safetensors"))
         >>> header["model.embed_tokens.weight"]["shape"]
     """
-    with open(path, "rb", buffering=0) as f:
-        buf = f.read(HEADER_GUESS)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        buf = os.read(fd, HEADER_GUESS)
         if len(buf) < 8:
             raise ValueError(f"{os.path.basename(path)}: shorter than the 8-byte header length")
         (n,) = struct.unpack("<Q", buf[:8])
-        size = os.fstat(f.fileno()).st_size if size is None else size
+        size = os.fstat(fd).st_size if size is None else size
         if n > MAX_HEADER or n > size - 8:
             raise ValueError(f"{os.path.basename(path)}: header length {n} exceeds the file ({size} bytes)")
-        if n + 8 > len(buf):
-            buf += f.read(n + 8 - len(buf))
-        header = json.loads(buf[8 : 8 + n])
+        while len(buf) < n + 8 and (more := os.read(fd, n + 8 - len(buf))):
+            buf += more
+    finally:
+        os.close(fd)
+    header = json.loads(buf[8 : 8 + n])
     if not isinstance(header, dict):
         raise ValueError(f"{os.path.basename(path)}: header is not a JSON object")
     return header
@@ -245,16 +248,21 @@ class ModelInfo:
 
 
 def read_bytes(path: str | os.PathLike, limit: int | None = None) -> bytes:
-    """A file's bytes (at most ``limit``) with the fewest syscalls: open, read until short, close."""
-    fd = os.open(path, os.O_RDONLY)
+    """A file's bytes (at most ``limit``) with the fewest syscalls: open, read, close.
+
+    A short read of a regular file is its end, so a small file costs one read.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        parts, n = [], 0
-        while limit is None or n < limit:
-            chunk = os.read(fd, (1 << 20) if limit is None else min(1 << 20, limit - n))
-            if not chunk:
-                break
+        parts: list[bytes] = []
+        left, step = limit, 64 << 10  # a first read under malloc's mmap threshold, then bigger
+        while left is None or left > 0:
+            want = step if left is None else min(step, left)
+            chunk = os.read(fd, want)
             parts.append(chunk)
-            n += len(chunk)
+            if len(chunk) < want:
+                break
+            left, step = None if left is None else left - len(chunk), 1 << 20
         return b"".join(parts)
     finally:
         os.close(fd)
@@ -303,12 +311,20 @@ def read_model_dir(
     return ModelInfo(**fields, warnings=tuple(warnings))
 
 
-def _json_file(path: str, by_name: dict[str, FileStat], name: str, warnings: list[str]) -> Any:
+def _json_file(
+    path: str, by_name: dict[str, FileStat], name: str, warnings: list[str], *, need: bytes = b""
+) -> Any:
+    """``name`` parsed, or None when absent, unreadable (a warning) or lacking the bytes ``need``.
+
+    ``need`` skips parsing files that cannot hold what is wanted (a big tokenizer config
+    without a chat template).
+    """
     f = by_name.get(name)
     if f is None or f.size is None:
         return None
     try:
-        return read_json(os.path.join(path, name))
+        raw = read_bytes(os.path.join(path, name))
+        return json.loads(raw) if need in raw else None
     except (OSError, ValueError) as e:
         warnings.append(f"{name}: unreadable ({type(e).__name__}: {str(e)[:80]})")
         return None
@@ -456,7 +472,7 @@ def _logical_params(name: str, info: dict[str, Any], header: dict[str, Any], bit
 
 def _has_tools(path: str, by_name: dict[str, FileStat], warnings: list[str]) -> bool:
     """Whether a chat template mentions ``tools`` (tokenizer_config.json or chat_template.jinja)."""
-    tc = _json_file(path, by_name, "tokenizer_config.json", warnings)
+    tc = _json_file(path, by_name, "tokenizer_config.json", warnings, need=b"chat_template")
     templates = []
     if isinstance(tc, dict):
         t = tc.get("chat_template")

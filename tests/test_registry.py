@@ -690,3 +690,28 @@ def test_cli_scan_ls_json_and_missing_repo(tmp_path):
     assert missing.returncode == 2
     assert missing.stderr.strip().startswith("error: model.name='org/not-here' is not in the local HF cache")
     assert "Traceback" not in missing.stderr
+
+
+def test_large_headers_and_json_are_read_whole(tmp_path):
+    d = tmp_path / "big"
+    d.mkdir()
+    tensors = {
+        f"model.layers.{i}.mlp.experts.{e}.w.weight": ("float16", (2, 2))
+        for i in range(40)
+        for e in range(64)
+    }
+    (d / "model.safetensors").write_bytes(st(tensors))
+    assert int.from_bytes((d / "model.safetensors").read_bytes()[:8], "little") > 2 * hub.HEADER_GUESS
+    tok = {
+        "added_tokens_decoder": {str(i): {"content": f"<t{i}>"} for i in range(8000)},
+        "chat_template": TOOLS_TEMPLATE,
+    }
+    (d / "tokenizer_config.json").write_text(json.dumps(tok))
+    assert (d / "tokenizer_config.json").stat().st_size > 2 * (64 << 10)  # past the first read
+    (d / "config.json").write_text(json.dumps(llama_config()))
+    info = hub.read_model_dir(d, hub.list_files(d))
+    assert info.param_count == shapes_elements(d / "model.safetensors") == 40 * 64 * 4
+    assert info.expert_bytes == 40 * 64 * 8 and info.has_tools is True and info.warnings == ()
+    data = os.urandom(300_000)
+    (d / "blob").write_bytes(data)
+    assert hub.read_bytes(d / "blob") == data and hub.read_bytes(d / "blob", 70_000) == data[:70_000]
