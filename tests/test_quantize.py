@@ -390,3 +390,41 @@ def test_moe_experts_stacked_by_sanitize_match_mlx_lm(tmp_path):
     assert "model.layers.1.block_sparse_moe.switch_mlp.down_proj.scales" in tensors(mine.out)
     assert_same_tensors(ref, mine.out)
     assert (mine.out / "config.json").read_text() == (ref / "config.json").read_text()
+
+
+HOOK = """
+import os, signal
+from mlxbun.io import shards
+real = shards.ShardedWriter._write_shard
+def write_then_die(self, k, items):
+    real(self, k, items)
+    if k == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+shards.ShardedWriter._write_shard = write_then_die
+"""
+
+
+@pytest.mark.slow
+def test_cli_rerun_after_sigkill_resumes_into_the_new_run_dir(tmp_path):
+    src = make_hf_model(tmp_path / "src", "llama")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(HOOK)
+    args = [
+        sys.executable, "-m", "mlxbun", "command=quantize", f"model.name={src}", "quant.bits=4",
+        "io.shard_gb=0.00004", f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}",
+        "blas=off",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
+    killed = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    env["PYTHONPATH"] = str(REPO)
+    again = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming" in again.stderr
+    runs = sorted((tmp_path / "outputs" / "quantize").iterdir())
+    assert len(runs) == 2 and not (runs[0] / "model").exists()
+    clean = quantize_model_dir(src, tmp_path / "clean", bits=4, shard_bytes=int(0.00004 * (1 << 30)))
+    assert len(clean.files) > 2
+    for name in [*clean.files, "config.json", "model.safetensors.index.json"]:
+        assert (runs[1] / "model" / name).read_bytes() == (clean.out / name).read_bytes(), name
