@@ -171,17 +171,37 @@ def test_outlier_channels_planted(tiny_model):
     assert _col_ratio(none["model.layers.1.self_attn.q_proj.weight"], ch, axis=1) == pytest.approx(1, rel=0.2)
 
 
-def test_planted_channels_dominate_the_hidden_state(tiny_model):
+def test_planted_channels_dominate_the_residual_stream(tiny_model):
     import mlx_lm
 
     d = tiny_model("llama", outlier_channels=4, outlier_target="activations")
     ch = json.loads((d / "synth.json").read_text())["planted_channels"]
     model, tok = mlx_lm.load(str(d))
-    h = model.model(mx.array([tok.encode("the residual stream of a tiny model")]))
-    top = np.argsort(np.abs(np.array(h.astype(mx.float32)))[0].mean(axis=0))[-4:]
-    assert sorted(top.tolist()) == ch
+    h = model.model.embed_tokens(mx.array([tok.encode("the residual stream of a tiny model")]))
+    for layer in model.model.layers:
+        h = layer(h, "causal", None)
+        per_channel = np.abs(np.array(h.astype(mx.float32)))[0].mean(axis=0)
+        assert sorted(np.argsort(per_channel)[-4:].tolist()) == ch
+    # The final norm damps them (1 / outlier_scale), so the logits are not one-hot.
+    out = np.abs(np.array(model.model.norm(h).astype(mx.float32)))[0].mean(axis=0)
+    assert out[ch].mean() < 3 * np.delete(out, ch).mean()
+    probs = np.array(mx.softmax(model(mx.array([tok.encode("a b c")])).astype(mx.float32), axis=-1))
+    assert probs.max(axis=-1).mean() < 0.9
     w = _weights(d)  # activations only: the q/k/v/gate/up weights are untouched
     assert _col_ratio(w["model.layers.0.self_attn.q_proj.weight"], ch, axis=1) == pytest.approx(1, rel=0.2)
+
+
+def test_outputs_are_neither_one_hot_nor_uniform(tiny_model):
+    import mlx_lm
+
+    for arch in ARCHS:
+        model, tok = mlx_lm.load(str(tiny_model(arch)))
+        ids = tok.encode("Synthetic weights should still give a spread of next-token guesses.")
+        logp = np.array(mx.log(mx.softmax(model(mx.array([ids])).astype(mx.float32), axis=-1)))[0]
+        entropy = -(np.exp(logp) * logp).sum(axis=-1).mean()
+        assert 0.5 < entropy < np.log(512) - 0.5, (arch, entropy)
+        copies = (logp.argmax(axis=-1) == np.array(ids)).mean()
+        assert copies < 0.8, (arch, copies)  # not a copy of the input token (gemma's sqrt(h) scale)
 
 
 def test_norm_jitter_moves_gains(tiny_model):
