@@ -304,6 +304,9 @@ def test_bad_sources_and_outputs_are_refused(tmp_path):
     ):
         quantize_model_dir(src, tmp_path / "out", plan=plan)
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+    plan.write_text(json.dumps({"default": {"bits": 4}, "layers": {"model.layers.0.mlp.dwn_proj": False}}))
+    with pytest.raises(InputError, match=r"quant.plan names 1 module.*'model.layers.0.mlp.dwn_proj'"):
+        quantize_model_dir(src, tmp_path / "out", plan=plan)
     quantized = quantize_model_dir(src, tmp_path / "q", bits=4).out
     with pytest.raises(InputError, match=r"already quantized"):
         quantize_model_dir(quantized, tmp_path / "qq")

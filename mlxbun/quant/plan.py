@@ -329,6 +329,8 @@ def prepare(
         predicate = plan_predicate(plan)
     elif mixed is not None:
         predicate = mixed_predicate(mixed, sk.model, spec.group_size)
+    if plan is not None:
+        _check_plan_paths(plan, sk, src)
     apply_quantization(sk, spec, predicate, plan=plan)
     if not sk.decisions:
         raise InputError(
@@ -336,6 +338,24 @@ def prepare(
             f" {src}; choose a smaller group size"
         )
     return sk, spec
+
+
+def _check_plan_paths(plan: Plan, sk: Skeleton, src: str | Path) -> None:
+    """A plan naming a module the model does not have is a typo or a plan for another model."""
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    known = {
+        p
+        for p, m in tree_flatten(sk.model.leaf_modules(), is_leaf=nn.Module.is_module)
+        if hasattr(m, "to_quantized")
+    }
+    unknown = sorted(set(plan.layers) - known)
+    if unknown:
+        raise InputError(
+            f"quant.plan names {len(unknown)} module(s) that {src} does not have or cannot quantize"
+            f" (e.g. {unknown[0]!r}); a plan's layers are module paths like 'model.layers.0.mlp.down_proj'"
+        )
 
 
 # ------------------------------------------------------------------------------- layout
