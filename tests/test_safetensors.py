@@ -369,3 +369,36 @@ def test_valid_file_survives_fuzz_harness(tmp_path: Path, seed_file: bytes) -> N
         got = mx.load(str(path))
         for name in f.names():
             assert mx.array_equal(f.array(name), got[name]).item()
+
+
+STREAM_CHILD = """
+import sys
+import mlx.core as mx
+from mlxbun.io.safetensors import open_model
+
+def peak():  # VmHWM restarts at exec; ru_maxrss would inherit the forking parent's peak
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+
+m = open_model(sys.argv[1])
+mx.eval(m.array(m.names()[0]))  # warm up allocator and imports before the baseline
+before = peak()
+total = 0.0
+for name in m.names():
+    total += m.array(name)[0, 0].item()
+print(peak() - before)
+"""
+
+
+def test_streaming_peak_memory_is_about_one_tensor(tmp_path: Path) -> None:
+    """Reading a 128 MiB model tensor by tensor raises peak RSS by ~one 16 MiB tensor, not the model."""
+    import subprocess
+    import sys
+
+    tensors = {f"t{i}": mx.full((2048, 2048), float(i), dtype=mx.float32) for i in range(8)}
+    write_sharded(tmp_path, tensors, shard_bytes=64 << 20)
+    del tensors
+    out = subprocess.run(
+        [sys.executable, "-c", STREAM_CHILD, str(tmp_path)], capture_output=True, text=True, check=True
+    )
+    grew = int(out.stdout.strip())
+    assert grew < 3 * (16 << 20), f"peak RSS grew by {grew / 2**20:.0f} MiB while streaming a 128 MiB model"

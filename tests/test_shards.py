@@ -396,3 +396,38 @@ def test_mxfp4_counts_from_shapes_alone(tmp_path: Path) -> None:
     nn.quantize(model, mode="mxfp4")
     layout = write_sharded(tmp_path, dict(tree_flatten(model.parameters())))
     assert layout.total_parameters == get_total_parameters(model)
+
+
+COPY_CHILD = """
+import sys
+from mlxbun.io.safetensors import open_model
+from mlxbun.io.shards import ShardedWriter
+
+def peak():  # VmHWM restarts at exec; ru_maxrss would inherit the forking parent's peak
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+
+m = open_model(sys.argv[1])
+w = ShardedWriter(sys.argv[2], shard_bytes=16 << 20, overlap=sys.argv[3] == "1")
+names = m.names()
+w.add(names[0], m.array(names[0]))  # warm up imports and the allocator before the baseline
+before = peak()
+for name in names[1:]:
+    w.add(name, m.array(name))
+w.finish()
+print(peak() - before)
+"""
+
+
+@pytest.mark.parametrize("overlap", ["0", "1"])
+def test_streaming_copy_peak_memory_is_about_one_shard(tmp_path: Path, overlap: str) -> None:
+    """Copying a 128 MiB model through the writer in 16 MiB shards stays near a shard, not the model."""
+    tensors = {
+        f"t{i:02d}": mx.full((1024, 2048), float(i), dtype=mx.float32) for i in range(16)
+    }  # 8 MiB each
+    write_sharded(tmp_path / "src", tensors, shard_bytes=64 << 20)
+    del tensors
+    code = [sys.executable, "-c", COPY_CHILD, str(tmp_path / "src"), str(tmp_path / "dst"), overlap]
+    grew = int(subprocess.run(code, capture_output=True, text=True, check=True).stdout.strip())
+    limit = (2 if overlap == "1" else 1) * (16 << 20) + 2 * (8 << 20)
+    assert grew < limit, f"peak RSS grew by {grew / 2**20:.0f} MiB copying a 128 MiB model"
+    assert open_model(tmp_path / "dst").names() == [f"t{i:02d}" for i in range(16)]

@@ -254,7 +254,6 @@ class ShardedWriter:
         self._pending_bytes = 0
         self._lock = threading.Lock()
         self._shards: list[_Shard] = []
-        self._next = 1  # index of the next shard to be started
         self._inflight: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1) if overlap else None
         self._hasher = ThreadPoolExecutor(max_workers=1)
@@ -267,7 +266,7 @@ class ShardedWriter:
             self._discard_journaled()
         self.done_names: frozenset[str] = frozenset(n for s in self._shards for n in s.tensors)
         self._seen: set[str] = set(self.done_names)
-        self._next = len(self._shards) + 1
+        self._next = len(self._shards) + 1  # number of the next shard to be started
 
     # ---------------------------------------------------------------- public API
 
@@ -284,10 +283,10 @@ class ShardedWriter:
     def add(self, name: str, array: Any) -> bool:
         """Queue one tensor; returns False (and ignores it) if a resumed shard already holds it."""
         self._require_open("add")
-        if name in self.done_names:
-            return False
         if not isinstance(name, str) or name == "__metadata__":
             raise InputError(f"tensor name {name!r} is not allowed; use a non-reserved string")
+        if name in self.done_names:
+            return False
         if name in self._seen:
             raise InputError(f"tensor {name!r} was already added to this writer; names must be unique")
         dtype, shape, buf = tensor_bytes(array, name)
