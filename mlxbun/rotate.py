@@ -634,9 +634,23 @@ def rotate_model_dir(
         layout, source = _stream(
             m, fp, rot, tmp, dtype=OUT_DTYPES.get(dtype), shard_bytes=shard_bytes, resume=resume
         )
-    files = [*layout.files, *([tmp / "model.safetensors.index.json"] if layout.index_written else [])]
-    files += _copy_side_files(src, tmp, fp.config)
-    record = FoldRecord(
+    names = [p.name for p in layout.files] + (
+        ["model.safetensors.index.json"] if layout.index_written else []
+    )
+    names += [p.name for p in _copy_side_files(src, tmp, fp.config)] + [RECORD]
+    record = _record(fp, rot, seed=seed, source=source, dtype=dtype)
+    record.write(tmp / RECORD)
+    report = _verify_partial(src, tmp, verify=verify, tokens=verify_tokens, seed=seed)
+    (tmp / ".rotate-job.json").unlink()
+    fsync_dir(tmp)
+    publish_dir(tmp, out)
+    return RotateResult(out, record, [out / n for n in names], report, layout.total_size)
+
+
+def _record(
+    fp: FoldPlan, rot: Rotation, *, seed: int, source: dict[str, Any], dtype: str | None
+) -> FoldRecord:
+    return FoldRecord(
         seed=seed,
         hidden_size=fp.hidden_size,
         hadamard=rot.spec.to_dict(),
@@ -647,13 +661,6 @@ def rotate_model_dir(
         dtype=dtype or "source",
         norm="rmsnorm(1+w)" if fp.gemma else "rmsnorm",
     )
-    record.write(tmp / RECORD)
-    report = _verify_partial(src, tmp, verify=verify, tokens=verify_tokens, seed=seed)
-    (tmp / ".rotate-job.json").unlink()
-    fsync_dir(tmp)
-    publish_dir(tmp, out)
-    files = [out / f.name for f in [*files, tmp / RECORD]]
-    return RotateResult(out=out, record=record, files=files, verify=report, total_bytes=layout.total_size)
 
 
 def _verify_partial(src: Path, tmp: Path, *, verify: bool, tokens: int, seed: int) -> VerifyReport | None:

@@ -1,0 +1,196 @@
+"""Rotation quality: KL to the bf16 reference of 4- and 3-bit uniform quantization, with and without R1.
+
+Run: .venv/bin/python bench/rotation_quality.py [--preset small] [--samples 4] [--seq-len 128]
+         [--fixture tests/fixtures/llama-text-3m] [--out bench/results/rotate.md]
+
+For each model (a synthetic llama with planted outlier channels; the trained fixture when its
+weights are present):
+
+1. rotate (child process, wall time and peak RSS): ``mlxbun.rotate.rotate_model_dir``, seed 0,
+   verified against the source.
+2. quantize the source and the rotated model at 4 and 3 bits, affine g64, with the anchor
+   ``mlx_lm.convert`` (child processes, wall time and peak RSS), so both sides use the same
+   quantizer and only the rotation differs.
+3. KL(reference ‖ model) in float32, mean over tokens, on ``samples × seq_len`` tokens of the
+   built-in calibration text (``mlxbun.quant.calib``), every model loaded with ``mlx_lm.load``.
+
+Writes ``bench/results/rotate.md``. Timings are noisy: the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+BITS = (4, 3)
+GROUP = 64
+
+
+def run_child(code: str) -> tuple[float, float, str]:
+    """Run ``code`` in a fresh Python; (seconds, the child's own peak RSS in MB via wait4, stdout)."""
+    t0 = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True
+        )
+        out = proc.stdout.read()
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            err.seek(0)
+            raise RuntimeError(f"child failed ({proc.returncode}): {err.read()[-2000:]}")
+    return time.perf_counter() - t0, usage.ru_maxrss / 1024, out
+
+
+def rotate_child(src: Path, out: Path) -> dict:
+    code = (
+        "from mlxbun import blas; blas.load()\n"
+        "import json\n"
+        "from mlxbun.rotate import rotate_model_dir\n"
+        f"r = rotate_model_dir({str(src)!r}, {str(out)!r}, seed=0)\n"
+        "print(json.dumps(r.verify.to_dict() if r.verify else None))\n"
+    )
+    seconds, rss, out_text = run_child(code)
+    return {"seconds": seconds, "peak_rss_mb": rss, "verify": json.loads(out_text.strip().splitlines()[-1])}
+
+
+def convert_child(src: Path, out: Path, bits: int) -> dict:
+    code = (
+        "from mlx_lm import convert\n"
+        f"convert({str(src)!r}, mlx_path={str(out)!r}, quantize=True, q_bits={bits}, q_group_size={GROUP})\n"
+    )
+    seconds, rss, _ = run_child(code)
+    return {"seconds": seconds, "peak_rss_mb": rss}
+
+
+def calibration_tokens(model: Path, samples: int, seq_len: int):
+    from mlx_lm import load
+
+    from mlxbun.quant.calib import load_calibration
+
+    _, tokenizer = load(str(model))
+    return load_calibration(tokenizer=tokenizer, samples=samples, seq_len=seq_len, seed=0).tokens
+
+
+def logprobs(model_dir: Path, tokens) -> list:
+    """float32 log-probabilities per sample (the model computes in its own dtype; logits cast to f32)."""
+    import mlx.core as mx
+    from mlx_lm import load
+
+    model, _ = load(str(model_dir))
+    out = []
+    for row in tokens:
+        logits = model(mx.array(row)[None])[0].astype(mx.float32)
+        out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+        mx.eval(out[-1])
+    return out
+
+
+def kl(ref: list, cur: list) -> float:
+    """Mean over tokens of KL(ref ‖ cur), in float32."""
+    import mlx.core as mx
+
+    total = sum(mx.sum(mx.exp(p) * (p - q)).item() for p, q in zip(ref, cur, strict=True))
+    return total / sum(p.shape[0] for p in ref)
+
+
+def evaluate(name: str, src: Path, work: Path, samples: int, seq_len: int) -> dict:
+    rot = work / f"{name}-rot"
+    result = {"model": name, "rotate": rotate_child(src, rot), "kl": {}, "convert": {}}
+    tokens = calibration_tokens(src, samples, seq_len)
+    ref = logprobs(src, tokens)
+    result["kl"]["rotated bf16"] = kl(ref, logprobs(rot, tokens))
+    for bits in BITS:
+        for label, model in (("plain", src), ("rotated", rot)):
+            out = work / f"{name}-{label}-q{bits}"
+            result["convert"][f"{label} q{bits}"] = convert_child(model, out, bits)
+            result["kl"][f"{label} q{bits}"] = kl(ref, logprobs(out, tokens))
+            shutil.rmtree(out)
+        print(f"{name}: {bits}-bit KL plain {result['kl'][f'plain q{bits}']:.4f} "
+              f"rotated {result['kl'][f'rotated q{bits}']:.4f}", flush=True)  # fmt: skip
+    return result
+
+
+def synth_model(work: Path, preset: str, outlier_scale: float) -> Path:
+    from mlxbun.synth import synthesize
+
+    return synthesize(
+        work / f"synth-{preset}", arch="llama", preset=preset, dtype="bfloat16",
+        outlier_channels=8, outlier_scale=outlier_scale, outlier_target="weights",
+    )  # fmt: skip
+
+
+def report(results: list[dict], args: argparse.Namespace, seconds: float) -> str:
+    lines = [
+        "# Rotation quality (R1 fold) — KL to the bf16 reference, uniform affine g64",
+        "",
+        f"Command: `.venv/bin/python bench/rotation_quality.py --preset {args.preset} --samples {args.samples} "
+        f"--seq-len {args.seq_len} --outlier-scale {args.outlier_scale}`  ",
+        f"Machine: 2-core {platform.machine()} Linux (shared, noisy), mlx {_version('mlx')} CPU, "
+        f"mlx-lm {_version('mlx-lm')}. Total {seconds:.0f} s.  ",
+        f"Tokens: {args.samples} × {args.seq_len} of the built-in calibration text; KL in float32, mean per "
+        "token. Quantizer for both sides: the anchor `mlx_lm.convert` (so only the rotation differs).",
+        "",
+        "| model | bits | KL plain | KL rotated | ratio rotated/plain |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        for bits in BITS:
+            p, q = r["kl"][f"plain q{bits}"], r["kl"][f"rotated q{bits}"]
+            lines.append(f"| {r['model']} | {bits} | {p:.4f} | {q:.4f} | {q / p:.2f} |")
+    lines += ["", "| model | rotation alone: KL rotated bf16 | rotate s | rotate peak RSS MB | "
+              "convert (plain q4) s | convert peak RSS MB |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        c = r["convert"]["plain q4"]
+        lines.append(
+            f"| {r['model']} | {r['kl']['rotated bf16']:.2e} | {r['rotate']['seconds']:.1f} | "
+            f"{r['rotate']['peak_rss_mb']:.0f} | {c['seconds']:.1f} | {c['peak_rss_mb']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _version(pkg: str) -> str:
+    from importlib.metadata import version
+
+    return version(pkg)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="small")
+    ap.add_argument("--outlier-scale", type=float, default=20.0)
+    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--fixture", type=Path, default=REPO / "tests" / "fixtures" / "llama-text-3m")
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rotate.md")
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="rotation-quality-") as tmp:
+        work = Path(tmp)
+        models = [(f"synth llama {args.preset}, 8 outlier channels ×{args.outlier_scale:g}",
+                   synth_model(work, args.preset, args.outlier_scale))]  # fmt: skip
+        if (args.fixture / "config.json").is_file():
+            models.append(("trained fixture " + args.fixture.name, args.fixture))
+        else:
+            print(f"no trained fixture at {args.fixture}; skipped", flush=True)
+        results = [evaluate(name.split(",")[0].replace(" ", "-"), src, work, args.samples, args.seq_len)
+                   | {"model": name} for name, src in models]  # fmt: skip
+    text = report(results, args, time.perf_counter() - t0)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
