@@ -402,3 +402,8 @@ def test_streaming_peak_memory_is_about_one_tensor(tmp_path: Path) -> None:
     )
     grew = int(out.stdout.strip())
     assert grew < 3 * (16 << 20), f"peak RSS grew by {grew / 2**20:.0f} MiB while streaming a 128 MiB model"
+
+
+def test_empty_tensor_at_end_of_file(tmp_path: Path) -> None:
+    f = SafetensorsFile(craft(tmp_path / "e.safetensors", {"a": entry("F32", [0, 3], [0, 0])}))
+    assert f.numpy("a").shape == (0, 3) and f.array("a").shape == (0, 3)
