@@ -32,7 +32,7 @@ import numpy as np
 from mlxbun.io.atomic import fsync_dir, tmp_sibling
 from mlxbun.kv import format as fmt
 from mlxbun.kv import state
-from mlxbun.kv.snapshot import _write, layer_entries
+from mlxbun.kv.snapshot import _write, kick_writeback, layer_entries
 from mlxbun.kv.state import LayerState
 
 
@@ -80,9 +80,18 @@ def check_name(name: str, *, what: str) -> str:
 # ---------------------------------------------------------------- write
 
 
-def _block_bytes(j: int, order: list[state.Tensor], p: int) -> bytes:
-    parts = [t.row(r, j * p, (j + 1) * p) for t in order for r in range(t.rows)]
-    return b"".join(parts)
+def _block_bytes(j: int, order: list[state.Tensor], geo: Geometry) -> bytearray:
+    """Block j: tokens [j*P, (j+1)*P) of every row, tensor after tensor, gathered by numpy."""
+    buf = bytearray(geo.block_nbytes(j))
+    dst, pos, lo = np.frombuffer(buf, np.uint8), 0, j * geo.block_tokens
+    for t in order:
+        n = geo.span(j, t.shape[2])
+        size = t.rows * n * t.row_token_bytes
+        if size:
+            b, h, _, w = t.shape
+            dst[pos : pos + size].view(t.buf.dtype).reshape(b, h, n, w)[...] = t.buf[:, :, lo : lo + n, :]
+        pos += size
+    return buf
 
 
 def _existing(path: Path, nbytes: int) -> bool:
@@ -96,33 +105,69 @@ def _existing(path: Path, nbytes: int) -> bool:
     return st.st_size == nbytes
 
 
-def put_block(blocks: Path, data: bytes) -> tuple[str, int]:
-    """Store ``data`` under its sha256 unless present; returns (name, bytes written)."""
+@dataclass(frozen=True)
+class Staged:
+    """A hashed block: already published (tmp None) or written to a temporary sibling."""
+
+    name: str
+    nbytes: int
+    tmp: Path | None
+
+
+def stage_block(blocks: Path, data: bytes | bytearray) -> Staged:
+    """Hash ``data``; unless the block exists, write it to a temp file and start its writeback."""
     name = hashlib.sha256(data).hexdigest()
-    final = blocks / name
-    if _existing(final, len(data)):
-        return name, 0
-    tmp = tmp_sibling(final)
+    if _existing(blocks / name, len(data)):
+        return Staged(name, len(data), None)
+    tmp = tmp_sibling(blocks / name)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         _write(fd, data, 0)
-        os.fdatasync(fd)
+        kick_writeback(fd)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     finally:
         os.close(fd)
-    try:
+    return Staged(name, len(data), tmp)
+
+
+def sync_staged(s: Staged) -> None:
+    if s.tmp is not None:
+        fd = os.open(s.tmp, os.O_RDONLY)
         try:
-            os.link(tmp, final)
-        except FileExistsError:
-            if not _existing(final, len(data)):
-                os.replace(tmp, final)  # a wrong-sized (damaged) block: replace it atomically
-                return name, len(data)
-            return name, 0
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+
+
+def publish_block(blocks: Path, s: Staged) -> int:
+    """Link a synced temp block to its name (never over an existing block); bytes written."""
+    if s.tmp is None:
+        return 0
+    final = blocks / s.name
+    try:
+        os.link(s.tmp, final)
+    except FileExistsError:
+        if _existing(final, s.nbytes):
+            return 0  # another writer published the same block first
+        os.replace(s.tmp, final)  # a wrong-sized (damaged) block: replace it atomically
     finally:
-        tmp.unlink(missing_ok=True)
-    return name, len(data)
+        s.tmp.unlink(missing_ok=True)
+    return s.nbytes
+
+
+def put_block(blocks: Path, data: bytes | bytearray) -> tuple[str, int]:
+    """Store ``data`` under its sha256 unless present; returns (name, bytes written)."""
+    s = stage_block(blocks, data)
+    sync_staged(s)
+    return s.name, publish_block(blocks, s)
+
+
+def _discard(futs: list) -> None:
+    for f in futs:
+        if not f.cancel() and f.exception() is None and f.result().tmp is not None:
+            f.result().tmp.unlink(missing_ok=True)
 
 
 def write_blocks(
@@ -134,25 +179,36 @@ def write_blocks(
     threads: int = 2,
     on_bytes: Callable[[int], None] | None = None,
 ) -> tuple[dict[str, Any], int]:
-    """Store all blocks of ``layers``; returns (manifest header, bytes actually written)."""
+    """Store all blocks of ``layers``; returns (manifest header, bytes actually written).
+
+    Three phases so that one flush covers many blocks: stage (gather, hash, write new blocks to
+    temp files, start writeback) on worker threads; fdatasync every new temp file; link them to
+    their names and fsync blocks/. Only then may a manifest reference them.
+    """
     header = dict(base, layout="blocks", layers=layer_entries(layers))
     p = choose_block_tokens(layers, block_bytes)
     order = [s.tensors[n] for s in layers for n in sorted(s.tensors)]
     geo = geometry(header, p)
 
-    def one(j: int) -> tuple[str, int, int]:
-        data = _block_bytes(j, order, p)
-        name, wrote = put_block(blocks, data)
+    def one(j: int) -> Staged:
+        staged = stage_block(blocks, _block_bytes(j, order, geo))
         if on_bytes:
-            on_bytes(len(data))
-        return name, len(data), wrote
+            on_bytes(staged.nbytes)
+        return staged
 
     with ThreadPoolExecutor(max(1, threads)) as pool:
-        done = list(pool.map(one, range(geo.n_blocks)))
+        futs = [pool.submit(one, j) for j in range(geo.n_blocks)]
+        try:
+            staged = [f.result() for f in futs]
+            list(pool.map(sync_staged, staged))
+        except BaseException:
+            _discard(futs)
+            raise
+    written = sum(publish_block(blocks, s) for s in staged)
     fsync_dir(blocks)
     header["block_tokens"] = p
-    header["blocks"] = [{"sha256": n, "nbytes": nb} for n, nb, _ in done]
-    return header, sum(w for _, _, w in done)
+    header["blocks"] = [{"sha256": s.name, "nbytes": s.nbytes} for s in staged]
+    return header, written
 
 
 # ---------------------------------------------------------------- read
@@ -215,10 +271,18 @@ def read_block(blocks: Path, name: str, nbytes: int, *, verify: bool, what: str)
 
 
 def read_blocks(
-    blocks: Path, header: dict[str, Any], geo: Geometry, *, verify: bool, threads: int, what: str
+    blocks: Path,
+    header: dict[str, Any],
+    geo: Geometry,
+    *,
+    verify: bool,
+    threads: int,
+    what: str,
+    out: dict[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray]:
-    """Reassemble every tensor's raw bytes (shape (B, H, T, row-bytes), uint8) from its blocks."""
-    out = {name: np.empty((rows, t, rb), dtype=np.uint8) for name, rows, t, rb in geo.tensors}
+    """Reassemble every tensor's raw bytes (flat uint8) from its blocks, into ``out`` if given."""
+    flat = out or {name: np.empty(rows * t * rb, dtype=np.uint8) for name, rows, t, rb in geo.tensors}
+    dest = {name: flat[name].reshape(rows, t, rb) for name, rows, t, rb in geo.tensors}
 
     def one(j: int) -> None:
         entry = header["blocks"][j]
@@ -229,9 +293,9 @@ def read_blocks(
         for name, rows, t, rb in geo.tensors:
             n = geo.span(j, t)
             size = rows * n * rb
-            out[name][:, lo : lo + n, :] = buf[pos : pos + size].reshape(rows, n, rb)
+            dest[name][:, lo : lo + n, :] = buf[pos : pos + size].reshape(rows, n, rb)
             pos += size
 
     with ThreadPoolExecutor(max(1, threads)) as pool:
         list(pool.map(one, range(geo.n_blocks)))
-    return {name: a.reshape(-1) for name, a in out.items()}
+    return flat

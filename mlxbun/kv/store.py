@@ -374,12 +374,14 @@ class Store:
             path, h = self.header(name)
             self._check(name, h, model=model, tokenizer=tokenizer, tokens=tokens)
             what = f"snapshot {name!r}"
+            arrays = {n: state.alloc(t["dtype"], t["shape"]) for n, t in fmt.tensors_of(h)}
+            out = {n: flat for n, (_, flat) in arrays.items()}
             if h["layout"] == "snapshot":
-                raw = snap.read_data(path, h, verify=verify, threads=self.threads, what=what)
+                snap.read_data(path, h, verify=verify, threads=self.threads, what=what, out=out)
             else:
                 geo = blk.check_manifest(h, what=what)
-                raw = blk.read_blocks(self.blocks, h, geo, verify=verify, threads=self.threads, what=what)
-        cache = _build(h, raw)
+                blk.read_blocks(self.blocks, h, geo, verify=verify, threads=self.threads, what=what, out=out)
+        cache = _build(h, arrays)
         self.touch(name)
         return Restored(cache=cache, tokens=list(h["tokens"]), info=self._info(name, path, h))
 
@@ -450,14 +452,13 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _build(h: dict[str, Any], raw: dict[str, np.ndarray]) -> list[Any]:
-    """mlx-lm cache objects from validated raw tensor bytes."""
+def _build(h: dict[str, Any], arrays: dict[str, tuple[Any, np.ndarray]]) -> list[Any]:
+    """mlx-lm cache objects from validated, filled arrays (from state.alloc)."""
     out = []
     for i, layer in enumerate(h["layers"]):
-        arrays = {}
+        mine = {}
         for n, t in layer["tensors"].items():
-            npdt = state.DTYPES[t["dtype"]][0]
-            arr = raw[f"{i}.{n}"].view(npdt).reshape(t["shape"])
-            arrays[n] = state.to_mx(t["dtype"], arr)
-        out.append(state.build_layer(layer["class"], layer["meta"], arrays))
+            a, flat = arrays.pop(f"{i}.{n}")
+            mine[n] = state.finish(t["dtype"], a, flat, t["shape"])
+        out.append(state.build_layer(layer["class"], layer["meta"], mine))
     return out
