@@ -851,6 +851,11 @@ def _write_side_files(spec: Spec, partial: Path) -> None:
     atomic_write_json(partial / "config.json", hf_config(spec))
     atomic_write_json(partial / "generation_config.json", generation_config())
     build_tokenizer(spec.shape.vocab_size).save_pretrained(str(partial))
+    # transformers 5 writes its own class name; the 4.x name loads in both.
+    tok_cfg = json.loads((partial / "tokenizer_config.json").read_text())
+    atomic_write_json(
+        partial / "tokenizer_config.json", {**tok_cfg, "tokenizer_class": "PreTrainedTokenizerFast"}
+    )
 
 
 def write_spec(spec: Spec, out_dir: Path, *, shard_bytes: int = 5 << 30, overlap: bool = False) -> Path:
