@@ -187,9 +187,13 @@ def check_source(src: Path) -> dict[str, Any]:
 def _lazy_source(src: Path) -> dict[str, Any]:
     import mlx.core as mx
 
+    from mlxbun.io.safetensors import open_model
+
     files = sorted(src.glob("model*.safetensors"))
     if not files:
         raise InputError(f"model {src} has no model*.safetensors files")
+    with open_model(src):  # validates every header (InputError naming file and tensor)
+        pass
     weights: dict[str, Any] = {}
     for f in files:
         weights.update(mx.load(str(f)))
@@ -205,10 +209,15 @@ def build_skeleton(src: str | Path) -> Skeleton:
     src = Path(src)
     config = check_source(src)
     model_class, args_class = model_classes(config)
-    model = model_class(args_class.from_dict(config))
     raw = _lazy_source(src)
     by_id = {id(v): k for k, v in raw.items()}
-    weights = model.sanitize(dict(raw)) if hasattr(model, "sanitize") else dict(raw)
+    try:
+        model = model_class(args_class.from_dict(config))
+        weights = model.sanitize(dict(raw)) if hasattr(model, "sanitize") else dict(raw)
+    except (KeyError, TypeError, ValueError) as e:
+        raise InputError(
+            f"model {src}: config.json and tensors do not fit mlx-lm's {model_class.__module__} ({type(e).__name__}: {e})"
+        ) from None
     sources = {k: by_id[id(v)] for k, v in weights.items() if id(v) in by_id and raw[by_id[id(v)]] is v}
     _check_strict(src, type(model).__module__, dict(tree_flatten(model.parameters())), weights)
     return Skeleton(model=model, config=config, weights=weights, sources=sources)
