@@ -393,6 +393,7 @@ def _quantization(config: dict[str, Any]) -> dict[str, Any]:
         return {"quant_bits": None, "quant_group_size": None, "quant_mode": None}
     bits = _int(q.get("bits"))
     mode = q.get("mode") or q.get("quant_method") or ("affine" if bits else None)
+    mode = mode if isinstance(mode, str) else None
     return {"quant_bits": bits, "quant_group_size": _int(q.get("group_size")), "quant_mode": mode}
 
 
@@ -416,11 +417,7 @@ def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: li
     sidecar = by_name.get(VISION_SIDECAR)
     out = {"weight_bytes": 0, "expert_bytes": 0, "vision_bytes": (sidecar.size or 0) if sidecar else 0}
     params, vision_tensors = 0, False
-    bits = (
-        _int((config.get("quantization") or {}).get("bits"))
-        if isinstance(config.get("quantization"), dict)
-        else None
-    )
+    bits = _quantization(config)["quant_bits"]
     for name in names:
         f = by_name[name]
         if f.size is None:
@@ -431,11 +428,16 @@ def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: li
         except (OSError, ValueError) as e:
             warnings.append(f"{name}: unreadable header ({str(e)[:80]})")
             continue
-        experts, n, vis = _header_stats(header, bits)
+        try:
+            experts, n, vis = _header_stats(header, bits)
+        except (TypeError, ValueError) as e:  # shapes or offsets that are not numbers
+            warnings.append(f"{name}: malformed header entry ({str(e)[:80]})")
+            continue
         out["expert_bytes"] += experts
         params += n
         vision_tensors = vision_tensors or vis
-    total = (index.get("metadata") or {}).get("total_parameters") if isinstance(index, dict) else None
+    meta = index.get("metadata") if isinstance(index, dict) else None
+    total = meta.get("total_parameters") if isinstance(meta, dict) else None
     out["param_count"] = _int(total) or (params or None)
     out["_vision_tensors"] = vision_tensors
     return out

@@ -443,7 +443,10 @@ def _read(c: Candidate, known: dict[str, Known], now: datetime, report: list[str
     fp = c.key if c.key is not None else hub.fingerprint(files)
     if c.key is None and old is not None and old.fingerprint == fp:
         return "refs" if old.refs != c.refs else None
-    info = hub.read_model_dir(c.path, files, repo_id=c.repo_id or c.name)
+    try:
+        info = hub.read_model_dir(c.path, files, repo_id=c.repo_id or c.name)
+    except Exception as e:  # a hostile file must cost a warning, never the scan
+        info = hub.ModelInfo(warnings=(f"could not be read ({type(e).__name__}: {str(e)[:80]})",))
     for w in info.warnings:
         report.append(f"{c.path}: {w}")
     return _row(c, info, fp, now, old)

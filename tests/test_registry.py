@@ -715,3 +715,19 @@ def test_large_headers_and_json_are_read_whole(tmp_path):
     data = os.urandom(300_000)
     (d / "blob").write_bytes(data)
     assert hub.read_bytes(d / "blob") == data and hub.read_bytes(d / "blob", 70_000) == data[:70_000]
+
+
+def test_hostile_metadata_types_never_fail_a_scan(reg, hubtree):
+    cfg = llama_config(num_hidden_layers="many", quantization={"bits": "4", "mode": {"x": 1}}, layer_types=3,
+                       sliding_window=8, sliding_window_pattern=0, text_config=[1], architectures="Llama")  # fmt: skip
+    index = {"metadata": ["not", "a", "dict"], "weight_map": {"w": "model.safetensors"}}
+    bad_offsets = b'{"w": {"dtype": "F16", "shape": ["x"], "data_offsets": [0, 2]}}'
+    weights = {"model.safetensors": len(bad_offsets).to_bytes(8, "little") + bad_offsets + b"\0\0",
+               "model.safetensors.index.json": json.dumps(index).encode()}  # fmt: skip
+    snap = hubtree.add("org/hostile-types", "r1", model_files(cfg, weights))
+    good = hubtree.add("org/fine", "r1", model_files(llama_config()))
+    report = reg.scan(hub_cache=hubtree.root)
+    assert report.models == 2 and any("malformed header entry" in w for w in report.warnings)
+    r = row(snap)
+    assert r["num_layers"] is None and r["quant_mode"] is None and r["architectures"] is None
+    assert row(good)["warning"] is None
