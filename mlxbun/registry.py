@@ -897,10 +897,15 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def run_ls(cfg: Any) -> Any:
-    """command=registry_ls: the indexed models matching registry.filter.*, smallest first."""
+    """command=registry_ls: the models matching registry.filter.*, smallest first.
+
+    Refreshes the index first (incremental: only changed directories are read), so the
+    answer is current without a separate registry_scan.
+    """
     from mlxbun.provenance import RunResult
 
     _open(cfg)
+    scan(hub_cache=cfg.registry.hub_cache, paths=cfg.registry.paths, runs_root=cfg.registry.runs_root)
     rows = ls(**_filters(cfg))
     if cfg.json:
         return RunResult(message=json.dumps(rows, indent=2, sort_keys=True, default=str))

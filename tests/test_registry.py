@@ -9,6 +9,7 @@ import hashlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -376,8 +377,6 @@ def test_rescan_reads_only_changes_and_prunes(reg, hubtree, monkeypatch):
     (snaps[1] / "kv_config.json").write_text("{}")  # a new file: that snapshot changes
     assert reg.scan(hub_cache=hubtree.root).read == 1 and calls == [str(snaps[1])]
     assert row(snaps[1])["has_kv_config"] is True
-    import shutil
-
     shutil.rmtree(hubtree.repo_dir("org/m2"))
     assert [m["name"] for m in reg.ls()] == ["org/m0", "org/m1", "org/m3"]  # gone before any rescan
     assert reg.scan(hub_cache=hubtree.root).pruned == 1
@@ -494,8 +493,6 @@ def test_local_paths_run_outputs_and_registered(reg, hubtree, tmp_path):
     reg.scan(hub_cache=hubtree.root, paths=[models])
     assert reg.resolve("beta-tuned", hub_cache=hubtree.root, paths=[models]) == models / "beta"
     assert row(models / "beta")["source"] == "registered"
-    import shutil
-
     shutil.rmtree(own)
     assert reg.scan(hub_cache=hubtree.root).pruned == 1
     assert registry.ModelRecord.get_or_none(registry.ModelRecord.path == str(own)) is None
@@ -662,6 +659,9 @@ def test_commands_scan_ls_resolve_fit(dburl, hubtree):
     assert res.metrics["models"] == 1 and "1 read" in res.message
     table = registry.run_ls(cfg).message
     assert "org/cmd" in table and "mit" in table and "1 model(s)" in table
+    hubtree.add("org/cmd-later", "r1", model_files(llama_config()))
+    assert "2 model(s)" in registry.run_ls(cfg).message  # ls refreshes the index itself
+    shutil.rmtree(hubtree.repo_dir("org/cmd-later"))
     cfg.json = True
     rows = json.loads(registry.run_ls(cfg).message)
     assert rows[0]["path"] == str(snap) and rows[0]["license"] == "mit"
