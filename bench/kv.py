@@ -78,7 +78,11 @@ def op_save(method: str, work: Path, cache: list, tokens: int) -> None:
     else:
         shutil.rmtree(work / f"store-{method}", ignore_errors=True)
         Store(work / f"store-{method}", block_kib=1024).save(
-            "s", cache, tokens=[1] * tokens, model="bench", layout="snapshot" if method == "snapshot" else "blocks"
+            "s",
+            cache,
+            tokens=[1] * tokens,
+            model="bench",
+            layout="snapshot" if method == "snapshot" else "blocks",
         )
 
 
@@ -197,7 +201,10 @@ def main() -> None:
                "load:raw", "load:mlx-lm", "load:snapshot", "load:blocks", "noverify:snapshot", "noverify:blocks"]:  # fmt: skip
         res[op] = run_child(args, "--child", op)
         med = statistics.median(res[op]["times"])
-        print(f"{op:<18} {med:7.3f} s  {size / med / 1e9:6.2f} GB/s  peak RSS {res[op]['peak_rss_mb']:.0f} MB", flush=True)
+        print(
+            f"{op:<18} {med:7.3f} s  {size / med / 1e9:6.2f} GB/s  peak RSS {res[op]['peak_rss_mb']:.0f} MB",
+            flush=True,
+        )
     conv = run_child(args, "--conversation")
     write_report(args, size, res, conv)
 
@@ -216,13 +223,20 @@ def write_report(args: argparse.Namespace, size: int, res: dict, conv: dict) -> 
         "| operation | method | seconds | GB/s | vs mlx-lm | child peak RSS MB |",
         "|---|---|---:|---:|---:|---:|",
     ]
-    names = {"raw": "raw write+fsync / read", "mlx-lm": "mlx-lm", "snapshot": "mlxbun snapshot", "blocks": "mlxbun blocks"}
+    names = {
+        "raw": "raw write+fsync / read",
+        "mlx-lm": "mlx-lm",
+        "snapshot": "mlxbun snapshot",
+        "blocks": "mlxbun blocks",
+    }
     for kind in ("save", "load", "noverify"):
         for m in ("raw", "mlx-lm", "snapshot", "blocks"):
             k = f"{kind}:{m}"
             if k in med:
                 ref = f"{kind if kind != 'noverify' else 'load'}:mlx-lm"
-                label = {"save": "save", "load": "restore (verify on)", "noverify": "restore (verify off)"}[kind]
+                label = {"save": "save", "load": "restore (verify on)", "noverify": "restore (verify off)"}[
+                    kind
+                ]
                 lines.append(
                     f"| {label} | {names[m]} | {med[k]:.3f} | {gbs[k]:.2f} | {med[ref] / med[k]:.2f}x |"
                     f" {res[k]['peak_rss_mb']:.0f} |"

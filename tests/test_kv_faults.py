@@ -141,6 +141,7 @@ LIES = [
     (lambda h: h["layers"][0]["tensors"].pop("values"), "do not match class"),
     (lambda h: h["layers"][1].update({"class": "MambaCache"}), "'MambaCache' is not supported"),
     (lambda h: h.update(tokens=h["tokens"][:-1]), "tokens_sha256"),
+    (lambda h: h.update(hash="md5"), "hash 'md5' is not supported"),
 ]
 SNAPSHOT_LIES = [
     (lambda h: h["layers"][0]["tensors"]["keys"].update(offset=100), "unaligned"),
@@ -188,7 +189,7 @@ def test_bad_block_names_rejected(model, tmp_path, bad):
     store, _, _ = _saved(model, tmp_path, "blocks")
     path = tmp_path / "snapshots/s.kvm"
     h, _ = fmt.read_header(path, what="x")
-    h["blocks"][0]["sha256"] = bad
+    h["blocks"][0]["hash"] = bad
     path.write_bytes(fmt.encode(h))
     (tmp_path / "x").write_bytes(b"outside")
     with pytest.raises(fmt.CorruptError, match="is not 64 lower-case hex digits"):

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from concurrent.futures import Future
 
+import blake3
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -78,10 +80,18 @@ def test_golden_bytes_and_determinism(tmp_path):
     assert len(raw) == 16384 + 16384 + 48  # header page, keys page, values
     keys = np.frombuffer(raw[16384 : 16384 + 48], np.float16)
     np.testing.assert_array_equal(keys, np.arange(24, dtype=np.float16))
+    header = json.loads(raw[56 : 56 + int.from_bytes(raw[16:24], "little")])
+    assert header["hash"] == "blake3"
+    assert (
+        header["layers"][0]["tensors"]["keys"]["hash"] == blake3.blake3(raw[16384 : 16384 + 48]).hexdigest()
+    )
+    assert (
+        raw[24:56] == hashlib.sha256(raw[56 : 56 + len(json.dumps(header, separators=(",", ":")))]).digest()
+    )
     assert hashlib.sha256(raw).hexdigest() == GOLDEN_KVS
 
 
-GOLDEN_KVS = "5d65faff0bd6ab79f7af1444bfc3361d9bb132525a92080471f328a46004fef9"
+GOLDEN_KVS = "73271bd4ece81ab3c973e6476409e3b35ef8d4d2d33077d0679bd5df6fb0a355"
 
 
 def test_appending_tokens_keeps_earlier_blocks_identical(model, tmp_path):

@@ -1,4 +1,4 @@
-"""Content-addressed KV blocks: ``blocks/<sha256>`` written once, plus one small manifest per snapshot.
+"""Content-addressed KV blocks: ``blocks/<blake3>`` written once, plus one small manifest per snapshot.
 
 Cutting rule. Every cache tensor ``(B, H, T, W)`` is a set of rows — one per (layer, K/V part,
 batch, head) — of ``T`` tokens each, taken from offset-trimmed data. Block ``j`` holds tokens
@@ -7,7 +7,7 @@ contributes what it has). ``P`` (``block_tokens``) is chosen so a block is about
 Because the cut is on the token grid and per row, appending tokens leaves every earlier full
 block byte-identical, and a growing conversation rewrites only its last, partial block.
 
-    <store>/blocks/<64 lower-case hex>    raw bytes; the name is the sha256 of the content
+    <store>/blocks/<64 lower-case hex>    raw bytes; the name is the BLAKE3-256 of the content
     <store>/snapshots/<name>.kvm          framed header (mlxbun.kv.format) with the block list
 
 A block is published with ``link(tmp, final)``: it fails if the block exists, so an existing
@@ -18,7 +18,6 @@ fdatasync'd, then the directory, before the manifest that references them is pub
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import stat
 from collections.abc import Callable
@@ -116,7 +115,7 @@ class Staged:
 
 def stage_block(blocks: Path, data: bytes | bytearray) -> Staged:
     """Hash ``data``; unless the block exists, write it to a temp file and start its writeback."""
-    name = hashlib.sha256(data).hexdigest()
+    name = fmt.digest(data)
     if _existing(blocks / name, len(data)):
         return Staged(name, len(data), None)
     tmp = tmp_sibling(blocks / name)
@@ -158,7 +157,7 @@ def publish_block(blocks: Path, s: Staged) -> int:
 
 
 def put_block(blocks: Path, data: bytes | bytearray) -> tuple[str, int]:
-    """Store ``data`` under its sha256 unless present; returns (name, bytes written)."""
+    """Store ``data`` under its hash unless present; returns (name, bytes written)."""
     s = stage_block(blocks, data)
     sync_staged(s)
     return s.name, publish_block(blocks, s)
@@ -185,7 +184,7 @@ def write_blocks(
     temp files, start writeback) on worker threads; fdatasync every new temp file; link them to
     their names and fsync blocks/. Only then may a manifest reference them.
     """
-    header = dict(base, layout="blocks", layers=layer_entries(layers))
+    header = dict(base, layout="blocks", hash=fmt.HASH, layers=layer_entries(layers))
     p = choose_block_tokens(layers, block_bytes)
     order = [s.tensors[n] for s in layers for n in sorted(s.tensors)]
     geo = geometry(header, p)
@@ -207,7 +206,7 @@ def write_blocks(
     written = sum(publish_block(blocks, s) for s in staged)
     fsync_dir(blocks)
     header["block_tokens"] = p
-    header["blocks"] = [{"sha256": s.name, "nbytes": s.nbytes} for s in staged]
+    header["blocks"] = [{"hash": s.name, "nbytes": s.nbytes} for s in staged]
     return header, written
 
 
@@ -229,11 +228,11 @@ def check_manifest(h: dict[str, Any], *, what: str) -> Geometry:
     for j, b in enumerate(blocks):
         if not isinstance(b, dict):
             fmt._fail(what, f"block entry {j} is not an object")
-        check_name(b.get("sha256"), what=f"{what} block {j}")
+        check_name(b.get("hash"), what=f"{what} block {j}")
         if b.get("nbytes") != geo.block_nbytes(j):
             fmt._fail(
                 what,
-                f"block {j} ({b['sha256']}): nbytes={b.get('nbytes')} but the shapes give {geo.block_nbytes(j)}",
+                f"block {j} ({b['hash']}): nbytes={b.get('nbytes')} but the shapes give {geo.block_nbytes(j)}",
             )
     return geo
 
@@ -265,7 +264,7 @@ def read_block(blocks: Path, name: str, nbytes: int, *, verify: bool, what: str)
             pos += n
     finally:
         os.close(fd)
-    if verify and hashlib.sha256(buf).hexdigest() != name:
+    if verify and fmt.digest(buf) != name:
         raise fmt.CorruptError(f"{where} hash mismatch (corrupt content)")
     return buf
 
@@ -287,7 +286,7 @@ def read_blocks(
     def one(j: int) -> None:
         entry = header["blocks"][j]
         buf = np.frombuffer(
-            read_block(blocks, entry["sha256"], entry["nbytes"], verify=verify, what=what), np.uint8
+            read_block(blocks, entry["hash"], entry["nbytes"], verify=verify, what=what), np.uint8
         )
         pos, lo = 0, j * geo.block_tokens
         for name, rows, t, rb in geo.tensors:

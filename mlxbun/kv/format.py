@@ -17,9 +17,14 @@ The header (both layouts)::
      "tokens": [ids...], "tokens_sha256": <sha256 of the ids as u32 LE>,
      "layers": [{"class": "KVCache" | "RotatingKVCache" | "QuantizedKVCache" | "CacheList",
                  "meta": {...}, "tensors": {name: {"dtype", "shape": [B, H, T, W], ...}}}],
-     .kvs:  each tensor also has "offset" (from data_start), "nbytes", "sha256";
+     "hash": "blake3",
+     .kvs:  each tensor also has "offset" (from data_start), "nbytes", "hash";
             "data_start", "data_bytes"
-     .kvm:  "block_tokens": P, "blocks": [{"sha256", "nbytes"}]}
+     .kvm:  "block_tokens": P, "blocks": [{"hash", "nbytes"}]}
+
+Tensor data and blocks are hashed with BLAKE3-256 (64 lower-case hex digits, also the block file
+names): a cryptographic hash like sha256 but 4-5x faster here (1.2-1.6 GB/s vs 0.3-0.4 GB/s per
+core on the loaded 2-core machine), which is what lets a verified restore keep up with mlx-lm.
 
 :func:`check_header` validates every field (class allow-list, dtypes, shapes against the meta,
 offsets, sizes) before anything is allocated, so a lying header is refused, not trusted.
@@ -33,6 +38,7 @@ import re
 import struct
 from typing import Any
 
+import blake3
 import numpy as np
 
 from mlxbun.errors import DriftError, InputError
@@ -46,6 +52,7 @@ MAX_HEADER = 64 << 20
 MAX_TENSOR_BYTES = 1 << 40
 HEX64 = re.compile(r"[0-9a-f]{64}")
 LAYOUTS = ("snapshot", "blocks")
+HASH = "blake3"
 
 
 class CorruptError(DriftError):
@@ -58,6 +65,16 @@ class UnsupportedError(InputError):
 
 def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def new_hasher() -> Any:
+    """An incremental BLAKE3-256 hasher (releases the GIL on large updates)."""
+    return blake3.blake3()
+
+
+def digest(data: Any) -> str:
+    """BLAKE3-256 hex digest of a bytes-like object."""
+    return blake3.blake3(data).hexdigest()
 
 
 def tokens_sha256(tokens: list[int]) -> str:
@@ -74,7 +91,7 @@ def decode(raw_prefix: bytes, read_body: Any, *, what: str, file_size: int) -> d
     """Parse and hash-check a header; ``read_body(n)`` returns the next n bytes."""
     if len(raw_prefix) < PREFIX.size:
         raise CorruptError(f"{what}: truncated header ({len(raw_prefix)} of {PREFIX.size} prefix bytes)")
-    magic, version, _, n, digest = PREFIX.unpack(raw_prefix[: PREFIX.size])
+    magic, version, _, n, want = PREFIX.unpack(raw_prefix[: PREFIX.size])
     if magic != MAGIC:
         raise CorruptError(f"{what}: bad magic {magic!r}; not an mlxbun KV file")
     if version != VERSION:
@@ -84,7 +101,7 @@ def decode(raw_prefix: bytes, read_body: Any, *, what: str, file_size: int) -> d
     if n > MAX_HEADER or PREFIX.size + n > file_size:
         raise CorruptError(f"{what}: header length {n} exceeds the file ({file_size} bytes) or {MAX_HEADER}")
     body = read_body(n)
-    if len(body) != n or hashlib.sha256(body).digest() != digest:
+    if len(body) != n or hashlib.sha256(body).digest() != want:
         raise CorruptError(f"{what}: header hash mismatch (torn or modified header)")
     try:
         header = json.loads(body)
@@ -206,6 +223,8 @@ def check_layer(i: int, layer: Any, what: str) -> None:
 
 def check_header(h: dict[str, Any], *, what: str) -> None:
     """Validate a decoded header completely; raise CorruptError/UnsupportedError naming the field."""
+    if h.get("hash") != HASH:
+        raise UnsupportedError(f"{what}: hash {h.get('hash')!r} is not supported; this mlxbun reads {HASH}")
     if h.get("layout") not in LAYOUTS:
         _fail(what, f"layout {h.get('layout')!r} is not one of {', '.join(LAYOUTS)}")
     for k in ("model", "tokenizer", "tokens_sha256"):

@@ -9,7 +9,6 @@ allocating, then read and hash tensors on worker threads.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,7 +55,7 @@ def ctypes_off(n: int) -> Any:
 
 
 def _hash_tensor(t: Tensor) -> str:
-    h = hashlib.sha256()
+    h = fmt.new_hasher()
     for r in range(t.rows):
         h.update(t.row(r))
     return h.hexdigest()
@@ -75,13 +74,13 @@ def layer_entries(layers: list[LayerState]) -> list[dict[str, Any]]:
 
 def plan_header(layers: list[LayerState], base: dict[str, Any]) -> tuple[dict[str, Any], list[Tensor]]:
     """Header with offsets and placeholder hashes (hashes have fixed length, so its size is final)."""
-    header = dict(base, layout="snapshot", layers=layer_entries(layers))
+    header = dict(base, layout="snapshot", hash=fmt.HASH, layers=layer_entries(layers))
     order: list[Tensor] = []
     offset = end = 0
     for i, s in enumerate(layers):
         for n in sorted(s.tensors):
             t = s.tensors[n]
-            header["layers"][i]["tensors"][n].update(offset=offset, nbytes=t.nbytes, sha256=ZERO_HASH)
+            header["layers"][i]["tensors"][n].update(offset=offset, nbytes=t.nbytes, hash=ZERO_HASH)
             order.append(t)
             end = offset + t.nbytes
             offset = fmt.align(end)
@@ -105,7 +104,7 @@ def write_snapshot(
         path: final file name (``snapshots/<name>.kvs``).
         layers: from :func:`mlxbun.kv.state.cache_state`.
         base: header fields other than layout/layers (model, tokenizer, tokens, tokens_sha256).
-        threads: hashing threads (hashlib releases the GIL).
+        threads: hashing threads (BLAKE3 and file I/O release the GIL).
         on_bytes: called with the number of bytes written, for progress.
     """
     header, order = plan_header(layers, base)
@@ -125,7 +124,7 @@ def write_snapshot(
                 if on_bytes:
                     on_bytes(t.nbytes)
             for fut, (_, entry) in zip(hashes, fmt.tensors_of(header), strict=True):
-                entry["sha256"] = fut.result()
+                entry["hash"] = fut.result()
         os.ftruncate(fd, start + header["data_bytes"])
         head = fmt.encode(header)
         if len(head) > start:
@@ -164,8 +163,8 @@ def check_layout(h: dict[str, Any], size: int, *, what: str) -> None:
             )
         if off % fmt.ALIGN or off + nb > total:
             fmt._fail(what, f"tensor {name!r}: offset={off} is unaligned or runs past data_bytes={total}")
-        if not isinstance(t.get("sha256"), str) or not fmt.HEX64.fullmatch(t["sha256"]):
-            fmt._fail(what, f"tensor {name!r}: sha256 is not 64 hex digits")
+        if not isinstance(t.get("hash"), str) or not fmt.HEX64.fullmatch(t["hash"]):
+            fmt._fail(what, f"tensor {name!r}: hash is not 64 hex digits")
         spans.append((off, off + nb, name))
     spans.sort()
     for (_, end, a), (off, _, b) in zip(spans, spans[1:], strict=False):
@@ -192,7 +191,7 @@ def _read_one(
         if n == 0:
             fmt._fail(what, f"tensor {name!r} is truncated")
         view, pos = view[n:], pos + n
-    if verify and hashlib.sha256(buf).hexdigest() != t["sha256"]:
+    if verify and fmt.digest(buf) != t["hash"]:
         fmt._fail(what, f"tensor {name!r} hash mismatch (corrupt data)")
     return buf
 

@@ -6,7 +6,7 @@ Layout::
         .lock                  flock: savers and loaders hold it shared, GC holds it exclusive
         snapshots/<name>.kvs   single-file snapshot   (layout=snapshot, mlxbun.kv.snapshot)
         snapshots/<name>.kvm   block manifest         (layout=blocks,   mlxbun.kv.blocks)
-        blocks/<sha256>        content-addressed blocks, written once, shared by manifests
+        blocks/<blake3>        content-addressed blocks, written once, shared by manifests
         used/<name>            empty file; its mtime is the snapshot's last use (LRU for kv_gc)
 
 Hidden ``.*.tmp-*`` files are unfinished writes; nothing reads them and GC removes them. Last-use
@@ -96,7 +96,7 @@ class Store:
     Args:
         root: the store directory (``kv.store``).
         block_kib: target block size for the blocks layout.
-        threads: worker threads for hashing and block I/O (hashlib releases the GIL).
+        threads: worker threads for hashing and block I/O (BLAKE3 and file I/O release the GIL).
         lock_timeout: seconds to wait for the store lock before raising StoreBusy.
     """
 
@@ -305,7 +305,7 @@ class Store:
         used = self.used / name
         last = used.stat().st_mtime if used.exists() else path.stat().st_mtime
         data = sum(fmt.entry_nbytes(t) for _, t in fmt.tensors_of(h))
-        names = tuple(b["sha256"] for b in h.get("blocks", ()))
+        names = tuple(b["hash"] for b in h.get("blocks", ()))
         file_bytes = path.stat().st_size + sum(b["nbytes"] for b in h.get("blocks", ()))
         return SnapshotInfo(
             name,
@@ -425,7 +425,7 @@ class Store:
                 return path.stat().st_size
             blk.check_manifest(h, what=what)
             for b in h["blocks"]:
-                blk.read_block(self.blocks, b["sha256"], b["nbytes"], verify=True, what=what)
+                blk.read_block(self.blocks, b["hash"], b["nbytes"], verify=True, what=what)
             return sum(b["nbytes"] for b in h["blocks"]) + path.stat().st_size
 
     def scan_blocks_dir(self) -> list[str]:
