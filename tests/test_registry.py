@@ -630,7 +630,7 @@ def _insert_runs(args: tuple[str, int, int]) -> int:
 
 def test_parallel_processes_lose_no_run_records(dburl):
     n = 25
-    with mp.get_context("spawn").Pool(8) as pool:
+    with mp.get_context("fork").Pool(8) as pool:  # each worker opens its own connection
         assert sum(pool.map(_insert_runs, [(dburl, w, n) for w in range(8)])) == 8 * n
     registry.open_db(url=dburl)
     rows = registry.list_runs(limit=10_000)
