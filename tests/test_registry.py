@@ -731,3 +731,14 @@ def test_hostile_metadata_types_never_fail_a_scan(reg, hubtree):
     r = row(snap)
     assert r["num_layers"] is None and r["quant_mode"] is None and r["architectures"] is None
     assert row(good)["warning"] is None
+
+
+def test_hub_cache_dir_precedence(monkeypatch, tmp_path):
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.delenv("HF_HOME", raising=False)
+    assert hub.hub_cache_dir() == Path.home() / ".cache" / "huggingface" / "hub"
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "home"))
+    assert hub.hub_cache_dir() == tmp_path / "home" / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    assert hub.hub_cache_dir() == tmp_path / "cache"
+    assert hub.hub_cache_dir(tmp_path / "override") == tmp_path / "override"
