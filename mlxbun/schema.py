@@ -161,7 +161,8 @@ class QuantCfg:
 
 @dataclass
 class CalibCfg:
-    # A text or JSONL file; None uses the built-in varied calibration set.
+    # A text file (``### kind lang`` sections) or JSONL ({"text"} | {"messages"} | {"prompt",
+    # "completion"}); None uses the built-in varied set mlxbun/data/calibration.txt.
     path: str | None = None
     samples: int = 24
     seq_len: int = 512
@@ -175,21 +176,35 @@ class CalibCfg:
 @dataclass
 class SensitivityCfg:
     bits: list[int] = field(default_factory=lambda: [4, 8])
-    group_size: int = 64
+    # None: the mode's default (affine 64, mxfp4 32, nvfp4 16, mxfp8 32).
+    group_size: int | None = 64
     mode: str = "affine"
+    # fast: reuse block inputs, batch, float32 BLAS; reference: the seed's one-forward-per-sample.
     method: str = "fast"
     batch_size: int = 8
+    # Split the work over Hydra multirun jobs: sensitivity.shard=range(0,N) sensitivity.num_shards=N.
     shard: int = 0
     num_shards: int = 1
     calib: CalibCfg = field(default_factory=CalibCfg)
-    # For sensitivity_merge: the run directories (or sensitivity.json files) to combine.
+    # Keep reference log-probs (float64, samples x seq_len x vocab) when they fit this many MiB.
+    ref_cache_mb: float = 1024.0
+    # Root of the per-group checkpoints (a rerun resumes); None: <paths.cache>/sensitivity.
+    work_dir: str | None = None
+    # For sensitivity_merge: shard run dirs, sensitivity.json files, or a multirun sweep dir.
     inputs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         choose("sensitivity.mode", self.mode, QUANT_MODES)
         choose("sensitivity.method", self.method, ("fast", "reference"))
-        choose("sensitivity.group_size", self.group_size, GROUP_SIZES)
+        if self.group_size is not None:
+            choose("sensitivity.group_size", self.group_size, GROUP_SIZES)
+        if not self.bits:
+            raise InputError("sensitivity.bits=[] is empty; give at least one bit width, e.g. [4, 8]")
+        if self.mode == "affine":
+            for b in self.bits:
+                choose("sensitivity.bits", b, AFFINE_BITS)
         positive("sensitivity.batch_size", self.batch_size)
+        positive("sensitivity.ref_cache_mb", self.ref_cache_mb, allow_zero=True)
         positive("sensitivity.num_shards", self.num_shards)
         if not 0 <= self.shard < self.num_shards:
             raise InputError(

@@ -1,0 +1,306 @@
+"""Sensitivity: fast path == seed-faithful reference, shards + merge == one job, resume, quantized
+source, calibration determinism. Models: the trained fixture and a random tiny qwen3 (untied head)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlxbun import blas
+
+blas.load()
+
+import mlx.core as mx  # noqa: E402
+
+from mlxbun.errors import InputError  # noqa: E402
+from mlxbun.quant import calib as calib_mod  # noqa: E402
+from mlxbun.quant import sensitivity as sens  # noqa: E402
+from mlxbun.quant.sensitivity_merge import merge  # noqa: E402
+from mlxbun.quant.sensitivity_ref import reference_kl  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = REPO / "tests" / "fixtures" / "llama-text-3m"
+SMALL = {"samples": 4, "seq_len": 48, "seed": 0}
+CHEAP = {"samples": 3, "seq_len": 32, "bits": [4]}  # for shard/resume plumbing
+
+
+def tiny_qwen3(path: Path) -> Path:
+    """A random 3-block qwen3 (untied lm_head, q/k norms) with the fixture's tokenizer, bf16."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen3
+
+    config = {
+        "model_type": "qwen3", "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 2048,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "tie_word_embeddings": False,
+    }  # fmt: skip
+    mx.random.seed(3)
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(config))
+    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    path.mkdir(parents=True)
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(config))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURE / f, path / f)
+    return path
+
+
+def run_sens(model_dir: Path, out: Path, work: Path, **kw) -> dict:
+    args = {"bits": [4, 8], "batch_size": 3, "calib_path": None} | SMALL | kw
+    return sens.sensitivity(model_dir=model_dir, out_dir=out, work_dir=work, **args)
+
+
+def by_path(doc: dict) -> dict[str, dict[str, float]]:
+    return {row["path"]: row["kl"] for row in doc["layers"]}
+
+
+def assert_close(fast: dict, ref: dict, *, rtol: float = 1e-3) -> None:
+    assert fast.keys() == ref.keys()
+    for path in ref:
+        for bits, want in ref[path].items():
+            got = fast[path][bits]
+            assert abs(got - want) <= rtol * abs(want), (path, bits, got, want)
+
+
+# ------------------------------------------------------------------ calibration
+
+
+class FakeTok:
+    eos_token_id = 1
+    chat_template = None
+
+    def encode(self, text, add_special_tokens=False):
+        return [2 + (ord(c) % 50) for c in text]
+
+    def apply_chat_template(self, msgs, tokenize=False):
+        return "".join(f"<{m['role']}>{m['content']}</>" for m in msgs)
+
+
+def test_builtin_calibration_is_varied():
+    docs, source = calib_mod.read_documents(None)
+    kinds = {d.kind for d in docs}
+    assert {"prose", "code", "dialogue", "math"} <= kinds and source.startswith("builtin")
+    text = calib_mod.BUILTIN.read_text(encoding="utf-8")
+    langs = {line.split()[2] for line in text.splitlines() if line.startswith("### ")}
+    assert len(langs) >= 15 and 20_000 < len(text.encode()) < 200_000
+    assert all(d.messages for d in docs if d.kind == "dialogue")
+
+
+def test_calibration_is_deterministic_by_seed():
+    tok = FakeTok()
+    a = calib_mod.load_calibration(tokenizer=tok, samples=6, seq_len=100, seed=0)
+    b = calib_mod.load_calibration(tokenizer=tok, samples=6, seq_len=100, seed=0)
+    c = calib_mod.load_calibration(tokenizer=tok, samples=6, seq_len=100, seed=1)
+    assert a.tokens.shape == (6, 100) and a.tokens.dtype == np.int32
+    assert np.array_equal(a.tokens, b.tokens) and a.fingerprint == b.fingerprint
+    assert a.fingerprint != c.fingerprint
+    assert a.fingerprint == calib_mod.fingerprint(a.tokens.copy())
+
+
+def test_jsonl_chat_template_and_errors(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "yo"}]})
+        + "\n" + json.dumps({"text": "plain words " * 20}) + "\n"
+    )  # fmt: skip
+    tok = FakeTok()
+    tok.chat_template = "{{ messages }}"
+    docs, _ = calib_mod.read_documents(f)
+    ids, used = calib_mod.render(docs[0], tok)
+    assert used and ids == tok.encode("<user>hi there</><assistant>yo</>")
+    tok.chat_template = None
+    ids, used = calib_mod.render(docs[0], tok)
+    assert not used and ids == tok.encode("user: hi there\nassistant: yo\n")
+    cal = calib_mod.load_calibration(tokenizer=tok, path=f, samples=2, seq_len=50, seed=0)
+    assert cal.tokens.shape == (2, 50)
+    with pytest.raises(InputError, match="seq_len=100000"):
+        calib_mod.load_calibration(tokenizer=tok, path=f, samples=2, seq_len=100_000)
+    (tmp_path / "bad.jsonl").write_text('{"nope": 1}\n')
+    with pytest.raises(InputError, match="line 1"):
+        calib_mod.read_documents(tmp_path / "bad.jsonl")
+
+
+# ------------------------------------------------------------------ numerics
+
+
+def test_kl_rows_matches_float64_numpy():
+    rng = np.random.default_rng(0)
+    ref = rng.normal(size=(2, 5, 40)).astype(np.float32) * 3
+    cur = ref + rng.normal(size=ref.shape).astype(np.float32) * 0.01
+
+    def logp(z):
+        z = z.astype(np.float64)
+        return (
+            z - np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1, keepdims=True)) - z.max(-1, keepdims=True)
+        )
+
+    want = (np.exp(logp(ref)) * (logp(ref) - logp(cur))).sum(-1).mean(-1)
+    got = sens.kl_rows(sens.log_probs(mx.array(ref)), mx.array(cur))
+    np.testing.assert_allclose(got, want, rtol=1e-9)
+    assert np.all(sens.kl_rows(sens.log_probs(mx.array(ref)), mx.array(ref)) == 0)
+
+
+def test_fake_quant_equals_mx_quantize_roundtrip():
+    w = mx.random.normal((64, 128), key=mx.random.key(0))
+    cand = sens.Candidate(4, 64, "affine")
+    q = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
+    want = mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32)
+    assert mx.array_equal(sens.fake_quant(w, cand, dtype="bfloat16"), want)
+
+
+@pytest.mark.parametrize("which", ["fixture", "qwen3"])
+def test_fast_equals_reference(which, tmp_path):
+    model_dir = FIXTURE if which == "fixture" else tiny_qwen3(tmp_path / "qwen3")
+    doc = run_sens(model_dir, tmp_path / "out", tmp_path / "work")
+    s = sens.prepare(model_dir=model_dir, bits=[4, 8], group_size=64, mode="affine", calib_path=None,
+                     method="reference", batch_size=1, **SMALL)  # fmt: skip
+    # Every module of the first and last groups and one per middle group (the reference is slow).
+    last = max(t.group for t in s.targets)
+    some = [t for t in s.targets if t.group in (0, last) or t.path.endswith(("mlp.down_proj", "v_proj"))]
+    ref = reference_kl(s.model, s.tokens, some, s.cands)
+    assert_close({p: kl for p, kl in by_path(doc).items() if p in ref}, ref)
+    kl4 = [row["kl"]["4"] for row in doc["layers"]]
+    kl8 = [row["kl"]["8"] for row in doc["layers"]]
+    assert all(a > b > 0 for a, b in zip(kl4, kl8, strict=True))  # a real signal, not noise
+    if which == "qwen3":
+        assert doc["layers"][-1]["path"] == "lm_head" and doc["layers"][-1]["group"] == 3
+    assert max(kl4) / min(kl4) > 10  # layers differ: the fixture has structure
+
+
+def test_sharded_merged_equals_single_job(tmp_path):
+    single = run_sens(FIXTURE, tmp_path / "single", tmp_path / "w1", **CHEAP)
+    for i in range(2):
+        part = run_sens(FIXTURE, tmp_path / f"s{i}", tmp_path / "w2", shard=i, num_shards=2, **CHEAP)
+        assert part["shard"]["index"] == i and 0 < len(part["layers"]) < len(single["layers"])
+    with pytest.raises(InputError, match="cover"):
+        merge(inputs=[str(tmp_path / "s0")], out_dir=tmp_path / "bad")
+    merged, files, _ = merge(inputs=[str(tmp_path / "s1"), str(tmp_path / "s0")], out_dir=tmp_path / "m")
+    assert len(files) == 2
+    for name in ("sensitivity.json", "sensitivity.csv", "sensitivity.png"):
+        assert (tmp_path / "m" / name).read_bytes() == (tmp_path / "single" / name).read_bytes(), name
+
+
+def test_resume_after_interrupt(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        run_sens(FIXTURE, tmp_path / "a", tmp_path / "w", stop_after_groups=2, **CHEAP)
+    assert not (tmp_path / "a" / "sensitivity.json").exists()
+    resumed = run_sens(FIXTURE, tmp_path / "a", tmp_path / "w", **CHEAP)
+    n_groups = resumed["model"]["num_layers"]  # tied head: groups 0..L-1
+    assert resumed["_stats"]["groups_resumed"] == 2 and resumed["_stats"]["groups_computed"] == n_groups - 2
+    run_sens(FIXTURE, tmp_path / "b", tmp_path / "w-fresh", **CHEAP)
+    assert (tmp_path / "a" / "sensitivity.json").read_bytes() == (
+        tmp_path / "b" / "sensitivity.json"
+    ).read_bytes()
+    again = run_sens(FIXTURE, tmp_path / "c", tmp_path / "w", **CHEAP)
+    assert again["_stats"]["groups_computed"] == 0
+
+
+def test_quantized_source(tmp_path):
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load, quantize_model, save_config
+
+    model, _ = load(str(FIXTURE))
+    config = json.loads((FIXTURE / "config.json").read_text())
+    model, qconfig = quantize_model(model, config, group_size=64, bits=4)
+    qdir = tmp_path / "q4"
+    qdir.mkdir()
+    mx.save_safetensors(
+        str(qdir / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
+    )
+    save_config(qconfig, qdir / "config.json")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(FIXTURE / f, qdir / f)
+    doc = run_sens(qdir, tmp_path / "out", tmp_path / "w", bits=[3, 4, 8], samples=3, seq_len=32)
+    assert doc["model"]["quantized"]
+    assert all(row["kl"]["4"] == 0.0 and row["current"]["bits"] == 4 for row in doc["layers"])
+    assert all(row["kl"]["3"] > 0 and row["kl"]["8"] > 0 for row in doc["layers"])
+    s = sens.prepare(model_dir=qdir, bits=[3, 4, 8], group_size=64, mode="affine", calib_path=None,
+                     method="reference", batch_size=1, samples=3, seq_len=32, seed=0)  # fmt: skip
+    some = [t for t in s.targets if t.path.endswith(("embed_tokens", "layers.1.mlp.down_proj"))]
+    assert_close(
+        {p: by_path(doc)[p] for p in (t.path for t in some)}, reference_kl(s.model, s.tokens, some, s.cands)
+    )
+
+
+def test_reports_and_bad_input(tmp_path):
+    doc = run_sens(FIXTURE, tmp_path / "out", tmp_path / "w", samples=2, seq_len=32, bits=[8])
+    csv_lines = (tmp_path / "out" / "sensitivity.csv").read_text().splitlines()
+    assert csv_lines[0].startswith("path,group") and len(csv_lines) == 1 + len(doc["layers"])
+    assert (tmp_path / "out" / "sensitivity.png").read_bytes()[:4] == b"\x89PNG"
+    on_disk = json.loads((tmp_path / "out" / "sensitivity.json").read_text())
+    assert (
+        on_disk["version"] == 1 and on_disk["calibration"]["fingerprint"] and on_disk["model"]["fingerprint"]
+    )
+    assert (
+        on_disk["layers"][0]["params"]
+        == on_disk["layers"][0]["in_features"] * on_disk["layers"][0]["out_features"]
+    )
+    with pytest.raises(InputError, match="sensitivity.bits"):
+        run_sens(FIXTURE, tmp_path / "x", tmp_path / "w", bits=[7])
+    assert not (tmp_path / "x").exists()
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def test_cli_run_and_merge(tmp_path):
+    from cli_util import run_cli
+
+    args = [
+        f"model.name={FIXTURE}",
+        "sensitivity.bits=[8]",
+        "sensitivity.calib.samples=2",
+        "sensitivity.calib.seq_len=32",
+    ]
+    proc = run_cli("command=sensitivity", *args, tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    run = sorted((tmp_path / "outputs" / "sensitivity").glob("*/sensitivity.json"))[-1].parent
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert (
+        manifest["status"] == "ok" and {"sensitivity.json", "sensitivity.png"} <= manifest["outputs"].keys()
+    )
+    assert manifest["blas"]["loaded"] == (manifest["blas"]["library"] is not None)
+    proc = run_cli("command=sensitivity_merge", f"sensitivity.inputs=[{run}]", tmp=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    out = sorted((tmp_path / "outputs" / "sensitivity_merge").glob("*/sensitivity.json"))[-1]
+    assert out.read_bytes() == (run / "sensitivity.json").read_bytes()
+    bad = run_cli(
+        "command=sensitivity",
+        f"model.name={FIXTURE}",
+        "sensitivity.shard=2",
+        "sensitivity.num_shards=2",
+        tmp=tmp_path,
+    )
+    assert bad.returncode == 2 and "sensitivity.shard=2" in bad.stderr
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from cli_util import REPO as ROOT
+    from cli_util import isolated_args
+
+    args = ["command=sensitivity", f"model.name={FIXTURE}", "sensitivity.bits=[3,4,8]", "sensitivity.batch_size=2",
+            "sensitivity.calib.samples=8", "sensitivity.calib.seq_len=128", *isolated_args(tmp_path)]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "mlxbun", *args], cwd=ROOT, stderr=subprocess.PIPE)
+    groups = tmp_path / "cache" / "sensitivity"
+    deadline = time.monotonic() + 300
+    while not list(groups.glob("*/groups/*.json")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = len(list(groups.glob("*/groups/*.json")))
+    assert 1 <= done < 4, "kill landed after the run finished; make the run longer"
+    again = subprocess.run([sys.executable, "-m", "mlxbun", *args], cwd=ROOT, capture_output=True, text=True)
+    assert again.returncode == 0, again.stderr
+    assert f"({done} groups resumed)" in again.stdout
