@@ -44,13 +44,13 @@ NOT_WEIGHTS = {VISION_SIDECAR, "adapters.safetensors"}
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is hostile, not a model
 HEADER_GUESS = 64 << 10
 README_HEAD = 64 << 10
-EXPERT_MARKS = (".experts.", ".switch_mlp.")
 VISION_PREFIXES = ("vision_tower.", "vision_model.", "visual.", "model.vision_tower.", "model.visual.")
 # Speculative-decoding drafters: matched as whole tokens of model_type / architectures / repo name.
 DRAFTER_TOKENS = {"drafter", "draft", "eagle", "eagle3", "medusa", "mtp", "dflash"}
 DRAFTER_CONFIG_KEYS = ("medusa_num_heads", "medusa_num_layers")
 DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 LICENSE_RE = re.compile(r"^license:[ \t]*(?:[\"']?([^\"'#\n]+?)[\"']?)?[ \t]*(?:#.*)?$", re.M)
+DRAFTER_HINT_RE = re.compile(r"draft|eagle|medusa|mtp|dflash", re.I)
 NON_WORD_RE = re.compile(r"[^a-z0-9]+")
 CAMEL_RE = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
 LIST_ITEM_RE = re.compile(r"\A\s*-\s*[\"']?([^\"'#\n]+?)[\"']?\s*$", re.M)
@@ -337,12 +337,12 @@ def _int(v: Any) -> int | None:
 def config_fields(config: dict[str, Any]) -> dict[str, Any]:
     """Dims, quantization, experts and KV-cache shape from config.json (``text_config`` first)."""
     tc = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    merged = {**config, **{k: v for k, v in tc.items() if v is not None}}
 
     def get(*keys: str) -> Any:
         for k in keys:
-            for src in (tc, config):
-                if src.get(k) is not None:
-                    return src[k]
+            if merged.get(k) is not None:
+                return merged[k]
         return None
 
     layers = _int(get("num_hidden_layers", "n_layer", "num_layers", "n_layers"))
@@ -430,7 +430,7 @@ def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: li
             continue
         try:
             experts, n, vis = _header_stats(header, bits)
-        except (TypeError, ValueError) as e:  # shapes or offsets that are not numbers
+        except (TypeError, ValueError, KeyError, IndexError) as e:  # shapes or offsets that are not numbers
             warnings.append(f"{name}: malformed header entry ({str(e)[:80]})")
             continue
         out["expert_bytes"] += experts
@@ -444,32 +444,32 @@ def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: li
 
 
 def _header_stats(header: dict[str, Any], bits: int | None) -> tuple[int, int, bool]:
-    """(expert-tensor bytes, logical parameter count, has vision tensors) of one shard header."""
+    """(expert-tensor bytes, logical parameter count, has vision tensors) of one shard header.
+
+    Quantized modules (a ``.scales`` sibling) count their packed uint32 weight as 32/bits
+    values each and their scales and biases as nothing.
+    """
+    quantized = {n[:-7] for n in header if n.endswith(".scales")}
     experts = params = 0
     vision = False
     for name, info in header.items():
         if name == "__metadata__" or not isinstance(info, dict):
             continue
-        start, end = (info.get("data_offsets") or (0, 0))[:2]
-        if any(m in name for m in EXPERT_MARKS):
-            experts += end - start
+        if ".experts." in name or ".switch_mlp." in name:
+            start, end = info["data_offsets"][:2]
+            experts += int(end) - int(start)
         vision = vision or name.startswith(VISION_PREFIXES)
-        params += _logical_params(name, info, header, bits)
+        n = 1
+        for d in info.get("shape") or ():
+            n *= int(d)
+        stem, _, leaf = name.rpartition(".")
+        if stem in quantized:
+            if leaf in ("scales", "biases"):
+                continue
+            if leaf == "weight" and info.get("dtype") == "U32" and bits:
+                n = n * 32 // bits
+        params += n
     return experts, params, vision
-
-
-def _logical_params(name: str, info: dict[str, Any], header: dict[str, Any], bits: int | None) -> int:
-    """Elements of a tensor, unpacking quantized uint32 weights; scales and biases of those count 0."""
-    n = 1
-    for d in info.get("shape") or ():
-        n *= int(d)
-    stem, _, leaf = name.rpartition(".")
-    quantized = f"{stem}.scales" in header
-    if quantized and leaf in ("scales", "biases"):
-        return 0
-    if quantized and leaf == "weight" and info.get("dtype") == "U32" and bits:
-        return n * 32 // bits
-    return n
 
 
 def _has_tools(path: str, by_name: dict[str, FileStat], warnings: list[str]) -> bool:
@@ -522,6 +522,9 @@ def is_drafter(config: dict[str, Any], repo_id: str | None) -> bool:
     """A speculative-decoding drafter (EAGLE, Medusa, MTP-only, "drafter"/"draft" model types)."""
     if any(k in config for k in DRAFTER_CONFIG_KEYS):
         return True
+    if not DRAFTER_HINT_RE.search(f"{config.get('model_type')} {config.get('architectures')} "
+                                  f"{config.get('text_config')} {repo_id}"):  # fmt: skip
+        return False  # the common case, without tokenizing anything
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
     words = _tokens(str(config.get("model_type") or ""))
     tc = config.get("text_config")
