@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -79,18 +80,33 @@ def check_name(name: str, *, what: str) -> str:
 # ---------------------------------------------------------------- write
 
 
-def _block_bytes(j: int, order: list[state.Tensor], geo: Geometry) -> bytearray:
-    """Block j: tokens [j*P, (j+1)*P) of every row, tensor after tensor, gathered by numpy."""
-    buf = bytearray(geo.block_nbytes(j))
-    dst, pos, lo = np.frombuffer(buf, np.uint8), 0, j * geo.block_tokens
+_SCRATCH = threading.local()
+
+
+def scratch(nbytes: int) -> bytearray:
+    """A per-thread reusable buffer: fresh 1 MiB allocations cost more than the copies here."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _SCRATCH.buf = bytearray(nbytes)
+    return buf
+
+
+def _block_bytes(j: int, order: list[state.Tensor], geo: Geometry) -> memoryview:
+    """Block j: tokens [j*P, (j+1)*P) of every row, tensor after tensor, gathered by numpy.
+
+    The view is of a per-thread scratch buffer, valid until this thread's next call.
+    """
+    nbytes = geo.block_nbytes(j)
+    dst, pos, lo = np.frombuffer(scratch(nbytes), np.uint8, count=nbytes), 0, j * geo.block_tokens
     for t in order:
         n = geo.span(j, t.shape[2])
         size = t.rows * n * t.row_token_bytes
         if size:
             b, h, _, w = t.shape
-            dst[pos : pos + size].view(t.buf.dtype).reshape(b, h, n, w)[...] = t.buf[:, :, lo : lo + n, :]
+            src = t.buf.view(np.uint8).reshape(b, h, t.buf.shape[2], -1)
+            dst[pos : pos + size].reshape(b, h, n, w * t.buf.itemsize)[...] = src[:, :, lo : lo + n, :]
         pos += size
-    return buf
+    return memoryview(dst)
 
 
 def _existing(path: Path, nbytes: int) -> bool:
@@ -237,8 +253,11 @@ def check_manifest(h: dict[str, Any], *, what: str) -> Geometry:
     return geo
 
 
-def read_block(blocks: Path, name: str, nbytes: int, *, verify: bool, what: str) -> bytearray:
-    """Read one block refusing symlinks, wrong sizes and (when verifying) wrong content."""
+def read_block(blocks: Path, name: str, nbytes: int, *, verify: bool, what: str) -> memoryview:
+    """Read one block refusing symlinks, wrong sizes and (when verifying) wrong content.
+
+    Returns a view of this thread's scratch buffer, valid until its next read.
+    """
     where = f"{what}: block {name}"
     try:
         fd = os.open(blocks / check_name(name, what=what), os.O_RDONLY | os.O_NOFOLLOW)
@@ -255,8 +274,8 @@ def read_block(blocks: Path, name: str, nbytes: int, *, verify: bool, what: str)
         if st.st_size != nbytes:
             kind = "truncated" if st.st_size < nbytes else "extended"
             raise fmt.CorruptError(f"{where} is {kind}: {st.st_size} bytes, expected {nbytes}")
-        buf = bytearray(nbytes)
-        view, pos = memoryview(buf), 0
+        buf = memoryview(scratch(nbytes))[:nbytes]
+        view, pos = buf, 0
         while pos < nbytes:
             n = os.preadv(fd, [view[pos:]], pos)
             if n == 0:
