@@ -21,7 +21,7 @@ import platform
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -146,7 +146,6 @@ class ModelRecord(BaseModel):
 
 
 MODELS: list[type[BaseModel]] = [SchemaVersion, RunRecord, ModelRecord]
-INFO_FIELDS = [f.name for f in fields(hub.ModelInfo) if f.name != "warnings"]
 
 
 def _iso(t: datetime | None) -> str | None:
@@ -414,12 +413,13 @@ class Known(NamedTuple):
 
 
 def _row(c: Candidate, info: hub.ModelInfo, fp: str, now: datetime, old: Known | None) -> dict[str, Any]:
-    row = {k: getattr(info, k) for k in INFO_FIELDS}
+    row = dict(vars(info))
+    del row["warnings"]
     row.update(
         source=c.source, root=c.root, name=c.name, repo_id=c.repo_id, revision=c.revision,
         total_bytes=info.weight_bytes + info.vision_bytes, warning="; ".join(info.warnings) or None,
     )  # fmt: skip
-    digest = hashlib.sha1("\x1f".join(f"{k}={row[k]}" for k in sorted(row)).encode()).hexdigest()
+    digest = hashlib.sha1(repr(list(row.items())).encode()).hexdigest()  # key order is fixed by code
     unchanged = old is not None and old.digest == digest
     row.update(path=c.path, refs=c.refs, fingerprint=fp, digest=digest)
     row["scanned_at"] = old.scanned_at if unchanged else now
@@ -518,7 +518,7 @@ def _known(roots: list[str], cands: list[Candidate]) -> dict[str, Known]:
     M = ModelRecord
     q = M.select(M.path, M.fingerprint, M.refs, M.root, M.digest, M.scanned_at)
     out = {r[0]: Known(*r[1:]) for r in q.where(M.root.in_(roots)).tuples()}
-    extra = [c.path for c in cands if c.path not in out]
+    extra = [c.path for c in cands if c.root not in roots and c.path not in out]  # registered dirs
     for chunk in pw.chunked(extra, 500):
         out.update({r[0]: Known(*r[1:]) for r in q.where(M.path.in_(chunk)).tuples()})
     return out
