@@ -65,8 +65,8 @@ COPY_PATTERNS = (
 )
 # Plain Linear/Embedding weights larger than this are read and quantized in row blocks of
 # CHUNK_BYTES (quantization groups never cross a row, so the bytes are the same).
-BIG_TENSOR = 256 << 20
-CHUNK_BYTES = 64 << 20
+BIG_TENSOR = 128 << 20
+CHUNK_BYTES = 32 << 20
 _build_lock = threading.Lock()  # to_quantized draws from MLX's global PRNG: build graphs one at a time
 
 
@@ -211,20 +211,31 @@ class Converter:
         return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
 
     def quantize_rows(self, unit: Unit) -> dict[str, Any]:
-        """mx.quantize of a big weight, block of rows by block of rows, concatenated."""
+        """mx.quantize of a big weight, block of rows by block of rows.
+
+        The packed weight (the bulk) is assembled in one preallocated uint32 numpy array, so
+        memory holds the output once, not parts plus their concatenation.
+        """
         import mlx.core as mx
+        import numpy as np
 
         name, q = f"{unit.path}.weight", unit.quant
         rows, width = self.sk.weights.pop(name).shape
         step = max(1, CHUNK_BYTES // max(1, width * 4))
-        parts: list[list[Any]] = []
+        packed: Any = None
+        small: list[list[Any]] = []
         for r0 in range(0, rows, step):
-            chunk = self.cast(name, self.read_rows(name, r0, min(rows, r0 + step)))
-            out = mx.quantize(chunk, q["group_size"], q["bits"], mode=q.get("mode", "affine"))
-            mx.eval(out)
-            parts.append(list(out))
-        keys = ("weight", "scales", "biases")[: len(parts[0])]
-        result = {f"{unit.path}.{k}": mx.concatenate([p[i] for p in parts]) for i, k in enumerate(keys)}
+            r1 = min(rows, r0 + step)
+            chunk = self.cast(name, self.read_rows(name, r0, r1))
+            w, *rest = mx.quantize(chunk, q["group_size"], q["bits"], mode=q.get("mode", "affine"))
+            mx.eval(w, *rest)
+            if packed is None:
+                packed = np.empty((rows, w.shape[1]), dtype=np.uint32)
+            packed[r0:r1] = np.asarray(w)
+            small.append(rest)
+        keys = ("scales", "biases")[: len(small[0])]
+        result = {f"{unit.path}.{k}": mx.concatenate([p[i] for p in small]) for i, k in enumerate(keys)}
+        result[name] = packed
         for n in unit.inputs:
             if n != name:
                 result[n] = self.cast(n, self.read(n))
@@ -253,7 +264,7 @@ class Converter:
     def finish(self, unit: Unit, out: dict[str, Any]) -> list[tuple[str, Any]]:
         import mlx.core as mx
 
-        mx.eval(list(out.values()))
+        mx.eval([v for v in out.values() if isinstance(v, mx.array)])
         if set(out) != set(unit.outputs):
             raise RuntimeError(f"{unit.path}: produced {sorted(out)}, expected {sorted(unit.outputs)}")
         return [(n, out[n]) for n in unit.outputs]
@@ -457,7 +468,7 @@ def _convert(
     if state == "complete":
         src_bytes = sum(v.nbytes for v in sk.weights.values())
         return src_bytes, sum(p.stat().st_size for p in partial.glob("model*.safetensors"))
-    previous = mx.set_cache_limit(256 << 20)  # freed buffers go back to the OS, not a cache
+    previous = mx.set_cache_limit(128 << 20)  # freed buffers go back to the OS, not a cache
     try:
         sizes = _write_shards(sk, src, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads)
     finally:
