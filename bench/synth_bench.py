@@ -1,7 +1,7 @@
 """Synthetic checkpoint writing: mlxbun synth vs raw write+fsync of the same bytes, and peak RSS.
 
 Run: .venv/bin/python bench/synth_bench.py [--arch gemma3_text --preset 1b] [--big-preset 4b]
-         [--shard-mib 512] [--rounds 2] [--out bench/results/synth.md]
+         [--shard-mib 512] [--rounds 2] [--gemma27-layers 3] [--out bench/results/synth.md]
 
 Each task runs in a fresh child process (peak RSS from wait4) in a temp dir on the work disk:
   synth        - ``mlxbun.synth.synthesize`` of the model (~2 GB bf16 for gemma3_text 1b), shards
@@ -10,7 +10,9 @@ Each task runs in a fresh child process (peak RSS from wait4) in a temp dir on t
                  bytes prepared before the clock starts): the disk's ceiling.
   mlx-lm       - the usual way to make a random model with mlx-lm: its own model class built
                  from the same config.json (random init), cast to bf16, ``save_model`` (+ fsync).
-  synth (big)  - the same synth for ``--big-preset`` (llama): peak RSS should not grow with size.
+  synth (big)  - the same synth for ``--big-preset`` (llama): peak RSS should not grow with size;
+                 with ``--gemma27-layers N`` also Gemma 3 27B's tensors (N of its 62 layers, its
+                 2.8 GB embedding) in mlx-lm's 5 GiB shards.
 Plus in-process generator rates (table lookup vs numpy normal + bf16 cast vs mx.random.normal).
 Medians of ``--rounds`` rounds. The 2-core machine is shared: numbers are noisy.
 """
@@ -37,11 +39,12 @@ MIB = 1 << 20
 # ---------------------------------------------------------------- child tasks (fresh process)
 
 
-def task_synth(out: Path, arch: str, preset: str, shard_bytes: int, overlap: bool) -> float:
+def task_synth(out: Path, arch: str, preset: str, shard_bytes: int, overlap: bool, layers: int = 0) -> float:
     from mlxbun import synth
 
     start = time.perf_counter()
-    synth.synthesize(out, arch=arch, preset=preset, shard_bytes=shard_bytes, overlap=overlap)
+    dims = {"num_layers": layers} if layers else {}
+    synth.synthesize(out, arch=arch, preset=preset, shard_bytes=shard_bytes, overlap=overlap, **dims)
     return time.perf_counter() - start
 
 
@@ -81,7 +84,7 @@ def task_mlx_lm(out: Path, config_path: Path) -> float:
 def child(argv: list[str]) -> None:
     task, out, *args = argv
     if task == "synth":
-        seconds = task_synth(Path(out), args[0], args[1], int(args[2]), args[3] == "1")
+        seconds = task_synth(Path(out), args[0], args[1], int(args[2]), args[3] == "1", int(args[4]))
     elif task == "raw":
         seconds = task_raw(Path(out), [int(s) for s in args])
     else:
@@ -143,22 +146,29 @@ def shard_sizes(model: Path) -> list[int]:
 def bench(args: argparse.Namespace, tmp: Path) -> dict:
     shard_bytes = args.shard_mib * MIB
     ref = tmp / "reference"
-    run_child("synth", str(ref), args.arch, args.preset, str(shard_bytes), "0")
+    run_child("synth", str(ref), args.arch, args.preset, str(shard_bytes), "0", "0")
     sizes, total = shard_sizes(ref), sum(shard_sizes(ref))
     print(f"model: {total / 1e9:.2f} GB in {len(sizes)} shards", flush=True)
     r = {"total": total, "shards": len(sizes)}
     r["raw"] = rounds_of(args.rounds, tmp / "raw", "raw", *map(str, sizes))
     for overlap in ("0", "1"):
         r[f"synth{overlap}"] = rounds_of(
-            args.rounds, tmp / "s", "synth", args.arch, args.preset, str(shard_bytes), overlap
+            args.rounds, tmp / "s", "synth", args.arch, args.preset, str(shard_bytes), overlap, "0"
         )
     r["mlx_lm"] = rounds_of(args.rounds, tmp / "m", "mlx_lm", str(ref / "config.json"))
     shutil.rmtree(ref)
     print("small model done", flush=True)
     big = tmp / "big"
-    r["big"] = run_child("synth", str(big), "llama", args.big_preset, str(shard_bytes), "0")
+    r["big"] = run_child("synth", str(big), "llama", args.big_preset, str(shard_bytes), "0", "0")
     r["big_total"] = sum(shard_sizes(big))
     shutil.rmtree(big)
+    if args.gemma27_layers:  # Gemma 3 27B tensor shapes, fewer layers, mlx-lm's 5 GiB shards
+        g27 = tmp / "g27"
+        r["g27"] = run_child(
+            "synth", str(g27), "gemma3_text", "27b", str(5 << 30), "0", str(args.gemma27_layers)
+        )
+        r["g27_total"] = sum(shard_sizes(g27))
+        shutil.rmtree(g27)
     r["rates"] = generator_rates()
     return r
 
@@ -207,6 +217,15 @@ def report(args: argparse.Namespace, r: dict) -> str:
         f" {largest_tensor(args.arch, args.preset) / MIB:,.0f} MiB |",
         f"| llama {args.big_preset} | {r['big_total'] / 1e9:.2f} GB | {big_secs:.1f} | {big_rss / MIB:,.0f} MiB |"
         f" {largest_tensor('llama', args.big_preset) / MIB:,.0f} MiB |",
+    ]
+    if "g27" in r:
+        g27_secs, g27_rss = r["g27"]
+        lines.append(
+            f"| gemma3_text 27b shapes, {args.gemma27_layers} of 62 layers, 5 GiB shards |"
+            f" {r['g27_total'] / 1e9:.2f} GB | {g27_secs:.1f} | {g27_rss / MIB:,.0f} MiB |"
+            f" {largest_tensor('gemma3_text', '27b') / MIB:,.0f} MiB |"
+        )
+    lines += [
         "",
         "## Generator rates (million bf16 values per second, in process)",
         "",
@@ -227,6 +246,7 @@ def main() -> None:
     ap.add_argument("--big-preset", default="4b")
     ap.add_argument("--shard-mib", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--gemma27-layers", type=int, default=0, help="also synth Gemma 3 27B shapes, N layers")
     ap.add_argument("--dir", default=str(REPO))
     ap.add_argument("--out", default=str(REPO / "bench/results/synth.md"))
     args = ap.parse_args()
