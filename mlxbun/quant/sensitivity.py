@@ -50,6 +50,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, dumps_json
 
@@ -315,11 +317,36 @@ def kl_rows(ref_logp: Any, logits: Any) -> Any:
     return (np.exp(ref_logp) * (ref_logp - cur)).sum(axis=-1).mean(axis=-1)
 
 
+def ref_stats(logits: Any) -> tuple[Any, Any]:
+    """(p_ref, sum_v p_ref log p_ref) of float32 logits, float64 numpy: what every probe reuses."""
+    logp = log_probs(logits)
+    p = np.exp(logp)
+    return p, (p * logp).sum(axis=-1)
+
+
+def kl_from_stats(stats: tuple[Any, Any], logits: Any) -> Any:
+    """Per-sample KL(ref || cur), mean over tokens, as sum p log p - sum p z_cur + logsumexp(z_cur).
+
+    The same quantity as :func:`kl_rows` with one exp per element instead of two (float64).
+    """
+    import mlx.core as mx
+
+    p, neg_entropy = stats
+    z = np.array(logits.astype(mx.float32), dtype=np.float64)
+    top = z.max(axis=-1)
+    lse = top + np.log(np.exp(z - top[..., None]).sum(axis=-1))
+    return (neg_entropy - np.einsum("btv,btv->bt", p, z) + lse).mean(axis=-1)
+
+
 # ---------------------------------------------------------------- fast sweep
 
 
 class Sweep:
-    """The fast exact sweep over groups; results go to ``on_group(group, {path: {bits: kl}})``."""
+    """The fast exact sweep over groups; results go to ``on_group(group, {path: {bits: kl}})``.
+
+    Probe forwards are built lazily and queued with ``mx.async_eval`` one ahead, so MLX computes
+    the next probe while numpy scores the previous one (KL in float64 runs on the CPU too).
+    """
 
     def __init__(self, model: Any, tokens: Any, *, batch_size: int, ref_cache_mb: float = 1024) -> None:
         import mlx.core as mx
@@ -340,18 +367,15 @@ class Sweep:
         mx.eval(x)
         return x
 
-    def ref_logp(self, j: int) -> Any:
-        """Reference log-probs of batch j; call with the model unperturbed."""
-        if self._ref is not None:
-            return self._ref[j]
-        h = self.h_last[j]
-        return log_probs(self.stack.forward(self.batches[j], start=self.stack.n, h=h))
+    def ref_logits(self, j: int) -> Any:
+        """Reference logits of batch j (lazy; built with the weights in place now)."""
+        return self.stack.forward(self.batches[j], start=self.stack.n, h=self.h_last[j])
 
     def cache_refs(self) -> None:
-        """Keep every batch's reference log-probs when they fit ``ref_cache_mb``."""
-        first = self.ref_logp(0)
-        if first.nbytes * len(self.batches) <= self.ref_cache_mb * (1 << 20):
-            self._ref = [first] + [self.ref_logp(k) for k in range(1, len(self.batches))]
+        """Keep every batch's reference statistics when they fit ``ref_cache_mb``."""
+        first = ref_stats(self.ref_logits(0))
+        if first[0].nbytes * len(self.batches) <= self.ref_cache_mb * (1 << 20):
+            self._ref = [first] + [ref_stats(self.ref_logits(k)) for k in range(1, len(self.batches))]
 
     def advance(self, hs: list | None, frm: int, to: int) -> list | None:
         """Hidden states entering block ``to`` from those entering block ``frm`` (None = tokens)."""
@@ -366,40 +390,67 @@ class Sweep:
             for j, b in enumerate(self.batches)
         ]
 
-    def probe(self, target: Target, cand: Candidate, hs: list | None) -> float:
-        """Mean KL over samples with ``target`` fake-quantized to ``cand``; the weight is restored."""
+    def probe_graphs(self, g: int, target: Target, cand: Candidate, hs: list | None):
+        """Lazy (logits, ref logits or None) per batch with ``target`` fake-quantized; weight restored."""
+        import mlx.core as mx
 
         mod = module_at(self.model, target.path)
         original = mod.weight
-        quantized = self._eval(fake_quant(original, cand, dtype=target.dtype))
-        total = 0.0
-        try:
-            for j, b in enumerate(self.batches):
-                ref = self.ref_logp(j)  # before the swap: uncached refs need the original weight
-                mod.weight = quantized
-                h = None if hs is None else hs[j]
-                kl = kl_rows(ref, self.stack.forward(b, start=target.group, h=h))
-                total += sum(kl.tolist())  # per sample, in order, as the reference sums
+        quantized = fake_quant(original, cand, dtype=target.dtype)
+        for j, b in enumerate(self.batches):
+            ref = None if self._ref is not None else self.ref_logits(j)
+            mod.weight = quantized  # the graph keeps this array; swapping back does not change it
+            try:
+                logits = self.stack.forward(b, start=g, h=None if hs is None else hs[j])
+            finally:
                 mod.weight = original
-        finally:
-            mod.weight = original
-        return total / self.n_samples
+            mx.async_eval(logits if ref is None else [logits, ref])
+            yield j, logits, ref
+
+    def jobs(self, groups: dict[int, list[Target]], cands: list[Candidate]):
+        """Every probe in order, then ("done", g) after the last probe of group g."""
+        hs, at = None, 0
+        for g in sorted(groups):
+            hs, at = self.advance(hs, at, g), g
+            for t in groups[g]:
+                for c in cands:
+                    if c.same(t.current):
+                        yield "zero", g, t, c, None
+                        continue
+                    for job in self.probe_graphs(g, t, c, hs):
+                        yield "probe", g, t, c, job
+            yield "done", g, None, None, None
 
     def run(
         self, groups: dict[int, list[Target]], cands: list[Candidate], *, on_group, progress=None
     ) -> None:
         self.cache_refs()
-        hs, at = None, 0
-        for g in sorted(groups):
-            hs, at = self.advance(hs, at, g), g
-            results = {}
-            for t in groups[g]:
-                results[t.path] = {
-                    str(c.bits): 0.0 if c.same(t.current) else self.probe(t, c, hs) for c in cands
-                }
-                if progress is not None:
-                    progress.update(1)
+        totals: dict[int, dict[str, dict[str, float]]] = {}
+        pending = None
+        for job in self.jobs(groups, cands):
+            if pending is not None:
+                self._consume(pending, totals, groups, on_group, progress)
+            pending = job  # the job just queued computes while the previous one is scored
+        if pending is not None:
+            self._consume(pending, totals, groups, on_group, progress)
+
+    def _consume(self, job: tuple, totals: dict, groups: dict, on_group, progress) -> None:
+        kind, g, t, c, payload = job
+        if kind == "done":
+            results = {
+                p: {b: v / self.n_samples for b, v in kl.items()} for p, kl in totals.pop(g, {}).items()
+            }
             on_group(g, results)
+            if progress is not None:
+                progress.update(len(groups[g]))
+            return
+        acc = totals.setdefault(g, {}).setdefault(t.path, {})
+        acc.setdefault(str(c.bits), 0.0)
+        if kind == "probe":
+            j, logits, ref = payload
+            stats = self._ref[j] if ref is None else ref_stats(ref)
+            for v in kl_from_stats(stats, logits).tolist():  # sample order, as the reference sums
+                acc[str(c.bits)] += v
 
 
 # ---------------------------------------------------------------- sharding and checkpoints
