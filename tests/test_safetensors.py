@@ -407,3 +407,11 @@ def test_streaming_peak_memory_is_about_one_tensor(tmp_path: Path) -> None:
 def test_empty_tensor_at_end_of_file(tmp_path: Path) -> None:
     f = SafetensorsFile(craft(tmp_path / "e.safetensors", {"a": entry("F32", [0, 3], [0, 0])}))
     assert f.numpy("a").shape == (0, 3) and f.array("a").shape == (0, 3)
+
+
+def test_release_keeps_views_valid(tmp_path: Path) -> None:
+    save_file({"x": np.arange(4096, dtype=np.float32)}, str(tmp_path / "a.safetensors"))
+    m = open_model(tmp_path / "a.safetensors")
+    v = m.numpy("x")
+    m.release("x")
+    assert v[4095] == 4095 and float(v.sum()) == float(np.arange(4096).sum())

@@ -260,6 +260,14 @@ class SafetensorsFile:
         self._advise(info, mmap.MADV_DONTNEED)  # drop its pages: streaming RSS stays ~one tensor
         return arr
 
+    def release(self, name: str) -> None:
+        """Drop a tensor's pages from the mapping after reading it through ``numpy``.
+
+        Views stay valid (pages fault back in from the file); this only keeps RSS down when
+        streaming zero-copy views.
+        """
+        self._advise(self.info(name), mmap.MADV_DONTNEED)
+
     def _advise(self, info: TensorInfo, advice: int) -> None:
         begin = info.start - info.start % mmap.PAGESIZE
         if info.end > begin and self._mm is not None and hasattr(self._mm, "madvise"):
@@ -326,6 +334,9 @@ class ModelDir:
 
     def numpy(self, name: str) -> np.ndarray:
         return self._file(name).numpy(name)
+
+    def release(self, name: str) -> None:
+        self._file(name).release(name)
 
     def arrays(self) -> Iterator[tuple[str, Any]]:
         """(name, mx.array) for every tensor in sorted order, one tensor in memory at a time."""
