@@ -159,15 +159,14 @@ def list_files(path: str | os.PathLike, *, stat_all: bool = True) -> list[FileSt
     the others are reported with size 0 and found broken when opened. Every stat through a
     two-hop blob link costs, and a hub snapshot is keyed by directory stats anyway.
     """
+    if not stat_all:  # names only (a subdirectory listed as a file is harmless: never opened)
+        return sorted(_stat_one(path, n) if n.endswith(".safetensors") else FileStat(n, 0, 0, 0)
+                      for n in os.listdir(path) if n[0] != ".")  # fmt: skip
     out = []
     with os.scandir(path) as it:
         for e in it:
             name = e.name
             if name[0] == ".":
-                continue
-            if not stat_all and not name.endswith(".safetensors"):
-                if not e.is_dir(follow_symlinks=False):
-                    out.append(FileStat(name, 0, 0, 0))
                 continue
             try:
                 st = e.stat()
@@ -178,6 +177,14 @@ def list_files(path: str | os.PathLike, *, stat_all: bool = True) -> list[FileSt
                 out.append(FileStat(name, st.st_size, st.st_mtime_ns, st.st_ino))
     out.sort()
     return out
+
+
+def _stat_one(path: str | os.PathLike, name: str) -> FileStat:
+    try:
+        st = os.stat(os.path.join(path, name))
+    except OSError:
+        return FileStat(name, None, 0, 0)
+    return FileStat(name, st.st_size, st.st_mtime_ns, st.st_ino)
 
 
 def fingerprint(files: list[FileStat]) -> str:
