@@ -54,6 +54,7 @@ import contextlib
 import hashlib
 import itertools
 import json
+import logging
 import math
 import os
 import shutil
@@ -69,6 +70,8 @@ import numpy as np
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json, dumps_json, fsync_dir, publish_dir
 from mlxbun.schema import ARCHS, DTYPES
+
+log = logging.getLogger("mlxbun")
 
 FORMAT_VERSION = 2  # bump when the bytes for a given spec change
 SPEC_FILE = "synth.json"
@@ -824,27 +827,38 @@ def _prepare_partial(partial: Path, spec: Spec) -> None:
         atomic_write_json(record, _spec_record(spec))
 
 
-def _write_weights(spec: Spec, partial: Path, *, shard_bytes: int, overlap: bool) -> Any:
+def _weights_done(partial: Path) -> bool:
+    # The writer deletes its journal last in finish(): shards without a journal are complete.
+    from mlxbun.io.shards import JOURNAL
+
+    return not (partial / JOURNAL).exists() and any(partial.glob("model*.safetensors"))
+
+
+def _write_weights(spec: Spec, partial: Path, *, shard_bytes: int, overlap: bool) -> None:
     from mlxbun.io.shards import ShardedWriter
     from mlxbun.progress import Progress
 
+    if _weights_done(partial):
+        return
     tensors, channels = plan(spec), planted_channels(spec)
     progress = Progress(total=sum(t.nbytes for t in tensors), unit="B", desc=f"synth {spec.arch}")
+    meta = SAFETENSORS_METADATA
     with ShardedWriter(
-        partial,
-        shard_bytes=shard_bytes,
-        metadata=SAFETENSORS_METADATA,
-        resume=True,
-        overlap=overlap,
-        progress=progress,
+        partial, shard_bytes=shard_bytes, metadata=meta, resume=True, overlap=overlap
     ) as writer:
-        progress.update(sum(t.nbytes for t in tensors if t.name in writer.done_names))
+        if writer.done_names:
+            log.info(
+                "synth: resuming %s, %d of %d tensors already written",
+                partial,
+                len(writer.done_names),
+                len(tensors),
+            )
         for t in tensors:
             if t.name not in writer.done_names:
                 writer.add(t.name, tensor_array(t, spec=spec, channels=channels))
-        layout = writer.finish()
+            progress.update(t.nbytes)  # generation is the slow part: count it, not shard writes
+        writer.finish()
     progress.close()
-    return layout
 
 
 def _write_side_files(spec: Spec, partial: Path) -> None:
@@ -858,21 +872,40 @@ def _write_side_files(spec: Spec, partial: Path) -> None:
     )
 
 
-def write_spec(spec: Spec, out_dir: Path, *, shard_bytes: int = 5 << 30, overlap: bool = False) -> Path:
-    """Write ``spec`` into ``out_dir`` (must not exist), built under ``.<name>.partial``.
-
-    An interrupted build of the same spec resumes from its finished shards.
-    """
-    out_dir = Path(out_dir).expanduser().absolute()
+def _refuse_existing(out_dir: Path) -> None:
     if out_dir.exists():
         raise InputError(f"synth.out={str(out_dir)!r} already exists; remove it or choose a new directory")
+
+
+def write_spec(
+    spec: Spec,
+    out_dir: str | Path,
+    *,
+    shard_bytes: int = 5 << 30,
+    overlap: bool = False,
+    partial_root: str | Path | None = None,
+) -> Path:
+    """Write ``spec`` into ``out_dir`` (must not exist) through a hidden partial directory.
+
+    The partial directory ``.<name>.partial-<spec hash>`` lives in ``partial_root`` (default:
+    beside ``out_dir``; same filesystem) under a lock; a killed build of the same spec resumes
+    from its finished shards, and the directory is renamed to ``out_dir`` when complete.
+    """
+    out_dir = Path(out_dir).expanduser().absolute()
+    _refuse_existing(out_dir)
+    root = Path(partial_root).expanduser().absolute() if partial_root else out_dir.parent
+    root.mkdir(parents=True, exist_ok=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = out_dir.with_name(f".{out_dir.name}.partial")
-    _prepare_partial(partial, spec)
-    _write_weights(spec, partial, shard_bytes=shard_bytes, overlap=overlap)
-    _write_side_files(spec, partial)
-    _fsync_tree(partial)
-    publish_dir(partial, out_dir)
+    partial = root / f".{out_dir.name}.partial-{spec.hash}"
+    lock = partial.with_name(partial.name + ".lock")
+    with _locked(lock):
+        _refuse_existing(out_dir)
+        _prepare_partial(partial, spec)
+        _write_weights(spec, partial, shard_bytes=shard_bytes, overlap=overlap)
+        _write_side_files(spec, partial)
+        _fsync_tree(partial)
+        publish_dir(partial, out_dir)
+        lock.unlink()  # safe once published: a waiter re-checks out_dir before building
     return out_dir
 
 
@@ -958,6 +991,14 @@ def ensure_synthetic(*, cache_dir: str | Path, shard_bytes: int = 5 << 30, **fie
     return final
 
 
+def _stable_partial_root(outputs: Path, out: Path) -> Path:
+    """``<outputs>/.partial`` when it is on ``out``'s filesystem (the final step is a rename)."""
+    root = outputs.expanduser().absolute() / ".partial"
+    root.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return root if os.stat(root).st_dev == os.stat(out.parent).st_dev else out.parent
+
+
 def run(cfg: Any) -> Any:
     """command=synth: write the model into ``synth.out`` or ``<run_dir>/model``."""
     from mlxbun.provenance import RunResult
@@ -965,8 +1006,10 @@ def run(cfg: Any) -> Any:
     fields = {k: v for k, v in asdict(cfg.synth).items() if k != "out"}
     spec = resolve_spec(**fields)
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "model"
+    # Into a fresh run dir: keep the partial build at a stable place so a re-run resumes it.
+    root = None if cfg.synth.out else _stable_partial_root(Path(cfg.paths.outputs), out)
     start = time.perf_counter()
-    path = write_spec(spec, out, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap)
+    path = write_spec(spec, out, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap, partial_root=root)
     seconds = time.perf_counter() - start
     tensors = plan(spec)
     nbytes, params = sum(t.nbytes for t in tensors), sum(t.numel for t in tensors)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from cli_util import run_cli
+from cli_util import REPO, run_cli
 from mlx.utils import tree_flatten
 
 from mlxbun import synth
@@ -243,21 +244,55 @@ def test_interrupted_build_resumes_and_leaves_nothing_final(tmp_path, monkeypatc
     calls = {"n": 0}
     real = synth.tensor_array
 
-    def flaky(t, **kw):
+    def counting(t, **kw):
         calls["n"] += 1
-        if calls["n"] == 12:
+        if calls["n"] == 12 and kill["on"]:
             raise KeyboardInterrupt
         return real(t, **kw)
 
-    monkeypatch.setattr(synth, "tensor_array", flaky)
+    kill = {"on": True}
+    monkeypatch.setattr(synth, "tensor_array", counting)
     with pytest.raises(KeyboardInterrupt):
         synth.synthesize(out, arch="llama", shard_bytes=20_000)
-    assert not out.exists() and (tmp_path / ".m.partial").is_dir()
-    monkeypatch.setattr(synth, "tensor_array", real)
+    (partial,) = tmp_path.glob(".m.partial-*[!k]")
+    assert not out.exists() and partial.is_dir()
+    kill["on"], calls["n"] = False, 0
     synth.synthesize(out, arch="llama", shard_bytes=20_000)
+    assert 0 < calls["n"] < len(synth.plan(synth.resolve_spec(arch="llama")))  # resumed, not redone
     fresh = synth.synthesize(tmp_path / "fresh", arch="llama", shard_bytes=20_000)
     assert _files(out) == _files(fresh)
     assert (out / "model.safetensors.index.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "m"]  # no partial, no lock left
+
+
+KILL_AFTER_SECOND_SHARD = """
+import os, signal
+from mlxbun.io import shards
+real = shards.ShardedWriter._write_shard
+def write_then_die(self, k, items):
+    real(self, k, items)
+    if k == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+shards.ShardedWriter._write_shard = write_then_die
+"""
+
+
+def test_cli_rerun_after_sigkill_resumes(tmp_path):
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_AFTER_SECOND_SHARD)
+    args = ("command=synth", "synth.arch=qwen3", "io.shard_gb=0.00002", "verbose=true")
+    env = {"PYTHONPATH": f"{hook}{os.pathsep}{REPO}"}
+    killed = run_cli(*args, tmp=tmp_path, env=env)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    again = run_cli(*args, tmp=tmp_path, env={"PYTHONPATH": str(REPO)})
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming" in again.stderr
+    runs = sorted((tmp_path / "outputs" / "synth").iterdir())
+    assert len(runs) == 2 and not (runs[0] / "model").exists()
+    clean = synth.synthesize(tmp_path / "clean", arch="qwen3", shard_bytes=int(0.00002 * (1 << 30)))
+    assert _files(runs[1] / "model") == _files(clean)
+    assert not list((tmp_path / "outputs" / ".partial").iterdir())
 
 
 @pytest.mark.parametrize(
