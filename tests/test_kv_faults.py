@@ -21,8 +21,8 @@ from kv_util import filled, state_arrays, tiny_model
 
 from mlxbun.kv import blocks as blk
 from mlxbun.kv import format as fmt
-from mlxbun.kv import mxfill
 from mlxbun.kv import snapshot as snap
+from mlxbun.kv import state
 from mlxbun.kv.store import Store
 
 LAYOUTS = ["snapshot", "blocks"]
@@ -173,7 +173,7 @@ def test_lying_headers_refused_before_allocating(model, tmp_path, layout, monkey
         lie(h)
         _rewrite(path, h)
         monkeypatch.setattr(np, "empty", no_alloc)
-        monkeypatch.setattr(mxfill, "load_filled", no_alloc)
+        monkeypatch.setattr(state, "alloc", no_alloc)
         with pytest.raises((fmt.CorruptError, fmt.UnsupportedError), match=pattern):
             store.load("s", model="m")
         monkeypatch.undo()

@@ -6,7 +6,8 @@ While a :class:`ShardedWriter` runs, ``out_dir`` holds only hidden names::
         .mlxbun-shards.json                   journal: settings + one entry per completed shard
                                               {file, nbytes, digest, tensors: {name: [dtype, shape]}}
         .mlxbun-shard-00001.safetensors       completed shards (fsync'd, then journaled)
-        .mlxbun-shard-00003.safetensors.tmp-* the shard being written (removed if interrupted)
+        ..mlxbun-shard-00003.safetensors.tmp-<pid>-<rand>
+                                              the shard being written (removed on resume)
 
 ``finish()`` renames the shards and writes the index, after which ``out_dir`` holds::
 
@@ -19,7 +20,9 @@ Shards are filled greedily in insertion order up to ``shard_bytes`` of tensor da
 is never split (an oversize tensor gets its own shard), as ``mlx_lm.utils.make_shards`` does.
 Inside a shard, header entries and data are sorted by name, the header JSON is compact with
 sorted keys (as ``mx.save_safetensors`` writes it) and padded with spaces to a multiple of 8
-bytes, so the same tensors in the same order give the same bytes.
+bytes (aligned data, as the safetensors library pads), so the same tensors in the same order give
+the same bytes. ``mx.save_safetensors`` lays data out in hash-map order and does not pad; a
+one-tensor file is byte-identical to it apart from the padding.
 """
 
 from __future__ import annotations

@@ -144,6 +144,31 @@ def cache_state(cache: list[Any]) -> list[LayerState]:
 # ---------------------------------------------------------------- restore
 
 
+STORAGE = {"float16": mx.float16, "bfloat16": mx.uint16, "float32": mx.float32, "uint32": mx.uint32}
+
+
+def alloc(dtype: str, shape: list[int]) -> tuple[mx.array | None, np.ndarray]:
+    """A new evaluated mlx array and a writable flat uint8 numpy view of its memory.
+
+    Restores read straight into mlx-owned memory (numpy views of mlx arrays share their buffer,
+    as the mlx docs describe), which saves a full copy of the cache.
+    """
+    a = mx.zeros(shape, dtype=STORAGE[dtype])
+    mx.eval(a)
+    view = np.array(a, copy=False)
+    if not (view.flags["C_CONTIGUOUS"] and view.flags["WRITEABLE"]):
+        # not seen with mlx 0.32; read into numpy and let finish() copy
+        return None, np.empty(int(np.prod(shape)) * DTYPES[dtype][1], np.uint8)
+    return a, view.reshape(-1).view(np.uint8)
+
+
+def finish(dtype: str, a: mx.array | None, flat: np.ndarray, shape: list[int]) -> mx.array:
+    """The restored array (reinterpreted as bfloat16 when needed)."""
+    if a is None:
+        a = mx.array(flat.view(DTYPES[dtype][0]).reshape(shape))
+    return a.view(mx.bfloat16) if dtype == "bfloat16" else a
+
+
 def _unrotate(t: mx.array, keep: int, idx: int) -> mx.array:
     """Inverse of RotatingKVCache._temporal_order for a wrapped ring of length L."""
     n = t.shape[2]

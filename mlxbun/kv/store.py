@@ -39,8 +39,8 @@ from mlxbun.errors import InputError
 from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes
 from mlxbun.kv import blocks as blk
 from mlxbun.kv import format as fmt
-from mlxbun.kv import mxfill, state
 from mlxbun.kv import snapshot as snap
+from mlxbun.kv import state
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SUFFIX = {"snapshot": ".kvs", "blocks": ".kvm"}
@@ -374,21 +374,14 @@ class Store:
             path, h = self.header(name)
             self._check(name, h, model=model, tokenizer=tokenizer, tokens=tokens)
             what = f"snapshot {name!r}"
-            entries = fmt.tensors_of(h)
-            offsets, total = mxfill.layout([(n, fmt.entry_nbytes(t)) for n, t in entries])
-
-            def fill(dest: np.ndarray) -> None:
-                out = {n: dest[offsets[n] : offsets[n] + fmt.entry_nbytes(t)] for n, t in entries}
-                if h["layout"] == "snapshot":
-                    snap.read_data(path, h, verify=verify, threads=self.threads, what=what, out=out)
-                else:
-                    geo = blk.check_manifest(h, what=what)
-                    blk.read_blocks(
-                        self.blocks, h, geo, verify=verify, threads=self.threads, what=what, out=out
-                    )
-
-            buf = mxfill.load_filled(total, fill) if total else None
-        cache = _build(h, {n: mxfill.view(buf, offsets[n], t["dtype"], t["shape"]) for n, t in entries})
+            arrays = {n: state.alloc(t["dtype"], t["shape"]) for n, t in fmt.tensors_of(h)}
+            out = {n: flat for n, (_, flat) in arrays.items()}
+            if h["layout"] == "snapshot":
+                snap.read_data(path, h, verify=verify, threads=self.threads, what=what, out=out)
+            else:
+                geo = blk.check_manifest(h, what=what)
+                blk.read_blocks(self.blocks, h, geo, verify=verify, threads=self.threads, what=what, out=out)
+        cache = _build(h, arrays)
         self.touch(name)
         return Restored(cache=cache, tokens=list(h["tokens"]), info=self._info(name, path, h))
 
@@ -459,10 +452,13 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _build(h: dict[str, Any], arrays: dict[str, Any]) -> list[Any]:
-    """mlx-lm cache objects from validated, filled arrays keyed 'layer.name'."""
+def _build(h: dict[str, Any], arrays: dict[str, tuple[Any, np.ndarray]]) -> list[Any]:
+    """mlx-lm cache objects from validated, filled arrays (from state.alloc)."""
     out = []
     for i, layer in enumerate(h["layers"]):
-        mine = {n: arrays[f"{i}.{n}"] for n in layer["tensors"]}
+        mine = {}
+        for n, t in layer["tensors"].items():
+            a, flat = arrays.pop(f"{i}.{n}")
+            mine[n] = state.finish(t["dtype"], a, flat, t["shape"])
         out.append(state.build_layer(layer["class"], layer["meta"], mine))
     return out
