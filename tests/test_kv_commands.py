@@ -92,3 +92,16 @@ def test_cli_gc_and_bad_input(tmp_path):
     assert r.returncode == 0 and "freed" in r.stdout
     assert len(list((tmp_path / "kv/blocks").iterdir())) == 1
     assert _cli(tmp_path, "command=kv_verify").returncode == 0
+
+
+def test_fingerprints_tell_models_and_tokenizers_apart(loaded, tmp_path):
+    from mlxbun.kv.fingerprint import model_fingerprint, tokenizer_fingerprint
+
+    other = synth.ensure_synthetic(cache_dir=tmp_path, arch="llama", preset="tiny", seed=1)
+    assert model_fingerprint(other) != loaded.model_fp  # same shapes, other weights
+    assert model_fingerprint(loaded.path) == loaded.model_fp
+    assert tokenizer_fingerprint(other) == loaded.tokenizer_fp
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok/tokenizer.json").write_text("{}")
+    assert tokenizer_fingerprint(tmp_path / "tok") not in ("", loaded.tokenizer_fp)
+    assert tokenizer_fingerprint(tmp_path) == ""

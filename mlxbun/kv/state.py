@@ -151,7 +151,9 @@ def alloc(dtype: str, shape: list[int]) -> tuple[mx.array | None, np.ndarray]:
     """A new evaluated mlx array and a writable flat uint8 numpy view of its memory.
 
     Restores read straight into mlx-owned memory (numpy views of mlx arrays share their buffer,
-    as the mlx docs describe), which saves a full copy of the cache.
+    as the mlx docs describe), which saves a full copy of the cache. The zero fill costs a pass;
+    reading through ``mx.load`` of a Python file object would avoid it, but that aborted the
+    interpreter at exit here (std::terminate in mlx's io thread pool), so it is not used.
     """
     a = mx.zeros(shape, dtype=STORAGE[dtype])
     mx.eval(a)
