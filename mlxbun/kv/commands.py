@@ -113,9 +113,10 @@ def save(cfg: Any) -> Any:
     seconds = time.perf_counter() - start - prefill_s
     record = Path(cfg.paths.run_dir) / "kv_snapshot.json"
     record.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(record, _record(info, store))
+    atomic_write_json(record, _record(info))
     metrics = {"tokens": len(tokens), "data_bytes": info.data_bytes, "written_bytes": info.written_bytes}
     metrics |= {"prefill_s": round(prefill_s, 3), "save_s": round(seconds, 3), "layout": info.layout}
+    metrics["store"] = str(store.root)  # in the manifest, not the artifact: artifacts stay path-free
     msg = (
         f"saved {info.name!r}: {len(tokens)} tokens, {info.data_bytes / 1e6:.1f} MB of KV"
         f" ({info.written_bytes / 1e6:.1f} MB newly written, layout={info.layout}) in {store.root}"
@@ -126,10 +127,9 @@ def save(cfg: Any) -> Any:
     return RunResult(outputs=[record, info.path], inputs=inputs, metrics=metrics, message=msg)
 
 
-def _record(info: Any, store: Store) -> dict[str, Any]:
+def _record(info: Any) -> dict[str, Any]:
     return {
         "name": info.name,
-        "store": str(store.root),
         "layout": info.layout,
         "tokens": info.tokens,
         "data_bytes": info.data_bytes,
