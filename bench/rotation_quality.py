@@ -1,10 +1,10 @@
 """Rotation quality: KL to the bf16 reference of 4- and 3-bit uniform quantization, with and without R1.
 
-Run: .venv/bin/python bench/rotation_quality.py [--preset small] [--samples 4] [--seq-len 128]
+Run: .venv/bin/python bench/rotation_quality.py [--preset tiny] [--outlier-scale 5] [--samples 8] [--seq-len 128]
          [--fixture tests/fixtures/llama-text-3m] [--out bench/results/rotate.md]
 
-For each model (a synthetic llama with planted outlier channels; the trained fixture when its
-weights are present):
+For each model (synthetic llamas without and with planted outlier channels; the trained fixture
+when its weights are present):
 
 1. rotate (child process, wall time and peak RSS): ``mlxbun.rotate.rotate_model_dir``, seed 0,
    verified against the source.
@@ -35,6 +35,9 @@ sys.path.insert(0, str(REPO))
 
 BITS = (4, 3)
 GROUP = 64
+# Planted outliers: none (control), large activations in 8 residual channels (embedding columns,
+# o_proj/down_proj rows), and those plus large input columns of every q/k/v/gate/up.
+TARGETS = ("none", "activations", "both")
 
 
 def run_child(code: str) -> tuple[float, float, str]:
@@ -122,12 +125,13 @@ def evaluate(name: str, src: Path, work: Path, samples: int, seq_len: int) -> di
     return result
 
 
-def synth_model(work: Path, preset: str, outlier_scale: float) -> Path:
+def synth_model(work: Path, preset: str, target: str, scale: float) -> Path:
     from mlxbun.synth import synthesize
 
+    channels = 0 if target == "none" else 8
     return synthesize(
-        work / f"synth-{preset}", arch="llama", preset=preset, dtype="bfloat16",
-        outlier_channels=8, outlier_scale=outlier_scale, outlier_target="weights",
+        work / f"synth-{preset}-{target}", arch="llama", preset=preset, dtype="bfloat16",
+        outlier_channels=channels, outlier_scale=scale, outlier_target="both" if target == "none" else target,
     )  # fmt: skip
 
 
@@ -142,13 +146,14 @@ def report(results: list[dict], args: argparse.Namespace, seconds: float) -> str
         f"Tokens: {args.samples} × {args.seq_len} of the built-in calibration text; KL in float32, mean per "
         "token. Quantizer for both sides: the anchor `mlx_lm.convert` (so only the rotation differs).",
         "",
-        "| model | bits | KL plain | KL rotated | ratio rotated/plain |",
-        "|---|---|---|---|---|",
+        "| model | bits | KL plain | KL rotated | ratio rotated/plain | rotation |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         for bits in BITS:
             p, q = r["kl"][f"plain q{bits}"], r["kl"][f"rotated q{bits}"]
-            lines.append(f"| {r['model']} | {bits} | {p:.4f} | {q:.4f} | {q / p:.2f} |")
+            verdict = "lowers KL" if q < p else "raises KL"
+            lines.append(f"| {r['model']} | {bits} | {p:.4f} | {q:.4f} | {q / p:.2f} | {verdict} |")
     lines += ["", "| model | rotation alone: KL rotated bf16 | rotate s | rotate peak RSS MB | "
               "convert (plain q4) s | convert peak RSS MB |", "|---|---|---|---|---|---|"]  # fmt: skip
     for r in results:
@@ -168,9 +173,9 @@ def _version(pkg: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="small")
-    ap.add_argument("--outlier-scale", type=float, default=20.0)
-    ap.add_argument("--samples", type=int, default=4)
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--outlier-scale", type=float, default=5.0)
+    ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--fixture", type=Path, default=REPO / "tests" / "fixtures" / "llama-text-3m")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rotate.md")
@@ -178,14 +183,17 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rotation-quality-") as tmp:
         work = Path(tmp)
-        models = [(f"synth llama {args.preset}, 8 outlier channels ×{args.outlier_scale:g}",
-                   synth_model(work, args.preset, args.outlier_scale))]  # fmt: skip
+        models = [
+            (f"synth llama {args.preset}, " + ("no outliers" if t == "none" else f"8 {t} outlier channels ×{args.outlier_scale:g}"),
+             synth_model(work, args.preset, t, args.outlier_scale))
+            for t in TARGETS
+        ]  # fmt: skip
         if (args.fixture / "config.json").is_file():
             models.append(("trained fixture " + args.fixture.name, args.fixture))
         else:
             print(f"no trained fixture at {args.fixture}; skipped", flush=True)
-        results = [evaluate(name.split(",")[0].replace(" ", "-"), src, work, args.samples, args.seq_len)
-                   | {"model": name} for name, src in models]  # fmt: skip
+        results = [evaluate(f"m{i}", src, work, args.samples, args.seq_len) | {"model": name}
+                   for i, (name, src) in enumerate(models)]  # fmt: skip
     text = report(results, args, time.perf_counter() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
