@@ -456,3 +456,20 @@ def test_cli_bad_input_exits_2_with_one_line(tmp_path, args, message):
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0] and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "model").exists()
+
+
+def test_recipe_synth_rotate_quantize_loads_in_mlx_lm(tmp_path):
+    from mlx_lm import load
+
+    run = tmp_path / "run"
+    proc = run_cli(
+        "+recipe=rotate_quantize_synth", "pipeline.steps=[synth,rotate,quantize]", "synth.preset=tiny",
+        "quant.bits=4", f"hydra.run.dir={run}", tmp=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert read_fold_record(run / "rotate" / "model").seed == 0
+    config = json.loads((run / "quantize" / "model" / "config.json").read_text())
+    assert config["quantization"]["bits"] == 4
+    model, _ = load(str(run / "quantize" / "model"))
+    out = model(mx.array(tokens(8))[None])
+    assert np.isfinite(np.asarray(out.astype(mx.float32))).all()
