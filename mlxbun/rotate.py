@@ -9,6 +9,12 @@ all dimensions, so it quantizes with less error (QuaRot / SpinQuant R1). In row-
     o_proj, down_proj (and their biases)       W  ->  R1ᵀ · W,  b -> b · R1   (output side)
     tied head                                  lm_head = embedding · diag(g_final) · R1 (untied)
 
+A tied head whose final gain is exactly 1 stays tied (the rotated embedding is the head). Gemma 3
+applies post-attention/post-feedforward norms to o_proj/down_proj outputs before the residual
+add, where no linear follows to absorb a gain: they commute with R1 only when uniform, so rotate
+folds gemma3_text models whose post-norms are uniform and refuses the others (naming the
+tensor). Per-head q_norm/k_norm act on head_dim after q/k_proj and are untouched.
+
 All arithmetic is float64. The output directory is built under a hidden partial name and
 published by rename when complete and verified::
 
