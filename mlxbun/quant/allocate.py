@@ -481,6 +481,7 @@ def measured_kl(ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batc
     so the number is on the same scale as the per-layer KLs it is compared with.
     """
     import mlx.core as mx
+    import numpy as np
 
     from mlxbun.quant.sensitivity import kl_rows, load_model, log_probs
 
@@ -489,8 +490,7 @@ def measured_kl(ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batc
     total = 0.0
     for i in range(0, len(tokens), batch_size):
         batch = mx.array(tokens[i : i + batch_size])
-        kl = kl_rows(log_probs(ref(batch)), cur(batch))
-        total += float(mx.sum(kl).item())
+        total += float(np.sum(np.asarray(kl_rows(log_probs(ref(batch)), cur(batch)), dtype=np.float64)))
     return total / len(tokens)
 
 
