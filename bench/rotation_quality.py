@@ -135,12 +135,52 @@ def synth_model(work: Path, preset: str, target: str, scale: float) -> Path:
     )  # fmt: skip
 
 
-def report(results: list[dict], args: argparse.Namespace, seconds: float) -> str:
+def scale_run(work: Path, preset: str, layers: int) -> dict:
+    """Rotate a larger synthetic model (256 MiB shards, no verify) beside mlx_lm.convert -q of it."""
+    from mlxbun.synth import synthesize
+
+    src = synthesize(work / "scale", arch="llama", preset=preset, dtype="bfloat16", num_layers=layers)
+    nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
+    code = (
+        "from mlxbun import blas; blas.load()\n"
+        "from mlxbun.rotate import rotate_model_dir\n"
+        f"rotate_model_dir({str(src)!r}, {str(work / 'scale-rot')!r}, seed=0, shard_bytes=256 << 20, verify=False)\n"
+    )
+    seconds, rss, _ = run_child(code)
+    anchor = convert_child(src, work / "scale-q4", 4)
+    return {"preset": preset, "layers": layers, "bytes": nbytes, "rotate": {"seconds": seconds, "peak_rss_mb": rss},
+            "convert": anchor}  # fmt: skip
+
+
+def scale_lines(scale: dict) -> list[str]:
+    r, c = scale["rotate"], scale["convert"]
+    return [
+        "",
+        f"Scale: synth llama preset {scale['preset']} with {scale['layers']} layers, "
+        f"{scale['bytes'] / 1e9:.2f} GB bf16; rotate with 256 MiB shards, no verify.",
+        "",
+        "| step | seconds | peak RSS MB | GB/s of bf16 input |",
+        "|---|---|---|---|",
+        f"| mlxbun rotate (float64 fold) | {r['seconds']:.1f} | {r['peak_rss_mb']:.0f} | "
+        f"{scale['bytes'] / r['seconds'] / 1e9:.3f} |",
+        f"| anchor: mlx_lm.convert -q 4-bit g64 | {c['seconds']:.1f} | {c['peak_rss_mb']:.0f} | "
+        f"{scale['bytes'] / c['seconds'] / 1e9:.3f} |",
+        f"| ratio rotate / convert | {r['seconds'] / c['seconds']:.2f} | {r['peak_rss_mb'] / c['peak_rss_mb']:.2f} | |",
+    ]
+
+
+def report(results: list[dict], args: argparse.Namespace, seconds: float, scale: dict | None) -> str:
     lines = [
         "# Rotation quality (R1 fold) — KL to the bf16 reference, uniform affine g64",
         "",
         f"Command: `.venv/bin/python bench/rotation_quality.py --preset {args.preset} --samples {args.samples} "
-        f"--seq-len {args.seq_len} --outlier-scale {args.outlier_scale}`  ",
+        f"--seq-len {args.seq_len} --outlier-scale {args.outlier_scale}"
+        + (
+            f" --scale-preset {args.scale_preset} --scale-layers {args.scale_layers}"
+            if args.scale_preset
+            else ""
+        )
+        + "`  ",
         f"Machine: 2-core {platform.machine()} Linux (shared, noisy), mlx {_version('mlx')} CPU, "
         f"mlx-lm {_version('mlx-lm')}. Total {seconds:.0f} s.  ",
         f"Tokens: {args.samples} × {args.seq_len} of the built-in calibration text; KL in float32, mean per "
@@ -162,6 +202,8 @@ def report(results: list[dict], args: argparse.Namespace, seconds: float) -> str
             f"| {r['model']} | {r['kl']['rotated bf16']:.2e} | {r['rotate']['seconds']:.1f} | "
             f"{r['rotate']['peak_rss_mb']:.0f} | {c['seconds']:.1f} | {c['peak_rss_mb']:.0f} |"
         )
+    if scale is not None:
+        lines += scale_lines(scale)
     return "\n".join(lines) + "\n"
 
 
@@ -178,6 +220,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--fixture", type=Path, default=REPO / "tests" / "fixtures" / "llama-text-3m")
+    ap.add_argument("--scale-preset", default=None, help="also time rotate on this synth preset (e.g. 1b)")
+    ap.add_argument("--scale-layers", type=int, default=4)
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rotate.md")
     args = ap.parse_args()
     t0 = time.perf_counter()
@@ -194,7 +238,8 @@ def main() -> None:
             print(f"no trained fixture at {args.fixture}; skipped", flush=True)
         results = [evaluate(f"m{i}", src, work, args.samples, args.seq_len) | {"model": name}
                    for i, (name, src) in enumerate(models)]  # fmt: skip
-    text = report(results, args, time.perf_counter() - t0)
+        scale = scale_run(work, args.scale_preset, args.scale_layers) if args.scale_preset else None
+    text = report(results, args, time.perf_counter() - t0, scale)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

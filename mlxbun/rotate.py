@@ -481,8 +481,13 @@ def _rotate_cols(a: Any, rot: Rotation, dtype: str) -> np.ndarray:
     return out
 
 
-def fold_tensor(a: Any, role: str, gain: np.ndarray | None, rot: Rotation, *, dtype: str, gemma: bool) -> Any:
+def fold_tensor(
+    a: Any, role: str, gain: np.ndarray | None, rot: Rotation, *, dtype: str, gemma: bool
+) -> np.ndarray:
     """One tensor of the rotated model from its source tensor ``a`` (an mx.array).
+
+    Returns the storage array (float32/float16, or the uint16 bits of bfloat16); wrap it with
+    ``_wrap`` after dropping ``a`` so that at most two tensors are alive at once.
 
     Args:
         a: the source tensor.
@@ -493,14 +498,14 @@ def fold_tensor(a: Any, role: str, gain: np.ndarray | None, rot: Rotation, *, dt
         gemma: norms store w and apply 1 + w (a unit gain is then w = 0).
     """
     if role == "norm":
-        return _wrap(_store(np.full(a.shape, 0.0 if gemma else 1.0), dtype), dtype)
+        return _store(np.full(a.shape, 0.0 if gemma else 1.0), dtype)
     if role in ("uniform", "keep"):
-        return _wrap(_store(_f64(a), dtype), dtype)
+        return _store(_f64(a), dtype)
     if role == "out":
-        return _wrap(_rotate_cols(a, rot, dtype), dtype)
+        return _rotate_cols(a, rot, dtype)
     if role == "out_bias":
-        return _wrap(_store(rot.rows(_f64(a)[None, :])[0], dtype), dtype)
-    return _wrap(_rotate_rows(a, rot.rows, gain, dtype), dtype)
+        return _store(rot.rows(_f64(a)[None, :])[0], dtype)
+    return _rotate_rows(a, rot.rows, gain, dtype)
 
 
 # ---------------------------------------------------------------------------- the model directory
@@ -563,9 +568,10 @@ def _stream(
             if source not in hashes:
                 hashes[source] = (info.dtype, list(info.shape), hashlib.sha256(m.numpy(source)).hexdigest())
             if name not in writer.done_names:
-                gain = fp.gains[feeder] if feeder else None
-                out = fold_tensor(m.array(source), role, gain, rot, dtype=dtype or info.dtype, gemma=fp.gemma)
-                writer.add(name, out)
+                gain, out_dtype = fp.gains[feeder] if feeder else None, dtype or info.dtype
+                store = fold_tensor(m.array(source), role, gain, rot, dtype=out_dtype, gemma=fp.gemma)
+                writer.add(name, _wrap(store, out_dtype))
+                del store
             progress.update(info.nbytes)
         layout = writer.finish()
     progress.close()
