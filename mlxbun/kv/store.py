@@ -168,7 +168,8 @@ class Store:
             tokens: the token ids the cache holds (checked against the cache's length).
             model, tokenizer: fingerprints (see mlxbun.kv.fingerprint); loads must match.
             layout: "blocks" (deduplicated) or "snapshot" (one file).
-            on_bytes: progress callback; on_stage: called with "data_written" before publishing.
+            on_bytes: progress callback; on_stage: called with "data_written" once the data is
+                durable (blocks layout: before the manifest that publishes it is written).
         """
         job = self._prepare(name, cache, tokens=tokens, model=model, tokenizer=tokenizer, layout=layout)
         return self._persist(*job, on_bytes=on_bytes, on_stage=on_stage)
