@@ -230,8 +230,14 @@ def schema_version(database: pw.Database) -> int:
 
 def upgrade_schema(database: pw.Database) -> int:
     """Bring ``database`` to :data:`SCHEMA_VERSION` (one write transaction); return the old version."""
-    if schema_version(database) == SCHEMA_VERSION:
+    found = schema_version(database)
+    if found == SCHEMA_VERSION:
         return SCHEMA_VERSION
+    if found > SCHEMA_VERSION:
+        raise InputError(
+            f"the registry database {database.database!r} has schema v{found}, newer than this mlxbun "
+            f"(v{SCHEMA_VERSION}); upgrade mlxbun or point registry.path / registry.url elsewhere"
+        )
     with write_txn():
         if isinstance(database, pw.PostgresqlDatabase):
             database.execute_sql("SELECT pg_advisory_xact_lock(%s)", (PG_LOCK_KEY,))

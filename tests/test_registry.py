@@ -615,6 +615,10 @@ def test_migrates_a_v1_database_and_keeps_rows(dburl):
     assert registry.list_runs(limit=1)[0]["host"]
     registry._target = None
     assert registry.upgrade_schema(registry.open_db(url=dburl)) == registry.SCHEMA_VERSION  # idempotent
+    registry.SchemaVersion.update(version=registry.SCHEMA_VERSION + 1).execute()
+    registry._target = None
+    with pytest.raises(InputError, match="newer than this mlxbun"):
+        registry.open_db(url=dburl)  # never "migrate" a newer schema backwards
 
 
 def _insert_runs(args: tuple[str, int, int]) -> int:
