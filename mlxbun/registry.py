@@ -616,11 +616,19 @@ def _alive(rows: Iterable[ModelRecord]) -> list[ModelRecord]:
 def canonical(rows: list[ModelRecord]) -> list[ModelRecord]:
     """One row per repo: the revision refs/main points at, else the most recently scanned, ties by path.
 
-    Rows that are not hub snapshots are their own group.
+    Directories registered under one name form a group too (the latest registration wins);
+    any other row is its own group.
     """
-    groups: dict[str, list[ModelRecord]] = {}
+    groups: dict[tuple[str, str], list[ModelRecord]] = {}
     for r in rows:
-        groups.setdefault(r.repo_id or r.path, []).append(r)
+        key = (
+            ("repo", r.repo_id)
+            if r.repo_id
+            else ("name", r.name)
+            if r.source == "registered"
+            else ("path", r.path)
+        )
+        groups.setdefault(key, []).append(r)
 
     def rank(r: ModelRecord) -> tuple:
         return ("main" not in r.refs.split(","), -r.scanned_at.timestamp(), r.path)
@@ -726,7 +734,7 @@ def resolve(
     if len(hits) == 1:
         return Path(hits[0].path)
     if hits:
-        names = sorted(h.repo_id or h.name for h in hits)
+        names = sorted(h.repo_id or f"{h.name} ({h.path})" for h in hits)
         shown = ", ".join(names[:12]) + (f" (+{len(names) - 12} more)" if len(names) > 12 else "")
         raise InputError(f"{key}={query!r} matches {len(hits)} models: {shown}; name one exactly")
     raise InputError(_not_found(query, key=key, hub_cache=hub_cache))

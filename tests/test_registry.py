@@ -488,6 +488,19 @@ def test_local_paths_run_outputs_and_registered(reg, hubtree, tmp_path):
     assert reg.scan(hub_cache=hubtree.root, paths=[models], runs_root=tmp_path / "outputs").read == 0
     with pytest.raises(InputError, match="is not a directory"):
         reg.register_model(tmp_path / "missing")
+    # The latest registration of a name wins; two local dirs of one name are ambiguous, with paths.
+    newer = tmp_path / "fresh-4bit-v2"
+    shutil.copytree(own, newer)
+    (newer / "kv_config.json").write_text("{}")
+    time.sleep(0.01)
+    reg.register_model(newer, name="my-fresh-4bit")
+    assert reg.resolve("my-fresh-4bit", hub_cache=hubtree.root) == newer
+    shutil.rmtree(newer)
+    assert reg.resolve("my-fresh-4bit", hub_cache=hubtree.root) == own
+    other = tmp_path / "more" / "alpha"
+    shutil.copytree(models / "alpha", other)
+    with pytest.raises(InputError, match=r"matches 2 models: alpha \(.*alpha\), alpha \("):
+        reg.resolve("alpha", hub_cache=hubtree.root, paths=[models, other])
     # A registered dir under a scanned path keeps its name; a vanished one is dropped by the next scan.
     reg.register_model(models / "beta", name="beta-tuned")
     reg.scan(hub_cache=hubtree.root, paths=[models])
