@@ -1,6 +1,7 @@
 """Registry tests on synthetic HF hub trees built here; every test runs on sqlite and PostgreSQL.
 
-PostgreSQL params run when MLXBUN_TEST_PG_URL is set (``eval "$(bash .ci/postgres.sh)"``).
+PostgreSQL params run when MLXBUN_TEST_PG_URL is set (``eval "$(bash .ci/postgres.sh)"``); they
+are skipped without it, except under CI=true, where a missing server is a failure.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def dburl(request, tmp_path):
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'registry.db'}"
     else:
+        if not PG_URL and os.environ.get("CI") == "true":  # CI must prove the PostgreSQL path
+            pytest.fail("CI=true but MLXBUN_TEST_PG_URL is not set: .ci/postgres.sh did not run or failed")
         if not PG_URL:
             pytest.skip('MLXBUN_TEST_PG_URL is not set (eval "$(bash .ci/postgres.sh)")')
         url = PG_URL
