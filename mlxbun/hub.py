@@ -526,7 +526,15 @@ def _tokens(text: str | None) -> set[str]:
 
 
 def is_drafter(config: dict[str, Any], repo_id: str | None) -> bool:
-    """A speculative-decoding drafter (EAGLE, Medusa, MTP-only, "drafter"/"draft" model types)."""
+    """A speculative-decoding drafter: never a fuzzy-resolve candidate.
+
+    The rule: a Medusa config key (``medusa_num_heads``); or a whole word of the model_type,
+    text_config model_type or a CamelCase-split architecture among drafter, draft, eagle,
+    eagle3, medusa, mtp, dflash (``llama_mtp``, ``EagleLlamaForCausalLM``); or a word of the
+    repo name among drafter, eagle, eagle3, medusa, dflash (EAGLE heads ship with a plain
+    ``llama`` config). "draft" and "mtp" in a repo *name* do not count: full models are often
+    published as "...-draft" checkpoints or advertise MTP layers they carry alongside.
+    """
     if any(k in config for k in DRAFTER_CONFIG_KEYS):
         return True
     if not DRAFTER_HINT_RE.search(f"{config.get('model_type')} {config.get('architectures')} "
