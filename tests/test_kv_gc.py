@@ -12,9 +12,10 @@ from kv_child import version_cache
 from kv_util import continue_logits, filled, state_arrays, tiny_model, tokens
 from test_kv_faults import _child, go
 
+from mlxbun.kv import blocks as blk
 from mlxbun.kv import format as fmt
 from mlxbun.kv import gc
-from mlxbun.kv.store import Store
+from mlxbun.kv.store import Store, StoreBusy
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +151,34 @@ def test_gc_racing_writer_processes(tmp_path):
     assert all(k.wait() == 0 for k in kids)
     assert store.names() == ["x", "y"] and store.verify()[1] == []
     assert freed > 0 and during >= 2  # GC freed replaced versions' blocks while writers ran
+
+
+def test_reader_racing_gc_keeps_its_blocks(model, tmp_path, monkeypatch):
+    store = Store(tmp_path, block_kib=4)
+    cache, toks = filled(model, "kv", 30)
+    store.save("r", cache, tokens=toks, model="m")
+    other, otoks = filled(model, "kv", 30, seed=8)
+    reading, release = threading.Event(), threading.Event()
+    real = blk.read_blocks
+
+    def slow_read(*a, **k):
+        reading.set()
+        release.wait(30)
+        return real(*a, **k)
+
+    monkeypatch.setattr(blk, "read_blocks", slow_read)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(c=store.load("r", model="m").cache))
+    reader.start()
+    assert reading.wait(30)
+    store.save("r", other, tokens=otoks, model="m")  # the reader's blocks are now unreferenced
+    p = gc.plan(store)
+    assert p.blocks  # ...and planned for deletion
+    with pytest.raises(StoreBusy, match="is busy"):
+        gc.execute(Store(tmp_path), p, timeout=0.2)  # the reader holds the lock: GC must wait
+    release.set()
+    reader.join(30)
+    for a, b in zip(state_arrays(cache), state_arrays(got["c"]), strict=True):
+        np.testing.assert_array_equal(a, b)  # the reader got the old version, complete
+    assert gc.execute(store, p).blocks  # afterwards GC frees them
+    assert store.load("r", model="m", verify=True).cache
