@@ -481,6 +481,8 @@ def scan(
     """
     _require_db()
     t0, warnings = time.perf_counter(), []
+    if hub_cache and not os.path.isdir(os.path.expanduser(str(hub_cache))):
+        warnings.append(f"registry.hub_cache={str(hub_cache)!r} is not a directory; no HF cache indexed")
     cands = hub_candidates(hub.hub_cache_dir(hub_cache), warnings) + local_candidates(paths)
     if runs_root:
         cands += run_candidates(runs_root)
