@@ -188,7 +188,8 @@ def report(args: argparse.Namespace, r: dict) -> str:
         "# Synthetic checkpoints (bench/synth_bench.py)",
         "",
         f"Command: `.venv/bin/python bench/synth_bench.py --arch {args.arch} --preset {args.preset}"
-        f" --big-preset {args.big_preset} --shard-mib {args.shard_mib} --rounds {args.rounds}`",
+        f" --big-preset {args.big_preset} --shard-mib {args.shard_mib} --rounds {args.rounds}"
+        f" --gemma27-layers {args.gemma27_layers}`",
         f"Machine: 2-core x86_64 Linux ({platform.platform()}), mlx {mx.__version__} CPU, shared with other"
         " jobs (load average often > 2 per core): noisy; medians of rounds, each in a fresh process.",
         f"Model: {args.arch} preset {args.preset}, {gb:.2f} GB bf16 in {r['shards']} shards of"
