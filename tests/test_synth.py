@@ -375,3 +375,19 @@ def test_model_synthetic_source_uses_the_cache(tmp_path):
     d = model_dir(cfg)
     assert d.parent == tmp_path / "synth" and d.name == synth.resolve_spec(arch="gemma3_text").hash
     assert model_dir(cfg) == d
+
+
+@pytest.mark.parametrize(("dtype", "mx_dtype"), [("float16", mx.float16), ("float32", mx.float32)])
+def test_other_dtypes(tiny_model, dtype, mx_dtype):
+    d = tiny_model("qwen2", dtype=dtype)
+    assert json.loads((d / "config.json").read_text())["torch_dtype"] == dtype
+    w = _weights(d)
+    assert {a.dtype for a in w.values()} == {mx_dtype}
+    bf16 = _weights(tiny_model("qwen2"))["model.layers.0.mlp.up_proj.weight"].astype(mx.float32)
+    # Same draws, other storage precision: values agree to bf16 rounding.
+    np.testing.assert_allclose(
+        np.array(w["model.layers.0.mlp.up_proj.weight"].astype(mx.float32)),
+        np.array(bf16),
+        rtol=1e-2,
+        atol=1e-3,
+    )
