@@ -1019,7 +1019,7 @@ def run(cfg: Any) -> Any:
         metrics={"params": params, "bytes": nbytes, "seconds": round(seconds, 3), "spec_hash": spec.hash},
         message=(
             f"synth {spec.arch} {s.num_layers}x{s.hidden_size} vocab {s.vocab_size}: {params / 1e6:,.1f}M params,"
-            f" {nbytes / 1e9:.2f} GB in {seconds:.1f}s -> {path}"
+            f" {nbytes / 1e6:,.1f} MB in {seconds:.1f}s -> {path}"
         ),
         provides={"model.name": str(path)},
     )
