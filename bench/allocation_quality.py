@@ -13,8 +13,10 @@ Run: .venv/bin/python bench/allocation_quality.py [--model tests/fixtures/llama-
    size as ``budget_bytes``; plan dynamic_quant's two tiers (every pair whose all-low and all-high
    sizes bracket the target, as mlx-lm requires) at that size (its own threshold rule:
    the highest-scoring modules get the high bits, as many as fit), also with its scores fed to
-   mlxbun's knapsack; quantize every plan; measure KL(reference || quantized) on the calibration
-   tokens and on held-out text (CPython modules the fixture was not trained on).
+   mlxbun's knapsack, and beside them mlxbun's exact KLs restricted to the same two tiers (which
+   separates the estimate's quality from the richer choice of bits); quantize every plan; measure
+   KL(reference || quantized) on the calibration tokens and on held-out text (CPython modules
+   the fixture was not trained on).
 
 Every model is written by the project's quantize and its size read from disk, so "same size"
 means at most the baseline's bytes on disk. Writes ``bench/results/allocate.md``.
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import resource
 import subprocess
 import sys
@@ -176,15 +177,22 @@ class Bench:
         )
         return path
 
-    def ours(self, limit: int, name: str) -> dict:
+    def ours(self, limit: int, name: str, tiers: tuple[int, int] | None = None) -> dict:
         from mlxbun.io.atomic import atomic_write_json
         from mlxbun.quant.allocate import allocate
+        from mlxbun.quant.budget import Setting
 
-        plan = allocate(self.sens, model_dir=self.args.model, budget_bytes=limit)
+        cands = None if tiers is None else {Setting(b, 64) for b in tiers}
+        plan = allocate(self.sens, model_dir=self.args.model, budget_bytes=limit, candidates=cands)
         path = self.work / "plans" / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, plan.to_json())
-        row = self.quantize("mlxbun knapsack (exact KL, 2-8 bits)", plan=path)
+        label = (
+            "mlxbun knapsack (exact KL, 2-8 bits)"
+            if tiers is None
+            else f"mlxbun exact KL, {tiers[0]}/{tiers[1]} only"
+        )
+        row = self.quantize(label, plan=path)
         assert row["file_bytes"] == plan.size.file_bytes, "predicted size != written size"
         return row | {"predicted_kl_sum": plan.kl_sum, "exact": plan.solver["exact"]}
 
@@ -249,68 +257,105 @@ def compare(bench: Bench, label: str, baseline: dict) -> list[dict]:
             row = fn(limit, low, high)
             if row is not None:
                 rows.append(row)
+        rows.append(bench.ours(limit, f"ours_{low}_{high}_{limit}", tiers=(low, high)))
     return rows
 
 
 # ------------------------------------------------------------------------------- report
 
 
-def report(
-    args: argparse.Namespace, stats: dict, groups: list[tuple[str, list[dict]]], seconds: float
-) -> str:
+def _header(args: argparse.Namespace, stats: dict, seconds: float) -> list[str]:
     import mlx.core as mx
 
-    lines = [
+    sens, dq = stats["sens"], stats["dq"]
+    model = args.model.relative_to(REPO) if args.model.is_relative_to(REPO) else args.model
+    return [
         "# Allocation quality at equal size (bench/allocation_quality.py)",
         "",
-        f"Command: `.venv/bin/python bench/allocation_quality.py --model {args.model} --samples {args.samples}"
+        f"Command: `.venv/bin/python bench/allocation_quality.py --model {model} --samples {args.samples}"
         f" --seq-len {args.seq_len}`  ",
-        f"Machine: 2-core x86_64 Linux ({platform.machine()}), mlx {mx.__version__} CPU, shared with other jobs"
-        f" (times are noisy). Total {seconds:.0f} s.",
+        f"Machine: 2-core x86_64 Linux, mlx {mx.__version__} CPU, shared with other jobs (times are noisy)."
+        f" Total {seconds:.0f} s.",
         "",
-        "KL = KL(reference || quantized) of the next-token distributions, mean over tokens and samples,",
-        f"float32; `calib` = the {args.samples} x {args.seq_len} calibration tokens the sensitivities were"
-        f" measured on, `held_out` = {args.samples} x {args.seq_len} tokens of CPython modules"
-        " outside the fixture's training text. Sizes are the `.safetensors` files on disk, headers included;"
-        " bpw = tensor bits / logical parameters. Every model written by mlxbun's quantize.",
+        "KL = KL(reference || quantized) of the next-token distributions, mean over tokens and samples;"
+        f" `calib` = the {args.samples} x {args.seq_len} calibration tokens the sensitivities were measured on,"
+        f" `held_out` = {args.samples} x {args.seq_len} tokens of CPython modules outside the fixture's"
+        " training text. Sizes are the `.safetensors` files on disk, headers included; bpw = tensor bits /"
+        " logical parameters. Every model was written by mlxbun's quantize and measured on disk.",
         "",
         "| stage | seconds | peak RSS (child) |",
         "|---|---:|---:|",
-        f"| mlxbun sensitivity, exact, {stats['sens']['layers']} modules x {len(BITS)} bits |"
-        f" {stats['sens']['seconds']:.1f} | {stats['sens']['peak_rss_mb']:.0f} MB |",
-        f"| mlx-lm dynamic_quant estimate, {stats['dq']['pairs']} (low, high) pairs |"
-        f" {stats['dq']['seconds']:.1f} | {stats['dq']['peak_rss_mb']:.0f} MB |",
+        f"| mlxbun sensitivity, exact, {sens['layers']} modules x {len(BITS)} bits | {sens['seconds']:.1f} |"
+        f" {sens['peak_rss_mb']:.0f} MB |",
+        f"| mlx-lm dynamic_quant estimate, {dq['pairs']} (low, high) pairs | {dq['seconds']:.1f} |"
+        f" {dq['peak_rss_mb']:.0f} MB |",
         "",
     ]
-    verdicts = []
+
+
+def _best(rows: list[dict], word: str) -> dict | None:
+    return min((r for r in rows[2:] if word in r["label"]), key=lambda r: r["held_out"], default=None)
+
+
+def _summary(groups: list[tuple[str, list[dict]]]) -> list[str]:
+    lines = [
+        "## Summary (held-out KL; lower is better)",
+        "",
+        "| size of | bytes | baseline | best dynamic_quant | best mlxbun, same two tiers | mlxbun, 2-8 bits |"
+        " baseline / mlxbun | best dynamic_quant / mlxbun |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for title, rows in groups:
+        base, ours, dq, tiers = rows[0], rows[1], _best(rows, "dynamic_quant"), _best(rows, "only")
+        dq_kl = dq["held_out"] if dq else float("nan")
+        tier_kl = tiers["held_out"] if tiers else float("nan")
+        lines.append(
+            f"| {title} | {base['file_bytes']} | {base['held_out']:.5f} | {dq_kl:.5f} | {tier_kl:.5f} |"
+            f" {ours['held_out']:.5f} | {base['held_out'] / ours['held_out']:.2f} | {dq_kl / ours['held_out']:.2f} |"
+        )
+    return lines + [""]
+
+
+def _table(title: str, rows: list[dict]) -> list[str]:
+    ours = rows[1]
+    lines = [f"## At the size of {title}: {rows[0]['file_bytes']} bytes", ""]
+    lines += ["| method | bytes on disk | bpw | KL calib | KL held-out | held-out KL / ours |"]
+    lines += ["|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(
+            f"| {r['label']} | {r['file_bytes']} | {r['bpw']:.3f} | {r['calib']:.5f} | {r['held_out']:.5f} |"
+            f" {r['held_out'] / ours['held_out']:.2f} |"
+        )
+    note = f"mlxbun plan: predicted summed KL {ours['predicted_kl_sum']:.5f}, exact optimum: {ours['exact']}."
+    return lines + ["", note, ""]
+
+
+def _verdicts(groups: list[tuple[str, list[dict]]]) -> list[str]:
+    lines = ["## Is the mixed plan's KL below the alternative at the same size?", ""]
     for title, rows in groups:
         ours = rows[1]
-        lines += [f"## At the size of {title}: {rows[0]['file_bytes']} bytes", ""]
-        lines += [
-            "| method | bytes on disk | bpw | KL calib | KL held-out | held-out KL / ours |",
-            "|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in rows:
-            ratio = r["held_out"] / ours["held_out"] if ours["held_out"] else float("nan")
-            lines.append(
-                f"| {r['label']} | {r['file_bytes']} | {r['bpw']:.3f} | {r['calib']:.5f} | {r['held_out']:.5f} | {ratio:.2f} |"
-            )
-        lines += [
-            "",
-            f"mlxbun plan: predicted summed KL {ours['predicted_kl_sum']:.5f}, exact optimum: {ours['exact']}.",
-            "",
-        ]
-        best_dq = min((r for r in rows[2:]), key=lambda r: r["held_out"], default=None)
-        for name, other in (("baseline", rows[0]), ("best dynamic_quant", best_dq)):
-            if other is None:
-                continue
-            for split in ("calib", "held_out"):
+        for name, other in (("baseline", rows[0]), ("best dynamic_quant", _best(rows, "dynamic_quant"))):
+            for split in ("calib", "held_out") if other else ():
                 ok = ours[split] < other[split]
-                verdicts.append(
-                    f"- {title}: mlxbun {split} KL {ours[split]:.5f} {'<' if ok else '>='} {name} ({other['label']}) {other[split]:.5f}: {'yes' if ok else 'NO'}"
+                lines.append(
+                    f"- {title}, {split}: mlxbun {ours[split]:.5f} {'<' if ok else '>='} {name}"
+                    f" ({other['label']}) {other[split]:.5f}: {'yes' if ok else 'NO'}"
                 )
-    lines += ["## Is the mixed plan's KL below the alternative at the same size?", ""] + verdicts + [""]
-    return "\n".join(lines)
+    return lines + [""]
+
+
+def report(
+    args: argparse.Namespace, stats: dict, groups: list[tuple[str, list[dict]]], seconds: float
+) -> str:
+    lines = _header(args, stats, seconds) + _summary(groups)
+    lines += [
+        "Rows `mlxbun exact KL, a/b only` use dynamic_quant's two tiers with mlxbun's measured KLs: they"
+        " separate the quality of the sensitivity estimate from the richer choice of bits.",
+        "",
+    ]
+    for title, rows in groups:
+        lines += _table(title, rows)
+    return "\n".join(lines + _verdicts(groups))
 
 
 def main() -> None:
@@ -364,6 +409,7 @@ def main() -> None:
             )
         )
         print(groups[-1][0], flush=True)
+    (args.work / "rows.json").write_text(json.dumps(groups, indent=1))
     text = report(args, stats, groups, time.perf_counter() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -575,18 +575,9 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, Setting]:
     return sens, Setting(spec.bits, spec.group_size, spec.mode)
 
 
-def run(cfg: Any) -> Any:
-    """command=allocate: plan.json for ``model.name`` from ``allocate.sensitivity`` and the budget."""
-    from mlxbun.errors import DriftError
-    from mlxbun.io.atomic import atomic_write_json
-    from mlxbun.provenance import RunResult
-    from mlxbun.source import model_dir
-
-    a, c = cfg.allocate, cfg.sensitivity.calib
-    src = model_dir(cfg)
-    sens, default = _check_boundary(cfg, src)
-    shard_bytes = int(cfg.io.shard_gb * (1 << 30))
-    plan = allocate(
+def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: Setting) -> Plan:
+    a = cfg.allocate
+    return allocate(
         sens,
         model_dir=src,
         candidates=candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes),
@@ -595,14 +586,12 @@ def run(cfg: Any) -> Any:
         protect=list(a.protect),
         default=default,
         out_dtype=cfg.quant.dtype,
-        shard_bytes=shard_bytes,
+        shard_bytes=int(cfg.io.shard_gb * (1 << 30)),
         max_states=a.max_states,
     )
-    run_dir = Path(cfg.paths.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    plan_path = run_dir / PLAN_FILE
-    atomic_write_json(plan_path, plan.to_json())
-    outputs = [plan_path]
+
+
+def _summary(plan: Plan, plan_path: Path) -> tuple[dict[str, Any], str]:
     metrics = {
         "predicted_bytes": plan.size.file_bytes,
         "predicted_bpw": plan.size.bpw,
@@ -615,23 +604,49 @@ def run(cfg: Any) -> Any:
         f" ({'optimal' if plan.solver['exact'] else 'near-optimal'}; LP bound {plan.solver['lower_bound']:.5g})"
         f" -> {plan_path}"
     )
-    if a.check:
-        check = check_plan(
-            plan, plan_path, model_dir=src, out=run_dir / "model", calib_path=c.path, samples=c.samples,
-            seq_len=c.seq_len, seed=c.seed, out_dtype=cfg.quant.dtype, shard_bytes=shard_bytes,
-            expected_calibration=sens.calibration_fingerprint,
-        )  # fmt: skip
-        atomic_write_json(run_dir / "check.json", check.to_json())
+    return metrics, msg
+
+
+def _check_from_cfg(cfg: Any, plan: Plan, plan_path: Path, src: Path, sens: Sensitivity) -> CheckResult:
+    """Quantize with the plan into ``<run_dir>/model``; check.json; DriftError if sizes differ."""
+    from mlxbun.errors import DriftError
+    from mlxbun.io.atomic import atomic_write_json
+
+    c, run_dir = cfg.sensitivity.calib, plan_path.parent
+    check = check_plan(
+        plan, plan_path, model_dir=src, out=run_dir / "model", calib_path=c.path, samples=c.samples,
+        seq_len=c.seq_len, seed=c.seed, out_dtype=cfg.quant.dtype,
+        shard_bytes=int(cfg.io.shard_gb * (1 << 30)), expected_calibration=sens.calibration_fingerprint,
+    )  # fmt: skip
+    atomic_write_json(run_dir / "check.json", check.to_json())
+    if check.measured != check.predicted:
+        raise DriftError(f"predicted size {check.predicted} != written size {check.measured} ({check.out})")
+    return check
+
+
+def run(cfg: Any) -> Any:
+    """command=allocate: plan.json for ``model.name`` from ``allocate.sensitivity`` and the budget."""
+    from mlxbun.io.atomic import atomic_write_json
+    from mlxbun.provenance import RunResult
+    from mlxbun.source import model_dir
+
+    src = model_dir(cfg)
+    sens, default = _check_boundary(cfg, src)
+    plan = _plan_from_cfg(cfg, src, sens, default)
+    run_dir = Path(cfg.paths.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = run_dir / PLAN_FILE
+    atomic_write_json(plan_path, plan.to_json())
+    outputs = [plan_path]
+    metrics, msg = _summary(plan, plan_path)
+    if cfg.allocate.check:
+        check = _check_from_cfg(cfg, plan, plan_path, src, sens)
         outputs += [run_dir / "check.json", check.out]
         metrics |= {"measured_bytes": check.measured.file_bytes, "measured_kl": check.measured_kl}
         msg += f"\ncheck: wrote {check.measured.file_bytes} bytes, measured KL {check.measured_kl:.5g} -> {check.out}"
-        if check.measured != check.predicted:
-            raise DriftError(
-                f"predicted size {check.predicted} != written size {check.measured} ({check.out})"
-            )
     return RunResult(
         outputs=outputs,
-        inputs=[src, sens.path, *(Path(x).expanduser() for x in a.extra_sensitivity)],
+        inputs=[src, sens.path, *(Path(x).expanduser() for x in cfg.allocate.extra_sensitivity)],
         metrics=metrics,
         message=msg,
         provides={"quant.plan": str(plan_path)},
