@@ -2,16 +2,17 @@
 
 For every quantizable module (the ones mlx-lm's quantize would touch) and every candidate bit
 width, the module's weight is quantized then dequantized, the calibration samples run through the
-model, and the score is KL(ref || cur) = mean over tokens of sum_v p_ref (log p_ref - log p_cur),
-in float32, averaged over samples. ``sensitivity_ref.py`` does exactly that, one full forward per
-sample. This module computes the same numbers faster:
+model, and the score is KL(ref || cur) = mean over tokens of sum_v p_ref (log p_ref - log p_cur)
+of the float32 logits (softmax and sums in float64), averaged over samples. ``sensitivity_ref.py``
+does exactly that, one full forward per sample. This module computes the same numbers faster:
 
 - a module in block i only changes blocks i..L: the reference hidden state entering block i is
   kept (for all samples, one block boundary at a time) and each probe runs blocks i..L only;
   ``lm_head`` probes run the head only;
 - samples run in batches; weights are float32 (fake-quantized candidates too), so matmuls go
   through the optimized BLAS on Linux CPU (MLX's bf16 and quantized CPU matmuls do not);
-- reference log-probs are computed once and kept when they fit ``ref_cache_mb``.
+- reference probabilities are computed once and kept when they fit ``ref_cache_mb``; the next
+  probe is queued (``mx.async_eval``) while numpy scores the previous one.
 
 The model runs through mlx-lm's own class, so every architecture with a block loop works: probes
 swap the block list for one whose first entries pass the stored hidden state through.
@@ -34,8 +35,8 @@ sensitivity.json: {"version": 1, "kind": "mlxbun.sensitivity", "metric": ..., "m
 "shard": null | {"index", "count", "groups"}}.
 
 Example:
-    >>> result = sensitivity(model_dir="tests/fixtures/llama-text-3m", out_dir="out", bits=[4, 8])
-    >>> result["layers"][0]["kl"]["4"]
+    >>> doc = sensitivity(model_dir="tests/fixtures/llama-text-3m", out_dir="out", work_dir="work")
+    >>> doc["layers"][0]["path"], doc["layers"][0]["kl"]["4"]
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ log = logging.getLogger("mlxbun.sensitivity")
 
 SCHEMA_VERSION = 1
 KIND = "mlxbun.sensitivity"
-METRIC = "kl(ref||cur), mean over tokens, mean over samples, float32"
+METRIC = "kl(ref||cur) of float32 logits (float64 softmax), mean over tokens, then over samples"
 MODE_DEFAULT_GROUP = {"affine": 64, "mxfp4": 32, "nvfp4": 16, "mxfp8": 32}
 
 
