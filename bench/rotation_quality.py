@@ -170,19 +170,27 @@ def scale_lines(scale: dict) -> list[str]:
 
 
 def report(results: list[dict], args: argparse.Namespace, seconds: float, scale: dict | None) -> str:
+    flags = f"--preset {args.preset} --samples {args.samples} --seq-len {args.seq_len} --outlier-scale {args.outlier_scale}"
+    if args.scale_preset:
+        flags += f" --scale-preset {args.scale_preset} --scale-layers {args.scale_layers}"
+    flags += " --skip-quality" if args.skip_quality else ""
     lines = [
         "# Rotation quality (R1 fold) — KL to the bf16 reference, uniform affine g64",
         "",
-        f"Command: `.venv/bin/python bench/rotation_quality.py --preset {args.preset} --samples {args.samples} "
-        f"--seq-len {args.seq_len} --outlier-scale {args.outlier_scale}"
-        + (
-            f" --scale-preset {args.scale_preset} --scale-layers {args.scale_layers}"
-            if args.scale_preset
-            else ""
-        )
-        + "`  ",
+        f"Command: `.venv/bin/python bench/rotation_quality.py {flags}`  ",
         f"Machine: 2-core {platform.machine()} Linux (shared, noisy), mlx {_version('mlx')} CPU, "
-        f"mlx-lm {_version('mlx-lm')}. Total {seconds:.0f} s.  ",
+        f"mlx-lm {_version('mlx-lm')}. Total {seconds:.0f} s.",
+    ]
+    if results:
+        lines += quality_lines(results, args)
+    if scale is not None:
+        lines += scale_lines(scale)
+    return "\n".join(lines) + "\n"
+
+
+def quality_lines(results: list[dict], args: argparse.Namespace) -> list[str]:
+    lines = [
+        "",
         f"Tokens: {args.samples} × {args.seq_len} of the built-in calibration text; KL in float32, mean per "
         "token. Quantizer for both sides: the anchor `mlx_lm.convert` (so only the rotation differs).",
         "",
@@ -202,9 +210,7 @@ def report(results: list[dict], args: argparse.Namespace, seconds: float, scale:
             f"| {r['model']} | {r['kl']['rotated bf16']:.2e} | {r['rotate']['seconds']:.1f} | "
             f"{r['rotate']['peak_rss_mb']:.0f} | {c['seconds']:.1f} | {c['peak_rss_mb']:.0f} |"
         )
-    if scale is not None:
-        lines += scale_lines(scale)
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _version(pkg: str) -> str:
@@ -222,19 +228,20 @@ def main() -> None:
     ap.add_argument("--fixture", type=Path, default=REPO / "tests" / "fixtures" / "llama-text-3m")
     ap.add_argument("--scale-preset", default=None, help="also time rotate on this synth preset (e.g. 1b)")
     ap.add_argument("--scale-layers", type=int, default=4)
+    ap.add_argument("--skip-quality", action="store_true", help="only the scale run (with --scale-preset)")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "rotate.md")
     args = ap.parse_args()
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="rotation-quality-") as tmp:
         work = Path(tmp)
-        models = [
+        models = [] if args.skip_quality else [
             (f"synth llama {args.preset}, " + ("no outliers" if t == "none" else f"8 {t} outlier channels ×{args.outlier_scale:g}"),
              synth_model(work, args.preset, t, args.outlier_scale))
             for t in TARGETS
         ]  # fmt: skip
-        if (args.fixture / "config.json").is_file():
+        if (args.fixture / "config.json").is_file() and not args.skip_quality:
             models.append(("trained fixture " + args.fixture.name, args.fixture))
-        else:
+        elif not args.skip_quality:
             print(f"no trained fixture at {args.fixture}; skipped", flush=True)
         results = [evaluate(f"m{i}", src, work, args.samples, args.seq_len) | {"model": name}
                    for i, (name, src) in enumerate(models)]  # fmt: skip
