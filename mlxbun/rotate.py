@@ -535,11 +535,18 @@ def _job(m: Any, *, seed: int, dtype: str | None, shard_bytes: int) -> dict[str,
     }
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # torn or unreadable: treated as another job
+
+
 def _prepare_partial(tmp: Path, job: dict[str, Any]) -> bool:
     """Reuse ``tmp`` when it holds a partial run of the same job (returns True), else start it afresh."""
     marker = tmp / ".rotate-job.json"
     finished = any(tmp.glob("model*.safetensors"))  # failed after the shards: redo it all
-    if marker.is_file() and not finished and json.loads(marker.read_text()) == job:
+    if marker.is_file() and not finished and _read_json(marker) == job:
         return True
     if tmp.exists():
         shutil.rmtree(tmp)

@@ -473,3 +473,14 @@ def test_recipe_synth_rotate_quantize_loads_in_mlx_lm(tmp_path):
     model, _ = load(str(run / "quantize" / "model"))
     out = model(mx.array(tokens(8))[None])
     assert np.isfinite(np.asarray(out.astype(mx.float32))).all()
+
+
+def test_a_torn_partial_from_another_job_is_started_afresh(tiny_model, tmp_path):
+    src = tiny_model("llama", dtype="float32")
+    partial = tmp_path / ".out.partial"
+    partial.mkdir()
+    (partial / ".rotate-job.json").write_text('{"seed": ')
+    (partial / "stray.bin").write_bytes(b"x")
+    res = rotate_model_dir(src, tmp_path / "out", seed=0, verify=False)
+    assert not (res.out / "stray.bin").exists() and not partial.exists()
+    assert read_fold_record(res.out).seed == 0
