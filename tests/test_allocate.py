@@ -382,15 +382,14 @@ def test_run_writes_a_plan_and_checks_it(model, measured, tmp_path):
     assert check["size_exact"] and check["measured"]["file_bytes"] == plan["predicted_bytes"]
     assert check["calibration_matches_sensitivity"]
     assert check["measured_kl"] > 0 and plan["predicted_kl_sum"] > 0
-    # Same inputs, same plan bytes.
+    # Same inputs in another run directory (sensitivity given as file, not dir): same bytes.
     cfg2 = command_cfg(
         tmp_path / "again", model, sensitivity=str(measured), budget_bpw=4.5, protect=["lm_head:8"]
     )
-    cfg2.allocate.check = False
     al.run(cfg2)
-    assert (tmp_path / "again" / "run" / "plan.json").read_bytes() == (
-        tmp_path / "run" / "plan.json"
-    ).read_bytes()
+    for name in ("plan.json", "check.json", "model/model.safetensors"):
+        assert (tmp_path / "again" / "run" / name).read_bytes() == (tmp_path / "run" / name).read_bytes()
+    assert check["model"] == "model"
 
 
 def test_run_rejects_bad_input_before_writing(model, measured, tmp_path):

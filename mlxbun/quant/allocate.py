@@ -436,8 +436,7 @@ def _plan(
         "slack_bound_bytes": sol.slack_bound,
         "items": len(prob.paths),
     }
-    src = {
-        "sensitivity": str(sens.path) if sens.path else None,
+    src = {  # fingerprints, not paths: the same inputs give the same plan.json bytes anywhere
         "model_fingerprint": sens.model_fingerprint,
         "calibration_fingerprint": sens.calibration_fingerprint,
         "out_dtype": kw["out_dtype"],
@@ -461,9 +460,13 @@ class CheckResult:
     calibration_fingerprint: str
     calibration_matches: bool
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, *, base: Path | None = None) -> dict[str, Any]:
+        """JSON for check.json; ``model`` is relative to ``base`` (the file's directory) when inside it."""
+        out = self.out
+        if base is not None and out.resolve().is_relative_to(base.resolve()):
+            out = out.resolve().relative_to(base.resolve())
         return {
-            "model": str(self.out),
+            "model": str(out),
             "predicted": self.predicted.to_json(),
             "measured": self.measured.to_json(),
             "size_exact": self.predicted == self.measured,
@@ -618,7 +621,7 @@ def _check_from_cfg(cfg: Any, plan: Plan, plan_path: Path, src: Path, sens: Sens
         seq_len=c.seq_len, seed=c.seed, out_dtype=cfg.quant.dtype,
         shard_bytes=int(cfg.io.shard_gb * (1 << 30)), expected_calibration=sens.calibration_fingerprint,
     )  # fmt: skip
-    atomic_write_json(run_dir / "check.json", check.to_json())
+    atomic_write_json(run_dir / "check.json", check.to_json(base=run_dir))
     if check.measured != check.predicted:
         raise DriftError(f"predicted size {check.predicted} != written size {check.measured} ({check.out})")
     return check
