@@ -202,8 +202,8 @@ NOTES = [
     "  sensitivities need float32 forwards, as both seed-f32 and mlxbun use.",
     "- mlxbun vs seed-f32 isolates the algorithm (block-input reuse, batched samples, queued probes):",
     "  the same BLAS, the same numbers. vs seed-bf16 adds the float32-BLAS gain.",
-    "- The 2-job sweep shares the same 2 cores (and the machine with other jobs), so it cannot beat",
-    "  one job here; its point is spreading shards over machines (submitit/Slurm, Ray launchers).",
+    "- The 2-job sweep shares the same 2 cores with other jobs: its gain over one job depends on the",
+    "  load at the moment; its main point is spreading shards over machines (submitit/Slurm, Ray).",
     "",
 ]
 
