@@ -133,8 +133,9 @@ def test_cli(quantized_dir: tuple[Path, nn.Module], tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["total_tensors"] == 53
     assert not list(tmp_path.rglob("manifest.json"))  # read-only: no recorded run
+    (tmp_path / "hub").mkdir()
     bad = run_cli("command=inspect", f"inspect.path={tmp_path / 'missing'}", tmp=tmp_path)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: inspect.path=")
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error: inspect.path=")
 
 
 def test_odd_packed_shape_is_reported_not_fatal(tmp_path: Path) -> None:
