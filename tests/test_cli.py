@@ -208,3 +208,9 @@ def test_submitit_local_sweep_records_each_job(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     manifests = sorted((tmp_path / "outputs" / "multirun").rglob("manifest.json"))
     assert len(manifests) == 2
+
+
+@pytest.mark.parametrize("command", sorted(cli.READONLY - {"verify"}))
+def test_read_only_commands_leave_no_run_directory(tmp_path: Path, command: str) -> None:
+    run_cli(f"command={command}", tmp=tmp_path)
+    assert not (tmp_path / "outputs").exists()
