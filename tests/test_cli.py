@@ -203,8 +203,14 @@ def test_launcher_presets_compose(launcher: str) -> None:
 
 
 def test_submitit_local_sweep_records_each_job(tmp_path: Path) -> None:
-    res = run_cli("-m", "command=synth", "synth.seed=0,1", "hydra/launcher=submitit_local",
-                  "hydra.launcher.timeout_min=10", tmp=tmp_path)
+    res = run_cli(
+        "-m",
+        "command=synth",
+        "synth.seed=0,1",
+        "hydra/launcher=submitit_local",
+        "hydra.launcher.timeout_min=10",
+        tmp=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     manifests = sorted((tmp_path / "outputs" / "multirun").rglob("manifest.json"))
     assert len(manifests) == 2
