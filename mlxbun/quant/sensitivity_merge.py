@@ -8,8 +8,10 @@ Hydra multirun sweep directory (its numbered job directories are read)::
         1/sensitivity.json     shard 1 of 2
 
 The shards must agree on model and calibration fingerprints and on every setting; together they
-must cover every module exactly once. The merged document is byte-identical to a single-job run
-with the same settings (``shard`` is null, layers in model order), written with its CSV and PNG.
+must cover every module exactly once. The merged document equals a single-job run with the same
+settings (``shard`` is null, layers in model order), written with its CSV and PNG: byte-identical
+when the jobs ran with the same BLAS thread count. (Hydra's joblib launcher gives each worker
+cpu_count // n_jobs BLAS threads; OpenBLAS's float32 rounding then differs at ~1e-7 relative.)
 
 Example:
     >>> merge(inputs=["outputs/multirun/sensitivity/2026-12-02_10-00-00"], out_dir="out")
