@@ -19,6 +19,7 @@ import os
 import platform
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -68,18 +69,17 @@ def _files_under(path: Path) -> list[Path]:
 def hash_paths(paths: list[Path], *, base: Path | None = None) -> dict[str, dict[str, Any]]:
     """sha256 and size of every file in ``paths`` (directories recursively), keyed by path.
 
-    Keys are relative to ``base`` when the file lies under it, else absolute.
+    Keys are relative to ``base`` when the file lies under it, else absolute. Files are hashed on
+    one thread per core (hashlib releases the GIL), so a sharded model hashes in parallel.
     """
-    out: dict[str, dict[str, Any]] = {}
-    for root in paths:
-        root = Path(root)
-        if not root.exists():
-            continue
-        for f in _files_under(root):
-            key = _rel(f, base)
-            if key != MANIFEST:
-                out[key] = {"sha256": sha256_file(f), "size": f.stat().st_size}
-    return dict(sorted(out.items()))
+    files: dict[str, Path] = {}
+    for root in map(Path, paths):
+        if root.exists():
+            files.update((_rel(f, base), f) for f in _files_under(root))
+    files.pop(MANIFEST, None)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        digests = dict(zip(files, pool.map(sha256_file, files.values()), strict=True))
+    return {k: {"sha256": digests[k], "size": files[k].stat().st_size} for k in sorted(files)}
 
 
 def _rel(path: Path, base: Path | None) -> str:
