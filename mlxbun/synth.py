@@ -50,7 +50,6 @@ k=4 scale 20 ``weights`` 4.49 / 2.30 / 0.71, ``activations`` 0.16 / 0.16 / 0.30,
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -68,7 +67,7 @@ from typing import Any
 import numpy as np
 
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_json, dumps_json, fsync_dir, publish_dir
+from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, fsync_dir, publish_dir
 from mlxbun.schema import ARCHS, DTYPES
 
 log = logging.getLogger("mlxbun")
@@ -898,7 +897,7 @@ def write_spec(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     partial = root / f".{out_dir.name}.partial-{spec.hash}"
     lock = partial.with_name(partial.name + ".lock")
-    with _locked(lock):
+    with file_lock(lock):
         _refuse_existing(out_dir)
         _prepare_partial(partial, spec)
         _write_weights(spec, partial, shard_bytes=shard_bytes, overlap=overlap)
@@ -958,18 +957,6 @@ def synthesize(
     return write_spec(spec, Path(out_dir), shard_bytes=shard_bytes, overlap=overlap)
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    import fcntl
-
-    with open(path, "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-
-
 def ensure_synthetic(*, cache_dir: str | Path, shard_bytes: int = 5 << 30, **fields: Any) -> Path:
     """The cached checkpoint for these synth fields, built once into ``cache_dir/<spec hash>/``.
 
@@ -985,7 +972,7 @@ def ensure_synthetic(*, cache_dir: str | Path, shard_bytes: int = 5 << 30, **fie
     if (final / "config.json").is_file():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
-    with _locked(cache_dir / f".{spec.hash}.lock"):
+    with file_lock(cache_dir / f".{spec.hash}.lock"):
         if not final.exists():
             write_spec(spec, final, shard_bytes=shard_bytes)
     return final

@@ -78,3 +78,22 @@ def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
     """Rename a fully written (and fsync'd) directory to its final name, then fsync the parent."""
     os.replace(tmp_dir, final_dir)
     fsync_dir(final_dir.parent)
+
+
+@contextlib.contextmanager
+def file_lock(path: str | Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if missing) for the duration of the block.
+
+    Two processes building the same output (same spec, same conversion) serialise on it; the
+    second then finds the first one's result.
+    """
+    import fcntl
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -22,7 +22,6 @@ On disk::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, fsync_dir, publish_dir
+from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, file_lock, fsync_dir, publish_dir
 from mlxbun.progress import Progress
 from mlxbun.quant.plan import CONVERSION_DTYPES, Plan, QuantSpec, Skeleton, load_plan, prepare
 
@@ -444,7 +443,7 @@ def quantize_model_dir(
     if (done := _boundary(out, fp, partial)) is not None:
         return done
     lock = partial.with_name(partial.name + ".lock")
-    with _locked(lock):  # two runs of the same conversion: the second waits, then reuses
+    with file_lock(lock):  # two runs of the same conversion: the second waits, then reuses
         if (done := _boundary(out, fp, partial)) is not None:
             return done
         state = _claim(partial, fp, settings, resume=resume)
@@ -476,19 +475,6 @@ def _convert(
     marker = _read_marker(partial) or {}
     atomic_write_json(partial / MARKER, {**marker, "state": "complete", "quantization": sk.quantization})
     return sizes
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    import fcntl
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
 def _settings(
