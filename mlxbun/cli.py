@@ -265,6 +265,7 @@ def _recorded_run(cfg: Any, resolved: dict[str, Any], fn: Any, blas_info: dict[s
         recipe=recipe,
         seed=cfg.seed,
         blas=blas_info,
+        digest_cache=Path(cfg.paths.cache).expanduser() / "digests",
     )
     manifest.write()
     registry.open_db(url=cfg.registry.url, path=cfg.registry.path)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import DriftError, InputError
-from mlxbun.io.atomic import atomic_write_json
+from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -60,17 +60,44 @@ def sha256_file(path: Path, *, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
+def cached_sha256(path: Path, cache_dir: Path | None) -> str:
+    """sha256 of ``path``, remembered in ``cache_dir`` under its identity (device, inode, size,
+    mtime in ns, resolved path), so a sweep over one source model hashes its shards once.
+
+    Any change to the file changes its mtime and so its key; ``cache_dir=None`` always hashes.
+    """
+    if cache_dir is None:
+        return sha256_file(path)
+    st = path.stat()
+    ident = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
+    key = hashlib.sha256(ident.encode()).hexdigest()
+    entry = cache_dir / key[:2] / key
+    try:
+        digest = entry.read_text().strip()
+        if len(digest) == 64:
+            return digest
+    except OSError:
+        pass
+    digest = sha256_file(path)
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(entry, digest.encode())
+    return digest
+
+
 def _files_under(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-def hash_paths(paths: list[Path], *, base: Path | None = None) -> dict[str, dict[str, Any]]:
+def hash_paths(
+    paths: list[Path], *, base: Path | None = None, cache_dir: Path | None = None
+) -> dict[str, dict[str, Any]]:
     """sha256 and size of every file in ``paths`` (directories recursively), keyed by path.
 
     Keys are relative to ``base`` when the file lies under it, else absolute. Files are hashed on
-    one thread per core (hashlib releases the GIL), so a sharded model hashes in parallel.
+    one thread per core (hashlib releases the GIL), so a sharded model hashes in parallel;
+    ``cache_dir`` reuses digests of unchanged files (see :func:`cached_sha256`).
     """
     files: dict[str, Path] = {}
     for root in map(Path, paths):
@@ -78,7 +105,8 @@ def hash_paths(paths: list[Path], *, base: Path | None = None) -> dict[str, dict
             files.update((_rel(f, base), f) for f in _files_under(root))
     files.pop(MANIFEST, None)
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        digests = dict(zip(files, pool.map(sha256_file, files.values()), strict=True))
+        hashed = pool.map(lambda f: cached_sha256(f, cache_dir), files.values())
+        digests = dict(zip(files, hashed, strict=True))
     return {k: {"sha256": digests[k], "size": files[k].stat().st_size} for k in sorted(files)}
 
 
@@ -154,6 +182,8 @@ class Manifest:
     inputs: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
+    # Where digests of unchanged input files are remembered; outputs are always hashed afresh.
+    digest_cache: Path | None = None
 
     def recipe_info(self) -> dict[str, Any] | None:
         if self.recipe is None:
@@ -197,7 +227,7 @@ class Manifest:
     def finish(self, *, status: str, result: RunResult | None = None, error: str | None = None) -> Path:
         self.status, self.error, self.finished_at = status, error, now_iso()
         if result is not None:
-            self.inputs = hash_paths(result.inputs, base=self.run_dir)
+            self.inputs = hash_paths(result.inputs, base=self.run_dir, cache_dir=self.digest_cache)
             self.outputs = hash_paths(result.outputs, base=self.run_dir)
             self.metrics = result.metrics
         return self.write()
