@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import platform
+import random
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -35,7 +36,9 @@ from mlxbun.errors import InputError
 
 log = logging.getLogger("mlxbun")
 db = pw.DatabaseProxy()
-SQLITE_PRAGMAS = {"journal_mode": "wal", "busy_timeout": 60000, "synchronous": "normal", "foreign_keys": 1}
+# busy_timeout first: every later pragma (the WAL switch above all) may wait on another process.
+SQLITE_PRAGMAS = {"busy_timeout": 60000, "journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1}
+CONNECT_DEADLINE_S = 60.0
 DEFAULT_DB = "~/.cache/mlxbun/registry.db"
 GB = 10**9
 PG_LOCK_KEY = 0x6D6C7862  # advisory lock serializing schema upgrades on PostgreSQL
@@ -199,10 +202,29 @@ def open_db(*, url: str | None = None, path: str | Path | None = None) -> pw.Dat
         return db.obj
     database = _connect(url=target[0], path=target[1])
     db.initialize(database)
-    database.connect(reuse_if_open=True)
+    _connect_retrying(database)
     upgrade_schema(database)
     _target = target
     return database
+
+
+def _connect_retrying(database: pw.Database) -> None:
+    """Connect, retrying while sqlite reports the file locked.
+
+    Switching a new file to WAL needs an exclusive lock, and sqlite may answer SQLITE_BUSY at
+    once (no busy handler) when several sweep jobs open the registry together.
+    """
+    deadline = time.monotonic() + CONNECT_DEADLINE_S
+    delay = 0.01
+    while True:
+        try:
+            database.connect(reuse_if_open=True)
+            return
+        except pw.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() + delay > deadline:
+                raise
+        time.sleep(delay * (1 + random.random()))
+        delay = min(delay * 2, 1.0)
 
 
 def _connect(*, url: str | None, path: str | None) -> pw.Database:
