@@ -26,3 +26,17 @@ def run_cli(
     argv = [sys.executable, "-m", "mlxbun", *args] + (isolated_args(tmp) if isolate else [])
     full_env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=full_env)
+
+
+# A sitecustomize.py body: the writer finishes its second shard, then the process is SIGKILLed
+# (put it on PYTHONPATH of a child to test resume after a crash).
+KILL_AFTER_SECOND_SHARD = """
+import os, signal
+from mlxbun.io import shards
+real = shards.ShardedWriter._write_shard
+def write_then_die(self, k, items):
+    real(self, k, items)
+    if k == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+shards.ShardedWriter._write_shard = write_then_die
+"""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from cli_util import KILL_AFTER_SECOND_SHARD
 from conftest import make_tokenizer_dir
 from mlx.utils import tree_flatten
 
@@ -395,24 +396,12 @@ def test_moe_experts_stacked_by_sanitize_match_mlx_lm(tmp_path):
     assert (mine.out / "config.json").read_text() == (ref / "config.json").read_text()
 
 
-HOOK = """
-import os, signal
-from mlxbun.io import shards
-real = shards.ShardedWriter._write_shard
-def write_then_die(self, k, items):
-    real(self, k, items)
-    if k == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-shards.ShardedWriter._write_shard = write_then_die
-"""
-
-
 @pytest.mark.slow
 def test_cli_rerun_after_sigkill_resumes_into_the_new_run_dir(tmp_path):
     src = make_hf_model(tmp_path / "src", "llama")
     hook = tmp_path / "hook"
     hook.mkdir()
-    (hook / "sitecustomize.py").write_text(HOOK)
+    (hook / "sitecustomize.py").write_text(KILL_AFTER_SECOND_SHARD)
     args = [
         sys.executable, "-m", "mlxbun", "command=quantize", f"model.name={src}", "quant.bits=4",
         "io.shard_gb=0.00004", f"paths.outputs={tmp_path / 'outputs'}", f"paths.cache={tmp_path / 'cache'}",

@@ -12,7 +12,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from cli_util import REPO, run_cli
+from cli_util import KILL_AFTER_SECOND_SHARD, REPO, run_cli
 from mlx.utils import tree_flatten
 
 from mlxbun import synth
@@ -263,18 +263,6 @@ def test_interrupted_build_resumes_and_leaves_nothing_final(tmp_path, monkeypatc
     assert _files(out) == _files(fresh)
     assert (out / "model.safetensors.index.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "m"]  # no partial, no lock left
-
-
-KILL_AFTER_SECOND_SHARD = """
-import os, signal
-from mlxbun.io import shards
-real = shards.ShardedWriter._write_shard
-def write_then_die(self, k, items):
-    real(self, k, items)
-    if k == 2:
-        os.kill(os.getpid(), signal.SIGKILL)
-shards.ShardedWriter._write_shard = write_then_die
-"""
 
 
 def test_cli_rerun_after_sigkill_resumes(tmp_path):
