@@ -49,23 +49,33 @@ class GcPlan:
         return d
 
 
+def _size(p: Path) -> int | None:
+    """Size of ``p`` without following links, or None when a racing writer renamed it away."""
+    try:
+        return p.lstat().st_size
+    except FileNotFoundError:
+        return None
+
+
 def _block_files(store: Store) -> dict[str, int]:
     if not store.blocks.is_dir():
         return {}
     out = {}
     for p in store.blocks.iterdir():
         if fmt.HEX64.fullmatch(p.name) and not p.is_symlink() and p.is_file():
-            out[p.name] = p.stat().st_size
+            if (size := _size(p)) is not None:
+                out[p.name] = size
     return out
 
 
 def _temp_files(store: Store) -> dict[str, int]:
+    # Listed without the store lock (a plan only looks): a writer may publish a temp meanwhile.
     out = {}
     for d in (store.snapshots, store.blocks):
         if d.is_dir():
             for p in d.iterdir():
-                if p.name.startswith(".") and TMP_MARK in p.name:
-                    out[str(p.relative_to(store.root))] = p.lstat().st_size
+                if p.name.startswith(".") and TMP_MARK in p.name and (size := _size(p)) is not None:
+                    out[str(p.relative_to(store.root))] = size
     return out
 
 
