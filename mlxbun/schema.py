@@ -20,6 +20,16 @@ AFFINE_BITS = (2, 3, 4, 5, 6, 8)
 GROUP_SIZES = (16, 32, 64, 128)
 MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 DTYPES = ("bfloat16", "float16", "float32")
+# Model dimensions a synth spec may set explicitly (each overrides the preset's value).
+SYNTH_DIMS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+)
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 
@@ -101,15 +111,7 @@ class SynthCfg:
     def __post_init__(self) -> None:
         choose("synth.arch", self.arch, ARCHS)
         choose("synth.dtype", self.dtype, DTYPES)
-        for k in (
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "vocab_size",
-        ):
+        for k in SYNTH_DIMS:
             positive(f"synth.{k}", getattr(self, k))
         positive("synth.outlier_channels", self.outlier_channels, allow_zero=True)
         positive("synth.outlier_scale", self.outlier_scale)

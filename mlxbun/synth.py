@@ -68,7 +68,7 @@ import numpy as np
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, fsync_dir, publish_dir
-from mlxbun.schema import ARCHS, DTYPES
+from mlxbun.schema import ARCHS, DTYPES, SYNTH_DIMS
 
 log = logging.getLogger("mlxbun")
 
@@ -285,15 +285,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 PRESETS["1.5b"] = PRESETS["1b"]
-DIMS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "vocab_size",
-)
+DIMS = SYNTH_DIMS
 
 
 @dataclass(frozen=True)
