@@ -288,19 +288,58 @@ def read_block(blocks: Path, name: str, nbytes: int, *, verify: bool, what: str)
     return buf
 
 
+# Consecutive tensors that share a token count, row width and dtype are restored into one buffer
+# of at most this many bytes, so a block is scattered with a few strided copies, not one per tensor.
+# Below glibc's largest mmap threshold (32 MiB), so a process that restores again reuses heap
+# pages instead of faulting in fresh ones.
+PIECE_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tensors ``first .. first+count-1`` of the geometry, stacked row-wise in one buffer."""
+
+    first: int
+    count: int
+    rows: int
+    tokens: int
+    row_bytes: int
+    dtype: str
+    width: int
+
+    @property
+    def shape(self) -> list[int]:
+        return [self.rows, self.tokens, self.width]
+
+
+def pieces(header: dict[str, Any], geo: Geometry) -> list[Piece]:
+    """Group the geometry's tensors (manifest order) into pieces; a block holds each piece's rows
+    back to back, because it holds its tensors back to back with equal token spans."""
+    out: list[Piece] = []
+    for i, ((_, t), (_, rows, n, rb)) in enumerate(zip(fmt.tensors_of(header), geo.tensors, strict=True)):
+        key = (n, rb, t["dtype"], t["shape"][3])
+        last = out[-1] if out else None
+        if last and (last.tokens, last.row_bytes, last.dtype, last.width) == key:
+            if (last.rows + rows) * n * rb <= PIECE_BYTES:
+                out[-1] = Piece(last.first, last.count + 1, last.rows + rows, *key)
+                continue
+        out.append(Piece(i, 1, rows, *key))
+    return out
+
+
 def read_blocks(
     blocks: Path,
     header: dict[str, Any],
     geo: Geometry,
+    parts: list[Piece],
+    dests: list[np.ndarray],
     *,
     verify: bool,
     threads: int,
     what: str,
-    out: dict[str, np.ndarray] | None = None,
-) -> dict[str, np.ndarray]:
-    """Reassemble every tensor's raw bytes (flat uint8) from its blocks, into ``out`` if given."""
-    flat = out or {name: np.empty(rows * t * rb, dtype=np.uint8) for name, rows, t, rb in geo.tensors}
-    dest = {name: flat[name].reshape(rows, t, rb) for name, rows, t, rb in geo.tensors}
+) -> None:
+    """Fill each piece's flat uint8 buffer in ``dests`` from the blocks (hashed when ``verify``)."""
+    dest = [d.reshape(p.rows, p.tokens, p.row_bytes) for p, d in zip(parts, dests, strict=True)]
 
     def one(j: int) -> None:
         entry = header["blocks"][j]
@@ -308,12 +347,38 @@ def read_blocks(
             read_block(blocks, entry["hash"], entry["nbytes"], verify=verify, what=what), np.uint8
         )
         pos, lo = 0, j * geo.block_tokens
-        for name, rows, t, rb in geo.tensors:
-            n = geo.span(j, t)
-            size = rows * n * rb
-            dest[name][:, lo : lo + n, :] = buf[pos : pos + size].reshape(rows, n, rb)
+        for p, d in zip(parts, dest, strict=True):
+            n = geo.span(j, p.tokens)
+            size = p.rows * n * p.row_bytes
+            if size:
+                d[:, lo : lo + n, :] = buf[pos : pos + size].reshape(p.rows, n, p.row_bytes)
             pos += size
 
     with ThreadPoolExecutor(max(1, threads)) as pool:
         list(pool.map(one, range(geo.n_blocks)))
-    return flat
+
+
+def restore(
+    blocks: Path, header: dict[str, Any], geo: Geometry, *, verify: bool, threads: int, what: str
+) -> dict[str, Any]:
+    """Every tensor of a validated manifest as an mlx array, keyed 'layer.name'.
+
+    Each piece is one mlx buffer that the blocks are read into; its tensors are row slices of
+    it (views: no copy), reinterpreted as bfloat16 where needed.
+    """
+    parts = pieces(header, geo)
+    bufs = state.alloc({str(k): (p.dtype, p.shape) for k, p in enumerate(parts)}, streams=threads)
+    flats = [bufs[str(k)][1] for k in range(len(parts))]
+    read_blocks(blocks, header, geo, parts, flats, verify=verify, threads=threads, what=what)
+    specs = list(fmt.tensors_of(header))
+    out = {}
+    for k, p in enumerate(parts):
+        a, flat = bufs[str(k)]
+        whole = state.finish(p.dtype, a, flat, p.shape)
+        r = 0
+        for name, t in specs[p.first : p.first + p.count]:
+            b, h = t["shape"][:2]
+            out[name] = whole[r : r + b * h].reshape(t["shape"])
+            r += b * h
+    state.settle(out)
+    return out

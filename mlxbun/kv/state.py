@@ -9,6 +9,7 @@ rows ``(batch, head)`` of shape ``(tokens, width)`` so that a row is contiguous 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -147,21 +148,54 @@ def cache_state(cache: list[Any]) -> list[LayerState]:
 STORAGE = {"float16": mx.float16, "bfloat16": mx.uint16, "float32": mx.float32, "uint32": mx.uint32}
 
 
-def alloc(dtype: str, shape: list[int]) -> tuple[mx.array | None, np.ndarray]:
-    """A new evaluated mlx array and a writable flat uint8 numpy view of its memory.
+_STREAMS = threading.local()
+
+
+def _streams(n: int) -> list[Any]:
+    """``n`` CPU streams of this thread (mlx streams are per thread), each filled by its own
+    worker, so allocations on different streams run in parallel. Created once per thread."""
+    have = getattr(_STREAMS, "list", None)
+    if have is None:
+        have = _STREAMS.list = []
+    while len(have) < n:
+        have.append(mx.new_stream(mx.cpu))
+    return have[:n]
+
+
+Buffer = tuple[mx.array | None, np.ndarray]
+
+
+def alloc(specs: dict[str, tuple[str, list[int]]], *, streams: int = 1) -> dict[str, Buffer]:
+    """New evaluated mlx arrays and writable flat uint8 numpy views of their memory, by name.
 
     Restores read straight into mlx-owned memory (numpy views of mlx arrays share their buffer,
-    as the mlx docs describe), which saves a full copy of the cache. The zero fill costs a pass;
-    reading through ``mx.load`` of a Python file object would avoid it, but that aborted the
-    interpreter at exit here (std::terminate in mlx's io thread pool), so it is not used.
+    as the mlx docs describe), which saves a full copy of the cache. mlx has no uninitialised
+    allocation (``mx.empty`` is ``mx.zeros``; ``from_dlpack`` refuses zero-copy CPU imports), so
+    the arrays are zero-filled; on a fresh process that fill is mostly page faults, which this
+    spreads over ``streams`` CPU streams (largest arrays first, each to the least-loaded stream).
     """
-    a = mx.zeros(shape, dtype=STORAGE[dtype])
-    mx.eval(a)
-    view = np.array(a, copy=False)
-    if not (view.flags["C_CONTIGUOUS"] and view.flags["WRITEABLE"]):
-        # not seen with mlx 0.32; read into numpy and let finish() copy
-        return None, np.empty(int(np.prod(shape)) * DTYPES[dtype][1], np.uint8)
-    return a, view.reshape(-1).view(np.uint8)
+    pool = _streams(max(1, streams))
+    load = [0] * len(pool)
+    arrays: dict[str, mx.array] = {}
+    for name, (dtype, shape) in sorted(specs.items(), key=lambda kv: -_nbytes(*kv[1])):
+        i = load.index(min(load))
+        load[i] += _nbytes(dtype, shape)
+        arrays[name] = mx.zeros(shape, dtype=STORAGE[dtype], stream=pool[i])
+    mx.eval(list(arrays.values()))
+    out: dict[str, Buffer] = {}
+    for name, (dtype, shape) in specs.items():
+        a = arrays[name]
+        view = np.array(a, copy=False)
+        if not (view.flags["C_CONTIGUOUS"] and view.flags["WRITEABLE"]):
+            # not seen with mlx 0.32; read into numpy and let finish() copy
+            out[name] = (None, np.empty(_nbytes(dtype, shape), np.uint8))
+        else:
+            out[name] = (a, view.reshape(-1).view(np.uint8))
+    return out
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    return int(np.prod(shape)) * DTYPES[dtype][1]
 
 
 def finish(dtype: str, a: mx.array | None, flat: np.ndarray, shape: list[int]) -> mx.array:
@@ -169,6 +203,12 @@ def finish(dtype: str, a: mx.array | None, flat: np.ndarray, shape: list[int]) -
     if a is None:
         a = mx.array(flat.view(DTYPES[dtype][0]).reshape(shape))
     return a.view(mx.bfloat16) if dtype == "bfloat16" else a
+
+
+def settle(arrays: dict[str, mx.array]) -> None:
+    """Evaluate restored arrays before they leave this thread: their pending views and casts are
+    bound to this thread's streams, which another thread cannot evaluate."""
+    mx.eval(list(arrays.values()))
 
 
 def _unrotate(t: mx.array, keep: int, idx: int) -> mx.array:
@@ -208,6 +248,7 @@ def build_layer(cls: str, meta: dict[str, Any], arrays: dict[str, mx.array]) -> 
     else:
         c.keys = _unrotate(arrays["keys"], meta["keep"], meta["idx"])
         c.values = _unrotate(arrays["values"], meta["keep"], meta["idx"])
+        mx.eval(c.keys, c.values)  # not left lazy on this thread's stream (see settle)
         c._idx = meta["idx"]
     return c
 

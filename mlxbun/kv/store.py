@@ -33,8 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes
 from mlxbun.kv import blocks as blk
@@ -375,13 +373,18 @@ class Store:
             path, h = self.header(name)
             self._check(name, h, model=model, tokenizer=tokenizer, tokens=tokens)
             what = f"snapshot {name!r}"
-            arrays = {n: state.alloc(t["dtype"], t["shape"]) for n, t in fmt.tensors_of(h)}
-            out = {n: flat for n, (_, flat) in arrays.items()}
             if h["layout"] == "snapshot":
+                specs = dict(fmt.tensors_of(h))
+                bufs = state.alloc(
+                    {n: (t["dtype"], t["shape"]) for n, t in specs.items()}, streams=self.threads
+                )
+                out = {n: flat for n, (_, flat) in bufs.items()}
                 snap.read_data(path, h, verify=verify, threads=self.threads, what=what, out=out)
+                arrays = {n: state.finish(t["dtype"], *bufs[n], t["shape"]) for n, t in specs.items()}
+                state.settle(arrays)
             else:
                 geo = blk.check_manifest(h, what=what)
-                blk.read_blocks(self.blocks, h, geo, verify=verify, threads=self.threads, what=what, out=out)
+                arrays = blk.restore(self.blocks, h, geo, verify=verify, threads=self.threads, what=what)
         cache = _build(h, arrays)
         self.touch(name)
         return Restored(cache=cache, tokens=list(h["tokens"]), info=self._info(name, path, h))
@@ -453,13 +456,11 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _build(h: dict[str, Any], arrays: dict[str, tuple[Any, np.ndarray]]) -> list[Any]:
-    """mlx-lm cache objects from validated, filled arrays (from state.alloc)."""
-    out = []
-    for i, layer in enumerate(h["layers"]):
-        mine = {}
-        for n, t in layer["tensors"].items():
-            a, flat = arrays.pop(f"{i}.{n}")
-            mine[n] = state.finish(t["dtype"], a, flat, t["shape"])
-        out.append(state.build_layer(layer["class"], layer["meta"], mine))
-    return out
+def _build(h: dict[str, Any], arrays: dict[str, Any]) -> list[Any]:
+    """mlx-lm cache objects from validated, filled arrays keyed 'layer.name'."""
+    return [
+        state.build_layer(
+            layer["class"], layer["meta"], {n: arrays.pop(f"{i}.{n}") for n in layer["tensors"]}
+        )
+        for i, layer in enumerate(h["layers"])
+    ]
