@@ -218,3 +218,31 @@ def test_caller_cache_untouched_when_restore_fails(model, tmp_path):
     for a, b in zip(before, state_arrays(mine), strict=True):
         np.testing.assert_array_equal(a, b)
     assert make_cache("kv")  # the helper still builds fresh caches
+
+
+@pytest.mark.parametrize("kind", ["kv", "quantized"])
+def test_blocks_restore_stacks_like_tensors_into_capped_pieces(model, tmp_path, monkeypatch, kind):
+    from mlxbun.kv import blocks as blk
+
+    cache, toks = filled(model, kind, 40)
+    store = Store(tmp_path, block_kib=4)
+    store.save("s", cache, tokens=toks, model="m", layout="blocks")
+    _, h = store.header("s")
+    geo = blk.check_manifest(h, what="t")
+    one = max(rows * t * rb for _, rows, t, rb in geo.tensors)
+    monkeypatch.setattr(blk, "PIECE_BYTES", 2 * one)
+    parts = blk.pieces(h, geo)
+    specs = fmt.tensors_of(h)
+    assert [p.first for p in parts] == list(np.cumsum([0] + [p.count for p in parts[:-1]]))
+    assert sum(p.count for p in parts) == len(specs) and len(parts) < len(specs)
+    for p in parts:
+        members = specs[p.first : p.first + p.count]
+        keys = {(t["dtype"], t["shape"][2], t["shape"][3]) for _, t in members}
+        assert keys == {(p.dtype, p.tokens, p.width)}
+        assert p.rows * p.tokens * p.row_bytes <= 2 * one or p.count == 1
+    for a, b in zip(parts, parts[1:], strict=False):  # maximal: a piece only ends where it must
+        same = (a.dtype, a.tokens, a.width) == (b.dtype, b.tokens, b.width)
+        assert not same or (a.rows + b.rows // b.count) * a.tokens * a.row_bytes > 2 * one
+    restored = store.load("s", model="m", tokens=toks).cache
+    for x, y in zip(state_arrays(cache), state_arrays(restored), strict=True):
+        np.testing.assert_array_equal(x, y)
