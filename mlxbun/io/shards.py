@@ -149,6 +149,15 @@ def file_digest(path: Path, kind: str, *, chunk: int = HASH_CHUNK) -> str:
     return h.hexdigest()
 
 
+def opens_shard(filled: int, count: int, nbytes: int, shard_bytes: int) -> bool:
+    """The packing rule (mlx-lm's ``make_shards``): a tensor of ``nbytes`` starts a new shard when
+    the current one holds ``count`` tensors of ``filled`` bytes and it would pass ``shard_bytes``.
+
+    The writer applies it while streaming; size prediction replays it on tensor sizes alone.
+    """
+    return count > 0 and filled + nbytes > shard_bytes
+
+
 def part_name(k: int) -> str:
     return f"{PART_PREFIX}{k:05d}.safetensors"
 
@@ -302,7 +311,7 @@ class ShardedWriter:
             raise InputError(f"tensor {name!r} was already added to this writer; names must be unique")
         dtype, shape, buf = tensor_bytes(array, name)
         self._seen.add(name)
-        if self._pending and self._pending_bytes + buf.nbytes > self.shard_bytes:
+        if opens_shard(self._pending_bytes, len(self._pending), buf.nbytes, self.shard_bytes):
             self._flush()
         self._pending.append((name, (dtype, shape, buf)))
         self._pending_bytes += buf.nbytes

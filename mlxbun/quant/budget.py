@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlxbun.io.shards import opens_shard
+
 DTYPE_BYTES = {
     "BOOL": 1,
     "U8": 1,
@@ -205,16 +207,16 @@ def file_size(specs: list[TensorSpec], metadata: Mapping[str, str] | None) -> in
 
 
 def make_shards(specs: list[TensorSpec], *, shard_bytes: int) -> list[list[TensorSpec]]:
-    """mlx-lm's greedy split: a new shard when the next tensor would pass ``shard_bytes``."""
-    shards: list[list[TensorSpec]] = []
+    """The writer's shard split, replayed on sizes (:func:`mlxbun.io.shards.opens_shard`)."""
+    shards: list[list[TensorSpec]] = [[]]
     size = 0
     for spec in specs:
-        if not shards or size + spec.nbytes > shard_bytes:
+        if opens_shard(size, len(shards[-1]), spec.nbytes, shard_bytes):
             shards.append([])
             size = 0
         shards[-1].append(spec)
         size += spec.nbytes
-    return shards
+    return shards if shards[0] else []
 
 
 @dataclass(frozen=True)
