@@ -261,6 +261,26 @@ def test_resume_after_sigkill_gives_identical_bytes(tmp_path):
     assert again.reused
 
 
+def test_stale_partial_of_another_conversion_is_removed(tmp_path):
+    import fcntl
+
+    src = make_hf_model(tmp_path / "src", "llama", files=2)
+    out = tmp_path / "killed" / "model"
+    script = KILL_SCRIPT.format(repo=str(REPO), src=str(src), out=str(out))
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True).returncode == -9
+    (stale,) = out.parent.glob(".model.partial-*[!k]")
+    busy = out.parent / ".model.partial-0123456789abcdef"  # another run holds this one's lock
+    busy.mkdir()
+    (busy / ".mlxbun-quantize.json").write_text((stale / ".mlxbun-quantize.json").read_text())
+    mine = out.parent / ".model.partial-notmine"  # not a quantize partial name: never touched
+    mine.mkdir()
+    with open(busy.with_name(busy.name + ".lock"), "a") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        quantize_model_dir(src, out, bits=8, group_size=64, shard_bytes=40000)  # other settings
+    assert not stale.exists() and busy.is_dir() and mine.is_dir()
+    assert (out / "config.json").is_file()
+
+
 def _nothing_written(root: Path, before: set[str]) -> None:
     assert {p.name for p in root.iterdir()} == before
 

@@ -340,6 +340,38 @@ def _boundary(out: Path, fp: str, partial: Path) -> QuantizeResult | None:
     return None
 
 
+def _sweep_stale(partial: Path) -> list[Path]:
+    """Delete partial dirs of the same output that another conversion (other source bytes or
+    settings, so never resumable by this run) left behind when it was killed.
+
+    Only dirs carrying quantize's marker are touched, and only when their lock can be taken
+    without waiting: a run still working on one keeps it.
+    """
+    import fcntl
+    import re
+
+    stem = partial.name[: -len(partial.name.rsplit("-", 1)[1])]  # ".<out>.partial-"
+    pattern = re.compile(re.escape(stem) + "[0-9a-f]{16}")
+    removed = []
+    for d in sorted(partial.parent.iterdir()) if partial.parent.is_dir() else []:
+        if d == partial or not pattern.fullmatch(d.name) or not d.is_dir() or _read_marker(d) is None:
+            continue
+        lock = d.with_name(d.name + ".lock")
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue
+            try:
+                shutil.rmtree(d)
+                lock.unlink(missing_ok=True)
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        log.info("removed %s: a killed run of another conversion to the same output", d)
+        removed.append(d)
+    return removed
+
+
 def _claim(partial: Path, fp: str, settings: dict[str, Any], *, resume: bool) -> str:
     """Create or reuse the partial dir; return its state ("new", "writing" or "complete")."""
     marker = _read_marker(partial)
@@ -446,6 +478,7 @@ def quantize_model_dir(
     with file_lock(lock):  # two runs of the same conversion: the second waits, then reuses
         if (done := _boundary(out, fp, partial)) is not None:
             return done
+        _sweep_stale(partial)
         state = _claim(partial, fp, settings, resume=resume)
         src_bytes, out_bytes = _convert(
             sk, src, partial, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads
