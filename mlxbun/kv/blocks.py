@@ -91,21 +91,41 @@ def scratch(nbytes: int) -> bytearray:
     return buf
 
 
-def _block_bytes(j: int, order: list[state.Tensor], geo: Geometry) -> memoryview:
+def _rows(t: state.Tensor) -> np.ndarray:
+    """``t``'s buffer as uint8 rows ``(B*H, buffer tokens, row-token bytes)`` (a view, no copy)."""
+    b, h, _, w = t.shape
+    return t.buf.view(np.uint8).reshape(b * h, t.buf.shape[2], w * t.buf.itemsize)
+
+
+def _block_bytes(j: int, rows: list[np.ndarray], geo: Geometry) -> memoryview:
     """Block j: tokens [j*P, (j+1)*P) of every row, tensor after tensor, gathered by numpy.
 
-    The view is of a per-thread scratch buffer, valid until this thread's next call.
+    Consecutive tensors with the same row width and token span are gathered by one
+    ``np.concatenate`` into the block (their rows lie back to back there). The view is of a
+    per-thread scratch buffer, valid until this thread's next call.
     """
     nbytes = geo.block_nbytes(j)
-    dst, pos, lo = np.frombuffer(scratch(nbytes), np.uint8, count=nbytes), 0, j * geo.block_tokens
-    for t in order:
-        n = geo.span(j, t.shape[2])
-        size = t.rows * n * t.row_token_bytes
-        if size:
-            b, h, _, w = t.shape
-            src = t.buf.view(np.uint8).reshape(b, h, t.buf.shape[2], -1)
-            dst[pos : pos + size].reshape(b, h, n, w * t.buf.itemsize)[...] = src[:, :, lo : lo + n, :]
-        pos += size
+    dst, lo = np.frombuffer(scratch(nbytes), np.uint8, count=nbytes), j * geo.block_tokens
+    pos, group, key = 0, [], None
+
+    def flush() -> int:
+        if not group:
+            return 0
+        n, rb = key
+        count = sum(g.shape[0] for g in group)
+        out = dst[pos : pos + count * n * rb].reshape(count, n, rb)
+        np.concatenate([g[:, lo : lo + n, :] for g in group], axis=0, out=out)
+        return count * n * rb
+
+    for r, (_, _, t, rb) in zip(rows, geo.tensors, strict=True):
+        n = geo.span(j, t)
+        if n == 0:
+            continue
+        if (n, rb) != key:
+            pos += flush()
+            group, key = [], (n, rb)
+        group.append(r)
+    pos += flush()
     return memoryview(dst)
 
 
@@ -202,11 +222,11 @@ def write_blocks(
     """
     header = dict(base, layout="blocks", hash=fmt.HASH, layers=layer_entries(layers))
     p = choose_block_tokens(layers, block_bytes)
-    order = [s.tensors[n] for s in layers for n in sorted(s.tensors)]
+    rows = [_rows(s.tensors[n]) for s in layers for n in sorted(s.tensors)]
     geo = geometry(header, p)
 
     def one(j: int) -> Staged:
-        staged = stage_block(blocks, _block_bytes(j, order, geo))
+        staged = stage_block(blocks, _block_bytes(j, rows, geo))
         if on_bytes:
             on_bytes(staged.nbytes)
         return staged
