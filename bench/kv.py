@@ -9,8 +9,10 @@ Run: .venv/bin/python bench/kv.py [--tokens 4096] [--layers 32] [--reps 3] [--ou
                 ``load_prompt_cache`` (+ mx.eval);
    * snapshot:  mlxbun single file (hashes, fsync, rename, dir fsync); restore hashes everything;
    * blocks:    mlxbun content-addressed 1 MiB blocks into an empty store; restore hashes every block.
-   Each operation runs in its own child process (peak RSS of that child is reported), ``reps``
-   times; the median is kept. Restores read files that are in the page cache for every method.
+   Each save runs in its own child process (peak RSS of that child is reported), ``reps`` times;
+   the median is kept. Restores run in ``reps`` rounds that interleave the methods; each round's
+   child restores twice: the first restore is a fresh process's (all memory faulted in), the
+   second reuses freed heap (a long-lived process). Files are in the page cache for every method.
 2. A 10-turn conversation growing to ``tokens`` tokens, saved after every turn: bytes mlxbun
    writes vs unique bytes (the final turn's valid K/V), and disk used vs ten mlx-lm files.
 Results go to ``--out`` (markdown) and stdout.
@@ -175,9 +177,9 @@ def conversation(args: argparse.Namespace) -> None:
 # ------------------------------------------------------------------------------- parent
 
 
-def run_child(args: argparse.Namespace, *extra: str) -> dict:
+def run_child(args: argparse.Namespace, *extra: str, reps: int | None = None) -> dict:
     cmd = [sys.executable, __file__, "--work", str(args.work), "--tokens", str(args.tokens)]
-    cmd += ["--layers", str(args.layers), "--reps", str(args.reps), *extra]
+    cmd += ["--layers", str(args.layers), "--reps", str(reps or args.reps), *extra]
     out = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if out.returncode:
         sys.stderr.write(out.stderr)
@@ -202,16 +204,41 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     size = valid_bytes(args.layers, args.tokens)
     res = {}
-    for op in ["save:raw", "save:mlx-lm", "save:mlx-lm+fsync", "save:snapshot", "save:blocks",
-               "load:raw", "load:mlx-lm", "load:snapshot", "load:blocks", "noverify:snapshot", "noverify:blocks"]:  # fmt: skip
+    for op in ["save:raw", "save:mlx-lm", "save:mlx-lm+fsync", "save:snapshot", "save:blocks"]:
         res[op] = run_child(args, "--child", op)
-        med = statistics.median(res[op]["times"])
-        print(
-            f"{op:<18} {med:7.3f} s  {size / med / 1e9:6.2f} GB/s  peak RSS {res[op]['peak_rss_mb']:.0f} MB",
-            flush=True,
-        )
+        report_op(op, res[op], size)
+    # Restores: `reps` rounds, methods interleaved; each child restores twice, so the first restore
+    # is a fresh process's (memory faulted in for the first time, as in one kv_generate run) and
+    # the second reuses the heap the first one freed (a long-lived server).
+    loads = [
+        "load:raw",
+        "load:mlx-lm",
+        "load:snapshot",
+        "load:blocks",
+        "noverify:snapshot",
+        "noverify:blocks",
+    ]
+    runs: dict[str, list[dict]] = {op: [] for op in loads}
+    for _ in range(args.reps):
+        for op in loads:
+            runs[op].append(run_child(args, "--child", op, reps=2))
+    for op in loads:
+        for phase, i in (("cold", 0), ("warm", 1)):
+            key = f"{op}:{phase}"
+            res[key] = {
+                "times": [r["times"][i] for r in runs[op]],
+                "peak_rss_mb": max(r["peak_rss_mb"] for r in runs[op]),
+            }
+            report_op(key, res[key], size)
     conv = run_child(args, "--conversation")
     write_report(args, size, res, conv)
+
+
+def report_op(op: str, r: dict, size: int) -> None:
+    med = statistics.median(r["times"])
+    print(
+        f"{op:<24} {med:7.3f} s  {size / med / 1e9:6.2f} GB/s  peak RSS {r['peak_rss_mb']:.0f} MB", flush=True
+    )
 
 
 def write_report(args: argparse.Namespace, size: int, res: dict, conv: dict) -> None:
@@ -223,7 +250,8 @@ def write_report(args: argparse.Namespace, size: int, res: dict, conv: dict) -> 
         f"Command: `.venv/bin/python bench/kv.py --tokens {args.tokens} --layers {args.layers} --reps {args.reps}`",
         f"Machine: 2-core x86_64 Linux (shared, noisy), Python {platform.python_version()}, mlx 0.32.4 CPU, mlx-lm 0.32.2.",
         f"Cache: {args.layers} layers x (1, {HEADS} KV heads, {args.tokens} tokens, {DIM}) fp16 K and V ="
-        f" {size / 2**20:.0f} MiB of valid K/V. Median of {args.reps}; each operation in its own child process.",
+        f" {size / 2**20:.0f} MiB of valid K/V. Median of {args.reps}; each operation in its own child process"
+        " (restores: one child per round restoring twice; rounds interleave the methods).",
         "",
         "| operation | method | seconds | GB/s | vs mlx-lm | child peak RSS MB |",
         "|---|---|---:|---:|---:|---:|",
@@ -235,14 +263,19 @@ def write_report(args: argparse.Namespace, size: int, res: dict, conv: dict) -> 
         "snapshot": "mlxbun snapshot",
         "blocks": "mlxbun blocks",
     }
-    for kind in ("save", "load", "noverify"):
+    labels = {
+        "save": "save",
+        "load:cold": "restore, fresh process (verify on)",
+        "load:warm": "restore, second in process (verify on)",
+        "noverify:cold": "restore, fresh process (verify off)",
+        "noverify:warm": "restore, second in process (verify off)",
+    }
+    for kind, label in labels.items():
         for m in ("raw", "mlx-lm", "mlx-lm+fsync", "snapshot", "blocks"):
-            k = f"{kind}:{m}"
+            op, _, phase = kind.partition(":")
+            k = f"{op}:{m}" + (f":{phase}" if phase else "")
             if k in med:
-                ref = f"{kind if kind != 'noverify' else 'load'}:mlx-lm"
-                label = {"save": "save", "load": "restore (verify on)", "noverify": "restore (verify off)"}[
-                    kind
-                ]
+                ref = f"{'save' if op == 'save' else 'load'}:mlx-lm" + (f":{phase}" if phase else "")
                 lines.append(
                     f"| {label} | {names[m]} | {med[k]:.3f} | {gbs[k]:.2f} | {med[ref] / med[k]:.2f}x |"
                     f" {res[k]['peak_rss_mb']:.0f} |"
@@ -273,8 +306,12 @@ def write_report(args: argparse.Namespace, size: int, res: dict, conv: dict) -> 
         f" = **{conv['store_disk'] / mlx_total:.3f}x**",
         f"- save: mlxbun snapshot {med['save:mlx-lm'] / med['save:snapshot']:.2f}x, blocks"
         f" {med['save:mlx-lm'] / med['save:blocks']:.2f}x mlx-lm's speed (target >= 2x);"
-        f" restore with verification: snapshot {med['load:mlx-lm'] / med['load:snapshot']:.2f}x, blocks"
-        f" {med['load:mlx-lm'] / med['load:blocks']:.2f}x (target >= 1x)",
+        " restore with verification (target >= 1x): "
+        + "; ".join(
+            f"{phase} snapshot {med[f'load:mlx-lm:{phase}'] / med[f'load:snapshot:{phase}']:.2f}x, blocks"
+            f" {med[f'load:mlx-lm:{phase}'] / med[f'load:blocks:{phase}']:.2f}x"
+            for phase in ("cold", "warm")
+        ),
     ]
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
