@@ -152,8 +152,9 @@ _STREAMS = threading.local()
 
 
 def _streams(n: int) -> list[Any]:
-    """``n`` CPU streams of this thread (mlx streams are per thread), each filled by its own
-    worker, so allocations on different streams run in parallel. Created once per thread."""
+    """``n`` CPU streams of this thread (mlx streams are per thread), each run by its own worker,
+    so allocations on different streams run in parallel. Created once per thread; a stream and
+    its worker live as long as the process, so a pool of T restoring threads keeps T*n of them."""
     have = getattr(_STREAMS, "list", None)
     if have is None:
         have = _STREAMS.list = []
