@@ -1,10 +1,13 @@
 """A child process for the kv fault tests: waits for a line on stdin, then saves versions in a loop.
 
-python tests/kv_child.py <store> <layout> <rounds> <version> [<version> ...]
+python tests/kv_child.py <store> <layout> <rounds> <name> <version> [<version> ...]
+
+``rounds`` is a count, or ``until:<path>`` to keep saving until that file exists.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -33,7 +36,11 @@ def main(root: str, layout: str, rounds: str, name: str, *versions: str) -> None
     caches = [version_cache(int(v)) for v in versions]
     print("ready", flush=True)
     sys.stdin.readline()
-    for i in range(int(rounds)):
+    stop = Path(rounds[len("until:") :]) if rounds.startswith("until:") else None
+    count = itertools.count() if stop else range(int(rounds))
+    for i in count:
+        if stop and stop.exists():
+            break
         cache, toks = caches[i % len(caches)]
         print(f"start {i}", flush=True)
         store.save(name, cache, tokens=toks, model="m", layout=layout)

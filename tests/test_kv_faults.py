@@ -225,7 +225,9 @@ def _digest(cache) -> str:
     return h.hexdigest()
 
 
-def _child(root: Path, layout: str, versions: list[int], rounds: int, name: str = "s") -> subprocess.Popen:
+def _child(
+    root: Path, layout: str, versions: list[int], rounds: int | str, name: str = "s"
+) -> subprocess.Popen:
     """Started now (imports overlap), saving only after go()."""
     args = [
         sys.executable,

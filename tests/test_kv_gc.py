@@ -131,26 +131,60 @@ def test_without_the_lock_the_race_loses_blocks(model, tmp_path, monkeypatch):
         store.load("w", model="m")
 
 
+def test_gc_is_not_starved_by_overlapping_savers(tmp_path):
+    store, order = Store(tmp_path, lock_timeout=10), []
+    first_in, first_out = threading.Event(), threading.Event()
+
+    def hold(tag: str, exclusive: bool, entered=None, leave=None) -> None:
+        with store.locked(exclusive=exclusive):
+            order.append(tag)
+            if entered:
+                entered.set()
+            if leave:
+                leave.wait(10)
+
+    saver = threading.Thread(target=hold, args=("saver 1", False, first_in, first_out))
+    saver.start()
+    assert first_in.wait(10)
+    collector = threading.Thread(target=hold, args=("gc", True))
+    collector.start()
+    time.sleep(0.2)  # GC now waits for saver 1
+    late = threading.Thread(target=hold, args=("saver 2", False))
+    late.start()
+    time.sleep(0.2)
+    assert order == ["saver 1"]  # saver 2 queues behind the waiting GC instead of overlapping saver 1
+    first_out.set()
+    for t in (saver, collector, late):
+        t.join(10)
+    assert order == ["saver 1", "gc", "saver 2"]
+
+
 def test_gc_racing_writer_processes(tmp_path):
-    store = Store(tmp_path, block_kib=64)
-    kids = [_child(tmp_path, "blocks", vs, rounds=6, name=n) for n, vs in (("x", [1, 2]), ("y", [3, 4]))]
+    root, stop = tmp_path / "store", tmp_path / "stop"
+    store = Store(root, block_kib=64)
+    until = f"until:{stop}"  # writers keep replacing their snapshots until told to stop
+    kids = [_child(root, "blocks", vs, rounds=until, name=n) for n, vs in (("x", [1, 2]), ("y", [3, 4]))]
     for k in kids:
         go(k)
-    runs = freed = during = 0
+    runs = freed = 0
     known = {v: version_cache(v)[0] for v in (1, 2, 3, 4)}
-    while any(k.poll() is None for k in kids) or runs < 2:
-        alive = any(k.poll() is None for k in kids)
+    deadline = time.monotonic() + 120
+    while runs < 4 or freed == 0:
+        assert time.monotonic() < deadline, f"GC freed nothing in {runs} runs while writers ran"
+        assert all(k.poll() is None for k in kids)  # every run races live writers
         freed += gc.execute(store, gc.plan(store)).bytes_freed
-        runs, during = runs + 1, during + alive
+        runs += 1
         for name in store.names():  # every published snapshot still loads, verified
             got = state_arrays(store.load(name, model="m").cache)
             assert any(
                 all(np.array_equal(a, b) for a, b in zip(got, state_arrays(c), strict=True))
                 for c in known.values()
             )
-    assert all(k.wait() == 0 for k in kids)
+    stop.touch()
+    assert all(k.wait(60) == 0 for k in kids)
     assert store.names() == ["x", "y"] and store.verify()[1] == []
-    assert freed > 0 and during >= 2  # GC freed replaced versions' blocks while writers ran
+    gc.execute(store, gc.plan(store))
+    assert store.verify()[1] == [] and gc.plan(store).blocks == ()
 
 
 def test_reader_racing_gc_keeps_its_blocks(model, tmp_path, monkeypatch):

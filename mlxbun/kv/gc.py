@@ -2,7 +2,8 @@
 
 Safety against writers is a **lock**, not a grace period: every saver holds the store's
 ``.lock`` shared (``fcntl.flock``) from its first block write until its manifest is published,
-and :func:`execute` holds it exclusive. Under the exclusive lock no save is in flight, so
+and :func:`execute` holds it exclusive (behind the ``.gate`` turnstile, so savers that keep
+overlapping cannot starve it). Under the exclusive lock no save is in flight, so
 ``execute`` re-reads every manifest and deletes only blocks that are still unreferenced — a block
 a writer re-used or wrote after the plan was made survives. Leftover temporary files can only
 belong to dead writers then, and are removed too. A manifest that cannot be read blocks all block

@@ -4,6 +4,8 @@ Layout::
 
     <store>/
         .lock                  flock: savers and loaders hold it shared, GC holds it exclusive
+        .gate                  flock turnstile: GC holds it while it waits, so a stream of
+                               overlapping savers cannot starve GC of the exclusive lock
         snapshots/<name>.kvs   single-file snapshot   (layout=snapshot, mlxbun.kv.snapshot)
         snapshots/<name>.kvm   block manifest         (layout=blocks,   mlxbun.kv.blocks)
         blocks/<blake3>        content-addressed blocks, written once, shared by manifests
@@ -127,25 +129,40 @@ class Store:
 
     @contextlib.contextmanager
     def locked(self, *, exclusive: bool, timeout: float | None = None) -> Iterator[None]:
-        """Hold the store lock: shared for savers/loaders, exclusive for GC."""
+        """Hold the store lock: shared for savers/loaders, exclusive for GC.
+
+        Both pass the ``.gate`` turnstile first. A shared holder lets go of the gate as soon as
+        it holds ``.lock``; GC keeps the gate while it waits for the savers already inside to
+        finish, so new savers queue behind it instead of overlapping it out forever.
+        """
         self.root.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
         deadline = time.monotonic() + (self.lock_timeout if timeout is None else timeout)
-        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        gate = os.open(self.root / ".gate", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = -1
         try:
-            while True:
-                try:
-                    fcntl.flock(fd, mode | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() >= deadline:
-                        raise StoreBusy(
-                            f"kv.store={self.root} is busy (lock held by another writer or GC); retry later"
-                        ) from None
-                    time.sleep(0.02)
+            self._flock(gate, fcntl.LOCK_EX, deadline)
+            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            self._flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline)
+            if not exclusive:
+                os.close(gate)
+                gate = -1
             yield
         finally:
-            os.close(fd)
+            for f in (fd, gate):
+                if f >= 0:
+                    os.close(f)
+
+    def _flock(self, fd: int, mode: int, deadline: float) -> None:
+        while True:
+            try:
+                fcntl.flock(fd, mode | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise StoreBusy(
+                        f"kv.store={self.root} is busy (lock held by another writer or GC); retry later"
+                    ) from None
+                time.sleep(0.02)
 
     # ------------------------------------------------------------ save
     def save(
