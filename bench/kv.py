@@ -287,7 +287,7 @@ def write_report(args: argparse.Namespace, size: int, res: dict, conv: dict) -> 
         "",
         "Notes: mlx-lm's save does not fsync (its time excludes flushing to disk; ours includes fsync of",
         "every file and directory). mlx-lm's restore does not check any hash; ours re-hashes all data",
-        "(BLAKE3, 2 threads) unless verify is off. Restores read from the page cache for every method;",
+        "(2 threads; snapshot tensors XXH3-128, blocks BLAKE3) unless verify is off. Restores read from the page cache for every method;",
         "the raw restore only reads bytes into numpy (no mlx arrays): a ceiling, not a like-for-like.",
         "",
         f"## 10-turn conversation growing to {args.tokens} tokens, saved after every turn (blocks layout, 1 MiB)",

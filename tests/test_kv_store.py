@@ -5,11 +5,13 @@ from __future__ import annotations
 import hashlib
 import json
 from concurrent.futures import Future
+from pathlib import Path
 
 import blake3
 import mlx.core as mx
 import numpy as np
 import pytest
+import xxhash
 from kv_util import continue_logits, filled, make_cache, state_arrays, tiny_model, tokens
 from mlx_lm.models import cache as C
 
@@ -81,9 +83,9 @@ def test_golden_bytes_and_determinism(tmp_path):
     keys = np.frombuffer(raw[16384 : 16384 + 48], np.float16)
     np.testing.assert_array_equal(keys, np.arange(24, dtype=np.float16))
     header = json.loads(raw[56 : 56 + int.from_bytes(raw[16:24], "little")])
-    assert header["hash"] == "blake3"
-    assert (
-        header["layers"][0]["tensors"]["keys"]["hash"] == blake3.blake3(raw[16384 : 16384 + 48]).hexdigest()
+    assert header["hash"] == "xxh3_128"
+    assert header["layers"][0]["tensors"]["keys"]["hash"] == xxhash.xxh3_128_hexdigest(
+        raw[16384 : 16384 + 48]
     )
     assert (
         raw[24:56] == hashlib.sha256(raw[56 : 56 + len(json.dumps(header, separators=(",", ":")))]).digest()
@@ -91,7 +93,46 @@ def test_golden_bytes_and_determinism(tmp_path):
     assert hashlib.sha256(raw).hexdigest() == GOLDEN_KVS
 
 
-GOLDEN_KVS = "73271bd4ece81ab3c973e6476409e3b35ef8d4d2d33077d0679bd5df6fb0a355"
+GOLDEN_KVS = "889aa5ea25c7783f59b098700b3a50b97b51069e9bdeebf6191bac70edfad307"
+OLD_KVS = Path(__file__).parent / "fixtures/kv/blake3-v1.kvs"  # written before tensor hashes became XXH3
+
+
+def test_snapshots_with_blake3_tensor_hashes_still_load(tmp_path):
+    raw = OLD_KVS.read_bytes()
+    assert (
+        hashlib.sha256(raw).hexdigest() == "73271bd4ece81ab3c973e6476409e3b35ef8d4d2d33077d0679bd5df6fb0a355"
+    )
+    header = json.loads(raw[56 : 56 + int.from_bytes(raw[16:24], "little")])
+    assert header["hash"] == "blake3"
+    assert (
+        header["layers"][0]["tensors"]["keys"]["hash"] == blake3.blake3(raw[16384 : 16384 + 48]).hexdigest()
+    )
+    store = Store(tmp_path)
+    (tmp_path / "snapshots").mkdir()
+    (tmp_path / "snapshots/g.kvs").write_bytes(raw)
+    (layer,) = store.load("g", model="m", tokenizer="t").cache
+    np.testing.assert_array_equal(np.array(layer.keys), np.arange(24, dtype=np.float16).reshape(1, 2, 3, 4))
+    assert store.verify() == (len(raw), [])
+    flipped = bytearray(raw)
+    flipped[16384 + 5] ^= 0x10
+    (tmp_path / "snapshots/g.kvs").write_bytes(bytes(flipped))
+    with pytest.raises(fmt.CorruptError, match="tensor '0.keys' hash mismatch"):
+        store.load("g", model="m", tokenizer="t")
+
+
+def test_tensor_hash_must_match_the_named_algorithm(tmp_path):
+    store = Store(tmp_path)
+    store.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
+    path = tmp_path / "snapshots/g.kvs"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[16:24], "little")
+    header = json.loads(raw[56 : 56 + n])
+    for algo, msg in (("blake3", "not 64 lower-case hex digits"), ("sha1", "hash 'sha1' is not supported")):
+        lie = dict(header, hash=algo)  # 32-digit XXH3 values under another algorithm's name
+        body = fmt.encode(lie)
+        path.write_bytes(body + raw[len(body) :] if len(body) <= 16384 else raw)
+        with pytest.raises((fmt.CorruptError, fmt.UnsupportedError), match=msg):
+            store.load("g", model="m", tokenizer="t")
 
 
 def test_appending_tokens_keeps_earlier_blocks_identical(model, tmp_path):

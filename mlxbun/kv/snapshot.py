@@ -10,6 +10,7 @@ allocating, then read and hash tensors on worker threads.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,8 +21,6 @@ import numpy as np
 from mlxbun.io.atomic import fsync_dir, tmp_sibling
 from mlxbun.kv import format as fmt
 from mlxbun.kv.state import LayerState, Tensor
-
-ZERO_HASH = "0" * 64
 
 
 def _write(fd: int, data: memoryview | bytes, offset: int) -> None:
@@ -54,8 +53,8 @@ def ctypes_off(n: int) -> Any:
     return ctypes.c_longlong(n)
 
 
-def _hash_tensor(t: Tensor) -> str:
-    h = fmt.new_hasher()
+def _hash_tensor(t: Tensor, name: str) -> str:
+    h = fmt.new_checker(name)
     for r in range(t.rows):
         h.update(t.row(r))
     return h.hexdigest()
@@ -74,13 +73,14 @@ def layer_entries(layers: list[LayerState]) -> list[dict[str, Any]]:
 
 def plan_header(layers: list[LayerState], base: dict[str, Any]) -> tuple[dict[str, Any], list[Tensor]]:
     """Header with offsets and placeholder hashes (hashes have fixed length, so its size is final)."""
-    header = dict(base, layout="snapshot", hash=fmt.HASH, layers=layer_entries(layers))
+    header = dict(base, layout="snapshot", hash=fmt.CHECK, layers=layer_entries(layers))
+    placeholder = "0" * fmt.TENSOR_HASHES[fmt.CHECK]
     order: list[Tensor] = []
     offset = end = 0
     for i, s in enumerate(layers):
         for n in sorted(s.tensors):
             t = s.tensors[n]
-            header["layers"][i]["tensors"][n].update(offset=offset, nbytes=t.nbytes, hash=ZERO_HASH)
+            header["layers"][i]["tensors"][n].update(offset=offset, nbytes=t.nbytes, hash=placeholder)
             order.append(t)
             end = offset + t.nbytes
             offset = fmt.align(end)
@@ -104,7 +104,7 @@ def write_snapshot(
         path: final file name (``snapshots/<name>.kvs``).
         layers: from :func:`mlxbun.kv.state.cache_state`.
         base: header fields other than layout/layers (model, tokenizer, tokens, tokens_sha256).
-        threads: hashing threads (BLAKE3 and file I/O release the GIL).
+        threads: hashing threads (XXH3 and file I/O release the GIL).
         on_bytes: called with the number of bytes written, for progress.
     """
     header, order = plan_header(layers, base)
@@ -113,7 +113,7 @@ def write_snapshot(
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            hashes = [pool.submit(_hash_tensor, t) for t in order]
+            hashes = [pool.submit(_hash_tensor, t, header["hash"]) for t in order]
             for t, entry in zip(order, fmt.tensors_of(header), strict=True):
                 pos = start + entry[1]["offset"]
                 for r in range(t.rows):
@@ -163,8 +163,9 @@ def check_layout(h: dict[str, Any], size: int, *, what: str) -> None:
             )
         if off % fmt.ALIGN or off + nb > total:
             fmt._fail(what, f"tensor {name!r}: offset={off} is unaligned or runs past data_bytes={total}")
-        if not isinstance(t.get("hash"), str) or not fmt.HEX64.fullmatch(t["hash"]):
-            fmt._fail(what, f"tensor {name!r}: hash is not 64 hex digits")
+        digits = fmt.TENSOR_HASHES[h["hash"]]
+        if not isinstance(t.get("hash"), str) or not re.fullmatch(f"[0-9a-f]{{{digits}}}", t["hash"]):
+            fmt._fail(what, f"tensor {name!r}: hash is not {digits} lower-case hex digits ({h['hash']})")
         spans.append((off, off + nb, name))
     spans.sort()
     for (_, end, a), (off, _, b) in zip(spans, spans[1:], strict=False):
@@ -182,7 +183,13 @@ def read_header(path: Path, *, what: str) -> dict[str, Any]:
 
 
 def _read_one(
-    fd: int, start: int, name: str, t: dict[str, Any], verify: bool, what: str, buf: np.ndarray | None
+    fd: int,
+    start: int,
+    name: str,
+    t: dict[str, Any],
+    verify: str | None,
+    what: str,
+    buf: np.ndarray | None,
 ) -> np.ndarray:
     buf = np.empty(t["nbytes"], dtype=np.uint8) if buf is None else buf
     view, pos = memoryview(buf), start + t["offset"]
@@ -191,7 +198,7 @@ def _read_one(
         if n == 0:
             fmt._fail(what, f"tensor {name!r} is truncated")
         view, pos = view[n:], pos + n
-    if verify and fmt.digest(buf) != t["hash"]:
+    if verify and fmt.check_digest(buf, verify) != t["hash"]:
         fmt._fail(what, f"tensor {name!r} hash mismatch (corrupt data)")
     return buf
 
@@ -210,11 +217,12 @@ def read_data(
     ``out`` supplies flat uint8 destination buffers (e.g. views of mlx arrays); else allocated.
     """
     out = out or {}
+    start, check = header["data_start"], header["hash"] if verify else None
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
         with ThreadPoolExecutor(max(1, threads)) as pool:
             futs = {
-                name: pool.submit(_read_one, fd, header["data_start"], name, t, verify, what, out.get(name))
+                name: pool.submit(_read_one, fd, start, name, t, check, what, out.get(name))
                 for name, t in fmt.tensors_of(header)
             }
             return {name: f.result() for name, f in futs.items()}
