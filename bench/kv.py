@@ -8,7 +8,9 @@ Run: .venv/bin/python bench/kv.py [--tokens 4096] [--layers 32] [--reps 3] [--ou
    * mlx-lm:    ``save_prompt_cache`` (no fsync; also timed with an fsync after) and
                 ``load_prompt_cache`` (+ mx.eval);
    * snapshot:  mlxbun single file (hashes, fsync, rename, dir fsync); restore hashes everything;
-   * blocks:    mlxbun content-addressed 1 MiB blocks into an empty store; restore hashes every block.
+   * blocks:    mlxbun content-addressed 1 MiB blocks into an empty store; restore hashes every block;
+   * -bg:       the same saves through ``Store.save_async``: how long the caller is blocked, and
+                how long until the save is durable.
    Each save runs in its own child process (peak RSS of that child is reported), ``reps`` times;
    the median is kept. Restores run in ``reps`` rounds that interleave the methods; each round's
    child restores twice: the first restore is a fresh process's (all memory faulted in), the
