@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import threading
 import time
 
@@ -131,6 +133,17 @@ def test_without_the_lock_the_race_loses_blocks(model, tmp_path, monkeypatch):
         store.load("w", model="m")
 
 
+def _gate_held(root) -> bool:
+    fd = os.open(root / ".gate", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def test_gc_is_not_starved_by_overlapping_savers(tmp_path):
     store, order = Store(tmp_path, lock_timeout=10), []
     first_in, first_out = threading.Event(), threading.Event()
@@ -148,7 +161,10 @@ def test_gc_is_not_starved_by_overlapping_savers(tmp_path):
     assert first_in.wait(10)
     collector = threading.Thread(target=hold, args=("gc", True))
     collector.start()
-    time.sleep(0.2)  # GC now waits for saver 1
+    deadline = time.monotonic() + 10
+    while not _gate_held(tmp_path):  # GC has passed the turnstile and now waits for saver 1
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     late = threading.Thread(target=hold, args=("saver 2", False))
     late.start()
     time.sleep(0.2)
