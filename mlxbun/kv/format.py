@@ -78,12 +78,12 @@ def digest(data: Any) -> str:
     return blake3.blake3(data).hexdigest()
 
 
-def new_checker(name: str = CHECK) -> Any:
+def new_checker(name: str) -> Any:
     """An incremental hasher for a .kvs tensor hash named ``name`` (update/hexdigest)."""
     return xxhash.xxh3_128() if name == "xxh3_128" else blake3.blake3()
 
 
-def check_digest(data: Any, name: str = CHECK) -> str:
+def check_digest(data: Any, name: str) -> str:
     """Hex digest of ``data`` with the .kvs tensor hash ``name``."""
     return xxhash.xxh3_128_hexdigest(data) if name == "xxh3_128" else digest(data)
 

@@ -152,6 +152,8 @@ def check_layout(h: dict[str, Any], size: int, *, what: str) -> None:
         fmt._fail(what, f"data_start={start} is not a multiple of {fmt.ALIGN}")
     if start + total != size:
         fmt._fail(what, f"file is {size} bytes but the header says {start + total} (truncated or extended)")
+    digits = fmt.TENSOR_HASHES[h["hash"]]
+    hex_hash = re.compile(f"[0-9a-f]{{{digits}}}")
     spans = []
     for name, t in fmt.tensors_of(h):
         off, nb = t.get("offset"), t.get("nbytes")
@@ -163,8 +165,7 @@ def check_layout(h: dict[str, Any], size: int, *, what: str) -> None:
             )
         if off % fmt.ALIGN or off + nb > total:
             fmt._fail(what, f"tensor {name!r}: offset={off} is unaligned or runs past data_bytes={total}")
-        digits = fmt.TENSOR_HASHES[h["hash"]]
-        if not isinstance(t.get("hash"), str) or not re.fullmatch(f"[0-9a-f]{{{digits}}}", t["hash"]):
+        if not isinstance(t.get("hash"), str) or not hex_hash.fullmatch(t["hash"]):
             fmt._fail(what, f"tensor {name!r}: hash is not {digits} lower-case hex digits ({h['hash']})")
         spans.append((off, off + nb, name))
     spans.sort()
@@ -187,10 +188,11 @@ def _read_one(
     start: int,
     name: str,
     t: dict[str, Any],
-    verify: str | None,
+    check: str | None,
     what: str,
     buf: np.ndarray | None,
 ) -> np.ndarray:
+    """Read one tensor into ``buf``; ``check`` names the tensor hash to verify (None: no check)."""
     buf = np.empty(t["nbytes"], dtype=np.uint8) if buf is None else buf
     view, pos = memoryview(buf), start + t["offset"]
     while view:
@@ -198,7 +200,7 @@ def _read_one(
         if n == 0:
             fmt._fail(what, f"tensor {name!r} is truncated")
         view, pos = view[n:], pos + n
-    if verify and fmt.check_digest(buf, verify) != t["hash"]:
+    if check and fmt.check_digest(buf, check) != t["hash"]:
         fmt._fail(what, f"tensor {name!r} hash mismatch (corrupt data)")
     return buf
 
