@@ -85,9 +85,59 @@ def test_header_flip_truncation_and_extension(model, tmp_path, layout):
     if layout == "snapshot":
         with pytest.raises(fmt.CorruptError, match="truncated or extended"):
             store.load("s", model="m")
-    path.write_bytes(b"GARBAGE!" + good[8:])
+    magic_at = 8 if layout == "snapshot" else 0  # a .kvs opens with its safetensors header length
+    path.write_bytes(good[:magic_at] + b"GARBAGE!" + good[magic_at + 8 :])
     with pytest.raises(fmt.CorruptError, match="bad magic"):
         store.load("s", model="m")
+    if layout == "snapshot":
+        for length, msg in (
+            (b"GARBAGE!", "header length .* exceeds"),
+            (b"\xf8\x7f" + bytes(6), "hash mismatch"),
+        ):
+            path.write_bytes(length + good[8:])
+            with pytest.raises(fmt.CorruptError, match=msg):
+                store.load("s", model="m")
+
+
+def _reseal(path: Path, edit) -> None:
+    """Apply ``edit`` to a .kvs's safetensors table and rewrite it with a valid header hash."""
+    raw = path.read_bytes()
+    start = int.from_bytes(raw[:8], "little") + 8
+    table = json.loads(raw[8:start])
+    edit(table)
+    body = json.dumps(table, separators=(",", ":")).encode()
+    head = raw[:8] + body + b" " * (start - 8 - len(body))
+    zeroed = head[: fmt.KVS_HASH_AT] + b"0" * 64 + head[fmt.KVS_HASH_AT + 64 :]
+    digest = hashlib.sha256(zeroed).hexdigest().encode()
+    path.write_bytes(head[: fmt.KVS_HASH_AT] + digest + head[fmt.KVS_HASH_AT + 64 :] + raw[start:])
+
+
+def test_snapshot_table_padding_and_version_are_covered(model, tmp_path):
+    """The safetensors table mx.load follows must be the one the header describes; every byte
+    before the data is hashed, padding included; another container version is refused."""
+    store, _, _ = _saved(model, tmp_path, "snapshot")
+    path = tmp_path / "snapshots/s.kvs"
+    good = path.read_bytes()
+    _flip(path, 16000)  # a padding space
+    with pytest.raises(fmt.CorruptError, match="header hash mismatch"):
+        store.load("s", model="m")
+    path.write_bytes(good)
+
+    def swap(table):  # point 0.keys at 0.values' bytes
+        table["0.keys"]["data_offsets"], table["0.values"]["data_offsets"] = (
+            table["0.values"]["data_offsets"],
+            table["0.keys"]["data_offsets"],
+        )
+
+    _reseal(path, swap)
+    with pytest.raises(fmt.CorruptError, match="tensor table does not match its header"):
+        store.load("s", model="m")
+    path.write_bytes(good)
+    _reseal(path, lambda t: t["__metadata__"].update({"mlxbun.kvs": "3"}))
+    with pytest.raises(fmt.UnsupportedError, match="format version 3 is not supported"):
+        store.load("s", model="m")
+    path.write_bytes(good)
+    assert store.load("s", model="m").cache
 
 
 def test_block_flip_truncate_extend_missing_name_the_block(model, tmp_path):

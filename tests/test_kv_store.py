@@ -7,7 +7,6 @@ import json
 from concurrent.futures import Future
 from pathlib import Path
 
-import blake3
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -76,37 +75,63 @@ def test_golden_bytes_and_determinism(tmp_path):
     a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
     a.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
     b.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
-    raw = (tmp_path / "a/snapshots/g.kvs").read_bytes()
+    path = tmp_path / "a/snapshots/g.kvs"
+    raw = path.read_bytes()
     assert raw == (tmp_path / "b/snapshots/g.kvs").read_bytes()
-    assert raw[:8] == b"\x89MLXBKV\n" and raw[8:12] == (1).to_bytes(4, "little")
-    assert len(raw) == 16384 + 16384 + 48  # header page, keys page, values
-    keys = np.frombuffer(raw[16384 : 16384 + 48], np.float16)
-    np.testing.assert_array_equal(keys, np.arange(24, dtype=np.float16))
-    header = json.loads(raw[56 : 56 + int.from_bytes(raw[16:24], "little")])
-    assert header["hash"] == "xxh3_128"
-    assert header["layers"][0]["tensors"]["keys"]["hash"] == xxhash.xxh3_128_hexdigest(
-        raw[16384 : 16384 + 48]
-    )
-    assert (
-        raw[24:56] == hashlib.sha256(raw[56 : 56 + len(json.dumps(header, separators=(",", ":")))]).digest()
-    )
+    n = int.from_bytes(raw[:8], "little")
+    assert 8 + n == 16384 and raw[8:40] == b'{"__metadata__":{"mlxbun.kvs":"2'
+    # header page; keys and values each 64 bytes into a 16 KiB page (fmt.SKEW)
+    assert len(raw) == 16384 + 16384 + 64 + 48
+    keys = raw[16384 + 64 : 16384 + 64 + 48]
+    np.testing.assert_array_equal(np.frombuffer(keys, np.float16), np.arange(24, dtype=np.float16))
+    table = json.loads(raw[8:16384])
+    meta = table.pop("__metadata__")
+    assert list(meta) == ["mlxbun.kvs", "header_sha256", "header"]
+    assert raw[fmt.KVS_HASH_AT : fmt.KVS_HASH_AT + 64].decode() == meta["header_sha256"]
+    zeroed = raw[: fmt.KVS_HASH_AT] + b"0" * 64 + raw[fmt.KVS_HASH_AT + 64 : 16384]
+    assert meta["header_sha256"] == hashlib.sha256(zeroed).hexdigest()
+    header = json.loads(meta["header"])
+    assert header["hash"] == "xxh3_128" and header["data_start"] == 16384
+    assert header["layers"][0]["tensors"]["keys"]["hash"] == xxhash.xxh3_128_hexdigest(keys)
+    assert table == {
+        "__pad__.0": {"dtype": "U8", "shape": [64], "data_offsets": [0, 64]},
+        "0.keys": {"dtype": "F16", "shape": [1, 2, 3, 4], "data_offsets": [64, 112]},
+        "__pad__.1": {"dtype": "U8", "shape": [16336], "data_offsets": [112, 16448]},
+        "0.values": {"dtype": "F16", "shape": [1, 2, 3, 4], "data_offsets": [16448, 16496]},
+    }
     assert hashlib.sha256(raw).hexdigest() == GOLDEN_KVS
 
 
-GOLDEN_KVS = "889aa5ea25c7783f59b098700b3a50b97b51069e9bdeebf6191bac70edfad307"
-OLD_KVS = Path(__file__).parent / "fixtures/kv/blake3-v1.kvs"  # written before tensor hashes became XXH3
+def test_snapshots_open_in_safetensors_readers(tmp_path):
+    from safetensors.numpy import load_file
+
+    store = Store(tmp_path)
+    store.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
+    want = np.arange(24, dtype=np.float16).reshape(1, 2, 3, 4)
+    strict = load_file(str(tmp_path / "snapshots/g.kvs"))  # checks the data is contiguous
+    np.testing.assert_array_equal(strict["0.keys"], want)
+    np.testing.assert_array_equal(strict["0.values"], -want)
+    loaded = mx.load(str(tmp_path / "snapshots/g.kvs"), format="safetensors")
+    np.testing.assert_array_equal(np.array(loaded["0.values"]), -want)
 
 
-def test_snapshots_with_blake3_tensor_hashes_still_load(tmp_path):
-    raw = OLD_KVS.read_bytes()
-    assert (
-        hashlib.sha256(raw).hexdigest() == "73271bd4ece81ab3c973e6476409e3b35ef8d4d2d33077d0679bd5df6fb0a355"
-    )
+GOLDEN_KVS = "7513df385cfae2e9449bdefb93e3174677532ea04fbbdff95d96ef5d496b6f3b"
+# written by earlier versions: framed header, BLAKE3 then XXH3-128 tensor hashes
+OLD_KVS = {
+    "blake3-v1.kvs": ("blake3", "73271bd4ece81ab3c973e6476409e3b35ef8d4d2d33077d0679bd5df6fb0a355"),
+    "xxh3-v1.kvs": ("xxh3_128", "889aa5ea25c7783f59b098700b3a50b97b51069e9bdeebf6191bac70edfad307"),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(OLD_KVS))
+def test_snapshots_of_format_version_1_still_load(tmp_path, fixture):
+    algo, sha = OLD_KVS[fixture]
+    raw = (Path(__file__).parent / "fixtures/kv" / fixture).read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == sha
+    assert raw[:8] == b"\x89MLXBKV\n" and raw[8:12] == (1).to_bytes(4, "little")
     header = json.loads(raw[56 : 56 + int.from_bytes(raw[16:24], "little")])
-    assert header["hash"] == "blake3"
-    assert (
-        header["layers"][0]["tensors"]["keys"]["hash"] == blake3.blake3(raw[16384 : 16384 + 48]).hexdigest()
-    )
+    assert header["hash"] == algo
+    assert header["layers"][0]["tensors"]["keys"]["hash"] == fmt.check_digest(raw[16384 : 16384 + 48], algo)
     store = Store(tmp_path)
     (tmp_path / "snapshots").mkdir()
     (tmp_path / "snapshots/g.kvs").write_bytes(raw)
@@ -125,12 +150,10 @@ def test_tensor_hash_must_match_the_named_algorithm(tmp_path):
     store.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
     path = tmp_path / "snapshots/g.kvs"
     raw = path.read_bytes()
-    n = int.from_bytes(raw[16:24], "little")
-    header = json.loads(raw[56 : 56 + n])
+    header = fmt.read_header(path, what="x")[0]
     for algo, msg in (("blake3", "not 64 lower-case hex digits"), ("sha1", "hash 'sha1' is not supported")):
         lie = dict(header, hash=algo)  # 32-digit XXH3 values under another algorithm's name
-        body = fmt.encode(lie)
-        path.write_bytes(body + raw[len(body) :])  # the header page has room for it
+        path.write_bytes(fmt.encode_kvs(lie) + raw[16384:])
         with pytest.raises((fmt.CorruptError, fmt.UnsupportedError), match=msg):
             store.load("g", model="m", tokenizer="t")
 

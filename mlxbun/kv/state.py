@@ -146,6 +146,7 @@ def cache_state(cache: list[Any]) -> list[LayerState]:
 
 
 STORAGE = {"float16": mx.float16, "bfloat16": mx.uint16, "float32": mx.float32, "uint32": mx.uint32}
+MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
 
 
 _STREAMS = threading.local()
@@ -161,6 +162,11 @@ def _streams(n: int) -> list[Any]:
     while len(have) < n:
         have.append(mx.new_stream(mx.cpu))
     return have[:n]
+
+
+def cpu_stream() -> Any:
+    """This thread's own CPU stream (the first of :func:`_streams`)."""
+    return _streams(1)[0]
 
 
 Buffer = tuple[mx.array | None, np.ndarray]
