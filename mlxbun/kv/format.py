@@ -166,16 +166,10 @@ def read_header_fd(fd: int, *, what: str) -> tuple[dict[str, Any], int, int]:
     """Header of the .kvs/.kvm file open as ``fd`` (either framing), the file size and the format
     version (1: the framed header; 2: a safetensors .kvs)."""
     size = os.fstat(fd).st_size
-    lead = os.pread(fd, max(PREFIX.size, 8 + len(KVS_MAGIC)), 0)
+    lead = os.pread(fd, PREFIX.size, 0)  # longer than 8 + len(KVS_MAGIC)
     if lead[:8] == MAGIC or lead[8 : 8 + len(KVS_MAGIC)] != KVS_MAGIC:
-        pos = [len(lead[: PREFIX.size])]
-
-        def read_body(n: int) -> bytes:
-            body = os.pread(fd, n, pos[0])
-            pos[0] += len(body)
-            return body
-
-        return decode(lead[: PREFIX.size], read_body, what=what, file_size=size), size, VERSION
+        header = decode(lead, lambda n: os.pread(fd, n, PREFIX.size), what=what, file_size=size)
+        return header, size, VERSION
     return decode_kvs(fd, size, what=what), size, KVS_VERSION
 
 

@@ -13,9 +13,10 @@ than zero-filling mlx arrays and reading into them, which is what version-1 file
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -189,17 +190,21 @@ def read_header_fd(fd: int, *, what: str) -> tuple[dict[str, Any], int]:
     return header, version
 
 
-def open_snapshot(path: Path) -> int:
-    """A read-only descriptor of ``path`` (never through a symlink)."""
-    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+@contextlib.contextmanager
+def opened(path: Path, *, what: str) -> Iterator[tuple[int, dict[str, Any], int]]:
+    """``path`` open read-only (never through a symlink) with its validated header and format
+    version: one descriptor, so what is checked is what is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        header, version = read_header_fd(fd, what=what)
+        yield fd, header, version
+    finally:
+        os.close(fd)
 
 
 def read_header(path: Path, *, what: str) -> dict[str, Any]:
-    fd = open_snapshot(path)
-    try:
-        return read_header_fd(fd, what=what)[0]
-    finally:
-        os.close(fd)
+    with opened(path, what=what) as (_, header, _):
+        return header
 
 
 def _read_one(

@@ -389,14 +389,10 @@ class Store:
         what = f"snapshot {name!r}"
         with self.locked(exclusive=False):
             path = self.path_of(name)
-            if path.suffix == ".kvs":  # one descriptor: what is checked is what is read
-                fd = snap.open_snapshot(path)
-                try:
-                    h, version = snap.read_header_fd(fd, what=what)
+            if path.suffix == ".kvs":
+                with snap.opened(path, what=what) as (fd, h, version):
                     self._check(name, h, model=model, tokenizer=tokenizer, tokens=tokens)
                     arrays = snap.restore(fd, h, version, verify=verify, threads=self.threads, what=what)
-                finally:
-                    os.close(fd)
             else:
                 path, h = self.header(name)
                 self._check(name, h, model=model, tokenizer=tokenizer, tokens=tokens)
@@ -442,13 +438,9 @@ class Store:
             what = f"snapshot {name!r}"
             path = self.path_of(name)
             if path.suffix == ".kvs":
-                fd = snap.open_snapshot(path)
-                try:
-                    h, _ = snap.read_header_fd(fd, what=what)
+                with snap.opened(path, what=what) as (fd, h, _):
                     snap.read_data(fd, h, verify=True, threads=self.threads, what=what)
                     return os.fstat(fd).st_size
-                finally:
-                    os.close(fd)
             path, h = self.header(name)
             blk.check_manifest(h, what=what)
             for b in h["blocks"]:
