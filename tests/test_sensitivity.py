@@ -17,10 +17,12 @@ blas.load()
 import mlx.core as mx  # noqa: E402
 
 from mlxbun.errors import InputError  # noqa: E402
+from mlxbun.kl import kl_rows, log_probs  # noqa: E402
 from mlxbun.quant import calib as calib_mod  # noqa: E402
 from mlxbun.quant import sensitivity as sens  # noqa: E402
 from mlxbun.quant.sensitivity_merge import merge  # noqa: E402
 from mlxbun.quant.sensitivity_ref import reference_kl  # noqa: E402
+from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "llama-text-3m"
@@ -140,14 +142,14 @@ def test_kl_rows_matches_float64_numpy():
         )
 
     want = (np.exp(logp(ref)) * (logp(ref) - logp(cur))).sum(-1).mean(-1)
-    got = sens.kl_rows(sens.log_probs(mx.array(ref)), mx.array(cur))
+    got = kl_rows(log_probs(mx.array(ref)), mx.array(cur))
     np.testing.assert_allclose(got, want, rtol=1e-9)
-    assert np.all(sens.kl_rows(sens.log_probs(mx.array(ref)), mx.array(ref)) == 0)
+    assert np.all(kl_rows(log_probs(mx.array(ref)), mx.array(ref)) == 0)
 
 
 def test_fake_quant_equals_mx_quantize_roundtrip():
     w = mx.random.normal((64, 128), key=mx.random.key(0))
-    cand = sens.Candidate(4, 64, "affine")
+    cand = QuantSpec(bits=4, group_size=64, mode="affine")
     q = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
     want = mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32)
     assert mx.array_equal(sens.fake_quant(w, cand, dtype="bfloat16"), want)
