@@ -155,6 +155,7 @@ def test_fake_quant_equals_mx_quantize_roundtrip():
     assert mx.array_equal(sens.fake_quant(w, cand, dtype="bfloat16"), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["fixture", "qwen3"])
 def test_fast_equals_reference(which, tmp_path):
     model_dir = FIXTURE if which == "fixture" else tiny_qwen3(tmp_path / "qwen3")
@@ -174,6 +175,7 @@ def test_fast_equals_reference(which, tmp_path):
     assert max(kl4) / min(kl4) > 10  # layers differ: the fixture has structure
 
 
+@pytest.mark.slow
 def test_sharded_merged_equals_single_job(tmp_path):
     single = run_sens(FIXTURE, tmp_path / "single", tmp_path / "w1", **CHEAP)
     for i in range(2):
@@ -202,6 +204,7 @@ def test_resume_after_interrupt(tmp_path):
     assert again["_stats"]["groups_computed"] == 0
 
 
+@pytest.mark.slow
 def test_quantized_source(tmp_path):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load, quantize_model, save_config

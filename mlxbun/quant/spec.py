@@ -84,7 +84,13 @@ class QuantSpec:
         return self.sort_key() < other.sort_key()
 
     def sort_key(self) -> tuple:
-        return (self.bits, self.group_size, self.mode)
+        """(bits, group_size, mode), then any added fields as text (None first)."""
+        extra = tuple(
+            "" if (v := getattr(self, f.name)) is None else str(v)
+            for f in fields(self)
+            if f.name not in _CORE
+        )
+        return (self.bits, self.group_size, self.mode, *extra)
 
     def __str__(self) -> str:
         return f"{self.mode}:{self.bits}:{self.group_size}"
@@ -104,13 +110,13 @@ class QuantSpec:
             raise InputError(f"{key}: expected {{bits, group_size, mode}} or false, got {data!r}")
         extra = {f.name: data[f.name] for f in fields(cls) if f.name not in _CORE and f.name in data}
         spec = spec_for(data.get("mode", "affine"), data.get("bits"), data.get("group_size"), key=key)
-        return cls(bits=spec.bits, group_size=spec.group_size, mode=spec.mode, **extra) if extra else spec
+        return cls(bits=spec.bits, group_size=spec.group_size, mode=spec.mode, **extra)
 
     @classmethod
     def parse(cls, text: Any, *, key: str = "quant") -> QuantSpec:
         """``mode[:bits[:group_size]]`` (e.g. ``affine:4:64``, ``mxfp4``), a dict, or a QuantSpec."""
         if isinstance(text, QuantSpec):
-            return spec_for(text.mode, text.bits, text.group_size, key=key)
+            text = text.to_dict()
         if isinstance(text, Mapping):
             return cls.from_dict(text, key=key)
         parts = str(text).strip().split(":")
