@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlxbun.errors import InputError
@@ -178,3 +179,15 @@ def test_schema_checks_mixed_and_budget_once():
     AllocateCfg()  # no budget is fine for a config that does not run allocate
     with pytest.raises(InputError, match=r"both unset; set exactly one"):
         spec.check_budget(None, None)
+
+
+def test_one_dtype_table():
+    from mlxbun.io import dtypes
+    from mlxbun.io.safetensors import NP_DTYPES
+
+    assert {k: v.itemsize for k, v in NP_DTYPES.items()} == dtypes.ITEMSIZE
+    assert set(dtypes.CODES.values()) <= set(dtypes.ITEMSIZE)
+    for name in dtypes.CODES:
+        if name != "bfloat16":  # numpy has no bfloat16
+            assert dtypes.ITEMSIZE[dtypes.CODES[name]] == np.dtype(name).itemsize, name
+    assert dtypes.OUTPUT_NAMES == {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
