@@ -323,13 +323,14 @@ def test_rule_matching():
 
 def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
     """The project's quantize writes exactly the predicted bytes (headers and all)."""
-    from mlxbun.quant.plan import load_plan
+    from mlxbun.quant.spec import load_plan
     from mlxbun.quant.uniform import quantize_model_dir
 
     sens = fake_sensitivity(sorted(budget.read_source(model).shapes), seed=9, bits=(2, 3, 4, 6, 8))
     plan = al.allocate(sens, model_dir=model, budget_bpw=4.25, protect=["lm_head:6"])
     atomic_write_json(tmp_path / "plan.json", plan.to_json())
     assert load_plan(tmp_path / "plan.json").layers.keys() == plan.layers.keys()
+    assert load_plan(tmp_path / "plan.json") == plan.plan  # the writer's and the reader's Plan are one
     res = quantize_model_dir(model, tmp_path / "out", plan=tmp_path / "plan.json", dtype="bfloat16")
     assert budget.measure(res.out, parameters=plan.size.parameters) == plan.size
     index = json.loads((res.out / "model.safetensors.index.json").read_text())
