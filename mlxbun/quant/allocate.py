@@ -181,7 +181,7 @@ class Allocation:
         return {p: c.setting for p, c in self.choices.items()}
 
     @property
-    def plan(self) -> Allocation:
+    def plan(self) -> Plan:
         """What ``quantize`` reads (:class:`mlxbun.quant.spec.Plan`)."""
         return Plan(default=self.default, layers=self.layers)
 
