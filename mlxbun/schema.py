@@ -6,11 +6,20 @@ and ranges are checked in ``__post_init__``, which runs when the CLI turns the c
 into these dataclasses (``OmegaConf.to_object``). Each error names the key, the value and what is
 allowed. Command modules receive the resulting :class:`Config` object: plain dataclasses, no
 omegaconf.
+
+Units: a key ending in ``_gb`` is in GiB (2**30 bytes), as mlx-lm's ``5 << 30`` shard ceiling;
+``_mb`` is MiB and ``_kib`` KiB. The ``*_bytes`` properties convert.
+
+Rules that span sections (a key ignored because of another, seeds) are in :func:`check_config`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+import ast
+import difflib
+import math
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
@@ -31,6 +40,18 @@ SYNTH_DIMS = (
     "vocab_size",
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+GIB = 1 << 30
+# The widest stored weight (float32): no plan can need more bits per weight.
+MAX_BPW = 32
+# Statuses a run ends in (RunRecord.status, manifest "status"); "running" until then.
+RUN_STATUSES = ("running", "ok", "failed", "interrupted")
+# Run records `runs` lists at most (sqlite takes a 64-bit LIMIT; no registry holds more).
+MAX_RUNS_LIMIT = 10**9
+
+
+def gib_bytes(value: float | None) -> int | None:
+    """``value`` GiB in bytes (None stays None)."""
+    return None if value is None else max(1, int(value * GIB))
 
 
 def choose(key: str, value: Any, allowed: tuple | list) -> None:
@@ -44,9 +65,18 @@ def positive(key: str, value: float | int | None, *, allow_zero: bool = False) -
     """Raise an InputError unless ``value`` is None or > 0 (>= 0 with allow_zero)."""
     if value is None:
         return
+    bound = ">= 0" if allow_zero else "> 0"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"{key}={value!r} is out of range; it must be a finite number {bound}")
     if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
         raise InputError(f"{key}={value!r} is out of range; it must be {bound}")
+
+
+def at_most(key: str, value: float | int | None, limit: float | int, why: str = "") -> None:
+    """Raise an InputError when ``value`` is above ``limit`` (``why`` says where it comes from)."""
+    if value is not None and value > limit:
+        reason = f" ({why})" if why else ""
+        raise InputError(f"{key}={value!r} is out of range; it must be at most {limit}{reason}")
 
 
 @dataclass
@@ -61,6 +91,14 @@ class PathsCfg:
     run_dir: str = "${hydra:runtime.output_dir}"
     cache: str = "~/.cache/mlxbun"
 
+    def __post_init__(self) -> None:
+        resolved = Path(self.outputs).expanduser().resolve()
+        if resolved == Path(resolved.anchor):
+            raise InputError(
+                f"paths.outputs={self.outputs!r} is the filesystem root; choose a directory for run"
+                " outputs, e.g. paths.outputs=outputs"
+            )
+
 
 @dataclass
 class IoCfg:
@@ -74,7 +112,7 @@ class IoCfg:
 
     @property
     def shard_bytes(self) -> int:
-        return max(1, int(self.shard_gb * (1 << 30)))
+        return gib_bytes(self.shard_gb)
 
 
 @dataclass
@@ -296,6 +334,10 @@ class KvCfg:
         positive("kv.cap_gb", self.cap_gb)
         positive("kv.max_tokens", self.max_tokens)
 
+    @property
+    def cap_bytes(self) -> int | None:
+        return gib_bytes(self.cap_gb)
+
 
 @dataclass
 class RegistryFilterCfg:
@@ -313,6 +355,10 @@ class RegistryFilterCfg:
     def __post_init__(self) -> None:
         positive("registry.filter.max_gb", self.max_gb)
 
+    @property
+    def max_bytes(self) -> int | None:
+        return gib_bytes(self.max_gb)
+
 
 @dataclass
 class RegistryFitCfg:
@@ -323,6 +369,10 @@ class RegistryFitCfg:
     def __post_init__(self) -> None:
         positive("registry.fit.budget_gb", self.budget_gb)
         positive("registry.fit.context", self.context)
+
+    @property
+    def budget_bytes(self) -> int:
+        return gib_bytes(self.budget_gb)
 
 
 @dataclass
@@ -351,8 +401,9 @@ class RunsCfg:
 
     def __post_init__(self) -> None:
         if self.status is not None:
-            choose("runs.status", self.status, ("running", "ok", "failed"))
+            choose("runs.status", self.status, RUN_STATUSES)
         positive("runs.limit", self.limit)
+        at_most("runs.limit", self.limit, MAX_RUNS_LIMIT)
 
 
 @dataclass
@@ -382,6 +433,29 @@ class Config:
     registry: RegistryCfg = field(default_factory=RegistryCfg)
     runs: RunsCfg = field(default_factory=RunsCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
+    # true: list the chosen command's keys (type, default, comment) instead of running it.
+    help: bool = False
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+
+def check_config(cfg: Config) -> None:
+    """Rules that span sections: seeds, keys another key makes meaningless, absolute bounds."""
+    seeds = {"seed": cfg.seed, "fold.seed": cfg.fold.seed, "synth.seed": cfg.synth.seed}
+    seeds["sensitivity.calib.seed"] = cfg.sensitivity.calib.seed
+    for key, value in seeds.items():
+        positive(key, value, allow_zero=True)
+    positive("allocate.budget_bpw", cfg.allocate.budget_bpw)
+    at_most("allocate.budget_bpw", cfg.allocate.budget_bpw, MAX_BPW, "float32, the widest stored weight")
+    q = cfg.quant
+    if q.mixed is not None and q.bits is not None:
+        raise InputError(
+            f"quant.bits={q.bits} is ignored by quant.mixed={q.mixed!r}, which sets the bits of every"
+            " layer; drop one of them"
+        )
+    if q.mixed is not None and q.plan is not None:
+        raise InputError(f"quant.plan={q.plan!r} and quant.mixed={q.mixed!r} are both set; choose one")
 
 
 def check_keys(data: dict[str, Any], cls: type = None, prefix: str = "") -> None:
@@ -393,8 +467,7 @@ def check_keys(data: dict[str, Any], cls: type = None, prefix: str = "") -> None
     known = {f.name: f for f in fields(cls)}
     for key, value in data.items():
         if key not in known:
-            allowed = ", ".join(sorted(known))
-            raise InputError(f"unknown config key {prefix}{key!r}; keys here are: {allowed}")
+            raise InputError(unknown_key_message(f"{prefix}{key}"))
         sub = _dataclass_type(known[key].type)
         if sub is not None and isinstance(value, dict):
             check_keys(value, sub, f"{prefix}{key}.")
@@ -403,6 +476,74 @@ def check_keys(data: dict[str, Any], cls: type = None, prefix: str = "") -> None
 def _dataclass_type(annotation: Any) -> type | None:
     cls = globals().get(annotation) if isinstance(annotation, str) else annotation
     return cls if isinstance(cls, type) and is_dataclass(cls) else None
+
+
+def all_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Every leaf key of ``cls`` (default Config) as a dotted path, e.g. "quant.bits"."""
+    keys = []
+    for f in fields(cls or Config):
+        sub = _dataclass_type(f.type)
+        keys += all_keys(sub, f"{prefix}{f.name}.") if sub else [f"{prefix}{f.name}"]
+    return keys
+
+
+def unknown_key_message(dotted: str) -> str:
+    """One line for an unknown key: its full path and the closest known keys."""
+    keys = all_keys()
+    section, _, leaf = dotted.rpartition(".")
+    near = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.6)
+    if not near and section:  # a wrong leaf in a right section
+        siblings = [k for k in keys if k.rpartition(".")[0] == section]
+        near = [k for k in siblings if k.rpartition(".")[2].startswith(leaf)][:1]
+        near = near or difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return (
+        f"unknown config key {dotted!r}{hint} (`python -m mlxbun command=<name> help=true` lists a"
+        " command's keys)"
+    )
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One config key for per-command help: dotted path, type, default, one-line comment."""
+
+    key: str
+    type: str
+    default: Any
+    comment: str
+
+
+def key_docs(cls: type = None, prefix: str = "") -> list[KeyDoc]:
+    """Every leaf key of ``cls`` (default Config) with its type, default and schema comment."""
+    cls = cls or Config
+    comments = _field_comments().get(cls.__name__, {})
+    docs = []
+    for f in fields(cls):
+        sub = _dataclass_type(f.type)
+        if sub is not None:
+            docs += key_docs(sub, f"{prefix}{f.name}.")
+            continue
+        default = f.default_factory() if f.default is MISSING else f.default
+        docs.append(KeyDoc(f"{prefix}{f.name}", str(f.type), default, comments.get(f.name, "")))
+    return docs
+
+
+def _field_comments() -> dict[str, dict[str, str]]:
+    """Class name -> field -> the comment lines right above the field, joined into one line."""
+    source = Path(__file__).read_text()
+    lines = source.splitlines()
+    found: dict[str, dict[str, str]] = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for stmt in node.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                above, i = [], stmt.lineno - 2
+                while i >= 0 and lines[i].strip().startswith("#"):
+                    above.insert(0, lines[i].strip().lstrip("#").strip())
+                    i -= 1
+                found.setdefault(node.name, {})[stmt.target.id] = " ".join(above)
+    return found
 
 
 def register() -> None:
