@@ -12,12 +12,17 @@ import importlib
 import json
 import logging
 import os
+import re
+import signal
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mlxbun.errors import DriftError, InputError
+from mlxbun.errors import DriftError, EnvironmentFailure, InputError, Interrupted
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -155,16 +160,35 @@ def _one_line(e: BaseException) -> str:
     return text or type(e).__name__
 
 
+# Launcher plugin (as named in a Hydra "Could not load 'hydra/launcher/<x>'" error) -> extra.
+LAUNCHER_EXTRAS = {"ray": "ray", "joblib": "joblib", "submitit_slurm": "slurm", "submitit_local": "slurm"}
+
+
 def _config_error(e: Exception) -> str:
     """One line from a Hydra/OmegaConf compose error: key, value, and what is allowed."""
+    from mlxbun import schema
+
     cause = e.__cause__ if e.__cause__ is not None else e
     msg = getattr(cause, "msg", None) or str(cause)
     key = getattr(cause, "full_key", None)
     first = msg.strip().splitlines()[0] if msg.strip() else type(cause).__name__
-    if "is not in struct" in str(e) or "Could not override" in str(e) or "not found" in first:
-        first = first.replace("\n", " ")
-        return f"unknown config key ({first}); run `python -m mlxbun` for the commands"
+    if (plugin := _missing_launcher(str(e))) is not None:
+        return plugin
+    if "is not in struct" in str(e) or "Could not override" in str(e) or "not in '" in first:
+        if key:
+            return schema.unknown_key_message(str(key))
+        return f"unknown config key ({first}); `python -m mlxbun command=<name> help=true` lists the keys"
     return f"{key}: {first}" if key and str(key) not in first else first
+
+
+def _missing_launcher(text: str) -> str | None:
+    found = re.search(r"Could not load 'hydra/launcher/([\w-]+)'", text)
+    if found is None:
+        return None
+    name = found.group(1)
+    extra = LAUNCHER_EXTRAS.get(name)
+    how = f"pip install -e '.[{extra}]'" if extra else f"pip install the Hydra plugin that provides {name}"
+    return f"hydra/launcher needs the {name!r} launcher plugin, which is not installed; {how}"
 
 
 def _report(func: Any) -> Any:
@@ -182,6 +206,49 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def describe(e: BaseException) -> tuple[str, int, str]:
+    """(one line, exit code, run status) for whatever stopped a run."""
+    if isinstance(e, Interrupted):
+        return f"interrupted by {e}", e.exit_code, "interrupted"
+    if isinstance(e, KeyboardInterrupt):
+        return "interrupted by SIGINT", 128 + signal.SIGINT, "interrupted"
+    if isinstance(e, (InputError, DriftError, EnvironmentFailure)):
+        return _one_line(e), e.exit_code, "failed"
+    if isinstance(e, OSError) and e.filename is not None:
+        where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
+        return f"{where}: {e.strerror or _one_line(e)}", 1, "failed"
+    if type(e).__module__.split(".")[0] in ("peewee", "sqlite3", "psycopg2"):
+        return f"registry database: {type(e).__name__}: {_one_line(e)}", 1, "failed"
+    return f"{type(e).__name__}: {_one_line(e)} (verbose=true shows the traceback)", 1, "failed"
+
+
+@contextmanager
+def signals_raise() -> Iterator[None]:
+    """Turn the first SIGTERM or SIGINT into :class:`Interrupted` raised in the main thread.
+
+    Slurm sends SIGTERM on preemption (submitit relays it); raising lets ``finally`` blocks clean
+    staging directories and the run end ``interrupted``. A second SIGTERM is ignored while that
+    cleanup runs; a second SIGINT interrupts it.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        raise Interrupted(signum)
+
+    for s in previous:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def _task(dcfg: Any) -> None:
     from omegaconf import OmegaConf
 
@@ -189,41 +256,53 @@ def _task(dcfg: Any) -> None:
 
     verbose = bool(dcfg.get("verbose", False))
     try:
-        try:
-            schema.check_keys(OmegaConf.to_container(dcfg, resolve=False))
-            cfg = OmegaConf.to_object(dcfg)
-        except InputError:
+        with signals_raise():
+            try:
+                schema.check_keys(OmegaConf.to_container(dcfg, resolve=False))
+                cfg = OmegaConf.to_object(dcfg)
+            except InputError:
+                raise
+            except Exception as e:
+                raise InputError(_config_error(e)) from None
+            code = execute(cfg, OmegaConf.to_container(dcfg, resolve=True))
+    except BrokenPipeError:
+        _quiet_stdout()
+        sys.exit(128 + signal.SIGPIPE)
+    except BaseException as e:
+        if isinstance(e, SystemExit):
             raise
-        except Exception as e:
-            raise InputError(_config_error(e)) from None
-        code = execute(cfg, OmegaConf.to_container(dcfg, resolve=True))
-    except (InputError, DriftError) as e:
         if verbose:
             traceback.print_exc()
         if isinstance(e, InputError):
             _remove_if_empty(dcfg)
-        sys.stderr.write(f"error: {_one_line(e)}\n")
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        sys.stderr.write("error: interrupted\n")
-        sys.exit(130)
-    except Exception as e:
-        if verbose:
-            traceback.print_exc()
-        sys.stderr.write(f"error: {type(e).__name__}: {_one_line(e)} (verbose=true shows the traceback)\n")
-        sys.exit(1)
+        line, code, _ = describe(e)
+        sys.stderr.write(f"error: {line}\n")
+        sys.exit(code)
     if code:
         sys.exit(code)
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout went away (``| head``): send the rest to /dev/null and stop quietly."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _remove_if_empty(dcfg: Any) -> None:
     """Remove the run directory Hydra made when bad input stopped the run before any output."""
     try:
-        run_dir = Path(dcfg.paths.run_dir)
-        run_dir.rmdir()
-        run_dir.parent.rmdir()
-    except Exception:  # not empty, not there, or not resolvable: leave it
+        _remove_empty_dirs(Path(dcfg.paths.run_dir))
+    except Exception:  # not resolvable: leave it
         pass
+
+
+def _remove_empty_dirs(run_dir: Path) -> None:
+    """Remove ``run_dir`` and then its parent, each only when empty."""
+    for d in (run_dir, run_dir.parent):
+        try:
+            d.rmdir()
+        except OSError:  # not empty or not there
+            return
 
 
 def execute(cfg: Any, resolved: dict[str, Any]) -> int:
@@ -234,11 +313,42 @@ def execute(cfg: Any, resolved: dict[str, Any]) -> int:
     name = cfg.command.name
     fn = resolve_command(name)
     if name in READONLY:
-        result = fn(cfg)
-        if result.message:
-            print(result.message)
+        emit(cfg, fn(cfg))
         return 0
     return _recorded_run(cfg, resolved, fn, blas_info)
+
+
+def emit(cfg: Any, result: Any, *, run_dir: Path | None = None, manifest: Path | None = None) -> None:
+    """Print a command's result: its message (and where the run went), or one JSON document."""
+    if not cfg.json:
+        text = result.message
+        if run_dir is not None:
+            text = f"{text}\n" if text else ""
+            text += f"outputs:  {run_dir}\nmanifest: {manifest}"
+        if text:
+            print(text, flush=True)
+        return
+    if run_dir is None and _is_json(result.message):
+        print(result.message, flush=True)
+        return
+    doc: dict[str, Any] = {"command": cfg.command.name, "status": "ok", "metrics": result.metrics}
+    doc["result" if _is_json(result.message) else "message"] = (
+        json.loads(result.message) if _is_json(result.message) else result.message
+    )
+    doc["outputs"] = [str(p) for p in result.outputs]
+    if run_dir is not None:
+        doc.update(run_dir=str(run_dir), manifest=str(manifest))
+    print(json.dumps(doc, indent=2, sort_keys=True, default=str), flush=True)
+
+
+def _is_json(text: str) -> bool:
+    if not text or text.lstrip()[:1] not in ("{", "["):
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _overrides() -> list[str]:
@@ -250,46 +360,134 @@ def _overrides() -> list[str]:
         return []
 
 
-def _recorded_run(cfg: Any, resolved: dict[str, Any], fn: Any, blas_info: dict[str, Any]) -> int:
-    from mlxbun import registry
-    from mlxbun.provenance import Manifest
+class RunRecorder:
+    """The manifest and the RunRecord of one run, kept truthful whatever ends the run.
 
-    run_dir = Path(cfg.paths.run_dir).resolve()
-    overrides = _overrides()
-    recipe = recipe_from_argv(overrides)
-    manifest = Manifest(
-        run_dir=run_dir,
-        command=cfg.command.name,
-        config=resolved,
-        overrides=overrides,
-        recipe=recipe,
-        seed=cfg.seed,
-        blas=blas_info,
-        digest_cache=Path(cfg.paths.cache).expanduser() / "digests",
-    )
-    manifest.write()
-    registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
-    run_id = registry.record_run_start(
-        command=cfg.command.name,
-        recipe=recipe,
-        overrides=overrides,
-        config_hash=config_hash(resolved),
-        output_dir=str(run_dir),
-    )
+    Both say ``running`` while the command runs and end ``ok``, ``failed`` or ``interrupted``
+    (with the reason) wherever they can be written. A manifest that cannot be rewritten is
+    removed, so a run directory never claims a state it did not reach. Bad input leaves neither.
+    """
+
+    def __init__(self, cfg: Any, resolved: dict[str, Any], blas_info: dict[str, Any]) -> None:
+        from mlxbun.provenance import Manifest
+
+        self.cfg, self.run_id = cfg, None
+        self.run_dir = Path(cfg.paths.run_dir).resolve()
+        self.overrides = _overrides()
+        self.recipe = recipe_from_argv(self.overrides)
+        self.registry = cfg.registry.url or str(Path(cfg.registry.path).expanduser())
+        self.config_hash = config_hash(resolved)
+        self.manifest = Manifest(
+            run_dir=self.run_dir,
+            command=cfg.command.name,
+            config=resolved,
+            overrides=self.overrides,
+            recipe=self.recipe,
+            seed=cfg.seed,
+            blas=blas_info,
+            digest_cache=Path(cfg.paths.cache).expanduser() / "digests",
+        )
+
+    def start(self) -> None:
+        """Write the ``running`` manifest and row; an environment failure ends the run failed."""
+        from mlxbun import registry
+
+        problem = self._registry(
+            lambda: registry.open_db(url=self.cfg.registry.url, path=self.cfg.registry.path)
+        )
+        if problem is None:
+            problem = self._registry(self._insert_row)
+        try:
+            self.manifest.write()
+        except OSError as e:
+            problem = problem or describe(e)[0]
+        if problem is not None:
+            self.finish("failed", error=problem)
+            raise EnvironmentFailure(problem)
+
+    def _insert_row(self) -> None:
+        from mlxbun import registry
+
+        self.run_id = registry.record_run_start(
+            command=self.cfg.command.name,
+            recipe=self.recipe,
+            overrides=self.overrides,
+            config_hash=self.config_hash,
+            output_dir=str(self.run_dir),
+        )
+
+    def _delete_row(self) -> None:
+        from mlxbun import registry
+
+        with registry.write_txn():
+            registry.RunRecord.delete_by_id(self.run_id)
+
+    def _registry(self, call: Any) -> str | None:
+        """Run a registry call; an environment failure becomes a line naming the database."""
+        try:
+            call()
+        except InputError:
+            raise
+        except Exception as e:
+            return f"registry {self.registry}: {type(e).__name__}: {_one_line(e)}"
+        return None
+
+    def finish(self, status: str, *, result: Any = None, error: str | None = None) -> str | None:
+        """Record the end in the manifest, then the row; return what could not be recorded."""
+        problem = self._write_manifest(status, result=result, error=error)
+        if problem is not None and status == "ok":
+            status, error = "failed", problem
+        metrics = result.metrics if result is not None else None
+        row_problem = self._end_row(status, metrics=metrics, error=error)
+        if row_problem is not None and status == "ok":
+            self._write_manifest("failed", error=row_problem)  # the run is not recorded: not ok
+            self._end_row("failed", metrics=metrics, error=row_problem)
+        return problem or row_problem
+
+    def _end_row(self, status: str, *, metrics: Any, error: str | None) -> str | None:
+        from mlxbun import registry
+
+        if self.run_id is None:
+            return None
+        return self._registry(
+            lambda: registry.record_run_end(self.run_id, status=status, metrics=metrics, error=error)
+        )
+
+    def _write_manifest(self, status: str, *, result: Any = None, error: str | None = None) -> str | None:
+        try:
+            self.manifest.finish(status=status, result=result, error=error)
+        except Exception as e:
+            (self.run_dir / "manifest.json").unlink(missing_ok=True)  # never leave "running"
+            return describe(e)[0]
+        return None
+
+    def forget(self) -> bool:
+        """Bad input stopped the run: remove its row, manifest and directory; False if it wrote."""
+
+        (self.run_dir / "manifest.json").unlink(missing_ok=True)
+        if self.run_dir.exists() and any(self.run_dir.iterdir()):
+            return False  # the command wrote something before it refused: keep it, recorded failed
+        if self.run_id is not None:
+            self._registry(self._delete_row)
+        _remove_empty_dirs(self.run_dir)
+        return True
+
+
+def _recorded_run(cfg: Any, resolved: dict[str, Any], fn: Any, blas_info: dict[str, Any]) -> int:
+    record = RunRecorder(cfg, resolved, blas_info)
+    record.start()
     try:
         result = fn(cfg)
     except BaseException as e:
-        registry.record_run_end(run_id, status="failed", error=_one_line(e))
-        if isinstance(e, InputError):
-            (run_dir / "manifest.json").unlink(missing_ok=True)  # bad input: leave no run behind
-        else:
-            manifest.finish(status="failed", error=_one_line(e))
+        line, _, status = describe(e)
+        if isinstance(e, InputError) and record.forget():
+            raise
+        record.finish(status, error=line)
         raise
-    mpath = manifest.finish(status="ok", result=result)
-    registry.record_run_end(run_id, status="ok", metrics=result.metrics)
-    if result.message:
-        print(result.message)
-    print(f"outputs:  {run_dir}\nmanifest: {mpath}")
+    problem = record.finish("ok", result=result)
+    if problem is not None:
+        raise EnvironmentFailure(problem)
+    emit(cfg, result, run_dir=record.run_dir, manifest=record.run_dir / "manifest.json")
     return 0
 
 
