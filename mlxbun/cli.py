@@ -491,6 +491,78 @@ def _recorded_run(cfg: Any, resolved: dict[str, Any], fn: Any, blas_info: dict[s
     return 0
 
 
+def check_argv(argv: list[str]) -> None:
+    """Fail before Hydra runs on a bare command name, an unknown recipe or command."""
+    for arg in argv:
+        if arg in COMMANDS:
+            raise InputError(f"{arg!r} is not a key=value override; to run that command write command={arg}")
+    if (recipe := recipe_from_argv(argv)) is not None:
+        check_recipe(recipe)
+    if (command := _argv_value(argv, "command")) is not None:
+        check_command(command)
+
+
+# The config sections each command reads (besides COMMON_KEYS), for command=<name> help=true.
+COMMON_KEYS = ("seed", "verbose", "json", "blas", "help", "paths")
+SECTIONS: dict[str, tuple[str, ...]] = {
+    "help": (),
+    "pipeline": ("pipeline",),
+    "synth": ("synth", "io"),
+    "inspect": ("inspect", "model", "registry"),
+    "quantize": ("model", "quant", "io"),
+    "sensitivity": ("model", "sensitivity"),
+    "sensitivity_merge": ("sensitivity",),
+    "allocate": ("model", "allocate", "quant", "io"),
+    "rotate": ("model", "fold", "io"),
+    "kv_save": ("model", "kv"),
+    "kv_generate": ("model", "kv"),
+    "kv_ls": ("kv",),
+    "kv_verify": ("kv",),
+    "kv_gc": ("kv",),
+    "registry_scan": ("registry",),
+    "registry_ls": ("registry",),
+    "registry_resolve": ("model", "registry"),
+    "registry_fit": ("model", "registry"),
+    "runs": ("runs", "registry"),
+    "verify": ("runs",),
+}
+
+
+def command_help(overrides: list[str]) -> str:
+    """The chosen command's keys: type, value after the overrides and recipe, schema comment."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from mlxbun import schema
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        raw = OmegaConf.to_container(compose("config", overrides=overrides), resolve=False)
+    name = raw["command"]["name"]
+    sections = set(COMMON_KEYS) | set(SECTIONS.get(name, ()))
+    if name == "pipeline":
+        sections |= {s for step in raw["pipeline"]["steps"] for s in SECTIONS.get(step, ())}
+    docs = [d for d in schema.key_docs() if d.key.split(".")[0] in sections]
+    rows = [(d.key, d.type, _shown(_lookup(raw, d.key)), d.comment) for d in docs]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"command={name}: {COMMANDS[name][1]}", "", "keys (type, value, what it is):"]
+    lines += [f"  {k:<{widths[0]}}  {t:<{widths[1]}}  {v:<{widths[2]}}  {c}".rstrip() for k, t, v, c in rows]
+    return "\n".join(lines)
+
+
+def _lookup(data: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        data = data[part]
+    return data
+
+
+def _shown(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+
+
+def _help_overrides(argv: list[str]) -> list[str]:
+    return [a for a in argv if "=" in a and not a.startswith(("-", "help=", "hydra.", "hydra/"))]
+
+
 def main() -> None:
     """Console entry: check the recipe, make Hydra errors one line, then run the Hydra app."""
     import hydra
@@ -501,15 +573,29 @@ def main() -> None:
     # transformers (imported by mlx-lm for tokenizers) advises installing PyTorch on every run.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     argv = sys.argv[1:]
+    if "--version" in argv or "-V" in argv:
+        print(f"mlxbun {_version()}")
+        return
+    schema.register()
     try:
-        if (recipe := recipe_from_argv(argv)) is not None:
-            check_recipe(recipe)
-        if (command := _argv_value(argv, "command")) is not None:
-            check_command(command)
+        check_argv(argv)
+        if (_argv_value(argv, "help") or "").lower() in ("true", "1", "yes"):
+            _print_or_quit(command_help(_help_overrides(argv)))
+            return
     except InputError as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(2)
-    schema.register()
+    except Exception as e:
+        sys.stderr.write(f"error: {_config_error(e)}\n")
+        sys.exit(2)
     hydra_utils.run_and_report = _report
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
     app()
+
+
+def _print_or_quit(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        _quiet_stdout()
+        sys.exit(128 + signal.SIGPIPE)
