@@ -546,8 +546,18 @@ def _field_comments() -> dict[str, dict[str, str]]:
     return found
 
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def repo_path(relative: str) -> str:
+    """``${repo:tests/fixtures/x}`` in a recipe: a path inside the mlxbun checkout, from any cwd."""
+    return str(REPO_ROOT / relative)
+
+
 def register() -> None:
-    """Register :class:`Config` in Hydra's ConfigStore as ``mlxbun_schema``."""
+    """Register :class:`Config` in Hydra's ConfigStore as ``mlxbun_schema``, and ``${repo:...}``."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name="mlxbun_schema", node=Config)
+    OmegaConf.register_new_resolver("repo", repo_path, replace=True)
