@@ -219,7 +219,22 @@ def describe(e: BaseException) -> tuple[str, int, str]:
         return f"{where}: {e.strerror or _one_line(e)}", 1, "failed"
     if type(e).__module__.split(".")[0] in ("peewee", "sqlite3", "psycopg2"):
         return f"registry database: {type(e).__name__}: {_one_line(e)}", 1, "failed"
-    return f"{type(e).__name__}: {_one_line(e)} (verbose=true shows the traceback)", 1, "failed"
+    where = _path_in_traceback(e)
+    at = f"{where}: " if where else ""
+    return f"{at}{type(e).__name__}: {_one_line(e)} (verbose=true shows the traceback)", 1, "failed"
+
+
+def _path_in_traceback(e: BaseException) -> str | None:
+    """The path the innermost mlxbun frame was working on (a Path local), to name in the error."""
+    package = str(Path(__file__).resolve().parent)
+    found, tb = None, e.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_filename.startswith(package):
+            paths = [v for v in frame.f_locals.values() if isinstance(v, Path)]
+            found = next((str(p) for p in paths if p.exists()), found)
+        tb = tb.tb_next
+    return found
 
 
 @contextmanager

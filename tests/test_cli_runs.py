@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sqlite3
 from pathlib import Path
 
+import pytest
 from cli_util import REPO, run_cli
 
 FIXTURE = REPO / "tests" / "fixtures" / "llama-text-3m"
@@ -175,3 +177,31 @@ def test_environment_error_names_the_path_and_records_the_run_failed(tmp_path: P
     (m,) = _manifests(tmp_path)
     (row,) = _rows(tmp_path)
     assert m["status"] == row["status"] == "failed" and str(out) in row["error"]
+
+
+def _broken_config(d: Path) -> None:
+    (d / "config.json").write_text('{"model_type": "llama",')
+
+
+def _no_tokenizer(d: Path) -> None:
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+
+
+@pytest.mark.parametrize(
+    ("damage", "args"),
+    [
+        (_broken_config, ["command=quantize", "quant.bits=4"]),
+        (_no_tokenizer, ["command=kv_save", "kv.name=x", "kv.prompt=hello"]),
+    ],
+)
+def test_a_broken_model_dir_is_named_and_the_run_recorded_failed(tmp_path: Path, damage, args) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(FIXTURE, model)
+    damage(model)
+    res = run_cli(*args, f"model.name={model}", tmp=tmp_path)
+    assert res.returncode == 1, res.stderr
+    assert _one_error_line(res.stderr).startswith(f"error: {model}: ")
+    (m,) = _manifests(tmp_path)
+    (row,) = _rows(tmp_path)
+    assert m["status"] == row["status"] == "failed" and str(model) in row["error"]
