@@ -85,6 +85,19 @@ def check_steps(cfg: Any, steps: list[str]) -> None:
                     " no earlier step provides; set it (nothing was run)"
                 )
         provided.update(PROVIDES.get(step, ()))
+    if "synth" in steps:
+        _check_synth_room(cfg)
+
+
+def _check_synth_room(cfg: Any) -> None:
+    """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth.check_room)."""
+    from dataclasses import asdict
+
+    from mlxbun import synth
+
+    spec = synth.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
+    out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "synth" / "model"
+    synth.check_room(spec, out=out, partial_root=None, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap)
 
 
 def run_steps(cfg: Any, steps: list[str]) -> RunResult:

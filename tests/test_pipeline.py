@@ -85,3 +85,12 @@ def test_every_pipeline_recipe_passes_the_up_front_check(recipe: str) -> None:
         cfg = OmegaConf.to_object(compose("config", overrides=[f"+recipe={recipe}", "paths.run_dir=/tmp/x"]))
     if cfg.command.name == "pipeline":
         pipeline.check_steps(cfg, list(cfg.pipeline.steps))
+
+
+def test_a_synth_step_too_big_for_the_disk_fails_before_the_first_step(
+    tmp_path: Path, ran: list[str]
+) -> None:
+    cfg = _cfg(tmp_path, ["synth", "quantize"], synth=schema.SynthCfg(hidden_size=10_000_000))
+    with pytest.raises(InputError, match=r"needs .* of disk"):
+        pipeline.run(cfg)
+    assert ran == []
