@@ -493,13 +493,13 @@ def _recorded_run(cfg: Any, resolved: dict[str, Any], fn: Any, blas_info: dict[s
     record.start()
     try:
         result = fn(cfg)
+        problem = record.finish("ok", result=result)  # a signal while hashing ends it interrupted
     except BaseException as e:
         line, _, status = describe(e)
         if isinstance(e, InputError) and record.forget():
             raise
         record.finish(status, error=line)
         raise
-    problem = record.finish("ok", result=result)
     if problem is not None:
         raise EnvironmentFailure(problem)
     emit(cfg, result, run_dir=record.run_dir, manifest=record.run_dir / "manifest.json")

@@ -205,3 +205,26 @@ def test_a_broken_model_dir_is_named_and_the_run_recorded_failed(tmp_path: Path,
     (m,) = _manifests(tmp_path)
     (row,) = _rows(tmp_path)
     assert m["status"] == row["status"] == "failed" and str(model) in row["error"]
+
+
+# SIGTERM arrives after the command finished, while its outputs are hashed into the manifest.
+SIGTERM_WHILE_HASHING = """
+import os, signal, time
+from mlxbun import provenance
+real = provenance.hash_paths
+def hash_then_signal(paths, **k):
+    if k.get("cache_dir") is None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    return real(paths, **k)
+provenance.hash_paths = hash_then_signal
+"""
+
+
+def test_sigterm_while_outputs_are_hashed_ends_the_run_interrupted(tmp_path: Path) -> None:
+    env = _inject(tmp_path, SIGTERM_WHILE_HASHING)
+    res = run_cli("command=synth", tmp=tmp_path, env=env, timeout=120)
+    assert res.returncode == 143, res.stderr
+    (m,) = _manifests(tmp_path)
+    (row,) = _rows(tmp_path)
+    assert m["status"] == row["status"] == "interrupted"
