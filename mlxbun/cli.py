@@ -570,8 +570,9 @@ def _lookup(data: dict[str, Any], dotted: str) -> Any:
     return data
 
 
-def _shown(value: Any) -> str:
-    return json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+def _shown(value: Any, width: int = 40) -> str:
+    text = json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def _help_overrides(argv: list[str]) -> list[str]:
