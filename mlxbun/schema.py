@@ -81,6 +81,7 @@ def at_most(key: str, value: float | int | None, limit: float | int, why: str = 
 
 @dataclass
 class CommandCfg:
+    # The command to run (python -m mlxbun lists them).
     name: str = "help"
 
 
@@ -88,7 +89,9 @@ class CommandCfg:
 class PathsCfg:
     # Root of run directories; each run's own directory (Hydra's output dir) is run_dir.
     outputs: str = "outputs"
+    # This run's directory (set by Hydra; pipelines set one per step).
     run_dir: str = "${hydra:runtime.output_dir}"
+    # Registry, KV store, digests and synthetic checkpoints live under here.
     cache: str = "~/.cache/mlxbun"
 
     def __post_init__(self) -> None:
@@ -125,25 +128,39 @@ class ModelCfg:
 
 @dataclass
 class SynthCfg:
+    # Architecture: llama, qwen2, qwen3, mistral or gemma3_text.
     arch: str = "llama"
     # Named size preset (see mlxbun.synth.PRESETS); explicit dims below override it.
     preset: str = "tiny"
+    # Model width (overrides the preset).
     hidden_size: int | None = None
+    # MLP width (overrides the preset).
     intermediate_size: int | None = None
+    # Decoder layers (overrides the preset).
     num_layers: int | None = None
+    # Attention heads (overrides the preset).
     num_heads: int | None = None
+    # Key/value heads (overrides the preset).
     num_kv_heads: int | None = None
+    # Per-head width (overrides the preset; derived when None).
     head_dim: int | None = None
+    # Vocabulary size (overrides the preset).
     vocab_size: int | None = None
+    # Share the embedding with the LM head (None keeps the preset's choice).
     tie_embeddings: bool | None = None
+    # Stored dtype: bfloat16, float16 or float32.
     dtype: str = "bfloat16"
+    # Every tensor's values derive from this seed.
     seed: int = 0
     # Planted structure so quantization, rotation and sensitivity have something to find.
     outlier_channels: int = 0
+    # Factor applied to the planted outlier channels (finite, > 0).
     outlier_scale: float = 20.0
     # What outlier_scale multiplies: "weights", "activations" or "both" (see mlxbun/synth.py).
     outlier_target: str = "both"
+    # Std of noise added to RMSNorm gains.
     norm_jitter: float = 0.0
+    # Output model directory; None writes <run_dir>/model.
     out: str | None = None
 
     def __post_init__(self) -> None:
@@ -306,8 +323,11 @@ class AllocateCfg:
 
 @dataclass
 class FoldCfg:
+    # Seed of the random ±1 signs of the Hadamard rotation.
     seed: int = 0
+    # dtype of the rotated weights; None keeps the source's.
     dtype: str | None = None
+    # Compare logits before and after the fold on a few tokens.
     verify: bool = True
 
     def __post_init__(self) -> None:
@@ -317,15 +337,25 @@ class FoldCfg:
 
 @dataclass
 class KvCfg:
+    # Root of the KV store (snapshots, blocks, manifests).
     store: str = "${paths.cache}/kv"
+    # Snapshot name to save, restore or verify.
     name: str | None = None
+    # Prompt text (or kv.prompt_file).
     prompt: str | None = None
+    # File holding the prompt (or kv.prompt).
     prompt_file: str | None = None
+    # snapshot (one file per snapshot) or blocks (content-addressed, deduplicated).
     layout: str = "blocks"
+    # Target size of one block in KiB (blocks layout).
     block_kib: int = 1024
+    # Re-hash every tensor and block on restore.
     verify: bool = True
+    # kv_gc: evict least recently used snapshots until the store is under this many GiB.
     cap_gb: float | None = None
+    # Tokens kv_generate decodes after the prompt.
     max_tokens: int = 32
+    # kv_gc: false prints the plan, true frees the blocks.
     execute: bool = False
 
     def __post_init__(self) -> None:
@@ -341,11 +371,17 @@ class KvCfg:
 
 @dataclass
 class RegistryFilterCfg:
+    # true: only vision-capable models; false: only text models.
     vision: bool | None = None
+    # Only models whose weights take at most this many GiB.
     max_gb: float | None = None
+    # Case-insensitive substring of the repo id, name or model type.
     query: str | None = None
+    # License from the README front matter (case-insensitive), e.g. apache-2.0.
     license: str | None = None
+    # config.json model_type (or its text_config model_type), e.g. llama.
     model_type: str | None = None
+    # true: only quantized models; false: only unquantized ones.
     quantized: bool | None = None
     # Every cached revision, not only each repo's canonical one (refs/main).
     all_revisions: bool = False
@@ -362,8 +398,11 @@ class RegistryFilterCfg:
 
 @dataclass
 class RegistryFitCfg:
+    # Memory budget in GiB.
     budget_gb: float = 16.0
+    # Tokens of KV cache to count.
     context: int = 8192
+    # Count the vision tower too.
     vision: bool = False
 
     def __post_init__(self) -> None:
@@ -379,6 +418,7 @@ class RegistryFitCfg:
 class RegistryCfg:
     # Any playhouse.db_url URL (sqlite:///..., postgresql://...); None uses `path` (sqlite).
     url: str | None = None
+    # sqlite database file used when url is None.
     path: str = "${paths.cache}/registry.db"
     # HF hub cache to scan; None follows HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub.
     hub_cache: str | None = None
@@ -392,9 +432,13 @@ class RegistryCfg:
 
 @dataclass
 class RunsCfg:
+    # Only runs of this command.
     command: str | None = None
+    # Only runs of this recipe.
     recipe: str | None = None
+    # Only runs in this status: running, ok, failed or interrupted.
     status: str | None = None
+    # Newest runs listed (at most 10^9).
     limit: int = 50
     # For command=verify: the run directory whose outputs are re-hashed against its manifest.
     dir: str | None = None
@@ -415,8 +459,11 @@ class PipelineCfg:
 @dataclass
 class Config:
     command: CommandCfg = field(default_factory=CommandCfg)
+    # Seed recorded in the manifest (commands take their own seeds below).
     seed: int = 0
+    # true: print tracebacks with errors.
     verbose: bool = False
+    # true: print the result as one JSON document.
     json: bool = False
     # Optimized BLAS for MLX on Linux: "auto" (find one), "off", or a path to a shared library.
     blas: str = "auto"

@@ -91,3 +91,12 @@ def test_key_docs_give_type_default_and_comment() -> None:
     assert shard.type == "float" and shard.default == 5.0 and "GiB" in shard.comment
     assert docs["quant.bits"].type == "int | None"
     assert "\n" not in docs["quant.out"].comment and docs["quant.out"].comment
+
+
+def test_every_key_outside_the_quantization_sections_has_a_comment() -> None:
+    missing = [
+        d.key
+        for d in schema.key_docs()
+        if not d.comment and d.key.split(".")[0] not in ("quant", "allocate", "sensitivity")
+    ]
+    assert missing == []
