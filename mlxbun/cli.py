@@ -232,9 +232,19 @@ def _path_in_traceback(e: BaseException) -> str | None:
         frame = tb.tb_frame
         if frame.f_code.co_filename.startswith(package):
             paths = [v for v in frame.f_locals.values() if isinstance(v, Path)]
-            found = next((str(p) for p in paths if p.exists()), found)
+            found = next((p for p in paths if p.exists()), found)
         tb = tb.tb_next
-    return found
+    if isinstance(e, json.JSONDecodeError) and found is not None and found.is_dir():
+        found = next((f for f in sorted(found.glob("*.json")) if _holds(f, e.doc)), found)
+    return None if found is None else str(found)
+
+
+def _holds(path: Path, text: str) -> bool:
+    """Whether ``path`` holds exactly ``text`` (which JSON file of a directory failed to parse)."""
+    try:
+        return path.stat().st_size == len(text.encode()) and path.read_text() == text
+    except (OSError, UnicodeDecodeError):
+        return False
 
 
 @contextmanager

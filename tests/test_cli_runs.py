@@ -201,7 +201,9 @@ def test_a_broken_model_dir_is_named_and_the_run_recorded_failed(tmp_path: Path,
     damage(model)
     res = run_cli(*args, f"model.name={model}", tmp=tmp_path)
     assert res.returncode == 1, res.stderr
-    assert _one_error_line(res.stderr).startswith(f"error: {model}: ")
+    line = _one_error_line(res.stderr)
+    named = model / "config.json" if damage is _broken_config else model
+    assert line.startswith(f"error: {named}: "), line
     (m,) = _manifests(tmp_path)
     (row,) = _rows(tmp_path)
     assert m["status"] == row["status"] == "failed" and str(model) in row["error"]
