@@ -2,12 +2,13 @@
 
 Run ``python -m mlxbun`` for the list of commands and recipes. This module is the one error
 boundary: bad input becomes ``error: <one line>`` and exit code 2 (a traceback only with
-``verbose=true``), verification drift exits 1, and every run gets a manifest and a RunRecord.
+``verbose=true``), verification drift and environment failures exit 1 naming the path, a
+signal exits 128 + its number, and every run gets a manifest and a RunRecord
+(:mod:`mlxbun.runrecord`) that end ``ok``, ``failed`` or ``interrupted``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
@@ -15,21 +16,19 @@ import os
 import re
 import signal
 import sys
-import threading
 import traceback
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mlxbun.errors import DriftError, EnvironmentFailure, InputError, Interrupted
+from mlxbun.errors import EnvironmentFailure, InputError
+from mlxbun.runrecord import RunRecorder, describe, remove_empty_dirs, signals_raise
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 # name -> ("module[:function]", one line). Read-only commands write no run directory.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "help": ("mlxbun.cli:run_help", "list the commands and the recipes"),
+    "help": ("mlxbun.help", "list the commands and the recipes"),
     "pipeline": ("mlxbun.pipeline", "run several commands in order in one run directory"),
     "synth": ("mlxbun.synth", "write a deterministic random checkpoint of a real architecture"),
     "inspect": ("mlxbun.io.inspect", "tensors, totals, metadata and quantization of a model"),
@@ -123,19 +122,6 @@ def _version() -> str:
     return mlxbun.__version__
 
 
-def run_help(cfg: Any) -> Any:
-    from mlxbun.provenance import RunResult
-
-    width = max(len(n) for n in COMMANDS)
-    lines = ["usage: python -m mlxbun command=<name> [key=value ...] | +recipe=<name>", "", "commands:"]
-    lines += [f"  {n:<{width}}  {d}" for n, (_, d) in COMMANDS.items()]
-    recipes = available_recipes()
-    rwidth = max((len(r) for r in recipes), default=0)
-    lines += ["", "recipes (+recipe=<name>):"]
-    lines += [f"  {r:<{rwidth}}  {recipe_summary(r)}" for r in recipes]
-    return RunResult(message="\n".join(lines))
-
-
 def run_runs(cfg: Any) -> Any:
     from mlxbun import registry
     from mlxbun.provenance import RunResult
@@ -153,11 +139,6 @@ def run_runs(cfg: Any) -> Any:
         for r in rows
     ]
     return RunResult(message="\n".join(lines))
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
 
 
 # Launcher plugin (as named in a Hydra "Could not load 'hydra/launcher/<x>'" error) -> extra.
@@ -202,78 +183,6 @@ def _report(func: Any) -> Any:
         sys.exit(2)
 
 
-def config_hash(config: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def describe(e: BaseException) -> tuple[str, int, str]:
-    """(one line, exit code, run status) for whatever stopped a run."""
-    if isinstance(e, Interrupted):
-        return f"interrupted by {e}", e.exit_code, "interrupted"
-    if isinstance(e, KeyboardInterrupt):
-        return "interrupted by SIGINT", 128 + signal.SIGINT, "interrupted"
-    if isinstance(e, (InputError, DriftError, EnvironmentFailure)):
-        return _one_line(e), e.exit_code, "failed"
-    if isinstance(e, OSError) and e.filename is not None:
-        where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
-        return f"{where}: {e.strerror or _one_line(e)}", 1, "failed"
-    if type(e).__module__.split(".")[0] in ("peewee", "sqlite3", "psycopg2"):
-        return f"registry database: {type(e).__name__}: {_one_line(e)}", 1, "failed"
-    where = _path_in_traceback(e)
-    at = f"{where}: " if where else ""
-    return f"{at}{type(e).__name__}: {_one_line(e)} (verbose=true shows the traceback)", 1, "failed"
-
-
-def _path_in_traceback(e: BaseException) -> str | None:
-    """The path the innermost mlxbun frame was working on (a Path local), to name in the error."""
-    package = str(Path(__file__).resolve().parent)
-    found, tb = None, e.__traceback__
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_filename.startswith(package):
-            paths = [v for v in frame.f_locals.values() if isinstance(v, Path)]
-            found = next((p for p in paths if p.exists()), found)
-        tb = tb.tb_next
-    if isinstance(e, json.JSONDecodeError) and found is not None and found.is_dir():
-        found = next((f for f in sorted(found.glob("*.json")) if _holds(f, e.doc)), found)
-    return None if found is None else str(found)
-
-
-def _holds(path: Path, text: str) -> bool:
-    """Whether ``path`` holds exactly ``text`` (which JSON file of a directory failed to parse)."""
-    try:
-        return path.stat().st_size == len(text.encode()) and path.read_text() == text
-    except (OSError, UnicodeDecodeError):
-        return False
-
-
-@contextmanager
-def signals_raise() -> Iterator[None]:
-    """Turn the first SIGTERM or SIGINT into :class:`Interrupted` raised in the main thread.
-
-    Slurm sends SIGTERM on preemption (submitit relays it); raising lets ``finally`` blocks clean
-    staging directories and the run end ``interrupted``. A second SIGTERM is ignored while that
-    cleanup runs; a second SIGINT interrupts it.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-
-    def handler(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        raise Interrupted(signum)
-
-    for s in previous:
-        signal.signal(s, handler)
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-
-
 def _task(dcfg: Any) -> None:
     from omegaconf import OmegaConf
 
@@ -316,18 +225,9 @@ def _quiet_stdout() -> None:
 def _remove_if_empty(dcfg: Any) -> None:
     """Remove the run directory Hydra made when bad input stopped the run before any output."""
     try:
-        _remove_empty_dirs(Path(dcfg.paths.run_dir))
+        remove_empty_dirs(Path(dcfg.paths.run_dir))
     except Exception:  # not resolvable: leave it
         pass
-
-
-def _remove_empty_dirs(run_dir: Path) -> None:
-    """Remove ``run_dir`` and then its parent, each only when empty."""
-    for d in (run_dir, run_dir.parent):
-        try:
-            d.rmdir()
-        except OSError:  # not empty or not there
-            return
 
 
 def execute(cfg: Any, resolved: dict[str, Any]) -> int:
@@ -385,121 +285,11 @@ def _overrides() -> list[str]:
         return []
 
 
-class RunRecorder:
-    """The manifest and the RunRecord of one run, kept truthful whatever ends the run.
-
-    Both say ``running`` while the command runs and end ``ok``, ``failed`` or ``interrupted``
-    (with the reason) wherever they can be written. A manifest that cannot be rewritten is
-    removed, so a run directory never claims a state it did not reach. Bad input leaves neither.
-    """
-
-    def __init__(self, cfg: Any, resolved: dict[str, Any], blas_info: dict[str, Any]) -> None:
-        from mlxbun.provenance import Manifest
-
-        self.cfg, self.run_id = cfg, None
-        self.run_dir = Path(cfg.paths.run_dir).resolve()
-        self.overrides = _overrides()
-        self.recipe = recipe_from_argv(self.overrides)
-        self.registry = cfg.registry.url or str(Path(cfg.registry.path).expanduser())
-        self.config_hash = config_hash(resolved)
-        self.manifest = Manifest(
-            run_dir=self.run_dir,
-            command=cfg.command.name,
-            config=resolved,
-            overrides=self.overrides,
-            recipe=self.recipe,
-            seed=cfg.seed,
-            blas=blas_info,
-            digest_cache=Path(cfg.paths.cache).expanduser() / "digests",
-        )
-
-    def start(self) -> None:
-        """Write the ``running`` manifest and row; an environment failure ends the run failed."""
-        from mlxbun import registry
-
-        problem = self._registry(
-            lambda: registry.open_db(url=self.cfg.registry.url, path=self.cfg.registry.path)
-        )
-        if problem is None:
-            problem = self._registry(self._insert_row)
-        try:
-            self.manifest.write()
-        except OSError as e:
-            problem = problem or describe(e)[0]
-        if problem is not None:
-            self.finish("failed", error=problem)
-            raise EnvironmentFailure(problem)
-
-    def _insert_row(self) -> None:
-        from mlxbun import registry
-
-        self.run_id = registry.record_run_start(
-            command=self.cfg.command.name,
-            recipe=self.recipe,
-            overrides=self.overrides,
-            config_hash=self.config_hash,
-            output_dir=str(self.run_dir),
-        )
-
-    def _delete_row(self) -> None:
-        from mlxbun import registry
-
-        with registry.write_txn():
-            registry.RunRecord.delete_by_id(self.run_id)
-
-    def _registry(self, call: Any) -> str | None:
-        """Run a registry call; an environment failure becomes a line naming the database."""
-        try:
-            call()
-        except InputError:
-            raise
-        except Exception as e:
-            return f"registry {self.registry}: {type(e).__name__}: {_one_line(e)}"
-        return None
-
-    def finish(self, status: str, *, result: Any = None, error: str | None = None) -> str | None:
-        """Record the end in the manifest, then the row; return what could not be recorded."""
-        problem = self._write_manifest(status, result=result, error=error)
-        if problem is not None and status == "ok":
-            status, error = "failed", problem
-        metrics = result.metrics if result is not None else None
-        row_problem = self._end_row(status, metrics=metrics, error=error)
-        if row_problem is not None and status == "ok":
-            self._write_manifest("failed", error=row_problem)  # the run is not recorded: not ok
-            self._end_row("failed", metrics=metrics, error=row_problem)
-        return problem or row_problem
-
-    def _end_row(self, status: str, *, metrics: Any, error: str | None) -> str | None:
-        from mlxbun import registry
-
-        if self.run_id is None:
-            return None
-        return self._registry(
-            lambda: registry.record_run_end(self.run_id, status=status, metrics=metrics, error=error)
-        )
-
-    def _write_manifest(self, status: str, *, result: Any = None, error: str | None = None) -> str | None:
-        try:
-            self.manifest.finish(status=status, result=result, error=error)
-        except Exception as e:
-            (self.run_dir / "manifest.json").unlink(missing_ok=True)  # never leave "running"
-            return describe(e)[0]
-        return None
-
-    def forget(self) -> bool:
-        """Bad input stopped the run: remove its row, manifest and directory; False if it wrote."""
-
-        (self.run_dir / "manifest.json").unlink(missing_ok=True)
-        if self.run_dir.exists() and any(self.run_dir.iterdir()):
-            return False  # the command wrote something before it refused: keep it, recorded failed
-        if self.run_id is not None:
-            self._registry(self._delete_row)
-        _remove_empty_dirs(self.run_dir)
-        return True
-
-
 def _recorded_run(cfg: Any, resolved: dict[str, Any], fn: Any, blas_info: dict[str, Any]) -> int:
-    record = RunRecorder(cfg, resolved, blas_info)
+    overrides = _overrides()
+    record = RunRecorder(
+        cfg, resolved=resolved, overrides=overrides, recipe=recipe_from_argv(overrides), blas_info=blas_info
+    )
     record.start()
     try:
         result = fn(cfg)
@@ -527,68 +317,6 @@ def check_argv(argv: list[str]) -> None:
         check_command(command)
 
 
-# The config sections each command reads (besides COMMON_KEYS), for command=<name> help=true.
-COMMON_KEYS = ("seed", "verbose", "json", "blas", "help", "paths")
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "help": (),
-    "pipeline": ("pipeline",),
-    "synth": ("synth", "io"),
-    "inspect": ("inspect", "model", "registry"),
-    "quantize": ("model", "quant", "io"),
-    "sensitivity": ("model", "sensitivity"),
-    "sensitivity_merge": ("sensitivity",),
-    "allocate": ("model", "allocate", "quant", "io"),
-    "rotate": ("model", "fold", "io"),
-    "kv_save": ("model", "kv"),
-    "kv_generate": ("model", "kv"),
-    "kv_ls": ("kv",),
-    "kv_verify": ("kv",),
-    "kv_gc": ("kv",),
-    "registry_scan": ("registry",),
-    "registry_ls": ("registry",),
-    "registry_resolve": ("model", "registry"),
-    "registry_fit": ("model", "registry"),
-    "runs": ("runs", "registry"),
-    "verify": ("runs",),
-}
-
-
-def command_help(overrides: list[str]) -> str:
-    """The chosen command's keys: type, value after the overrides and recipe, schema comment."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from mlxbun import schema
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        raw = OmegaConf.to_container(compose("config", overrides=overrides), resolve=False)
-    name = raw["command"]["name"]
-    sections = set(COMMON_KEYS) | set(SECTIONS.get(name, ()))
-    if name == "pipeline":
-        sections |= {s for step in raw["pipeline"]["steps"] for s in SECTIONS.get(step, ())}
-    docs = [d for d in schema.key_docs() if d.key.split(".")[0] in sections]
-    rows = [(d.key, d.type, _shown(_lookup(raw, d.key)), d.comment) for d in docs]
-    widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [f"command={name}: {COMMANDS[name][1]}", "", "keys (type, value, what it is):"]
-    lines += [f"  {k:<{widths[0]}}  {t:<{widths[1]}}  {v:<{widths[2]}}  {c}".rstrip() for k, t, v, c in rows]
-    return "\n".join(lines)
-
-
-def _lookup(data: dict[str, Any], dotted: str) -> Any:
-    for part in dotted.split("."):
-        data = data[part]
-    return data
-
-
-def _shown(value: Any, width: int = 40) -> str:
-    text = json.dumps(value) if isinstance(value, (list, dict, bool)) or value is None else str(value)
-    return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def _help_overrides(argv: list[str]) -> list[str]:
-    return [a for a in argv if "=" in a and not a.startswith(("-", "help=", "hydra.", "hydra/"))]
-
-
 def main() -> None:
     """Console entry: check the recipe, make Hydra errors one line, then run the Hydra app."""
     import hydra
@@ -606,7 +334,9 @@ def main() -> None:
     try:
         check_argv(argv)
         if (_argv_value(argv, "help") or "").lower() in ("true", "1", "yes"):
-            _print_or_quit(command_help(_help_overrides(argv)))
+            from mlxbun.help import command_help
+
+            _print_or_quit(command_help(argv))
             return
     except InputError as e:
         sys.stderr.write(f"error: {e}\n")
