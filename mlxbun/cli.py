@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import EnvironmentFailure, InputError
-from mlxbun.runrecord import RunRecorder, describe, remove_empty_dirs, signals_raise
+from mlxbun.runrecord import RunRecorder, describe, registry_label, remove_empty_dirs, signals_raise
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -209,7 +209,7 @@ def _task(dcfg: Any) -> None:
             traceback.print_exc()
         if isinstance(e, InputError):
             _remove_if_empty(dcfg)
-        line, code, _ = describe(e)
+        line, code, _ = describe(e, registry=registry_label(dcfg))
         sys.stderr.write(f"error: {line}\n")
         sys.exit(code)
     if code:
@@ -295,7 +295,7 @@ def _recorded_run(cfg: Any, resolved: dict[str, Any], fn: Any, blas_info: dict[s
         result = fn(cfg)
         problem = record.finish("ok", result=result)  # a signal while hashing ends it interrupted
     except BaseException as e:
-        line, _, status = describe(e)
+        line, _, status = describe(e, registry=record.registry)
         if isinstance(e, InputError) and record.forget():
             raise
         record.finish(status, error=line)

@@ -30,7 +30,15 @@ def config_hash(config: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def describe(e: BaseException) -> tuple[str, int, str]:
+def registry_label(cfg: Any) -> str:
+    """The registry a config points at (its URL, or the sqlite file), to name in errors."""
+    try:
+        return cfg.registry.url or str(Path(cfg.registry.path).expanduser())
+    except Exception:  # an unresolvable interpolation: name it generically
+        return "database"
+
+
+def describe(e: BaseException, *, registry: str = "database") -> tuple[str, int, str]:
     """(one line, exit code, run status) for whatever stopped a run."""
     if isinstance(e, Interrupted):
         return f"interrupted by {e}", e.exit_code, "interrupted"
@@ -42,7 +50,7 @@ def describe(e: BaseException) -> tuple[str, int, str]:
         where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)
         return f"{where}: {e.strerror or one_line(e)}", 1, "failed"
     if type(e).__module__.split(".")[0] in ("peewee", "sqlite3", "psycopg2"):
-        return f"registry database: {type(e).__name__}: {one_line(e)}", 1, "failed"
+        return f"registry {registry}: {type(e).__name__}: {one_line(e)}", 1, "failed"
     where = _path_in_traceback(e)
     at = f"{where}: " if where else ""
     return f"{at}{type(e).__name__}: {one_line(e)} (verbose=true shows the traceback)", 1, "failed"
@@ -120,7 +128,7 @@ class RunRecorder:
         self.cfg, self.run_id = cfg, None
         self.run_dir = Path(cfg.paths.run_dir).resolve()
         self.overrides, self.recipe = overrides, recipe
-        self.registry = cfg.registry.url or str(Path(cfg.registry.path).expanduser())
+        self.registry = registry_label(cfg)
         self.config_hash = config_hash(resolved)
         self.manifest = Manifest(
             run_dir=self.run_dir,

@@ -230,3 +230,24 @@ def test_sigterm_while_outputs_are_hashed_ends_the_run_interrupted(tmp_path: Pat
     (m,) = _manifests(tmp_path)
     (row,) = _rows(tmp_path)
     assert m["status"] == row["status"] == "interrupted"
+
+
+# The registry breaks while quantize registers the model it just published.
+REGISTRY_FAILS_IN_COMMAND = """
+import sqlite3
+from mlxbun import registry
+def broken(*a, **k):
+    raise sqlite3.DatabaseError("database disk image is malformed")
+registry.register_model = broken
+"""
+
+
+def test_a_registry_failure_inside_a_command_names_the_database(tmp_path: Path) -> None:
+    env = _inject(tmp_path, REGISTRY_FAILS_IN_COMMAND)
+    res = run_cli("command=quantize", f"model.name={FIXTURE}", "quant.bits=4", tmp=tmp_path, env=env)
+    assert res.returncode == 1, res.stderr
+    line = _one_error_line(res.stderr)
+    assert f"registry {tmp_path / 'registry.db'}: DatabaseError: database disk image is malformed" in line
+    (m,) = _manifests(tmp_path)
+    (row,) = _rows(tmp_path)
+    assert m["status"] == row["status"] == "failed"
