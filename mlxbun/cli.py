@@ -2,29 +2,33 @@
 
 Run ``python -m mlxbun`` for the list of commands and recipes. This module is the one error
 boundary: bad input becomes ``error: <one line>`` and exit code 2 (a traceback only with
-``verbose=true``), verification drift exits 1, and every run gets a manifest and a RunRecord.
+``verbose=true``), verification drift and environment failures exit 1 naming the path, a
+signal exits 128 + its number, and every run gets a manifest and a RunRecord
+(:mod:`mlxbun.runrecord`) that end ``ok``, ``failed`` or ``interrupted``.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import json
 import logging
 import os
+import re
+import signal
 import sys
 import traceback
 from pathlib import Path
 from typing import Any
 
-from mlxbun.errors import DriftError, InputError
+from mlxbun.errors import EnvironmentFailure, InputError
+from mlxbun.runrecord import RunRecorder, describe, registry_label, remove_empty_dirs, signals_raise
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 # name -> ("module[:function]", one line). Read-only commands write no run directory.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "help": ("mlxbun.cli:run_help", "list the commands and the recipes"),
+    "help": ("mlxbun.help", "list the commands and the recipes"),
     "pipeline": ("mlxbun.pipeline", "run several commands in order in one run directory"),
     "synth": ("mlxbun.synth", "write a deterministic random checkpoint of a real architecture"),
     "inspect": ("mlxbun.io.inspect", "tensors, totals, metadata and quantization of a model"),
@@ -118,19 +122,6 @@ def _version() -> str:
     return mlxbun.__version__
 
 
-def run_help(cfg: Any) -> Any:
-    from mlxbun.provenance import RunResult
-
-    width = max(len(n) for n in COMMANDS)
-    lines = ["usage: python -m mlxbun command=<name> [key=value ...] | +recipe=<name>", "", "commands:"]
-    lines += [f"  {n:<{width}}  {d}" for n, (_, d) in COMMANDS.items()]
-    recipes = available_recipes()
-    rwidth = max((len(r) for r in recipes), default=0)
-    lines += ["", "recipes (+recipe=<name>):"]
-    lines += [f"  {r:<{rwidth}}  {recipe_summary(r)}" for r in recipes]
-    return RunResult(message="\n".join(lines))
-
-
 def run_runs(cfg: Any) -> Any:
     from mlxbun import registry
     from mlxbun.provenance import RunResult
@@ -150,21 +141,35 @@ def run_runs(cfg: Any) -> Any:
     return RunResult(message="\n".join(lines))
 
 
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
+# Launcher plugin (as named in a Hydra "Could not load 'hydra/launcher/<x>'" error) -> extra.
+LAUNCHER_EXTRAS = {"ray": "ray", "joblib": "joblib", "submitit_slurm": "slurm", "submitit_local": "slurm"}
 
 
 def _config_error(e: Exception) -> str:
     """One line from a Hydra/OmegaConf compose error: key, value, and what is allowed."""
+    from mlxbun import schema
+
     cause = e.__cause__ if e.__cause__ is not None else e
     msg = getattr(cause, "msg", None) or str(cause)
     key = getattr(cause, "full_key", None)
     first = msg.strip().splitlines()[0] if msg.strip() else type(cause).__name__
-    if "is not in struct" in str(e) or "Could not override" in str(e) or "not found" in first:
-        first = first.replace("\n", " ")
-        return f"unknown config key ({first}); run `python -m mlxbun` for the commands"
+    if (plugin := _missing_launcher(str(e))) is not None:
+        return plugin
+    if "is not in struct" in str(e) or "Could not override" in str(e) or "not in '" in first:
+        if key:
+            return schema.unknown_key_message(str(key))
+        return f"unknown config key ({first}); `python -m mlxbun command=<name> help=true` lists the keys"
     return f"{key}: {first}" if key and str(key) not in first else first
+
+
+def _missing_launcher(text: str) -> str | None:
+    found = re.search(r"Could not load 'hydra/launcher/([\w-]+)'", text)
+    if found is None:
+        return None
+    name = found.group(1)
+    extra = LAUNCHER_EXTRAS.get(name)
+    how = f"pip install -e '.[{extra}]'" if extra else f"pip install the Hydra plugin that provides {name}"
+    return f"hydra/launcher needs the {name!r} launcher plugin, which is not installed; {how}"
 
 
 def _report(func: Any) -> Any:
@@ -178,10 +183,6 @@ def _report(func: Any) -> Any:
         sys.exit(2)
 
 
-def config_hash(config: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()
-
-
 def _task(dcfg: Any) -> None:
     from omegaconf import OmegaConf
 
@@ -189,40 +190,43 @@ def _task(dcfg: Any) -> None:
 
     verbose = bool(dcfg.get("verbose", False))
     try:
-        try:
-            schema.check_keys(OmegaConf.to_container(dcfg, resolve=False))
-            cfg = OmegaConf.to_object(dcfg)
-        except InputError:
+        with signals_raise():
+            try:
+                schema.check_keys(OmegaConf.to_container(dcfg, resolve=False))
+                cfg = OmegaConf.to_object(dcfg)
+            except InputError:
+                raise
+            except Exception as e:
+                raise InputError(_config_error(e)) from None
+            code = execute(cfg, OmegaConf.to_container(dcfg, resolve=True))
+    except BrokenPipeError:
+        _quiet_stdout()
+        sys.exit(128 + signal.SIGPIPE)
+    except BaseException as e:
+        if isinstance(e, SystemExit):
             raise
-        except Exception as e:
-            raise InputError(_config_error(e)) from None
-        code = execute(cfg, OmegaConf.to_container(dcfg, resolve=True))
-    except (InputError, DriftError) as e:
         if verbose:
             traceback.print_exc()
         if isinstance(e, InputError):
             _remove_if_empty(dcfg)
-        sys.stderr.write(f"error: {_one_line(e)}\n")
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        sys.stderr.write("error: interrupted\n")
-        sys.exit(130)
-    except Exception as e:
-        if verbose:
-            traceback.print_exc()
-        sys.stderr.write(f"error: {type(e).__name__}: {_one_line(e)} (verbose=true shows the traceback)\n")
-        sys.exit(1)
+        line, code, _ = describe(e, registry=registry_label(dcfg))
+        sys.stderr.write(f"error: {line}\n")
+        sys.exit(code)
     if code:
         sys.exit(code)
+
+
+def _quiet_stdout() -> None:
+    """The reader of stdout went away (``| head``): send the rest to /dev/null and stop quietly."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 def _remove_if_empty(dcfg: Any) -> None:
     """Remove the run directory Hydra made when bad input stopped the run before any output."""
     try:
-        run_dir = Path(dcfg.paths.run_dir)
-        run_dir.rmdir()
-        run_dir.parent.rmdir()
-    except Exception:  # not empty, not there, or not resolvable: leave it
+        remove_empty_dirs(Path(dcfg.paths.run_dir))
+    except Exception:  # not resolvable: leave it
         pass
 
 
@@ -234,11 +238,42 @@ def execute(cfg: Any, resolved: dict[str, Any]) -> int:
     name = cfg.command.name
     fn = resolve_command(name)
     if name in READONLY:
-        result = fn(cfg)
-        if result.message:
-            print(result.message)
+        emit(cfg, fn(cfg))
         return 0
     return _recorded_run(cfg, resolved, fn, blas_info)
+
+
+def emit(cfg: Any, result: Any, *, run_dir: Path | None = None, manifest: Path | None = None) -> None:
+    """Print a command's result: its message (and where the run went), or one JSON document."""
+    if not cfg.json:
+        text = result.message
+        if run_dir is not None:
+            text = f"{text}\n" if text else ""
+            text += f"outputs:  {run_dir}\nmanifest: {manifest}"
+        if text:
+            print(text, flush=True)
+        return
+    if run_dir is None and _is_json(result.message):
+        print(result.message, flush=True)
+        return
+    doc: dict[str, Any] = {"command": cfg.command.name, "status": "ok", "metrics": result.metrics}
+    doc["result" if _is_json(result.message) else "message"] = (
+        json.loads(result.message) if _is_json(result.message) else result.message
+    )
+    doc["outputs"] = [str(p) for p in result.outputs]
+    if run_dir is not None:
+        doc.update(run_dir=str(run_dir), manifest=str(manifest))
+    print(json.dumps(doc, indent=2, sort_keys=True, default=str), flush=True)
+
+
+def _is_json(text: str) -> bool:
+    if not text or text.lstrip()[:1] not in ("{", "["):
+        return False
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _overrides() -> list[str]:
@@ -251,46 +286,35 @@ def _overrides() -> list[str]:
 
 
 def _recorded_run(cfg: Any, resolved: dict[str, Any], fn: Any, blas_info: dict[str, Any]) -> int:
-    from mlxbun import registry
-    from mlxbun.provenance import Manifest
-
-    run_dir = Path(cfg.paths.run_dir).resolve()
     overrides = _overrides()
-    recipe = recipe_from_argv(overrides)
-    manifest = Manifest(
-        run_dir=run_dir,
-        command=cfg.command.name,
-        config=resolved,
-        overrides=overrides,
-        recipe=recipe,
-        seed=cfg.seed,
-        blas=blas_info,
-        digest_cache=Path(cfg.paths.cache).expanduser() / "digests",
+    record = RunRecorder(
+        cfg, resolved=resolved, overrides=overrides, recipe=recipe_from_argv(overrides), blas_info=blas_info
     )
-    manifest.write()
-    registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
-    run_id = registry.record_run_start(
-        command=cfg.command.name,
-        recipe=recipe,
-        overrides=overrides,
-        config_hash=config_hash(resolved),
-        output_dir=str(run_dir),
-    )
+    record.start()
     try:
         result = fn(cfg)
+        problem = record.finish("ok", result=result)  # a signal while hashing ends it interrupted
     except BaseException as e:
-        registry.record_run_end(run_id, status="failed", error=_one_line(e))
-        if isinstance(e, InputError):
-            (run_dir / "manifest.json").unlink(missing_ok=True)  # bad input: leave no run behind
-        else:
-            manifest.finish(status="failed", error=_one_line(e))
+        line, _, status = describe(e, registry=record.registry)
+        if isinstance(e, InputError) and record.forget():
+            raise
+        record.finish(status, error=line)
         raise
-    mpath = manifest.finish(status="ok", result=result)
-    registry.record_run_end(run_id, status="ok", metrics=result.metrics)
-    if result.message:
-        print(result.message)
-    print(f"outputs:  {run_dir}\nmanifest: {mpath}")
+    if problem is not None:
+        raise EnvironmentFailure(problem)
+    emit(cfg, result, run_dir=record.run_dir, manifest=record.run_dir / "manifest.json")
     return 0
+
+
+def check_argv(argv: list[str]) -> None:
+    """Fail before Hydra runs on a bare command name, an unknown recipe or command."""
+    for arg in argv:
+        if arg in COMMANDS:
+            raise InputError(f"{arg!r} is not a key=value override; to run that command write command={arg}")
+    if (recipe := recipe_from_argv(argv)) is not None:
+        check_recipe(recipe)
+    if (command := _argv_value(argv, "command")) is not None:
+        check_command(command)
 
 
 def main() -> None:
@@ -303,15 +327,31 @@ def main() -> None:
     # transformers (imported by mlx-lm for tokenizers) advises installing PyTorch on every run.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     argv = sys.argv[1:]
+    if "--version" in argv or "-V" in argv:
+        print(f"mlxbun {_version()}")
+        return
+    schema.register()
     try:
-        if (recipe := recipe_from_argv(argv)) is not None:
-            check_recipe(recipe)
-        if (command := _argv_value(argv, "command")) is not None:
-            check_command(command)
+        check_argv(argv)
+        if (_argv_value(argv, "help") or "").lower() in ("true", "1", "yes"):
+            from mlxbun.help import command_help
+
+            _print_or_quit(command_help(argv))
+            return
     except InputError as e:
         sys.stderr.write(f"error: {e}\n")
         sys.exit(2)
-    schema.register()
+    except Exception as e:
+        sys.stderr.write(f"error: {_config_error(e)}\n")
+        sys.exit(2)
     hydra_utils.run_and_report = _report
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
     app()
+
+
+def _print_or_quit(text: str) -> None:
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        _quiet_stdout()
+        sys.exit(128 + signal.SIGPIPE)

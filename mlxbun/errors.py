@@ -1,5 +1,9 @@
 """Errors that the command boundary turns into one line and an exit code."""
 
+from __future__ import annotations
+
+import signal
+
 
 class InputError(Exception):
     """Bad input from the user: one line naming the input, the value and what is allowed.
@@ -14,3 +18,25 @@ class DriftError(Exception):
     """A verification found a difference (hash drift, corrupt block): exit code 1."""
 
     exit_code = 1
+
+
+class EnvironmentFailure(Exception):
+    """The machine, not the input, stopped the run (disk, permissions, database): exit code 1.
+
+    The message names the path involved; the run is recorded as failed.
+    """
+
+    exit_code = 1
+
+
+class Interrupted(KeyboardInterrupt):
+    """A termination signal (SIGTERM from Slurm preemption, SIGINT) raised in the main thread.
+
+    A KeyboardInterrupt so that ``except Exception`` does not swallow it and ``finally`` blocks
+    (staging cleanup) run. Exit code 128 + the signal number.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.exit_code = 128 + signum
+        super().__init__(signal.Signals(signum).name)

@@ -2,6 +2,8 @@
 
 Each step writes into ``<run_dir>/<step>`` and hands keys to later steps through
 ``RunResult.provides`` (e.g. synth provides ``model.name``; allocate provides ``quant.plan``).
+Before the first step runs, every step's required settings are checked (:data:`NEEDS`): a key
+is set in the config or provided by an earlier step (:data:`PROVIDES`), or nothing runs.
 
     <run_dir>/
         manifest.json
@@ -29,13 +31,79 @@ def set_key(cfg: Any, dotted: str, value: Any) -> Any:
     return replace(cfg, **{head: set_key(getattr(cfg, head), rest, value)})
 
 
-def run_steps(cfg: Any, steps: list[str]) -> RunResult:
-    from mlxbun.cli import COMMANDS, resolve_command
+MODEL = ("model.name", "model.synthetic")
+# Per step: groups of keys; each group needs one key set (or provided by an earlier step).
+NEEDS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "quantize": (MODEL,),
+    "sensitivity": (MODEL,),
+    "sensitivity_merge": (("sensitivity.inputs",),),
+    "allocate": (MODEL, ("allocate.sensitivity",), ("allocate.budget_bpw", "allocate.budget_bytes")),
+    "rotate": (MODEL,),
+    "inspect": (("inspect.path", *MODEL),),
+    "kv_save": (MODEL, ("kv.name",), ("kv.prompt", "kv.prompt_file")),
+    "kv_generate": (MODEL, ("kv.prompt", "kv.prompt_file")),
+    "registry_resolve": (MODEL,),
+    "registry_fit": (MODEL,),
+    "verify": (("runs.dir",),),
+}
+# The keys each step's RunResult.provides sets for later steps.
+PROVIDES: dict[str, tuple[str, ...]] = {
+    "synth": ("model.name",),
+    "rotate": ("model.name",),
+    "quantize": ("model.name",),
+    "registry_resolve": ("model.name",),
+    "sensitivity": ("allocate.sensitivity",),
+    "sensitivity_merge": ("allocate.sensitivity",),
+    "allocate": ("quant.plan",),
+}
 
+
+def get_key(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def check_steps(cfg: Any, steps: list[str]) -> None:
+    """Refuse the pipeline before anything runs: unknown steps, or a step missing a setting."""
+    from mlxbun.cli import COMMANDS
+
+    if not steps:
+        raise InputError(
+            "pipeline.steps=[] is empty; list the commands to run, e.g. pipeline.steps=[synth,quantize]"
+        )
     for step in steps:
         if step not in COMMANDS or step in ("pipeline", "help"):
             allowed = ", ".join(n for n in COMMANDS if n not in ("pipeline", "help"))
             raise InputError(f"pipeline.steps has {step!r}; choose from {allowed}")
+    provided: set[str] = set()
+    for i, step in enumerate(steps, 1):
+        for group in NEEDS.get(step, ()):
+            if not any(k in provided or get_key(cfg, k) not in (None, False, "", []) for k in group):
+                raise InputError(
+                    f"pipeline.steps: step {i} ({step}) needs {' or '.join(group)}, which is not set and"
+                    " no earlier step provides; set it (nothing was run)"
+                )
+        provided.update(PROVIDES.get(step, ()))
+    if "synth" in steps:
+        _check_synth_room(cfg)
+
+
+def _check_synth_room(cfg: Any) -> None:
+    """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth.check_room)."""
+    from dataclasses import asdict
+
+    from mlxbun import synth
+
+    spec = synth.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
+    out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "synth" / "model"
+    synth.check_room(spec, out=out, partial_root=None, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap)
+
+
+def run_steps(cfg: Any, steps: list[str]) -> RunResult:
+    from mlxbun.cli import resolve_command
+
+    check_steps(cfg, steps)
     total = RunResult()
     run_dir, seen = Path(cfg.paths.run_dir), {}
     for step in steps:

@@ -10,14 +10,29 @@ from typing import TextIO
 log = logging.getLogger("mlxbun")
 
 
+def human_bytes(n: float) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1: 512 B, 3.4 MiB, 1.2 PiB."""
+    for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {suffix}" if suffix == "B" else f"{n:.1f} {suffix}"
+        n /= 1024
+    return f"{n:.1f} PiB"
+
+
+def human_seconds(s: float) -> str:
+    """A duration as 45s, 12m05s or 3h07m (never 3,147s)."""
+    if s != s or s in (float("inf"), float("-inf")):
+        return "?"
+    s = max(0, round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def _human(n: float, unit: str) -> str:
-    if unit != "B":
-        return f"{n:,.0f} {unit}"
-    for suffix in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or suffix == "TB":
-            return f"{n:.1f} {suffix}" if suffix != "B" else f"{n:.0f} B"
-        n /= 1000
-    return f"{n:.1f} TB"
+    return human_bytes(n) if unit == "B" else f"{n:,.0f} {unit}"
 
 
 class Progress:
@@ -52,7 +67,7 @@ class Progress:
         rate = self.done / elapsed
         eta = (self.total - self.done) / rate if rate > 0 else float("inf")
         pct = 100.0 * self.done / self.total if self.total else 100.0
-        eta_s = f"{eta:,.0f}s" if eta != float("inf") else "?"
+        eta_s = human_seconds(eta)
         return (
             f"{self.desc} {pct:5.1f}% {_human(self.done, self.unit)}/{_human(self.total, self.unit)}"
             f" {_human(rate, self.unit)}/s ETA {eta_s}"

@@ -40,7 +40,7 @@ db = pw.DatabaseProxy()
 SQLITE_PRAGMAS = {"busy_timeout": 60000, "journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1}
 CONNECT_DEADLINE_S = 60.0
 DEFAULT_DB = "~/.cache/mlxbun/registry.db"
-GB = 10**9
+GIB = 1 << 30  # every *_gb key is GiB (mlxbun/schema.py)
 PG_LOCK_KEY = 0x6D6C7862  # advisory lock serializing schema upgrades on PostgreSQL
 _target: tuple[str | None, str | None] | None = None
 
@@ -675,7 +675,7 @@ def ls(
 
     Args:
         vision: only models with (True) or without (False) a vision tower.
-        max_gb: total weight bytes (language + vision sidecar) at most this many GB (10^9 bytes).
+        max_gb: total weight bytes (language + vision sidecar) at most this many GiB (2^30 bytes).
         query: case-insensitive substring of the repo id, name or model type.
         license: license from README front matter (case-insensitive).
         model_type: config model_type or text_config model_type (case-insensitive).
@@ -692,7 +692,7 @@ def ls(
     if vision is not None:
         q = q.where(M.has_vision == vision)
     if max_gb is not None:
-        q = q.where(M.total_bytes <= int(max_gb * GB))
+        q = q.where(M.total_bytes <= int(max_gb * GIB))
     if query:
         q = q.where(M.name.contains(query) | M.repo_id.contains(query) | M.model_type.contains(query)
                     | M.text_model_type.contains(query))  # fmt: skip
@@ -864,7 +864,7 @@ def fit(
         >>> r.fits, r.active_weight_bytes, r.kv_bytes
     """
     path = resolve(str(model), hub_cache=hub_cache, paths=paths)
-    return fit_record(record_for(path), budget_bytes=int(budget_gb * GB), context=context, vision=vision)
+    return fit_record(record_for(path), budget_bytes=int(budget_gb * GIB), context=context, vision=vision)
 
 
 # --------------------------------------------------------------------------- commands
@@ -873,7 +873,7 @@ def fit(
 def _human(n: int | None) -> str:
     if n is None:
         return "?"
-    for unit, scale in (("GB", GB), ("MB", 10**6), ("KB", 10**3)):
+    for unit, scale in (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"
     return f"{n} B"

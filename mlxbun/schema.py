@@ -6,11 +6,20 @@ and ranges are checked in ``__post_init__``, which runs when the CLI turns the c
 into these dataclasses (``OmegaConf.to_object``). Each error names the key, the value and what is
 allowed. Command modules receive the resulting :class:`Config` object: plain dataclasses, no
 omegaconf.
+
+Units: a key ending in ``_gb`` is in GiB (2**30 bytes), as mlx-lm's ``5 << 30`` shard ceiling;
+``_mb`` is MiB and ``_kib`` KiB. The ``*_bytes`` properties convert.
+
+Rules that span sections (a key ignored because of another, seeds) are in :func:`check_config`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
+import ast
+import difflib
+import math
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
+from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
@@ -28,6 +37,18 @@ SYNTH_DIMS = (
     "vocab_size",
 )
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+GIB = 1 << 30
+# The widest stored weight (float32): no plan can need more bits per weight.
+MAX_BPW = 32
+# Statuses a run ends in (RunRecord.status, manifest "status"); "running" until then.
+RUN_STATUSES = ("running", "ok", "failed", "interrupted")
+# Run records `runs` lists at most (sqlite takes a 64-bit LIMIT; no registry holds more).
+MAX_RUNS_LIMIT = 10**9
+
+
+def gib_bytes(value: float | None) -> int | None:
+    """``value`` GiB in bytes (None stays None)."""
+    return None if value is None else max(1, int(value * GIB))
 
 
 def choose(key: str, value: Any, allowed: tuple | list) -> None:
@@ -41,13 +62,23 @@ def positive(key: str, value: float | int | None, *, allow_zero: bool = False) -
     """Raise an InputError unless ``value`` is None or > 0 (>= 0 with allow_zero)."""
     if value is None:
         return
+    bound = ">= 0" if allow_zero else "> 0"
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InputError(f"{key}={value!r} is out of range; it must be a finite number {bound}")
     if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
         raise InputError(f"{key}={value!r} is out of range; it must be {bound}")
+
+
+def at_most(key: str, value: float | int | None, limit: float | int, why: str = "") -> None:
+    """Raise an InputError when ``value`` is above ``limit`` (``why`` says where it comes from)."""
+    if value is not None and value > limit:
+        reason = f" ({why})" if why else ""
+        raise InputError(f"{key}={value!r} is out of range; it must be at most {limit}{reason}")
 
 
 @dataclass
 class CommandCfg:
+    # The command to run (python -m mlxbun lists them).
     name: str = "help"
 
 
@@ -55,8 +86,18 @@ class CommandCfg:
 class PathsCfg:
     # Root of run directories; each run's own directory (Hydra's output dir) is run_dir.
     outputs: str = "outputs"
+    # This run's directory (set by Hydra; pipelines set one per step).
     run_dir: str = "${hydra:runtime.output_dir}"
+    # Registry, KV store, digests and synthetic checkpoints live under here.
     cache: str = "~/.cache/mlxbun"
+
+    def __post_init__(self) -> None:
+        resolved = Path(self.outputs).expanduser().resolve()
+        if resolved == Path(resolved.anchor):
+            raise InputError(
+                f"paths.outputs={self.outputs!r} is the filesystem root; choose a directory for run"
+                " outputs, e.g. paths.outputs=outputs"
+            )
 
 
 @dataclass
@@ -71,7 +112,7 @@ class IoCfg:
 
     @property
     def shard_bytes(self) -> int:
-        return max(1, int(self.shard_gb * (1 << 30)))
+        return gib_bytes(self.shard_gb)
 
 
 @dataclass
@@ -84,25 +125,39 @@ class ModelCfg:
 
 @dataclass
 class SynthCfg:
+    # Architecture: llama, qwen2, qwen3, mistral or gemma3_text.
     arch: str = "llama"
     # Named size preset (see mlxbun.synth.PRESETS); explicit dims below override it.
     preset: str = "tiny"
+    # Model width (overrides the preset).
     hidden_size: int | None = None
+    # MLP width (overrides the preset).
     intermediate_size: int | None = None
+    # Decoder layers (overrides the preset).
     num_layers: int | None = None
+    # Attention heads (overrides the preset).
     num_heads: int | None = None
+    # Key/value heads (overrides the preset).
     num_kv_heads: int | None = None
+    # Per-head width (overrides the preset; derived when None).
     head_dim: int | None = None
+    # Vocabulary size (overrides the preset).
     vocab_size: int | None = None
+    # Share the embedding with the LM head (None keeps the preset's choice).
     tie_embeddings: bool | None = None
+    # Stored dtype: bfloat16, float16 or float32.
     dtype: str = "bfloat16"
+    # Every tensor's values derive from this seed.
     seed: int = 0
     # Planted structure so quantization, rotation and sensitivity have something to find.
     outlier_channels: int = 0
+    # Factor applied to the planted outlier channels (finite, > 0).
     outlier_scale: float = 20.0
     # What outlier_scale multiplies: "weights", "activations" or "both" (see mlxbun/synth.py).
     outlier_target: str = "both"
+    # Std of noise added to RMSNorm gains.
     norm_jitter: float = 0.0
+    # Output model directory; None writes <run_dir>/model.
     out: str | None = None
 
     def __post_init__(self) -> None:
@@ -241,8 +296,11 @@ class AllocateCfg:
 
 @dataclass
 class FoldCfg:
+    # Seed of the random ±1 signs of the Hadamard rotation.
     seed: int = 0
+    # dtype of the rotated weights; None keeps the source's.
     dtype: str | None = None
+    # Compare logits before and after the fold on a few tokens.
     verify: bool = True
 
     def __post_init__(self) -> None:
@@ -252,15 +310,25 @@ class FoldCfg:
 
 @dataclass
 class KvCfg:
+    # Root of the KV store (snapshots, blocks, manifests).
     store: str = "${paths.cache}/kv"
+    # Snapshot name to save, restore or verify.
     name: str | None = None
+    # Prompt text (or kv.prompt_file).
     prompt: str | None = None
+    # File holding the prompt (or kv.prompt).
     prompt_file: str | None = None
+    # snapshot (one file per snapshot) or blocks (content-addressed, deduplicated).
     layout: str = "blocks"
+    # Target size of one block in KiB (blocks layout).
     block_kib: int = 1024
+    # Re-hash every tensor and block on restore.
     verify: bool = True
+    # kv_gc: evict least recently used snapshots until the store is under this many GiB.
     cap_gb: float | None = None
+    # Tokens kv_generate decodes after the prompt.
     max_tokens: int = 32
+    # kv_gc: false prints the plan, true frees the blocks.
     execute: bool = False
 
     def __post_init__(self) -> None:
@@ -269,14 +337,24 @@ class KvCfg:
         positive("kv.cap_gb", self.cap_gb)
         positive("kv.max_tokens", self.max_tokens)
 
+    @property
+    def cap_bytes(self) -> int | None:
+        return gib_bytes(self.cap_gb)
+
 
 @dataclass
 class RegistryFilterCfg:
+    # true: only vision-capable models; false: only text models.
     vision: bool | None = None
+    # Only models whose weights take at most this many GiB.
     max_gb: float | None = None
+    # Case-insensitive substring of the repo id, name or model type.
     query: str | None = None
+    # License from the README front matter (case-insensitive), e.g. apache-2.0.
     license: str | None = None
+    # config.json model_type (or its text_config model_type), e.g. llama.
     model_type: str | None = None
+    # true: only quantized models; false: only unquantized ones.
     quantized: bool | None = None
     # Every cached revision, not only each repo's canonical one (refs/main).
     all_revisions: bool = False
@@ -286,22 +364,34 @@ class RegistryFilterCfg:
     def __post_init__(self) -> None:
         positive("registry.filter.max_gb", self.max_gb)
 
+    @property
+    def max_bytes(self) -> int | None:
+        return gib_bytes(self.max_gb)
+
 
 @dataclass
 class RegistryFitCfg:
+    # Memory budget in GiB.
     budget_gb: float = 16.0
+    # Tokens of KV cache to count.
     context: int = 8192
+    # Count the vision tower too.
     vision: bool = False
 
     def __post_init__(self) -> None:
         positive("registry.fit.budget_gb", self.budget_gb)
         positive("registry.fit.context", self.context)
 
+    @property
+    def budget_bytes(self) -> int:
+        return gib_bytes(self.budget_gb)
+
 
 @dataclass
 class RegistryCfg:
     # Any playhouse.db_url URL (sqlite:///..., postgresql://...); None uses `path` (sqlite).
     url: str | None = None
+    # sqlite database file used when url is None.
     path: str = "${paths.cache}/registry.db"
     # HF hub cache to scan; None follows HF_HUB_CACHE, HF_HOME/hub, ~/.cache/huggingface/hub.
     hub_cache: str | None = None
@@ -315,17 +405,22 @@ class RegistryCfg:
 
 @dataclass
 class RunsCfg:
+    # Only runs of this command.
     command: str | None = None
+    # Only runs of this recipe.
     recipe: str | None = None
+    # Only runs in this status: running, ok, failed or interrupted.
     status: str | None = None
+    # Newest runs listed (at most 10^9).
     limit: int = 50
     # For command=verify: the run directory whose outputs are re-hashed against its manifest.
     dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.status is not None:
-            choose("runs.status", self.status, ("running", "ok", "failed"))
+            choose("runs.status", self.status, RUN_STATUSES)
         positive("runs.limit", self.limit)
+        at_most("runs.limit", self.limit, MAX_RUNS_LIMIT)
 
 
 @dataclass
@@ -337,8 +432,11 @@ class PipelineCfg:
 @dataclass
 class Config:
     command: CommandCfg = field(default_factory=CommandCfg)
+    # Seed recorded in the manifest (commands take their own seeds below).
     seed: int = 0
+    # true: print tracebacks with errors.
     verbose: bool = False
+    # true: print the result as one JSON document.
     json: bool = False
     # Optimized BLAS for MLX on Linux: "auto" (find one), "off", or a path to a shared library.
     blas: str = "auto"
@@ -355,6 +453,29 @@ class Config:
     registry: RegistryCfg = field(default_factory=RegistryCfg)
     runs: RunsCfg = field(default_factory=RunsCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
+    # true: list the chosen command's keys (type, default, comment) instead of running it.
+    help: bool = False
+
+    def __post_init__(self) -> None:
+        check_config(self)
+
+
+def check_config(cfg: Config) -> None:
+    """Rules that span sections: seeds, keys another key makes meaningless, absolute bounds."""
+    seeds = {"seed": cfg.seed, "fold.seed": cfg.fold.seed, "synth.seed": cfg.synth.seed}
+    seeds["sensitivity.calib.seed"] = cfg.sensitivity.calib.seed
+    for key, value in seeds.items():
+        positive(key, value, allow_zero=True)
+    positive("allocate.budget_bpw", cfg.allocate.budget_bpw)
+    at_most("allocate.budget_bpw", cfg.allocate.budget_bpw, MAX_BPW, "float32, the widest stored weight")
+    q = cfg.quant
+    if q.mixed is not None and q.bits is not None:
+        raise InputError(
+            f"quant.bits={q.bits} is ignored by quant.mixed={q.mixed!r}, which sets the bits of every"
+            " layer; drop one of them"
+        )
+    if q.mixed is not None and q.plan is not None:
+        raise InputError(f"quant.plan={q.plan!r} and quant.mixed={q.mixed!r} are both set; choose one")
 
 
 def check_keys(data: dict[str, Any], cls: type = None, prefix: str = "") -> None:
@@ -366,8 +487,7 @@ def check_keys(data: dict[str, Any], cls: type = None, prefix: str = "") -> None
     known = {f.name: f for f in fields(cls)}
     for key, value in data.items():
         if key not in known:
-            allowed = ", ".join(sorted(known))
-            raise InputError(f"unknown config key {prefix}{key!r}; keys here are: {allowed}")
+            raise InputError(unknown_key_message(f"{prefix}{key}"))
         sub = _dataclass_type(known[key].type)
         if sub is not None and isinstance(value, dict):
             check_keys(value, sub, f"{prefix}{key}.")
@@ -378,8 +498,86 @@ def _dataclass_type(annotation: Any) -> type | None:
     return cls if isinstance(cls, type) and is_dataclass(cls) else None
 
 
+def all_keys(cls: type = None, prefix: str = "") -> list[str]:
+    """Every leaf key of ``cls`` (default Config) as a dotted path, e.g. "quant.bits"."""
+    keys = []
+    for f in fields(cls or Config):
+        sub = _dataclass_type(f.type)
+        keys += all_keys(sub, f"{prefix}{f.name}.") if sub else [f"{prefix}{f.name}"]
+    return keys
+
+
+def unknown_key_message(dotted: str) -> str:
+    """One line for an unknown key: its full path and the closest known keys."""
+    keys = all_keys()
+    section, _, leaf = dotted.rpartition(".")
+    near = difflib.get_close_matches(dotted, keys, n=1, cutoff=0.6)
+    if not near and section:  # a wrong leaf in a right section
+        siblings = [k for k in keys if k.rpartition(".")[0] == section]
+        near = [k for k in siblings if k.rpartition(".")[2].startswith(leaf)][:1]
+        near = near or difflib.get_close_matches(dotted, siblings, n=1, cutoff=0.5)
+    hint = f"; did you mean {near[0]!r}?" if near else ""
+    return (
+        f"unknown config key {dotted!r}{hint} (`python -m mlxbun command=<name> help=true` lists a"
+        " command's keys)"
+    )
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One config key for per-command help: dotted path, type, default, one-line comment."""
+
+    key: str
+    type: str
+    default: Any
+    comment: str
+
+
+def key_docs(cls: type = None, prefix: str = "") -> list[KeyDoc]:
+    """Every leaf key of ``cls`` (default Config) with its type, default and schema comment."""
+    cls = cls or Config
+    comments = _field_comments().get(cls.__name__, {})
+    docs = []
+    for f in fields(cls):
+        sub = _dataclass_type(f.type)
+        if sub is not None:
+            docs += key_docs(sub, f"{prefix}{f.name}.")
+            continue
+        default = f.default_factory() if f.default is MISSING else f.default
+        docs.append(KeyDoc(f"{prefix}{f.name}", str(f.type), default, comments.get(f.name, "")))
+    return docs
+
+
+def _field_comments() -> dict[str, dict[str, str]]:
+    """Class name -> field -> the comment lines right above the field, joined into one line."""
+    source = Path(__file__).read_text()
+    lines = source.splitlines()
+    found: dict[str, dict[str, str]] = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for stmt in node.body:
+            if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                above, i = [], stmt.lineno - 2
+                while i >= 0 and lines[i].strip().startswith("#"):
+                    above.insert(0, lines[i].strip().lstrip("#").strip())
+                    i -= 1
+                found.setdefault(node.name, {})[stmt.target.id] = " ".join(above)
+    return found
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def repo_path(relative: str) -> str:
+    """``${repo:tests/fixtures/x}`` in a recipe: a path inside the mlxbun checkout, from any cwd."""
+    return str(REPO_ROOT / relative)
+
+
 def register() -> None:
-    """Register :class:`Config` in Hydra's ConfigStore as ``mlxbun_schema``."""
+    """Register :class:`Config` in Hydra's ConfigStore as ``mlxbun_schema``, and ``${repo:...}``."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
     ConfigStore.instance().store(name="mlxbun_schema", node=Config)
+    OmegaConf.register_new_resolver("repo", repo_path, replace=True)

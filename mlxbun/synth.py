@@ -50,6 +50,7 @@ k=4 scale 20 ``weights`` 4.49 / 2.30 / 0.71, ``activations`` 0.16 / 0.16 / 0.30,
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
@@ -979,6 +980,56 @@ def _stable_partial_root(outputs: Path, out: Path) -> Path:
     return root if os.stat(root).st_dev == os.stat(out.parent).st_dev else out.parent
 
 
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: MemAvailable, capped by RLIMIT_AS (``ulimit -v``)."""
+    import resource
+
+    avail = None
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY:
+        with contextlib.suppress(OSError, StopIteration, ValueError), open("/proc/self/status") as f:
+            used = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
+            soft -= used
+        avail = soft if avail is None else min(avail, soft)
+    return avail
+
+
+def check_room(spec: Spec, *, out: Path, partial_root: Path | None, shard_bytes: int, overlap: bool) -> None:
+    """Refuse, before writing, a checkpoint that cannot fit the free disk or memory.
+
+    Disk: every tensor, less what a killed build of the same spec already wrote. Memory: one
+    shard (two with ``overlap``) plus the largest tensor, generated whole.
+    """
+    from mlxbun.progress import human_bytes
+
+    tensors = plan(spec)
+    total, largest = sum(t.nbytes for t in tensors), max(t.nbytes for t in tensors)
+    root = partial_root or out.parent
+    done = sum(f.stat().st_size for f in root.glob(f".{out.name}.partial-{spec.hash}/*") if f.is_file())
+    where = next(p for p in (root, *root.parents) if p.exists())
+    free = shutil.disk_usage(where).free
+    s = spec.shape
+    what = f"synth {spec.arch} {s.num_layers}x{s.hidden_size} vocab {s.vocab_size} ({spec.dtype})"
+    if total - done > free:
+        raise InputError(
+            f"{what} needs {human_bytes(total - done)} of disk under {where}, which has {human_bytes(free)}"
+            " free; choose smaller synth.* dimensions or another synth.out / paths.outputs"
+        )
+    peak = (2 if overlap else 1) * max(min(shard_bytes, total), largest) + largest
+    avail = available_memory()
+    if avail is not None and peak > avail:
+        raise InputError(
+            f"{what} needs about {human_bytes(peak)} of memory (a shard of io.shard_gb and the largest"
+            f" tensor, {human_bytes(largest)}), {human_bytes(avail)} is available; lower io.shard_gb or"
+            " the synth.* dimensions"
+        )
+
+
 def run(cfg: Any) -> Any:
     """command=synth: write the model into ``synth.out`` or ``<run_dir>/model``."""
     from mlxbun.provenance import RunResult
@@ -988,6 +1039,7 @@ def run(cfg: Any) -> Any:
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "model"
     # Into a fresh run dir: keep the partial build at a stable place so a re-run resumes it.
     root = None if cfg.synth.out else _stable_partial_root(Path(cfg.paths.outputs), out)
+    check_room(spec, out=out, partial_root=root, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap)
     start = time.perf_counter()
     path = write_spec(spec, out, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap, partial_root=root)
     seconds = time.perf_counter() - start

@@ -534,7 +534,7 @@ def test_ls_filters_and_sorting(reg, hubtree):
     assert names() == sorted(sizes, key=lambda n: (sizes[n], n)) and names()[-1] == "org/big-vision"
     assert names(vision=True) == ["org/big-vision"]
     assert "org/big-vision" not in names(vision=False)
-    assert names(max_gb=60_000 / 1e9) == names(vision=False)
+    assert names(max_gb=60_000 / 2**30) == names(vision=False)
     assert names(query="SMALL") == ["org/small-text"]
     assert names(query="llava") == ["org/big-vision"]  # model type
     assert names(license="MIT") == ["org/small-text"]
@@ -553,9 +553,9 @@ def test_fit_kv_cache_and_verdict(reg, hubtree):
     reg.scan(hub_cache=hubtree.root)
     w = row(snap)["weight_bytes"]
     kv = 4 * 2 * 8 * 2 * 2 * 1000  # layers x kv_heads x head_dim x (K,V) x bf16 x tokens
-    f = reg.fit("org/fitme", hub_cache=hubtree.root, budget_gb=(w + kv) / 1e9, context=1000)
+    f = reg.fit("org/fitme", hub_cache=hubtree.root, budget_gb=(w + kv) / 2**30, context=1000)
     assert (f.kv_bytes, f.total_bytes, f.fits) == (kv, w + kv, True)
-    f = reg.fit("org/fitme", hub_cache=hubtree.root, budget_gb=(w + kv - 1) / 1e9, context=1000)
+    f = reg.fit("org/fitme", hub_cache=hubtree.root, budget_gb=(w + kv - 1) / 2**30, context=1000)
     assert f.fits is False
     local = hubtree.root.parent / "plain-dir"  # a directory never scanned: read on the spot
     local.mkdir()
@@ -688,7 +688,7 @@ def test_commands_scan_ls_resolve_fit(dburl, hubtree):
     cfg.json, cfg.model.name = False, "cmd"
     assert registry.run_resolve(cfg).message == str(snap)
     cfg.registry.fit.budget_gb, cfg.registry.fit.context = 1.0, 128
-    assert registry.run_fit(cfg).message.startswith("org/cmd: fits in 1.00 GB")
+    assert registry.run_fit(cfg).message.startswith("org/cmd: fits in 1.00 GiB")
     cfg.model.name = None
     with pytest.raises(InputError, match="model.name is not set"):
         registry.run_fit(cfg)

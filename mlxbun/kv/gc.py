@@ -183,7 +183,7 @@ def run(cfg: Any) -> Any:
     from mlxbun.provenance import RunResult
 
     store = Store(cfg.kv.store, block_kib=cfg.kv.block_kib)
-    cap = None if cfg.kv.cap_gb is None else int(cfg.kv.cap_gb * 1e9)
+    cap = cfg.kv.cap_bytes
     p = plan(store, cap_bytes=cap)
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

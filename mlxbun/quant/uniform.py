@@ -533,6 +533,7 @@ def _finish_files(sk: Skeleton, src: Path, partial: Path) -> None:
 
 def run(cfg: Any) -> Any:
     """command=quantize: unpack ``cfg`` into :func:`quantize_model_dir`; register the output."""
+    from mlxbun.progress import human_bytes
     from mlxbun.provenance import RunResult
     from mlxbun.source import model_dir
 
@@ -564,7 +565,7 @@ def run(cfg: Any) -> Any:
         "shards": len(res.files),
         "reused": res.reused,
     }
-    verb = "reused" if res.reused else f"wrote {res.output_bytes / 1e9:.2f} GB in {res.seconds:.1f}s"
+    verb = "reused" if res.reused else f"wrote {human_bytes(res.output_bytes)} in {res.seconds:.1f}s"
     return RunResult(
         outputs=[res.out],
         inputs=[src],

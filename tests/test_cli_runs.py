@@ -1,0 +1,253 @@
+"""What a run says about itself: every run ends ok, failed or interrupted in its manifest and its
+registry row; bad input leaves neither a row nor a directory; environment failures name the path.
+
+Faults are injected into a child process through a ``sitecustomize.py`` on its PYTHONPATH.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+from cli_util import REPO, run_cli
+
+FIXTURE = REPO / "tests" / "fixtures" / "llama-text-3m"
+
+
+def _inject(tmp: Path, body: str) -> dict[str, str]:
+    site = tmp / "site"
+    site.mkdir(exist_ok=True)
+    (site / "sitecustomize.py").write_text(body)
+    return {"PYTHONPATH": os.pathsep.join([str(site), str(REPO)])}
+
+
+def _rows(tmp: Path) -> list[dict]:
+    db = tmp / "registry.db"
+    if not db.exists():
+        return []
+    with sqlite3.connect(db) as con:
+        con.row_factory = sqlite3.Row
+        return [dict(r) for r in con.execute("SELECT * FROM runrecord ORDER BY id")]
+
+
+def _manifests(tmp: Path) -> list[dict]:
+    found = sorted((tmp / "outputs").rglob("manifest.json"))
+    return [json.loads(p.read_text()) for p in found]
+
+
+def _one_error_line(stderr: str) -> str:
+    lines = stderr.strip().splitlines()
+    assert lines and lines[-1].startswith("error: "), stderr
+    return lines[-1]
+
+
+# A synth run that receives a signal while it writes weights (as Slurm preemption would).
+SIGNAL_DURING_SYNTH = """
+import os, signal, time
+from mlxbun import synth
+real = synth._write_weights
+def write_then_signal(*a, **k):
+    os.kill(os.getpid(), signal.{sig})
+    time.sleep(30)
+    real(*a, **k)
+synth._write_weights = write_then_signal
+"""
+
+
+def test_sigterm_ends_the_run_interrupted_in_manifest_and_registry(tmp_path: Path) -> None:
+    env = _inject(tmp_path, SIGNAL_DURING_SYNTH.format(sig="SIGTERM"))
+    res = run_cli("command=synth", tmp=tmp_path, env=env, timeout=120)
+    assert res.returncode == 143, res.stderr
+    assert "SIGTERM" in _one_error_line(res.stderr) and "Traceback" not in res.stderr
+    (m,) = _manifests(tmp_path)
+    assert m["status"] == "interrupted" and "SIGTERM" in m["error"]
+    (row,) = _rows(tmp_path)
+    assert row["status"] == "interrupted" and "SIGTERM" in row["error"]
+    # The staging directory was cleaned up: no model published, no stray temp files in the run.
+    run_dir = next((tmp_path / "outputs" / "synth").iterdir())
+    assert sorted(p.name for p in run_dir.iterdir()) == ["manifest.json"]
+
+
+def test_sigint_ends_the_run_interrupted(tmp_path: Path) -> None:
+    env = _inject(tmp_path, SIGNAL_DURING_SYNTH.format(sig="SIGINT"))
+    res = run_cli("command=synth", tmp=tmp_path, env=env, timeout=120)
+    assert res.returncode == 130, res.stderr
+    (m,) = _manifests(tmp_path)
+    (row,) = _rows(tmp_path)
+    assert m["status"] == row["status"] == "interrupted"
+
+
+def test_runs_lists_interrupted_runs(tmp_path: Path) -> None:
+    res = run_cli("command=runs", "runs.status=interrupted", tmp=tmp_path)
+    assert res.returncode == 0, res.stderr
+
+
+def test_corrupt_registry_fails_the_run_naming_the_database(tmp_path: Path) -> None:
+    (tmp_path / "registry.db").write_bytes(b"this is not a database" * 100)
+    res = run_cli("command=synth", tmp=tmp_path)
+    assert res.returncode == 1, res.stderr
+    line = _one_error_line(res.stderr)
+    assert str(tmp_path / "registry.db") in line, line
+    (m,) = _manifests(tmp_path)
+    assert m["status"] == "failed" and str(tmp_path / "registry.db") in m["error"]
+
+
+# The disk fills while synth writes, and stays full: the manifest cannot be rewritten either.
+DISK_FULL = """
+import errno, os
+from mlxbun import provenance, synth
+writes = []
+real_write = provenance.atomic_write_json
+def write_manifest(path, data, *a, **k):
+    writes.append(path)
+    if len(writes) > 1:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return real_write(path, data, *a, **k)
+provenance.atomic_write_json = write_manifest
+def full(spec, out_dir, **k):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(out_dir) + "/model-00001-of-00001.safetensors")
+synth.write_spec = full
+"""
+
+
+def test_disk_full_never_leaves_a_manifest_saying_running(tmp_path: Path) -> None:
+    env = _inject(tmp_path, DISK_FULL)
+    res = run_cli("command=synth", tmp=tmp_path, env=env)
+    assert res.returncode == 1, res.stderr
+    line = _one_error_line(res.stderr)
+    assert "No space left on device" in line and "model-00001-of-00001.safetensors" in line
+    assert all(m["status"] != "running" for m in _manifests(tmp_path))
+    (row,) = _rows(tmp_path)
+    assert row["status"] == "failed" and "No space left" in row["error"]
+
+
+# The command publishes its outputs, then the registry cannot record the end of the run.
+REGISTRY_FAILS_AT_END = """
+import sqlite3
+from mlxbun import registry
+real_end = registry.record_run_end
+def end(run_id, *, status, **k):
+    if status == "ok":
+        raise sqlite3.OperationalError("disk I/O error")
+    return real_end(run_id, status=status, **k)
+registry.record_run_end = end
+"""
+
+
+def test_a_run_that_fails_to_register_is_not_ok_in_its_manifest(tmp_path: Path) -> None:
+    env = _inject(tmp_path, REGISTRY_FAILS_AT_END)
+    res = run_cli("command=synth", tmp=tmp_path, env=env)
+    assert res.returncode == 1, res.stderr
+    assert str(tmp_path / "registry.db") in _one_error_line(res.stderr)
+    (m,) = _manifests(tmp_path)
+    assert m["status"] == "failed" and "disk I/O error" in m["error"]
+    (row,) = _rows(tmp_path)
+    assert row["status"] == "failed"
+
+
+def test_bad_input_found_by_a_command_leaves_no_row_and_no_directory(tmp_path: Path) -> None:
+    res = run_cli("command=allocate", f"model.name={FIXTURE}", tmp=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert "allocate." in _one_error_line(res.stderr)
+    assert _rows(tmp_path) == []
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*"))
+
+
+# quant.out is not writable (a read-only mount); the error names the path.
+READ_ONLY_OUT = """
+import errno, os
+from mlxbun.quant import uniform
+def ro(src, out, **k):
+    raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(out))
+uniform.quantize_model_dir = ro
+"""
+
+
+def test_environment_error_names_the_path_and_records_the_run_failed(tmp_path: Path) -> None:
+    env = _inject(tmp_path, READ_ONLY_OUT)
+    out = tmp_path / "ro" / "q"
+    res = run_cli("command=quantize", f"model.name={FIXTURE}", f"quant.out={out}", tmp=tmp_path, env=env)
+    assert res.returncode == 1, res.stderr
+    line = _one_error_line(res.stderr)
+    assert str(out) in line and "Read-only file system" in line, line
+    (m,) = _manifests(tmp_path)
+    (row,) = _rows(tmp_path)
+    assert m["status"] == row["status"] == "failed" and str(out) in row["error"]
+
+
+def _broken_config(d: Path) -> None:
+    (d / "config.json").write_text('{"model_type": "llama",')
+
+
+def _no_tokenizer(d: Path) -> None:
+    for f in d.glob("tokenizer*"):
+        f.unlink()
+
+
+@pytest.mark.parametrize(
+    ("damage", "args"),
+    [
+        (_broken_config, ["command=quantize", "quant.bits=4"]),
+        (_no_tokenizer, ["command=kv_save", "kv.name=x", "kv.prompt=hello"]),
+    ],
+)
+def test_a_broken_model_dir_is_named_and_the_run_recorded_failed(tmp_path: Path, damage, args) -> None:
+    model = tmp_path / "model"
+    shutil.copytree(FIXTURE, model)
+    damage(model)
+    res = run_cli(*args, f"model.name={model}", tmp=tmp_path)
+    assert res.returncode == 1, res.stderr
+    line = _one_error_line(res.stderr)
+    named = model / "config.json" if damage is _broken_config else model
+    assert line.startswith(f"error: {named}: "), line
+    (m,) = _manifests(tmp_path)
+    (row,) = _rows(tmp_path)
+    assert m["status"] == row["status"] == "failed" and str(model) in row["error"]
+
+
+# SIGTERM arrives after the command finished, while its outputs are hashed into the manifest.
+SIGTERM_WHILE_HASHING = """
+import os, signal, time
+from mlxbun import provenance
+real = provenance.hash_paths
+def hash_then_signal(paths, **k):
+    if k.get("cache_dir") is None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)
+    return real(paths, **k)
+provenance.hash_paths = hash_then_signal
+"""
+
+
+def test_sigterm_while_outputs_are_hashed_ends_the_run_interrupted(tmp_path: Path) -> None:
+    env = _inject(tmp_path, SIGTERM_WHILE_HASHING)
+    res = run_cli("command=synth", tmp=tmp_path, env=env, timeout=120)
+    assert res.returncode == 143, res.stderr
+    (m,) = _manifests(tmp_path)
+    (row,) = _rows(tmp_path)
+    assert m["status"] == row["status"] == "interrupted"
+
+
+# The registry breaks while quantize registers the model it just published.
+REGISTRY_FAILS_IN_COMMAND = """
+import sqlite3
+from mlxbun import registry
+def broken(*a, **k):
+    raise sqlite3.DatabaseError("database disk image is malformed")
+registry.register_model = broken
+"""
+
+
+def test_a_registry_failure_inside_a_command_names_the_database(tmp_path: Path) -> None:
+    env = _inject(tmp_path, REGISTRY_FAILS_IN_COMMAND)
+    res = run_cli("command=quantize", f"model.name={FIXTURE}", "quant.bits=4", tmp=tmp_path, env=env)
+    assert res.returncode == 1, res.stderr
+    line = _one_error_line(res.stderr)
+    assert f"registry {tmp_path / 'registry.db'}: DatabaseError: database disk image is malformed" in line
+    (m,) = _manifests(tmp_path)
+    (row,) = _rows(tmp_path)
+    assert m["status"] == row["status"] == "failed"

@@ -1,0 +1,96 @@
+"""command=pipeline: every step's settings are checked before the first step runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlxbun import cli, pipeline, schema
+from mlxbun.errors import InputError
+from mlxbun.provenance import RunResult
+
+
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Steps replaced by recorders that hand on what the real steps provide."""
+    calls: list[str] = []
+
+    def fake(step: str):
+        def run(cfg):
+            calls.append(step)
+            return RunResult(provides={k: f"/x/{step}" for k in pipeline.PROVIDES.get(step, ())})
+
+        return run
+
+    monkeypatch.setattr(cli, "resolve_command", fake)
+    return calls
+
+
+def _cfg(tmp_path: Path, steps: list[str], **sections) -> schema.Config:
+    cfg = schema.Config(pipeline=schema.PipelineCfg(steps=steps), **sections)
+    cfg.paths.run_dir = str(tmp_path / "run")
+    return cfg
+
+
+def test_a_missing_setting_of_a_late_step_fails_before_the_first_step(tmp_path: Path, ran: list[str]) -> None:
+    cfg = _cfg(tmp_path, ["synth", "sensitivity", "allocate"])
+    with pytest.raises(
+        InputError, match=r"step 3 \(allocate\) needs allocate.budget_bpw or allocate.budget_bytes"
+    ):
+        pipeline.run(cfg)
+    assert ran == [] and not (tmp_path / "run").exists()
+
+
+def test_keys_provided_by_earlier_steps_count_as_set(tmp_path: Path, ran: list[str]) -> None:
+    cfg = _cfg(
+        tmp_path,
+        ["synth", "sensitivity", "allocate", "quantize"],
+        allocate=schema.AllocateCfg(budget_bpw=4.5),
+    )
+    pipeline.run(cfg)
+    assert ran == ["synth", "sensitivity", "allocate", "quantize"]
+
+
+def test_a_step_without_its_model_is_refused(tmp_path: Path, ran: list[str]) -> None:
+    with pytest.raises(InputError, match=r"step 1 \(quantize\) needs model.name or model.synthetic"):
+        pipeline.run(_cfg(tmp_path, ["quantize"]))
+    assert ran == []
+
+
+def test_an_empty_pipeline_is_refused(tmp_path: Path, ran: list[str]) -> None:
+    with pytest.raises(InputError, match=r"pipeline.steps=\[\] is empty"):
+        pipeline.run(_cfg(tmp_path, []))
+
+
+def test_provides_matches_what_the_steps_hand_on() -> None:
+    """PROVIDES is what each command's RunResult.provides sets (read from the source)."""
+    import inspect
+    import re
+
+    for step, keys in pipeline.PROVIDES.items():
+        module = cli.resolve_command(step)
+        source = inspect.getsource(inspect.getmodule(module))
+        for key in keys:
+            assert re.search(rf'provides=\{{[^}}]*"{re.escape(key)}"', source), (step, key)
+
+
+@pytest.mark.parametrize("recipe", cli.available_recipes())
+def test_every_pipeline_recipe_passes_the_up_front_check(recipe: str) -> None:
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    schema.register()
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        cfg = OmegaConf.to_object(compose("config", overrides=[f"+recipe={recipe}", "paths.run_dir=/tmp/x"]))
+    if cfg.command.name == "pipeline":
+        pipeline.check_steps(cfg, list(cfg.pipeline.steps))
+
+
+def test_a_synth_step_too_big_for_the_disk_fails_before_the_first_step(
+    tmp_path: Path, ran: list[str]
+) -> None:
+    cfg = _cfg(tmp_path, ["synth", "quantize"], synth=schema.SynthCfg(hidden_size=10_000_000))
+    with pytest.raises(InputError, match=r"needs .* of disk"):
+        pipeline.run(cfg)
+    assert ran == []
