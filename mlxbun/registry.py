@@ -22,7 +22,7 @@ import random
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -432,6 +432,36 @@ def run_candidates(runs_root: str | os.PathLike, *, max_depth: int = 6) -> list[
     return out
 
 
+def _utf8_only(cands: list[Candidate], warnings: list[str]) -> list[Candidate]:
+    """The candidates whose path the database can store; each other one costs a warning."""
+    bad = [c for c in cands if not hub.is_utf8(c.path)]
+    warnings += [f"{hub.printable(c.path)}: path is not UTF-8; not indexed" for c in bad]
+    return [c for c in cands if hub.is_utf8(c.path)] if bad else cands
+
+
+def _column_max(name: str) -> int:
+    """The largest value column ``name`` holds on every backend (INTEGER is 32-bit on PostgreSQL)."""
+    big = isinstance(ModelRecord._meta.fields[name], pw.BigIntegerField)
+    return 2**63 - 1 if big else 2**31 - 1
+
+
+def storable(info: hub.ModelInfo) -> hub.ModelInfo:
+    """``info`` with every value the database cannot hold (an int out of range, text that is not
+    UTF-8) reset to its default and named in one warning."""
+    reset, why = {}, []
+    for f in fields(info):
+        v = getattr(info, f.name)
+        if isinstance(v, int) and not isinstance(v, bool) and not 0 <= v <= _column_max(f.name):
+            reset[f.name] = f.default
+            why.append(f"{f.name}={v} is out of range (0 to {_column_max(f.name)})")
+        elif isinstance(v, str) and not hub.is_utf8(v):
+            reset[f.name] = f.default
+            why.append(f"{f.name}='{hub.printable(v)}' is not UTF-8 text")
+    if not why:
+        return info
+    return replace(info, **reset, warnings=(*info.warnings, "not stored: " + "; ".join(why)))
+
+
 class Known(NamedTuple):
     fingerprint: str
     refs: str
@@ -468,13 +498,15 @@ def _read(c: Candidate, known: dict[str, Known], now: datetime, report: list[str
     except OSError as e:
         report.append(f"{c.path}: unreadable directory ({e})")
         files = []
-    fp = c.key if c.key is not None else hub.fingerprint(files)
+    fp = c.key if c.key is not None else hub.printable(hub.fingerprint(files))
     if c.key is None and old is not None and old.fingerprint == fp:
         return "refs" if old.refs != c.refs else None
     try:
         info = hub.read_model_dir(c.path, files, repo_id=c.repo_id or c.name)
     except Exception as e:  # a hostile file must cost a warning, never the scan
         info = hub.ModelInfo(warnings=(f"could not be read ({type(e).__name__}: {str(e)[:80]})",))
+    info = storable(info)
+    info = replace(info, warnings=tuple(map(hub.printable, info.warnings)))
     for w in info.warnings:
         report.append(f"{c.path}: {w}")
     return _row(c, info, fp, now, old)
@@ -508,6 +540,7 @@ def scan(
     cands = hub_candidates(hub.hub_cache_dir(hub_cache), warnings) + local_candidates(paths)
     if runs_root:
         cands += run_candidates(runs_root)
+    cands = _utf8_only(cands, warnings)
     roots = sorted({c.root for c in cands} | {_abs(hub.hub_cache_dir(hub_cache))})
     roots += [_abs(runs_root)] if runs_root else []
     roots += [_abs(p) for p in paths]
@@ -517,6 +550,7 @@ def scan(
     seen, scanned = {c.path for c in cands}, set(roots)
     stale = [p for p, k in known.items() if p not in seen and k.root in scanned] + gone
     _write(rows, moved, stale)
+    warnings = [hub.printable(w) for w in warnings]
     for w in warnings:
         log.warning("registry: %s", w)
     return ScanReport(
