@@ -237,7 +237,7 @@ def execute(cfg: Any, resolved: dict[str, Any]) -> int:
         result = fn(cfg)
         if result.message:
             print(result.message)
-        return 0
+        return result.exit_code
     return _recorded_run(cfg, resolved, fn, blas_info)
 
 
