@@ -928,6 +928,8 @@ def run_scan(cfg: Any) -> Any:
                "warnings": len(r.warnings), "seconds": round(r.seconds, 3)}  # fmt: skip
     msg = (f"indexed {r.models} directories ({r.read} read, {r.unchanged} unchanged, {r.pruned} pruned, "
            f"{len(r.warnings)} warnings) in {r.seconds:.2f}s")  # fmt: skip
+    if cfg.json:
+        msg = json.dumps({**metrics, "warning_list": list(r.warnings)}, indent=2, sort_keys=True)
     return RunResult(metrics=metrics, message=msg)
 
 
@@ -948,8 +950,15 @@ def _display_name(r: dict[str, Any]) -> str:
     return r["name"]
 
 
+def _vision_cell(r: dict[str, Any]) -> str:
+    """The sidecar's size; "yes" for a vision tower without one (inside the weights); else "-"."""
+    if r["vision_bytes"]:
+        return _human(r["vision_bytes"])
+    return "yes" if r["has_vision"] else "-"
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    """A terminal table of :func:`ls` rows: size, vision sidecar, params, type, quantization, flags."""
+    """A terminal table of :func:`ls` rows: size, vision, params, type, quantization, flags."""
     head = f"{'size':>10} {'vision':>10} {'params':>8}  {'type':<16} {'quant':<10} {'flags':<5} {'license':<12} name"
     lines = [head]
     for r in rows:
@@ -958,12 +967,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                                          ("E", r["expert_bytes"]), ("D", r["is_drafter"]), ("!", r["warning"])) if on)  # fmt: skip
         params = _count(r["param_count"])
         lines.append(
-            f"{_human(r['total_bytes']):>10} {_human(r['vision_bytes']) if r['vision_bytes'] else '-':>10} "
+            f"{_human(r['total_bytes']):>10} {_vision_cell(r):>10} "
             f"{params:>8}  {str(r['text_model_type'] or '-'):<16} {quant:<10} {flags or '-':<5} "
             f"{str(r['license'] or '-'):<12} {_display_name(r)}"
         )
     lines.append(
-        f"{len(rows)} model(s); flags: V vision, T tool calling, K kv_config, E experts, D drafter, ! unreadable"
+        f"{len(rows)} model(s); vision: the vision sidecar's size, yes for a tower inside the weights; "
+        "flags: V vision, T tool calling, K kv_config, E experts, D drafter, ! unreadable"
     )
     return "\n".join(lines)
 
@@ -996,9 +1006,8 @@ def run_resolve(cfg: Any) -> Any:
 
     _open(cfg)
     path = resolve(_model_query(cfg), hub_cache=cfg.registry.hub_cache, paths=cfg.registry.paths)
-    if cfg.json:
-        return RunResult(message=json.dumps({"query": cfg.model.name, "path": str(path)}, sort_keys=True))
-    return RunResult(message=str(path), provides={"model.name": str(path)})
+    msg = json.dumps({"query": cfg.model.name, "path": str(path)}, sort_keys=True) if cfg.json else str(path)
+    return RunResult(message=msg, provides={"model.name": str(path)})
 
 
 def format_fit(r: FitReport) -> str:
@@ -1015,13 +1024,15 @@ def format_fit(r: FitReport) -> str:
 
 
 def run_fit(cfg: Any) -> Any:
-    """command=registry_fit: does model.name fit registry.fit.budget_gb at registry.fit.context?"""
+    """command=registry_fit: does model.name fit registry.fit.budget_gb at registry.fit.context?
+
+    The answer is the exit code too: 0 when it fits, 1 when it does not.
+    """
     from mlxbun.provenance import RunResult
 
     _open(cfg)
     f = cfg.registry.fit
     r = fit(_model_query(cfg), budget_gb=f.budget_gb, context=f.context, vision=f.vision,
             hub_cache=cfg.registry.hub_cache, paths=cfg.registry.paths)  # fmt: skip
-    if cfg.json:
-        return RunResult(message=json.dumps(asdict(r), indent=2, sort_keys=True))
-    return RunResult(message=format_fit(r), metrics=asdict(r))
+    msg = json.dumps(asdict(r), indent=2, sort_keys=True) if cfg.json else format_fit(r)
+    return RunResult(message=msg, metrics=asdict(r), exit_code=0 if r.fits else 1)

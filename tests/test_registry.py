@@ -762,3 +762,51 @@ def test_hub_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     assert hub.hub_cache_dir() == tmp_path / "cache"
     assert hub.hub_cache_dir(tmp_path / "override") == tmp_path / "override"
+
+
+def test_fit_verdict_is_the_exit_code_and_json_is_honoured(dburl, hubtree):
+    hubtree.add("org/fitme", "r1", model_files(llama_config()))
+    cfg = _cfg(dburl, hubtree.root)
+    cfg.model.name = "org/fitme"
+    cfg.registry.fit.budget_gb, cfg.registry.fit.context = 1e-6, 128
+    no = registry.run_fit(cfg)
+    assert no.exit_code == 1 and no.message.startswith("org/fitme: does NOT fit")
+    cfg.registry.fit.budget_gb = 1.0
+    assert registry.run_fit(cfg).exit_code == 0
+    cfg.json, cfg.registry.fit.budget_gb = True, 1e-6
+    no = registry.run_fit(cfg)
+    assert no.exit_code == 1 and json.loads(no.message)["fits"] is False
+    assert json.loads(registry.run_scan(cfg).message)["models"] == 1
+    got = json.loads(registry.run_resolve(cfg).message)
+    assert got["path"].endswith("/snapshots/r1") and registry.run_resolve(cfg).provides == {
+        "model.name": got["path"]
+    }
+
+
+def test_ls_vision_column_says_whether_a_model_sees(reg, hubtree):
+    vlm = {"model_type": "gemma3", "vision_config": {"model_type": "siglip_vision_model"}}
+    sidecar = st({"vision_tower.patch_embed.weight": ("float16", (8, 8))})
+    hubtree.add("org/with-sidecar", "r1", model_files(vlm, **{"optiq_vision.safetensors": sidecar}))
+    tower = dense_weights()
+    tower["model.safetensors"] = st(
+        {"vision_tower.w.weight": ("float16", (4, 4)), "lm_head.weight": ("float16", (4, 4))}
+    )
+    hubtree.add("org/tower-inside", "r1", model_files(vlm, tower))
+    hubtree.add("org/text-only", "r1", model_files(llama_config()))
+    reg.scan(hub_cache=hubtree.root)
+    lines = reg.format_table(reg.ls()).splitlines()
+    col = lines[0].index("vision") + len("vision")  # the column is right-aligned under its head
+    cells = {ln.rsplit(" ", 1)[1]: ln[:col].split()[-1] for ln in lines[1:-1]}
+    assert cells == {"org/with-sidecar": registry._human(len(sidecar)).split()[-1],
+                     "org/tower-inside": "yes", "org/text-only": "-"}  # fmt: skip
+
+
+def test_cli_fit_that_does_not_fit_exits_1(tmp_path):
+    from cli_util import run_cli
+
+    Hub(tmp_path / "hub").add("org/fitcli", "r1", model_files(llama_config()))
+    res = run_cli(
+        "command=registry_fit", "model.name=org/fitcli", "registry.fit.budget_gb=0.000001", tmp=tmp_path
+    )
+    assert res.returncode == 1, res.stderr
+    assert "does NOT fit" in res.stdout and "Traceback" not in res.stderr
