@@ -726,7 +726,7 @@ def ls(
     if vision is not None:
         q = q.where(M.has_vision == vision)
     if max_gb is not None:
-        q = q.where(M.total_bytes <= int(max_gb * GB))
+        q = q.where(M.total_bytes <= min(int(max_gb * GB), _column_max("total_bytes")))
     if query:
         q = q.where(M.name.contains(query) | M.repo_id.contains(query) | M.model_type.contains(query)
                     | M.text_model_type.contains(query))  # fmt: skip

@@ -810,3 +810,9 @@ def test_cli_fit_that_does_not_fit_exits_1(tmp_path):
     )
     assert res.returncode == 1, res.stderr
     assert "does NOT fit" in res.stdout and "Traceback" not in res.stderr
+
+
+def test_ls_size_filter_beyond_the_database_lists_everything(reg, hubtree):
+    hubtree.add("org/any", "r1", model_files(llama_config()))
+    reg.scan(hub_cache=hubtree.root)
+    assert [m["name"] for m in reg.ls(max_gb=1e30)] == ["org/any"]
