@@ -95,12 +95,7 @@ def cached_sha256(path: Path, cache_dir: Path | None) -> str:
 def _files_under(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
-    return sorted(p for p in path.rglob("*") if p.is_file() and not _is_temp(p.name))
-
-
-def _is_temp(name: str) -> bool:
-    """An atomic write's temporary name (never part of a run); other hidden files are."""
-    return name.startswith(".") and TMP_MARK in name
+    return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
 def hash_paths(
@@ -196,6 +191,9 @@ class Manifest:
     outputs: dict[str, Any] = field(default_factory=dict)
     # The files and directories the command said it wrote: no other file may appear inside them.
     output_roots: list[str] = field(default_factory=list)
+    # Hidden files inside output directories (resume markers and the like): hashed and verified,
+    # but not artifacts, so outside the same-bytes promise that ``outputs`` makes.
+    side_files: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     # Where digests of unchanged input files are remembered; outputs are always hashed afresh.
     digest_cache: Path | None = None
@@ -231,6 +229,7 @@ class Manifest:
             "inputs": self.inputs,
             "outputs": self.outputs,
             "output_roots": self.output_roots,
+            "side_files": self.side_files,
             "metrics": self.metrics,
         }
 
@@ -248,8 +247,21 @@ class Manifest:
             self.output_roots = sorted(
                 {_rel(Path(p), self.run_dir) for p in result.outputs if Path(p).exists()}
             )
+            hidden = [f for p in result.outputs for f in _every_file_under(Path(p)) if f.name.startswith(".")]
+            self.side_files = hash_paths(hidden, base=self.run_dir)
             self.metrics = result.metrics
         return self.write()
+
+
+def _every_file_under(path: Path) -> list[Path]:
+    """Every file inside directory ``path``, hidden ones included; not an atomic write's temp name."""
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.rglob("*") if p.is_file() and not _is_temp(p.name))
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and TMP_MARK in name
 
 
 @dataclass(frozen=True)
@@ -283,7 +295,7 @@ def verify_run(run_dir: str | Path) -> list[Drift]:
             f"runs.dir={str(run_dir)!r}: status is {manifest.get('status')!r}, not completed "
             "(killed, failed or still running); there is nothing to verify"
         )
-    base, outputs = run_dir.resolve(), manifest["outputs"]
+    base, outputs = run_dir.resolve(), {**manifest["outputs"], **manifest.get("side_files", {})}
     drift = [d for rel, want in outputs.items() if (d := _check(base, rel, want["sha256"]))]
     drift += _added(base, manifest.get("output_roots", []), outputs)
     return sorted(drift, key=lambda d: d.path)
@@ -295,7 +307,8 @@ def _read_manifest(run_dir: Path) -> dict[str, Any]:
         raise InputError(f"runs.dir={str(run_dir)!r} has no {MANIFEST}; pass a run directory")
     try:
         manifest = json.loads(mpath.read_text())
-        if not all(isinstance(v["sha256"], str) for v in manifest["outputs"].values()):
+        listed = [*manifest["outputs"].values(), *manifest.get("side_files", {}).values()]
+        if not all(isinstance(v["sha256"], str) for v in listed):
             raise TypeError("an output's sha256 is not a string")
         if not all(isinstance(r, str) for r in manifest.get("output_roots", [])):
             raise TypeError("an output root is not a string")
@@ -334,7 +347,7 @@ def _added(base: Path, roots: list[str], outputs: dict[str, Any]) -> list[Drift]
         if path is None:
             drift.append(Drift(root, "a directory inside the run", OUTSIDE))
         elif path.is_dir():
-            rels = (str(f.relative_to(base)) for f in _files_under(path))
+            rels = (str(f.relative_to(base)) for f in _every_file_under(path))
             drift += [Drift(r, "absent", "added") for r in rels if r not in outputs and r != MANIFEST]
     return drift
 
