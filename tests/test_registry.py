@@ -22,6 +22,7 @@ from safetensors.numpy import save
 
 from mlxbun import hub, registry
 from mlxbun.errors import InputError
+from mlxbun.registry import commands
 
 PG_URL = os.environ.get("MLXBUN_TEST_PG_URL")
 TOOLS_TEMPLATE = (
@@ -54,11 +55,11 @@ def dburl(request, tmp_path):
         d = connect(url)
         _drop_all(d)
         d.close()
-    registry._target = None
+    registry.database._target = None
     yield url
     if registry.db.obj is not None:
         registry.db.obj.close()
-    registry._target = None
+    registry.database._target = None
 
 
 @pytest.fixture
@@ -629,17 +630,17 @@ def test_migrates_a_v1_database_and_keeps_rows(dburl):
     )
     registry.record_run_end(rid, status="ok", metrics={"x": 1})
     assert registry.list_runs(limit=1)[0]["host"]
-    registry._target = None
+    registry.database._target = None
     assert registry.upgrade_schema(registry.open_db(url=dburl)) == registry.SCHEMA_VERSION  # idempotent
     registry.SchemaVersion.update(version=registry.SCHEMA_VERSION + 1).execute()
-    registry._target = None
+    registry.database._target = None
     with pytest.raises(InputError, match="newer than this mlxbun"):
         registry.open_db(url=dburl)  # never "migrate" a newer schema backwards
 
 
 def _insert_runs(args: tuple[str, int, int]) -> int:
     url, worker, n = args
-    registry._target = None
+    registry.database._target = None
     registry.open_db(url=url)
     for i in range(n):
         rid = registry.record_run_start(command="sweep", recipe=None, overrides=[f"w={worker}", f"i={i}"],
@@ -675,23 +676,23 @@ def test_commands_scan_ls_resolve_fit(dburl, hubtree):
         "org/cmd", "r1", model_files(llama_config(), **{"README.md": b"---\nlicense: mit\n---\n"})
     )
     cfg = _cfg(dburl, hubtree.root)
-    res = registry.run_scan(cfg)
+    res = commands.scan(cfg)
     assert res.metrics["models"] == 1 and "1 read" in res.message
-    table = registry.run_ls(cfg).message
+    table = commands.ls(cfg).message
     assert "org/cmd" in table and "mit" in table and "1 model(s)" in table
     hubtree.add("org/cmd-later", "r1", model_files(llama_config()))
-    assert "2 model(s)" in registry.run_ls(cfg).message  # ls refreshes the index itself
+    assert "2 model(s)" in commands.ls(cfg).message  # ls refreshes the index itself
     shutil.rmtree(hubtree.repo_dir("org/cmd-later"))
     cfg.json = True
-    rows = json.loads(registry.run_ls(cfg).message)
+    rows = json.loads(commands.ls(cfg).message)
     assert rows[0]["path"] == str(snap) and rows[0]["license"] == "mit"
     cfg.json, cfg.model.name = False, "cmd"
-    assert registry.run_resolve(cfg).message == str(snap)
+    assert commands.resolve(cfg).message == str(snap)
     cfg.registry.fit.budget_gb, cfg.registry.fit.context = 1.0, 128
-    assert registry.run_fit(cfg).message.startswith("org/cmd: fits in 1.00 GB")
+    assert commands.fit(cfg).message.startswith("org/cmd: fits in 1.00 GB")
     cfg.model.name = None
     with pytest.raises(InputError, match="model.name is not set"):
-        registry.run_fit(cfg)
+        commands.fit(cfg)
 
 
 def test_cli_scan_ls_json_and_missing_repo(tmp_path):
@@ -769,16 +770,16 @@ def test_fit_verdict_is_the_exit_code_and_json_is_honoured(dburl, hubtree):
     cfg = _cfg(dburl, hubtree.root)
     cfg.model.name = "org/fitme"
     cfg.registry.fit.budget_gb, cfg.registry.fit.context = 1e-6, 128
-    no = registry.run_fit(cfg)
+    no = commands.fit(cfg)
     assert no.exit_code == 1 and no.message.startswith("org/fitme: does NOT fit")
     cfg.registry.fit.budget_gb = 1.0
-    assert registry.run_fit(cfg).exit_code == 0
+    assert commands.fit(cfg).exit_code == 0
     cfg.json, cfg.registry.fit.budget_gb = True, 1e-6
-    no = registry.run_fit(cfg)
+    no = commands.fit(cfg)
     assert no.exit_code == 1 and json.loads(no.message)["fits"] is False
-    assert json.loads(registry.run_scan(cfg).message)["models"] == 1
-    got = json.loads(registry.run_resolve(cfg).message)
-    assert got["path"].endswith("/snapshots/r1") and registry.run_resolve(cfg).provides == {
+    assert json.loads(commands.scan(cfg).message)["models"] == 1
+    got = json.loads(commands.resolve(cfg).message)
+    assert got["path"].endswith("/snapshots/r1") and commands.resolve(cfg).provides == {
         "model.name": got["path"]
     }
 
@@ -797,7 +798,7 @@ def test_ls_vision_column_says_whether_a_model_sees(reg, hubtree):
     lines = reg.format_table(reg.ls()).splitlines()
     col = lines[0].index("vision") + len("vision")  # the column is right-aligned under its head
     cells = {ln.rsplit(" ", 1)[1]: ln[:col].split()[-1] for ln in lines[1:-1]}
-    assert cells == {"org/with-sidecar": registry._human(len(sidecar)).split()[-1],
+    assert cells == {"org/with-sidecar": registry.table._human(len(sidecar)).split()[-1],
                      "org/tower-inside": "yes", "org/text-only": "-"}  # fmt: skip
 
 
