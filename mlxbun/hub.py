@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import os
 import re
 import stat
@@ -40,6 +41,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
+
+from mlxbun.io.safetensors import count_parameters, quantization_block
 
 INDEX = "model.safetensors.index.json"
 VISION_SIDECAR = "optiq_vision.safetensors"
@@ -471,12 +474,16 @@ def _weight_files(path: str, by_name: dict[str, FileStat], warnings: list[str]) 
 
 
 def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: list[str]) -> dict[str, Any]:
-    """Bytes (language, vision sidecar, experts) and parameter count, from sizes and headers."""
+    """Bytes (language, vision sidecar, experts) and parameter count, from sizes and headers.
+
+    Parameters are counted once over every shard's tensors by mlx-lm's convention
+    (:func:`mlxbun.io.safetensors.count_parameters`), unless the index states the total.
+    """
     names, index = _weight_files(path, by_name, warnings)
     sidecar = by_name.get(VISION_SIDECAR)
     out = {"weight_bytes": 0, "expert_bytes": 0, "vision_bytes": (sidecar.size or 0) if sidecar else 0}
-    params, vision_tensors = 0, False
-    bits = _quantization(config)["quant_bits"]
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    vision_tensors = False
     for name in names:
         f = by_name[name]
         if f.size is None:
@@ -488,29 +495,27 @@ def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: li
             warnings.append(f"{name}: unreadable header ({str(e)[:80]})")
             continue
         try:
-            experts, n, vis = _header_stats(header, bits)
+            experts, shapes, vis = _header_stats(header)
         except (TypeError, ValueError, KeyError, IndexError) as e:  # shapes or offsets that are not numbers
             warnings.append(f"{name}: malformed header entry ({str(e)[:80]})")
             continue
         out["expert_bytes"] += experts
-        params += n
+        tensors.update(shapes)
         vision_tensors = vision_tensors or vis
     meta = index.get("metadata") if isinstance(index, dict) else None
     total = meta.get("total_parameters") if isinstance(meta, dict) else None
-    out["param_count"] = _int(total) or (params or None)
+    counted = count_parameters(tensors, quantization=quantization_block(config), strict=False)
+    out["param_count"] = _int(total) or (counted or None)
     out["_vision_tensors"] = vision_tensors
     return out
 
 
-def _header_stats(header: dict[str, Any], bits: int | None) -> tuple[int, int, bool]:
-    """(expert-tensor bytes, logical parameter count, has vision tensors) of one shard header.
+def _header_stats(header: dict[str, Any]) -> tuple[int, dict[str, tuple[str, tuple[int, ...]]], bool]:
+    """(expert-tensor bytes, name -> (dtype, shape), has vision tensors) of one shard header.
 
-    Quantized modules (a ``.scales`` sibling) count their packed uint32 weight as 32/bits
-    values each and their scales and biases as nothing.
+    Raises TypeError or ValueError for a shape or offset that is not a list of non-negative ints.
     """
-    quantized = {n[:-7] for n in header if n.endswith(".scales")}
-    experts = params = 0
-    vision = False
+    experts, shapes, vision = 0, {}, False
     for name, info in header.items():
         if name == "__metadata__" or not isinstance(info, dict):
             continue
@@ -518,17 +523,11 @@ def _header_stats(header: dict[str, Any], bits: int | None) -> tuple[int, int, b
             start, end = info["data_offsets"][:2]
             experts += int(end) - int(start)
         vision = vision or name.startswith(VISION_PREFIXES)
-        n = 1
-        for d in info.get("shape") or ():
-            n *= int(d)
-        stem, _, leaf = name.rpartition(".")
-        if stem in quantized:
-            if leaf in ("scales", "biases"):
-                continue
-            if leaf == "weight" and info.get("dtype") == "U32" and bits:
-                n = n * 32 // bits
-        params += n
-    return experts, params, vision
+        shape = tuple(operator.index(d) for d in info.get("shape") or ())
+        if any(d < 0 for d in shape):
+            raise ValueError(f"{name}: negative dimension in shape {shape}")
+        shapes[name] = (str(info.get("dtype")), shape)
+    return experts, shapes, vision
 
 
 def _has_tools(path: str, by_name: dict[str, FileStat], warnings: list[str]) -> bool:

@@ -289,6 +289,17 @@ def test_quantized_model_fields_and_logical_params(reg, hubtree):
     assert (row(snap2)["quant_bits"], row(snap2)["quant_mode"]) == (8, "gptq")
 
 
+def test_mixed_quantization_params_follow_each_module_bits(tmp_path):
+    """Per-module bits in the quantization block count, as mlx-lm's get_total_parameters does."""
+    t = {"a.weight": ("uint32", (32, 2)), "a.scales": ("float16", (32, 1)), "a.biases": ("float16", (32, 1)),
+         "b.weight": ("uint32", (32, 4)), "b.scales": ("float16", (32, 1)), "b.biases": ("float16", (32, 1))}  # fmt: skip
+    cfg = llama_config(quantization={"group_size": 16, "bits": 4, "b": {"bits": 8, "group_size": 16}})
+    for name, data in model_files(cfg, {"model.safetensors": st(t)}).items():
+        (tmp_path / name).write_bytes(data)
+    info = hub.read_model_dir(tmp_path, hub.list_files(tmp_path))
+    assert info.param_count == 32 * 16 + 32 * 16  # a: 2 words x 8 four-bit values; b: 4 words x 4 eight-bit
+
+
 def test_license_front_matter_forms(reg, hubtree):
     cases = {
         "org/l1": b"---\nlicense: mit\n---\n",
