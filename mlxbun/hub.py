@@ -437,7 +437,7 @@ def config_fields(config: dict[str, Any]) -> dict[str, Any]:
 def _sliding(cfg: dict[str, Any], layers: int | None) -> dict[str, Any]:
     """How many layers keep only a sliding window of keys/values (bounds their KV cache)."""
     window = _int(cfg.get("sliding_window"))
-    if not window or cfg.get("use_sliding_window") is False or not layers:
+    if not window or window < 0 or cfg.get("use_sliding_window") is False or not layers:
         return {"sliding_window": None, "num_sliding_layers": 0}
     types = cfg.get("layer_types")
     if isinstance(types, list):

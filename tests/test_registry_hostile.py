@@ -143,3 +143,9 @@ def test_metadata_json_reads_are_bounded(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps(llama_config(pad="x" * 2000)))
     info = hub.read_model_dir(tmp_path, hub.list_files(tmp_path))
     assert any("config.json" in w and "1000" in w for w in info.warnings)
+
+
+def test_a_window_of_minus_one_means_no_sliding_window():
+    """Some configs write sliding_window=-1 for "none": no window, not a value out of range."""
+    fields = hub.config_fields(llama_config(sliding_window=-1))
+    assert (fields["sliding_window"], fields["num_sliding_layers"]) == (None, 0)

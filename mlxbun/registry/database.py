@@ -30,7 +30,7 @@ db = pw.DatabaseProxy()
 SQLITE_PRAGMAS = {"busy_timeout": 60000, "journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1}
 CONNECT_DEADLINE_S = 60.0
 DEFAULT_DB = "~/.cache/mlxbun/registry.db"
-GB = 10**9
+GB = 10**9  # the registry's sizes (registry.filter.max_gb, registry.fit.budget_gb) are in 10^9 bytes
 PG_LOCK_KEY = 0x6D6C7862  # advisory lock serializing schema upgrades on PostgreSQL
 _target: tuple[str | None, str | None] | None = None
 
