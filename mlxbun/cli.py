@@ -42,10 +42,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kv_ls": ("mlxbun.kv.commands:ls", "list stored KV snapshots"),
     "kv_verify": ("mlxbun.kv.commands:verify", "re-hash stored KV snapshots and blocks"),
     "kv_gc": ("mlxbun.kv.gc", "plan (and with kv.execute=true free) unreferenced KV blocks"),
-    "registry_scan": ("mlxbun.registry:run_scan", "index the HF cache and local model dirs"),
-    "registry_ls": ("mlxbun.registry:run_ls", "list indexed models with filters"),
-    "registry_resolve": ("mlxbun.registry:run_resolve", "resolve a fuzzy name to one model"),
-    "registry_fit": ("mlxbun.registry:run_fit", "does a model fit a memory budget"),
+    "registry_scan": ("mlxbun.registry.commands:scan", "index the HF cache and local model dirs"),
+    "registry_ls": ("mlxbun.registry.commands:ls", "list indexed models with filters"),
+    "registry_resolve": ("mlxbun.registry.commands:resolve", "resolve a fuzzy name to one model"),
+    "registry_fit": ("mlxbun.registry.commands:fit", "does a model fit a memory budget"),
     "runs": ("mlxbun.cli:run_runs", "list recorded runs"),
     "verify": ("mlxbun.provenance", "re-hash a run's outputs against its manifest"),
 }
@@ -238,8 +238,9 @@ def execute(cfg: Any, resolved: dict[str, Any]) -> int:
     name = cfg.command.name
     fn = resolve_command(name)
     if name in READONLY:
-        emit(cfg, fn(cfg))
-        return 0
+        result = fn(cfg)
+        emit(cfg, result)
+        return getattr(result, "exit_code", 0)
     return _recorded_run(cfg, resolved, fn, blas_info)
 
 

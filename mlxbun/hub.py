@@ -23,12 +23,16 @@ A model directory (a snapshot, an mlxbun output, any local directory); only thes
     tokenizer_config.json           chat_template mentioning `tools` (also chat_template.jinja)
     kv_config.json                  per-layer KV-cache quantization (presence only)
 
-A corrupt entry becomes a warning on that directory's :class:`ModelInfo`; reading goes on.
+A corrupt entry becomes a warning on that directory's :class:`ModelInfo`; reading goes on. Only
+regular files are opened (a FIFO or a link to a device is refused before a byte is read), and
+every read is bounded.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import operator
 import os
 import re
 import stat
@@ -38,10 +42,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from mlxbun.io.safetensors import count_parameters, quantization_block
+
 INDEX = "model.safetensors.index.json"
 VISION_SIDECAR = "optiq_vision.safetensors"
 NOT_WEIGHTS = {VISION_SIDECAR, "adapters.safetensors"}
 MAX_HEADER = 100 << 20  # a safetensors header larger than this is hostile, not a model
+MAX_JSON = 100 << 20  # a metadata JSON file (config, index, tokenizer config) larger than this too
 HEADER_GUESS = 64 << 10
 README_HEAD = 64 << 10
 VISION_PREFIXES = ("vision_tower.", "vision_model.", "visual.", "model.vision_tower.", "model.visual.")
@@ -88,11 +95,19 @@ def repo_id_of(dirname: str) -> str | None:
     return rest.replace("--", "/")
 
 
-def read_main_ref(repo_dir: str) -> str | None:
-    """The revision ``refs/main`` points at (the only ref the registry's canonical rule needs)."""
+def read_main_ref(repo_dir: str, warn: Any = None) -> str | None:
+    """The revision ``refs/main`` points at (the only ref the registry's canonical rule needs).
+
+    None when there is none; ``warn(path, why)`` hears of one that cannot be read.
+    """
+    path = os.path.join(repo_dir, "refs", "main")
     try:
-        return read_bytes(os.path.join(repo_dir, "refs", "main"), 256).decode().strip() or None
-    except (OSError, UnicodeDecodeError):
+        return read_bytes(path, 256).decode().strip() or None
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        if warn is not None:
+            warn(path, f"unreadable ({type(e).__name__}: {str(e)[:80]})")
         return None
 
 
@@ -130,7 +145,7 @@ def iter_snapshots(hub: str | os.PathLike, warn: Any) -> list[Snapshot]:
         except OSError:
             warn(entry.path, "no snapshots/ directory (partial download?)")
             continue
-        main = read_main_ref(entry.path)
+        main = read_main_ref(entry.path, warn)
         blobs = stat_key(os.path.join(entry.path, "blobs"), now)
         for r in revs:
             path = os.path.join(snaps, r)
@@ -203,7 +218,7 @@ def read_safetensors_header(path: str | os.PathLike, *, size: int | None = None)
         >>> header = read_safetensors_header(Path("model.safetensors"))
         >>> header["model.embed_tokens.weight"]["shape"]
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_regular(path)
     try:
         buf = os.read(fd, HEADER_GUESS)
         if len(buf) < 8:
@@ -254,12 +269,27 @@ class ModelInfo:
     warnings: tuple[str, ...] = field(default_factory=tuple)
 
 
+def open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of ``path``, or OSError when it is not a regular file (symlinks followed).
+
+    Checked before opening (opening a FIFO would block until a writer came) and again on the
+    descriptor, opened non-blocking, in case the entry was swapped in between.
+    """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(f"not a regular file: {os.fspath(path)}")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"not a regular file: {os.fspath(path)}")
+    return fd
+
+
 def read_bytes(path: str | os.PathLike, limit: int | None = None) -> bytes:
-    """A file's bytes (at most ``limit``) with the fewest syscalls: open, read, close.
+    """A regular file's bytes (at most ``limit``) with the fewest syscalls: stat, open, read, close.
 
     A short read of a regular file is its end, so a small file costs one read.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_regular(path)
     try:
         parts: list[bytes] = []
         left, step = limit, 64 << 10  # a first read under malloc's mmap threshold, then bigger
@@ -275,8 +305,29 @@ def read_bytes(path: str | os.PathLike, limit: int | None = None) -> bytes:
         os.close(fd)
 
 
+def read_metadata(path: str | os.PathLike) -> bytes:
+    """A metadata file's bytes; ValueError when it holds more than :data:`MAX_JSON` of them."""
+    raw = read_bytes(path, MAX_JSON + 1)
+    if len(raw) > MAX_JSON:
+        raise ValueError(f"larger than {MAX_JSON} bytes, the most a metadata file may hold")
+    return raw
+
+
 def read_json(path: str | os.PathLike) -> Any:
-    return json.loads(read_bytes(path))
+    return json.loads(read_metadata(path))
+
+
+def printable(text: str) -> str:
+    """``text`` as valid UTF-8: a name that is not (a lone surrogate) shows as ``\\udcff`` escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def read_model_dir(
@@ -296,7 +347,8 @@ def read_model_dir(
     path = os.fspath(path)
     warnings: list[str] = []
     by_name = {f.name: f for f in files}
-    warnings += [f"broken link: {f.name}" for f in files if f.size is None]
+    warnings += [f"broken link: {printable(f.name)}" for f in files if f.size is None]
+    warnings += [f"file name is not UTF-8: {printable(f.name)}" for f in files if not is_utf8(f.name)]
     if not files:
         warnings.append("empty directory")
     config = _json_file(path, by_name, "config.json", warnings)
@@ -330,7 +382,7 @@ def _json_file(
     if f is None or f.size is None:
         return None
     try:
-        raw = read_bytes(os.path.join(path, name))
+        raw = read_metadata(os.path.join(path, name))
         return json.loads(raw) if need in raw else None
     except (OSError, ValueError) as e:
         warnings.append(f"{name}: unreadable ({type(e).__name__}: {str(e)[:80]})")
@@ -338,7 +390,10 @@ def _json_file(
 
 
 def _int(v: Any) -> int | None:
-    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+    """A JSON number as an int; None for anything else (NaN and infinities included)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v in (math.inf, -math.inf):
+        return None
+    return int(v)
 
 
 def config_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -382,7 +437,7 @@ def config_fields(config: dict[str, Any]) -> dict[str, Any]:
 def _sliding(cfg: dict[str, Any], layers: int | None) -> dict[str, Any]:
     """How many layers keep only a sliding window of keys/values (bounds their KV cache)."""
     window = _int(cfg.get("sliding_window"))
-    if not window or cfg.get("use_sliding_window") is False or not layers:
+    if not window or window < 0 or cfg.get("use_sliding_window") is False or not layers:
         return {"sliding_window": None, "num_sliding_layers": 0}
     types = cfg.get("layer_types")
     if isinstance(types, list):
@@ -419,12 +474,16 @@ def _weight_files(path: str, by_name: dict[str, FileStat], warnings: list[str]) 
 
 
 def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: list[str]) -> dict[str, Any]:
-    """Bytes (language, vision sidecar, experts) and parameter count, from sizes and headers."""
+    """Bytes (language, vision sidecar, experts) and parameter count, from sizes and headers.
+
+    Parameters are counted once over every shard's tensors by mlx-lm's convention
+    (:func:`mlxbun.io.safetensors.count_parameters`), unless the index states the total.
+    """
     names, index = _weight_files(path, by_name, warnings)
     sidecar = by_name.get(VISION_SIDECAR)
     out = {"weight_bytes": 0, "expert_bytes": 0, "vision_bytes": (sidecar.size or 0) if sidecar else 0}
-    params, vision_tensors = 0, False
-    bits = _quantization(config)["quant_bits"]
+    tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
+    vision_tensors = False
     for name in names:
         f = by_name[name]
         if f.size is None:
@@ -436,29 +495,27 @@ def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: li
             warnings.append(f"{name}: unreadable header ({str(e)[:80]})")
             continue
         try:
-            experts, n, vis = _header_stats(header, bits)
+            experts, shapes, vis = _header_stats(header)
         except (TypeError, ValueError, KeyError, IndexError) as e:  # shapes or offsets that are not numbers
             warnings.append(f"{name}: malformed header entry ({str(e)[:80]})")
             continue
         out["expert_bytes"] += experts
-        params += n
+        tensors.update(shapes)
         vision_tensors = vision_tensors or vis
     meta = index.get("metadata") if isinstance(index, dict) else None
     total = meta.get("total_parameters") if isinstance(meta, dict) else None
-    out["param_count"] = _int(total) or (params or None)
+    counted = count_parameters(tensors, quantization=quantization_block(config), strict=False)
+    out["param_count"] = _int(total) or (counted or None)
     out["_vision_tensors"] = vision_tensors
     return out
 
 
-def _header_stats(header: dict[str, Any], bits: int | None) -> tuple[int, int, bool]:
-    """(expert-tensor bytes, logical parameter count, has vision tensors) of one shard header.
+def _header_stats(header: dict[str, Any]) -> tuple[int, dict[str, tuple[str, tuple[int, ...]]], bool]:
+    """(expert-tensor bytes, name -> (dtype, shape), has vision tensors) of one shard header.
 
-    Quantized modules (a ``.scales`` sibling) count their packed uint32 weight as 32/bits
-    values each and their scales and biases as nothing.
+    Raises TypeError or ValueError for a shape or offset that is not a list of non-negative ints.
     """
-    quantized = {n[:-7] for n in header if n.endswith(".scales")}
-    experts = params = 0
-    vision = False
+    experts, shapes, vision = 0, {}, False
     for name, info in header.items():
         if name == "__metadata__" or not isinstance(info, dict):
             continue
@@ -466,17 +523,11 @@ def _header_stats(header: dict[str, Any], bits: int | None) -> tuple[int, int, b
             start, end = info["data_offsets"][:2]
             experts += int(end) - int(start)
         vision = vision or name.startswith(VISION_PREFIXES)
-        n = 1
-        for d in info.get("shape") or ():
-            n *= int(d)
-        stem, _, leaf = name.rpartition(".")
-        if stem in quantized:
-            if leaf in ("scales", "biases"):
-                continue
-            if leaf == "weight" and info.get("dtype") == "U32" and bits:
-                n = n * 32 // bits
-        params += n
-    return experts, params, vision
+        shape = tuple(operator.index(d) for d in info.get("shape") or ())
+        if any(d < 0 for d in shape):
+            raise ValueError(f"{name}: negative dimension in shape {shape}")
+        shapes[name] = (str(info.get("dtype")), shape)
+    return experts, shapes, vision
 
 
 def _has_tools(path: str, by_name: dict[str, FileStat], warnings: list[str]) -> bool:
@@ -492,9 +543,9 @@ def _has_tools(path: str, by_name: dict[str, FileStat], warnings: list[str]) -> 
     if jinja is not None and jinja.size is not None:
         try:
             templates.append(
-                read_bytes(os.path.join(path, "chat_template.jinja")).decode("utf-8", errors="replace")
+                read_metadata(os.path.join(path, "chat_template.jinja")).decode("utf-8", errors="replace")
             )
-        except OSError:
+        except (OSError, ValueError):
             pass
     return any(isinstance(t, str) and "tools" in t for t in templates)
 

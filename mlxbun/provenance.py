@@ -8,29 +8,35 @@ A run directory looks like::
                              sha256 + size of every input and output file
         <artifacts...>       whatever the command wrote (model dirs, plan.json, ...)
 
-Artifacts are deterministic; only the manifest carries timestamps. ``verify`` re-hashes the
-outputs listed in a manifest and reports every file that drifted.
+Artifacts are deterministic; only the manifest carries timestamps. ``verify`` checks that a run
+completed, re-hashes the outputs listed in its manifest, finds files added to its output
+directories, and reads nothing outside the run directory.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
+import stat
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import DriftError, InputError
-from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
+from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes, atomic_write_json
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# A run that ended well: "completed" ("ok" in manifests written before that name).
+COMPLETED = ("completed", "ok")
+OUTSIDE = "outside the run directory; not read"
 
 
 @dataclass
@@ -43,6 +49,7 @@ class RunResult:
         metrics: JSON-able numbers stored in the manifest and the RunRecord.
         message: printed to stdout when the run ends.
         provides: config keys for later pipeline steps, e.g. {"model.name": "<dir>"}.
+        exit_code: the process exit code of a read-only command whose answer is "no" (1).
     """
 
     outputs: list[Path] = field(default_factory=list)
@@ -50,6 +57,7 @@ class RunResult:
     metrics: dict[str, Any] = field(default_factory=dict)
     message: str = ""
     provides: dict[str, str] = field(default_factory=dict)
+    exit_code: int = 0
 
 
 def sha256_file(path: Path, *, chunk: int = 8 << 20) -> str:
@@ -181,6 +189,11 @@ class Manifest:
     error: str | None = None
     inputs: dict[str, Any] = field(default_factory=dict)
     outputs: dict[str, Any] = field(default_factory=dict)
+    # The files and directories the command said it wrote: no other file may appear inside them.
+    output_roots: list[str] = field(default_factory=list)
+    # Hidden files inside output directories (resume markers and the like): hashed and verified,
+    # but not artifacts, so outside the same-bytes promise that ``outputs`` makes.
+    side_files: dict[str, Any] = field(default_factory=dict)
     metrics: dict[str, Any] = field(default_factory=dict)
     # Where digests of unchanged input files are remembered; outputs are always hashed afresh.
     digest_cache: Path | None = None
@@ -215,6 +228,8 @@ class Manifest:
             "finished_at": self.finished_at,
             "inputs": self.inputs,
             "outputs": self.outputs,
+            "output_roots": self.output_roots,
+            "side_files": self.side_files,
             "metrics": self.metrics,
         }
 
@@ -229,48 +244,123 @@ class Manifest:
         if result is not None:
             self.inputs = hash_paths(result.inputs, base=self.run_dir, cache_dir=self.digest_cache)
             self.outputs = hash_paths(result.outputs, base=self.run_dir)
+            self.output_roots = sorted(
+                {_rel(Path(p), self.run_dir) for p in result.outputs if Path(p).exists()}
+            )
+            hidden = [f for p in result.outputs for f in _every_file_under(Path(p)) if f.name.startswith(".")]
+            self.side_files = hash_paths(hidden, base=self.run_dir)
             self.metrics = result.metrics
         return self.write()
 
 
+def _every_file_under(path: Path) -> list[Path]:
+    """Every file inside directory ``path``, hidden ones included; not an atomic write's temp name."""
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.rglob("*") if p.is_file() and not _is_temp(p.name))
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and TMP_MARK in name
+
+
 @dataclass(frozen=True)
 class Drift:
+    """One difference: ``expected`` "absent" for an added file; ``found`` a digest, "missing", or why
+    the file was not read."""
+
     path: str
     expected: str
     found: str
 
+    def describe(self) -> str:
+        if self.expected == "absent":
+            return f"{self.path}: added (not in the manifest)"
+        if self.found in ("missing", OUTSIDE) or len(self.found) != 64:
+            return f"{self.path}: {self.found}"
+        return f"{self.path}: expected {self.expected[:16]}… found {self.found[:16]}"
+
 
 def verify_run(run_dir: str | Path) -> list[Drift]:
-    """Re-hash the outputs listed in ``run_dir/manifest.json``; return every difference."""
-    import json
+    """Check a completed run against ``run_dir/manifest.json``; return every difference, by path.
 
+    A run whose status is not completed raises DriftError (a killed run's outputs are empty).
+    Every listed output is re-hashed; every file inside an output directory must be listed
+    (hidden files included); a listed path that leads outside ``run_dir`` is refused, not read.
+    """
     run_dir = Path(run_dir).expanduser()
+    manifest = _read_manifest(run_dir)
+    if manifest.get("status") not in COMPLETED:
+        raise DriftError(
+            f"runs.dir={str(run_dir)!r}: status is {manifest.get('status')!r}, not completed "
+            "(killed, failed or still running); there is nothing to verify"
+        )
+    base, outputs = run_dir.resolve(), {**manifest["outputs"], **manifest.get("side_files", {})}
+    drift = [d for rel, want in outputs.items() if (d := _check(base, rel, want["sha256"]))]
+    drift += _added(base, manifest.get("output_roots", []), outputs)
+    return sorted(drift, key=lambda d: d.path)
+
+
+def _read_manifest(run_dir: Path) -> dict[str, Any]:
     mpath = run_dir / MANIFEST
     if not mpath.is_file():
         raise InputError(f"runs.dir={str(run_dir)!r} has no {MANIFEST}; pass a run directory")
     try:
         manifest = json.loads(mpath.read_text())
-        outputs = manifest["outputs"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        listed = [*manifest["outputs"].values(), *manifest.get("side_files", {}).values()]
+        if not all(isinstance(v["sha256"], str) for v in listed):
+            raise TypeError("an output's sha256 is not a string")
+        if not all(isinstance(r, str) for r in manifest.get("output_roots", [])):
+            raise TypeError("an output root is not a string")
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise DriftError(f"{mpath}: manifest is unreadable ({e})") from None
+    return manifest
+
+
+def _inside(base: Path, rel: str) -> Path | None:
+    """``base / rel`` with links resolved, or None when that leads outside ``base``."""
+    if os.path.isabs(rel):
+        return None
+    path = (base / rel).resolve()
+    return path if path.is_relative_to(base) else None
+
+
+def _check(base: Path, rel: str, want: str) -> Drift | None:
+    path = _inside(base, rel)
+    if path is None:
+        return Drift(rel, want, OUTSIDE)
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return Drift(rel, want, "missing")
+    if not stat.S_ISREG(mode):
+        return Drift(rel, want, "not a regular file")
+    got = sha256_file(path)
+    return Drift(rel, want, got) if got != want else None
+
+
+def _added(base: Path, roots: list[str], outputs: dict[str, Any]) -> list[Drift]:
+    """Files inside the output directories that the manifest does not list."""
     drift = []
-    for rel, want in outputs.items():
-        path = Path(rel) if os.path.isabs(rel) else run_dir / rel
-        if not path.is_file():
-            drift.append(Drift(rel, want["sha256"], "missing"))
-            continue
-        got = sha256_file(path)
-        if got != want["sha256"]:
-            drift.append(Drift(rel, want["sha256"], got))
+    for root in roots:
+        path = _inside(base, root)
+        if path is None:
+            drift.append(Drift(root, "a directory inside the run", OUTSIDE))
+        elif path.is_dir():
+            rels = (str(f.relative_to(base)) for f in _every_file_under(path))
+            drift += [Drift(r, "absent", "added") for r in rels if r not in outputs and r != MANIFEST]
     return drift
 
 
 def run(cfg: Any) -> RunResult:
-    """command=verify: re-hash a run's outputs; exit 1 listing every drifted file."""
+    """command=verify: check a run against its manifest; exit 1 listing every difference."""
     if not cfg.runs.dir:
         raise InputError("runs.dir is not set; pass runs.dir=<run directory with manifest.json>")
     drift = verify_run(cfg.runs.dir)
+    if cfg.json:
+        report = {"run_dir": cfg.runs.dir, "drift": [asdict(d) for d in drift]}
+        return RunResult(message=json.dumps(report, indent=2, sort_keys=True), exit_code=1 if drift else 0)
     if drift:
-        lines = [f"{d.path}: expected {d.expected[:16]}… found {d.found[:16]}" for d in drift]
-        raise DriftError(f"{len(drift)} output(s) drifted in {cfg.runs.dir}: " + "; ".join(lines))
+        lines = "; ".join(d.describe() for d in drift)
+        raise DriftError(f"{len(drift)} output(s) drifted in {cfg.runs.dir}: {lines}")
     return RunResult(message=f"verified: every output of {cfg.runs.dir} matches its manifest")

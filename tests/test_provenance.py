@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -61,3 +62,83 @@ def test_verify_refuses_a_directory_without_manifest_and_a_torn_one(tmp_path: Pa
     (tmp_path / "manifest.json").write_text('{"outputs": ')
     with pytest.raises(DriftError, match="manifest is unreadable"):
         verify_run(tmp_path)
+
+
+def _model_run(run_dir: Path) -> Manifest:
+    """A finished run whose outputs are a model directory (with a hidden side file) and a plan."""
+    model = run_dir / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text('{"model_type": "llama"}')
+    (model / "model.safetensors").write_bytes(os.urandom(256))
+    (model / ".mlxbun-quantize.json").write_text('{"bits": 4}')
+    (run_dir / "plan.json").write_text("{}")
+    (run_dir / "notes.txt").write_text("beside the outputs, not one of them")
+    m = Manifest(run_dir=run_dir, command="quantize", config={}, overrides=[], recipe=None, seed=0, blas={})
+    m.finish(status="ok", result=RunResult(outputs=[model, run_dir / "plan.json"]))
+    return m
+
+
+@pytest.mark.parametrize("status", ["running", "failed", "interrupted"])
+def test_verify_refuses_a_run_that_did_not_complete(tmp_path: Path, status: str) -> None:
+    run_dir = tmp_path / "run"
+    m = Manifest(run_dir=run_dir, command="quantize", config={}, overrides=[], recipe=None, seed=0, blas={})
+    if status == "running":  # killed: the first manifest is all there is, outputs empty
+        m.write()
+    else:
+        (run_dir / "model").mkdir(parents=True)
+        (run_dir / "model" / "config.json").write_text("{}")
+        m.finish(status=status, result=RunResult(outputs=[run_dir / "model"]), error="boom")
+    with pytest.raises(DriftError, match=f"status is '{status}'"):
+        verify_run(run_dir)
+
+
+def test_verify_reports_added_files_and_edited_hidden_files(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _model_run(run_dir)
+    assert verify_run(run_dir) == []
+    (run_dir / "model" / "evil.py").write_text("import os\n")
+    (run_dir / "model" / "sub").mkdir()
+    (run_dir / "model" / "sub" / ".hidden").write_text("x")
+    (run_dir / "model" / ".mlxbun-quantize.json").write_text('{"bits": 8}')
+    drift = {d.path: d for d in verify_run(run_dir)}
+    assert set(drift) == {"model/evil.py", "model/sub/.hidden", "model/.mlxbun-quantize.json"}
+    assert drift["model/evil.py"].expected == "absent" and drift["model/evil.py"].found != "missing"
+
+
+def test_verify_never_reads_a_manifest_path_outside_the_run_dir(tmp_path: Path, monkeypatch) -> None:
+    run_dir = tmp_path / "run"
+    _model_run(run_dir)
+    secret = tmp_path / "secret"
+    secret.write_text("not yours")
+    (run_dir / "model" / "link").symlink_to(secret)
+    mpath = run_dir / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    for entry in (str(secret), "../secret", "model/../../secret", "model/link"):
+        manifest["outputs"][entry] = {"sha256": "0" * 64, "size": 9}
+    mpath.write_text(json.dumps(manifest))
+    read = []
+    real = provenance.sha256_file
+    monkeypatch.setattr(provenance, "sha256_file", lambda p, **kw: read.append(Path(p)) or real(p, **kw))
+    drift = {d.path: d.found for d in verify_run(run_dir)}
+    assert {k for k, v in drift.items() if "outside the run directory" in v} == {
+        str(secret),
+        "../secret",
+        "model/../../secret",
+        "model/link",
+    }
+    assert all(p.resolve().is_relative_to(run_dir.resolve()) for p in read) and read
+
+
+def test_verify_command_prints_json_and_exits_1_on_drift(tmp_path: Path) -> None:
+    from mlxbun import schema
+
+    run_dir = tmp_path / "run"
+    _model_run(run_dir)
+    cfg = schema.Config()
+    cfg.runs.dir, cfg.json = str(run_dir), True
+    res = provenance.run(cfg)
+    assert res.exit_code == 0 and json.loads(res.message) == {"run_dir": str(run_dir), "drift": []}
+    (run_dir / "plan.json").write_text("[]")
+    res = provenance.run(cfg)
+    got = json.loads(res.message)
+    assert res.exit_code == 1 and [d["path"] for d in got["drift"]] == ["plan.json"]

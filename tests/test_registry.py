@@ -22,6 +22,7 @@ from safetensors.numpy import save
 
 from mlxbun import hub, registry
 from mlxbun.errors import InputError
+from mlxbun.registry import commands
 
 PG_URL = os.environ.get("MLXBUN_TEST_PG_URL")
 TOOLS_TEMPLATE = (
@@ -54,11 +55,11 @@ def dburl(request, tmp_path):
         d = connect(url)
         _drop_all(d)
         d.close()
-    registry._target = None
+    registry.database._target = None
     yield url
     if registry.db.obj is not None:
         registry.db.obj.close()
-    registry._target = None
+    registry.database._target = None
 
 
 @pytest.fixture
@@ -286,6 +287,17 @@ def test_quantized_model_fields_and_logical_params(reg, hubtree):
     snap2 = hubtree.add("org/gptq", "r1", model_files(hf_style))
     reg.scan(hub_cache=hubtree.root)
     assert (row(snap2)["quant_bits"], row(snap2)["quant_mode"]) == (8, "gptq")
+
+
+def test_mixed_quantization_params_follow_each_module_bits(tmp_path):
+    """Per-module bits in the quantization block count, as mlx-lm's get_total_parameters does."""
+    t = {"a.weight": ("uint32", (32, 2)), "a.scales": ("float16", (32, 1)), "a.biases": ("float16", (32, 1)),
+         "b.weight": ("uint32", (32, 4)), "b.scales": ("float16", (32, 1)), "b.biases": ("float16", (32, 1))}  # fmt: skip
+    cfg = llama_config(quantization={"group_size": 16, "bits": 4, "b": {"bits": 8, "group_size": 16}})
+    for name, data in model_files(cfg, {"model.safetensors": st(t)}).items():
+        (tmp_path / name).write_bytes(data)
+    info = hub.read_model_dir(tmp_path, hub.list_files(tmp_path))
+    assert info.param_count == 32 * 16 + 32 * 16  # a: 2 words x 8 four-bit values; b: 4 words x 4 eight-bit
 
 
 def test_license_front_matter_forms(reg, hubtree):
@@ -629,17 +641,17 @@ def test_migrates_a_v1_database_and_keeps_rows(dburl):
     )
     registry.record_run_end(rid, status="ok", metrics={"x": 1})
     assert registry.list_runs(limit=1)[0]["host"]
-    registry._target = None
+    registry.database._target = None
     assert registry.upgrade_schema(registry.open_db(url=dburl)) == registry.SCHEMA_VERSION  # idempotent
     registry.SchemaVersion.update(version=registry.SCHEMA_VERSION + 1).execute()
-    registry._target = None
+    registry.database._target = None
     with pytest.raises(InputError, match="newer than this mlxbun"):
         registry.open_db(url=dburl)  # never "migrate" a newer schema backwards
 
 
 def _insert_runs(args: tuple[str, int, int]) -> int:
     url, worker, n = args
-    registry._target = None
+    registry.database._target = None
     registry.open_db(url=url)
     for i in range(n):
         rid = registry.record_run_start(command="sweep", recipe=None, overrides=[f"w={worker}", f"i={i}"],
@@ -675,23 +687,23 @@ def test_commands_scan_ls_resolve_fit(dburl, hubtree):
         "org/cmd", "r1", model_files(llama_config(), **{"README.md": b"---\nlicense: mit\n---\n"})
     )
     cfg = _cfg(dburl, hubtree.root)
-    res = registry.run_scan(cfg)
+    res = commands.scan(cfg)
     assert res.metrics["models"] == 1 and "1 read" in res.message
-    table = registry.run_ls(cfg).message
+    table = commands.ls(cfg).message
     assert "org/cmd" in table and "mit" in table and "1 model(s)" in table
     hubtree.add("org/cmd-later", "r1", model_files(llama_config()))
-    assert "2 model(s)" in registry.run_ls(cfg).message  # ls refreshes the index itself
+    assert "2 model(s)" in commands.ls(cfg).message  # ls refreshes the index itself
     shutil.rmtree(hubtree.repo_dir("org/cmd-later"))
     cfg.json = True
-    rows = json.loads(registry.run_ls(cfg).message)
+    rows = json.loads(commands.ls(cfg).message)
     assert rows[0]["path"] == str(snap) and rows[0]["license"] == "mit"
     cfg.json, cfg.model.name = False, "cmd"
-    assert registry.run_resolve(cfg).message == str(snap)
+    assert commands.resolve(cfg).message == str(snap)
     cfg.registry.fit.budget_gb, cfg.registry.fit.context = 1.0, 128
-    assert registry.run_fit(cfg).message.startswith("org/cmd: fits in 1.00 GiB")
+    assert commands.fit(cfg).message.startswith("org/cmd: fits in 1.00 GiB")
     cfg.model.name = None
     with pytest.raises(InputError, match="model.name is not set"):
-        registry.run_fit(cfg)
+        commands.fit(cfg)
 
 
 def test_cli_scan_ls_json_and_missing_repo(tmp_path):
@@ -762,3 +774,57 @@ def test_hub_cache_dir_precedence(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
     assert hub.hub_cache_dir() == tmp_path / "cache"
     assert hub.hub_cache_dir(tmp_path / "override") == tmp_path / "override"
+
+
+def test_fit_verdict_is_the_exit_code_and_json_is_honoured(dburl, hubtree):
+    hubtree.add("org/fitme", "r1", model_files(llama_config()))
+    cfg = _cfg(dburl, hubtree.root)
+    cfg.model.name = "org/fitme"
+    cfg.registry.fit.budget_gb, cfg.registry.fit.context = 1e-6, 128
+    no = commands.fit(cfg)
+    assert no.exit_code == 1 and no.message.startswith("org/fitme: does NOT fit")
+    cfg.registry.fit.budget_gb = 1.0
+    assert commands.fit(cfg).exit_code == 0
+    cfg.json, cfg.registry.fit.budget_gb = True, 1e-6
+    no = commands.fit(cfg)
+    assert no.exit_code == 1 and json.loads(no.message)["fits"] is False
+    assert json.loads(commands.scan(cfg).message)["models"] == 1
+    got = json.loads(commands.resolve(cfg).message)
+    assert got["path"].endswith("/snapshots/r1") and commands.resolve(cfg).provides == {
+        "model.name": got["path"]
+    }
+
+
+def test_ls_vision_column_says_whether_a_model_sees(reg, hubtree):
+    vlm = {"model_type": "gemma3", "vision_config": {"model_type": "siglip_vision_model"}}
+    sidecar = st({"vision_tower.patch_embed.weight": ("float16", (8, 8))})
+    hubtree.add("org/with-sidecar", "r1", model_files(vlm, **{"optiq_vision.safetensors": sidecar}))
+    tower = dense_weights()
+    tower["model.safetensors"] = st(
+        {"vision_tower.w.weight": ("float16", (4, 4)), "lm_head.weight": ("float16", (4, 4))}
+    )
+    hubtree.add("org/tower-inside", "r1", model_files(vlm, tower))
+    hubtree.add("org/text-only", "r1", model_files(llama_config()))
+    reg.scan(hub_cache=hubtree.root)
+    lines = reg.format_table(reg.ls()).splitlines()
+    col = lines[0].index("vision") + len("vision")  # the column is right-aligned under its head
+    cells = {ln.rsplit(" ", 1)[1]: ln[:col].split()[-1] for ln in lines[1:-1]}
+    assert cells == {"org/with-sidecar": registry.table._human(len(sidecar)).split()[-1],
+                     "org/tower-inside": "yes", "org/text-only": "-"}  # fmt: skip
+
+
+def test_cli_fit_that_does_not_fit_exits_1(tmp_path):
+    from cli_util import run_cli
+
+    Hub(tmp_path / "hub").add("org/fitcli", "r1", model_files(llama_config()))
+    res = run_cli(
+        "command=registry_fit", "model.name=org/fitcli", "registry.fit.budget_gb=0.000001", tmp=tmp_path
+    )
+    assert res.returncode == 1, res.stderr
+    assert "does NOT fit" in res.stdout and "Traceback" not in res.stderr
+
+
+def test_ls_size_filter_beyond_the_database_lists_everything(reg, hubtree):
+    hubtree.add("org/any", "r1", model_files(llama_config()))
+    reg.scan(hub_cache=hubtree.root)
+    assert [m["name"] for m in reg.ls(max_gb=1e30)] == ["org/any"]
