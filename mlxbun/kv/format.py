@@ -276,7 +276,11 @@ def _check_meta(cls: str, meta: Any, what: str) -> None:
     keys["RotatingKVCache"] = ("offset", "keep", "max_size", "idx")
     for k in keys[cls]:
         _int(meta.get(k), what, f"meta.{k}")
-    if cls == "RotatingKVCache" and not meta.get("empty"):
+    if cls == "RotatingKVCache" and not meta.get("empty") and meta.get("ring", False) is not False:
+        n = _int(meta.get("tokens"), what, "meta.tokens")
+        if meta["ring"] is not True or not meta["idx"] <= n <= meta["offset"]:
+            _fail(what, f"ring meta idx={meta['idx']} tokens={n} offset={meta['offset']} is not a ring state")
+    elif cls == "RotatingKVCache" and not meta.get("empty"):
         n = _int(meta.get("tokens"), what, "meta.tokens")
         if not meta["keep"] <= meta["idx"] <= n:
             _fail(what, f"meta.idx={meta['idx']} must lie in keep={meta['keep']}..tokens={n}")

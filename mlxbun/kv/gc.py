@@ -25,7 +25,7 @@ from typing import Any
 
 from mlxbun.io.atomic import TMP_MARK, atomic_write_json, fsync_dir
 from mlxbun.kv import format as fmt
-from mlxbun.kv.store import SUFFIX, SnapshotInfo, Store
+from mlxbun.kv.store import FILES, SnapshotInfo, Store
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,7 @@ def _evict(store: Store, name: str, planned_use: float) -> int:
     if used.exists() and used.stat().st_mtime != planned_use:
         return 0  # used again since the plan: keep it
     freed = 0
-    for suffix in SUFFIX.values():
+    for suffix in FILES:
         p = store.snapshots / f"{name}{suffix}"
         if p.exists():
             freed += p.stat().st_size

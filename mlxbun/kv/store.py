@@ -6,7 +6,8 @@ Layout::
         .lock                  flock: savers and loaders hold it shared, GC holds it exclusive
         .gate                  flock turnstile: GC holds it while it waits, so a stream of
                                overlapping savers cannot starve GC of the exclusive lock
-        snapshots/<name>.kvs   single-file snapshot   (layout=snapshot, mlxbun.kv.snapshot)
+        snapshots/<name>.safetensors  single-file snapshot (layout=snapshot, format 3: an mlx-lm
+                               prompt-cache file, mlxbun.kv.promptcache; formats 1-2: <name>.kvs)
         snapshots/<name>.kvm   block manifest         (layout=blocks,   mlxbun.kv.blocks)
         blocks/<blake3>        content-addressed blocks, written once, shared by manifests
         used/<name>            empty file; its mtime is the snapshot's last use (LRU for kv_gc)
@@ -43,7 +44,17 @@ from mlxbun.kv import snapshot as snap
 from mlxbun.kv import state
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-SUFFIX = {"snapshot": ".kvs", "blocks": ".kvm"}
+SUFFIX = {"snapshot": ".safetensors", "blocks": ".kvm"}  # written now
+SNAPSHOT_FILES = (".safetensors", ".kvs")  # single-file snapshots: format 3; formats 1-2
+FILES = (*SNAPSHOT_FILES, ".kvm")  # every file a snapshot name may have
+
+
+# named steps of a save, in order (``on_stage``); a kill at any of them leaves the previous
+# version or the new one, and a rerun writes the same bytes
+STEPS = {
+    "snapshot": (*snap.STEPS, "data_written", "cleanup"),
+    "blocks": (*blk.STEPS, "data_written", "manifest", "cleanup"),
+}
 
 
 class MismatchError(InputError):
@@ -173,7 +184,8 @@ class Store:
         tokens: list[int],
         model: str,
         tokenizer: str = "",
-        layout: str = "blocks",
+        layout: str = "snapshot",
+        model_name: str = "",
         on_bytes: Callable[[int], None] | None = None,
         on_stage: Callable[[str], None] | None = None,
     ) -> SnapshotInfo:
@@ -182,11 +194,16 @@ class Store:
         Args:
             tokens: the token ids the cache holds (checked against the cache's length).
             model, tokenizer: fingerprints (see mlxbun.kv.fingerprint); loads must match.
-            layout: "blocks" (deduplicated) or "snapshot" (one file).
-            on_bytes: progress callback; on_stage: called with "data_written" once the data is
-                durable (blocks layout: before the manifest that publishes it is written).
+            layout: "snapshot" (one mlx-lm prompt-cache file) or "blocks" (deduplicated).
+            model_name: what ``mlx_lm generate --prompt-cache-file`` loads when no ``--model``
+                is given (a path or an HF repo id); kept in snapshot files, shown by kv_ls.
+            on_bytes: progress callback; on_stage: called with the name of each step as it
+                starts (:data:`STEPS`); "data_written" once the data is durable (blocks layout:
+                before the manifest that publishes it is written).
         """
-        job = self._prepare(name, cache, tokens=tokens, model=model, tokenizer=tokenizer, layout=layout)
+        job = self._prepare(
+            name, cache, tokens=tokens, model=model, tokenizer=tokenizer, layout=layout, model_name=model_name
+        )
         return self._persist(*job, on_bytes=on_bytes, on_stage=on_stage)
 
     def save_async(self, name: str, cache: list[Any], **kw: Any) -> Future[SnapshotInfo]:
@@ -217,7 +234,8 @@ class Store:
         tokens: list[int],
         model: str,
         tokenizer: str = "",
-        layout: str = "blocks",
+        layout: str = "snapshot",
+        model_name: str = "",
     ) -> tuple:
         check_snapshot_name(name)
         if layout not in SUFFIX:
@@ -233,6 +251,8 @@ class Store:
             "tokens": tokens,
             "tokens_sha256": fmt.tokens_sha256(tokens),
         }
+        if layout == "snapshot":
+            base["model_name"] = model_name
         return name, layers, base, layout
 
     def _persist(
@@ -254,11 +274,13 @@ class Store:
         with self.locked(exclusive=False):
             self._mkdirs()
             target = self.snapshots / f"{name}{SUFFIX[layout]}"
+            step = on_stage or (lambda _: None)
             if layout == "snapshot":
-                header = snap.write_snapshot(target, layers, base, threads=self.threads, on_bytes=on_bytes)
+                header = snap.write_snapshot(
+                    target, layers, base, threads=self.threads, on_bytes=on_bytes, on_step=step
+                )
                 written = target.stat().st_size
-                if on_stage:
-                    on_stage("data_written")
+                step("data_written")
             else:
                 header, written = blk.write_blocks(
                     self.blocks,
@@ -267,14 +289,17 @@ class Store:
                     block_bytes=self.block_bytes,
                     threads=self.threads,
                     on_bytes=on_bytes,
+                    on_step=step,
                 )
-                if on_stage:
-                    on_stage("data_written")
+                step("data_written")
+                step("manifest")
                 data = fmt.encode(header)
                 atomic_write_bytes(target, data)
                 written += len(data)
-            other = self.snapshots / f"{name}{SUFFIX['blocks' if layout == 'snapshot' else 'snapshot']}"
-            other.unlink(missing_ok=True)
+            step("cleanup")
+            for suffix in FILES:
+                if suffix != target.suffix:
+                    (self.snapshots / f"{name}{suffix}").unlink(missing_ok=True)
             self.touch(name)
         return self._info(name, target, header, written=written)
 
@@ -289,7 +314,7 @@ class Store:
     def path_of(self, name: str) -> Path:
         """The snapshot file of ``name`` (the newer one if a crash left both layouts)."""
         check_snapshot_name(name)
-        found = [p for p in (self.snapshots / f"{name}{s}" for s in SUFFIX.values()) if p.is_file()]
+        found = [p for p in (self.snapshots / f"{name}{s}" for s in FILES) if p.is_file()]
         if not found:
             have = ", ".join(self.names()) or "none"
             raise InputError(f"kv.name={name!r}: no such snapshot in kv.store={self.root}; stored: {have}")
@@ -299,18 +324,14 @@ class Store:
         if not self.snapshots.is_dir():
             return []
         return sorted(
-            {
-                p.stem
-                for p in self.snapshots.iterdir()
-                if p.suffix in SUFFIX.values() and not p.name.startswith(".")
-            }
+            {p.stem for p in self.snapshots.iterdir() if p.suffix in FILES and not p.name.startswith(".")}
         )
 
     def header(self, name: str) -> tuple[Path, dict[str, Any]]:
         """Validated header of ``name`` (no tensor data read)."""
         path = self.path_of(name)
         what = f"snapshot {name!r}"
-        if path.suffix == ".kvs":
+        if path.suffix in SNAPSHOT_FILES:
             return path, snap.read_header(path, what=what)
         h, _ = fmt.read_header(path, what=what)
         fmt.check_header(h, what=what)
@@ -389,7 +410,7 @@ class Store:
         what = f"snapshot {name!r}"
         with self.locked(exclusive=False):
             path = self.path_of(name)
-            if path.suffix == ".kvs":
+            if path.suffix in SNAPSHOT_FILES:
                 with snap.opened(path, what=what) as (fd, h, version):
                     self._check(name, h, model=model, tokenizer=tokenizer, tokens=tokens)
                     arrays = snap.restore(fd, h, version, verify=verify, threads=self.threads, what=what)
@@ -437,8 +458,9 @@ class Store:
         with self.locked(exclusive=False):
             what = f"snapshot {name!r}"
             path = self.path_of(name)
-            if path.suffix == ".kvs":
-                with snap.opened(path, what=what) as (fd, h, _):
+            if path.suffix in SNAPSHOT_FILES:
+                with snap.opened(path, what=what) as (fd, h, version):
+                    snap.check_tail(fd, h, version, what=what)
                     snap.read_data(fd, h, verify=True, threads=self.threads, what=what)
                     return os.fstat(fd).st_size
             path, h = self.header(name)
