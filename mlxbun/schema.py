@@ -283,12 +283,17 @@ class KvCfg:
     name: str | None = None
     prompt: str | None = None
     prompt_file: str | None = None
-    layout: str = "blocks"
+    # snapshot: one mlx-lm prompt-cache file; blocks: deduplicated blocks (see README, KV caches).
+    layout: str = "snapshot"
     block_kib: int = 1024
     verify: bool = True
     cap_gb: float | None = None
     max_tokens: int = 32
     execute: bool = False
+    # kv_generate: true exits 1 on a corrupt snapshot; false recomputes and replaces it.
+    strict: bool = False
+    # kv_import: the mlx-lm prompt-cache file to bring in; kv_export: the file to write.
+    file: str | None = None
 
     def __post_init__(self) -> None:
         choose("kv.layout", self.layout, ("snapshot", "blocks"))

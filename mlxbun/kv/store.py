@@ -25,6 +25,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes
+from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes, tmp_sibling
 from mlxbun.kv import blocks as blk
 from mlxbun.kv import format as fmt
 from mlxbun.kv import snapshot as snap
@@ -78,6 +79,7 @@ class SnapshotInfo:
     last_used: float
     blocks: tuple[str, ...] = ()
     written_bytes: int = 0
+    model_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,22 @@ class Store:
         for d in (self.snapshots, self.blocks, self.used):
             d.mkdir(parents=True, exist_ok=True)
 
+    def check_writable(self) -> None:
+        """Raise an InputError naming the directory unless a save can write here (checked up
+        front, so a read-only store fails before a prefill, not after)."""
+        d = self.root
+        try:
+            self._mkdirs()
+            for d in (self.root, self.snapshots, self.blocks, self.used):
+                probe = tmp_sibling(d / "write-probe")
+                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                probe.unlink()
+        except OSError as e:
+            raise InputError(
+                f"kv.store={self.root} is not writable ({d}: {e.strerror or e}); "
+                "pass kv.store=<a writable directory>"
+            ) from None
+
     @contextlib.contextmanager
     def locked(self, *, exclusive: bool, timeout: float | None = None) -> Iterator[None]:
         """Hold the store lock: shared for savers/loaders, exclusive for GC.
@@ -146,13 +164,12 @@ class Store:
         it holds ``.lock``; GC keeps the gate while it waits for the savers already inside to
         finish, so new savers queue behind it instead of overlapping it out forever.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + (self.lock_timeout if timeout is None else timeout)
-        gate = os.open(self.root / ".gate", os.O_RDWR | os.O_CREAT, 0o644)
+        gate = _lock_file(self.root, ".gate")
         fd = -1
         try:
             self._flock(gate, fcntl.LOCK_EX, deadline)
-            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _lock_file(self.root, ".lock")
             self._flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline)
             if not exclusive:
                 os.close(gate)
@@ -164,6 +181,8 @@ class Store:
                     os.close(f)
 
     def _flock(self, fd: int, mode: int, deadline: float) -> None:
+        if fd < 0:
+            return  # a read-only store without lock files: nothing of ours can write it
         while True:
             try:
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -251,8 +270,7 @@ class Store:
             "tokens": tokens,
             "tokens_sha256": fmt.tokens_sha256(tokens),
         }
-        if layout == "snapshot":
-            base["model_name"] = model_name
+        base["model_name"] = model_name
         return name, layers, base, layout
 
     def _persist(
@@ -356,6 +374,7 @@ class Store:
             last,
             names,
             written,
+            h.get("model_name", "") if isinstance(h.get("model_name"), str) else "",
         )
 
     def info(self, name: str) -> SnapshotInfo:
@@ -373,9 +392,9 @@ class Store:
         return out, bad
 
     def _check(
-        self, name: str, h: dict[str, Any], *, model: str, tokenizer: str, tokens: list[int] | None
+        self, name: str, h: dict[str, Any], *, model: str | None, tokenizer: str, tokens: list[int] | None
     ) -> None:
-        if h["model"] != model:
+        if model is not None and h["model"] != model:
             raise MismatchError(
                 f"snapshot {name!r} was saved for model {h['model'][:16]}, not {model[:16]}; refusing to restore it"
             )
@@ -396,7 +415,7 @@ class Store:
         self,
         name: str,
         *,
-        model: str,
+        model: str | None,
         tokenizer: str = "",
         tokens: list[int] | None = None,
         verify: bool = True,
@@ -404,7 +423,8 @@ class Store:
         """Restore ``name`` as new mlx-lm cache objects (nothing of the caller's is touched).
 
         The header is validated and matched against ``model``/``tokenizer``/``tokens`` (the
-        snapshot's tokens must be a prefix of ``tokens``) before any data is read; all data is
+        snapshot's tokens must be a prefix of ``tokens``; ``model=None`` skips the model check,
+        for exports) before any data is read; all data is
         hashed when ``verify``; caches are built off to the side and returned only when complete.
         """
         what = f"snapshot {name!r}"
@@ -482,6 +502,21 @@ class Store:
             elif p.is_symlink() or not p.is_file():
                 bad.append(f"blocks/{p.name}: is a symlink or not a regular file")
         return bad
+
+
+def _lock_file(root: Path, name: str) -> int:
+    """A descriptor to flock ``root/name`` (created if possible); read-only when the store is
+    read-only (flock works on those); -1 when it cannot exist there."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return os.open(root / name, os.O_RDWR | os.O_CREAT, 0o644)
+    except (PermissionError, OSError) as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+    try:
+        return os.open(root / name, os.O_RDONLY)
+    except FileNotFoundError:
+        return -1
 
 
 def _common(a: list[int], b: list[int]) -> int:
