@@ -24,7 +24,7 @@ from mlxbun.kv import format as fmt
 from mlxbun.kv import promptcache as pc
 from mlxbun.kv import snapshot as snap
 from mlxbun.kv import state
-from mlxbun.kv.store import Store
+from mlxbun.kv.store import STEPS, Store
 
 LAYOUTS = ["snapshot", "blocks"]
 REPO = Path(__file__).resolve().parent.parent
@@ -394,3 +394,56 @@ def test_disk_full_on_a_real_small_tmpfs(layout):
         assert store.verify()[1] == []
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+# ---------------------------------------------------------------- a kill at every named step
+
+
+def _published(root: Path) -> dict[str, bytes]:
+    """Every published file of a store (hidden temporary files, locks and use times aside)."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for d in ("snapshots", "blocks")
+        if (root / d).is_dir()
+        for p in sorted((root / d).iterdir())
+        if not p.name.startswith(".")
+    }
+
+
+def _save_killed_at(root: Path, layout: str, step: str) -> subprocess.CompletedProcess:
+    code = f"""
+import os, signal, sys
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+from kv_child import version_cache
+from mlxbun.kv.store import Store
+cache, toks = version_cache(1, tokens=300)
+def stage(name):
+    if name == {step!r}:
+        os.kill(os.getpid(), signal.SIGKILL)
+Store({str(root)!r}, block_kib=64).save("s", cache, tokens=toks, model="m", layout={layout!r}, on_stage=stage)
+"""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("layout", "step"),
+    [(lay, s) for lay in LAYOUTS for s in STEPS[lay]],
+)
+def test_kill_at_every_named_step_then_rerun_gives_the_same_bytes(tmp_path, layout, step):
+    old, old_toks = version_cache(0, tokens=300)
+    new, new_toks = version_cache(1, tokens=300)
+    clean = Store(tmp_path / "clean", block_kib=64)
+    clean.save("s", old, tokens=old_toks, model="m", layout=layout)
+    clean.save("s", new, tokens=new_toks, model="m", layout=layout)
+    store = Store(tmp_path / "killed", block_kib=64)
+    store.save("s", old, tokens=old_toks, model="m", layout=layout)
+    r = _save_killed_at(store.root, layout, step)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    got = store.load("s", model="m")  # the previous version or the new one, never a mix
+    assert got.tokens in (old_toks, new_toks)
+    want = old if got.tokens == old_toks else new
+    for a, b in zip(state_arrays(want), state_arrays(got.cache), strict=True):
+        np.testing.assert_array_equal(a, b)
+    store.save("s", new, tokens=new_toks, model="m", layout=layout)  # the rerun
+    assert _published(store.root) == _published(clean.root)
+    assert store.verify() == clean.verify()
