@@ -141,6 +141,8 @@ def save(cfg: Any) -> Any:
         f"saved {info.name!r}: {len(tokens)} tokens, {info.data_bytes / 1e6:.1f} MB of KV"
         f" ({info.written_bytes / 1e6:.1f} MB newly written, layout={info.layout}) in {store.root}"
     )
+    if cfg.json:
+        msg = json.dumps(_record(info) | metrics, indent=2, sort_keys=True)
     inputs = [loaded.path / "config.json"] + (
         [Path(cfg.kv.prompt_file).expanduser()] if cfg.kv.prompt_file else []
     )
@@ -154,6 +156,7 @@ def _record(info: Any) -> dict[str, Any]:
         "tokens": info.tokens,
         "data_bytes": info.data_bytes,
         "model": info.model,
+        "model_name": info.model_name,
         "tokenizer": info.tokenizer,
         "blocks": len(info.blocks),
     }

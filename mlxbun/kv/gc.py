@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -209,4 +210,10 @@ def run(cfg: Any) -> Any:
         msg += "\npass kv.execute=true to free them"
     metrics = {"planned_bytes": p.bytes_freed, "freed_bytes": done.bytes_freed if cfg.kv.execute else 0}
     metrics |= {"blocks": len(done.blocks), "evicted": len(done.evict), "bytes_before": p.bytes_before}
+    if cfg.json:
+        msg = json.dumps(
+            {"plan": p.to_dict(), "done": done.to_dict() if cfg.kv.execute else None},
+            indent=2,
+            sort_keys=True,
+        )
     return RunResult(outputs=outputs, metrics=metrics, message=msg)

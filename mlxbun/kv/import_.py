@@ -15,6 +15,7 @@ prompt does not. The cache is then saved as a snapshot with this model's fingerp
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -187,6 +188,8 @@ def run(cfg: Any) -> Any:
     how = "unchecked (kv.verify=false)" if checked is None else f"last token recomputed within {checked:.1e}"
     msg = f"imported {str(path)!r} as {info.name!r}: {info.tokens} tokens, {info.data_bytes / 1e6:.1f} MB, {how}"
     metrics = {"tokens": info.tokens, "data_bytes": info.data_bytes, "recompute_diff": checked}
+    if cfg.json:
+        msg = json.dumps(metrics | {"name": info.name, "file": str(path), "model": info.model_name}, indent=2)
     return RunResult(
         outputs=[info.path], inputs=[path], metrics=metrics | {"store": str(store.root)}, message=msg
     )

@@ -1,14 +1,16 @@
-"""Single-file snapshots (``snapshots/<name>.kvs``): a hashed header, then tensor data on 16 KiB pages.
+"""Single-file snapshots (``snapshots/<name>.safetensors``): mlx-lm prompt-cache files with a hashed
+mlxbun header in their metadata (format 3, drawn in :mod:`mlxbun.kv.promptcache`); ``.kvs`` files of
+formats 1-2 (:mod:`mlxbun.kv.format`) are still read.
 
-The byte layout is drawn in :mod:`mlxbun.kv.format`. A snapshot is written to a hidden temporary
-sibling: data first (hashed on worker threads while the main thread writes), then the header
-with the hashes is written over the reserved space at offset 0, the file is fsync'd, renamed over
-the final name, and the directory is fsync'd.
+A snapshot is written to a hidden temporary sibling: the K/V data first (hashed on worker
+threads while the main thread writes), then the scalars, then the header with the hashes over
+the reserved space at offset 0; the file is fsync'd, renamed over the final name, and the
+directory is fsync'd (:data:`STEPS` names these points for fault tests).
 
-Readers open the file once and validate its header fully before reading any data. A version-2
-file is a safetensors file, so a restore hands it to ``mx.load`` (mlx reads each tensor straight
-into fresh memory, in parallel) and then checks every tensor's XXH3-128; this is a third faster
-than zero-filling mlx arrays and reading into them, which is what version-1 files still get.
+Readers open the file once and validate its header fully (and re-derive its safetensors table)
+before reading any data. A restore hands the file to ``mx.load`` (mlx reads each tensor straight
+into fresh memory, in parallel) and then checks every tensor's XXH3-128; format-1 files are read
+into zero-filled mlx arrays instead.
 """
 
 from __future__ import annotations
