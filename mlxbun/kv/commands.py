@@ -20,7 +20,7 @@ from typing import Any
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.kv.fingerprint import model_fingerprint, tokenizer_fingerprint
-from mlxbun.kv.store import MismatchError, Store, check_snapshot_name
+from mlxbun.kv.store import MismatchError, Store, StoreBusy, check_snapshot_name, common_prefix
 
 PREFILL_STEP = 512
 
@@ -180,7 +180,7 @@ def why_not(store: Store, loaded: Loaded, tokens: list[int]) -> str:
     misses = []
     for s in infos:
         have = store.header(s.name)[1]["tokens"]
-        shared = _common(have, tokens)
+        shared = common_prefix(have, tokens)
         if s.model != loaded.model_fp:
             misses.append(
                 (
@@ -211,15 +211,6 @@ def why_not(store: Store, loaded: Loaded, tokens: list[int]) -> str:
     )
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def continue_from(
     store: Store,
     loaded: Loaded,
@@ -247,7 +238,7 @@ def continue_from(
     try:
         restored = store.load(hit, tokens=tokens, verify=verify, **fp)
     except (fmt.CorruptError, InputError) as e:
-        if strict or isinstance(e, MismatchError) or (isinstance(e, InputError) and not name):
+        if strict or isinstance(e, MismatchError | StoreBusy) or (isinstance(e, InputError) and not name):
             raise
         return _repair(store, loaded, tokens, name=hit, why=str(e), max_tokens=max_tokens)
     return _continue(loaded, tokens, restored.cache, len(restored.tokens), max_tokens=max_tokens, notes=[])

@@ -405,7 +405,7 @@ class Store:
         if tokens is not None:
             have = h["tokens"]
             if len(have) > len(tokens) or list(tokens[: len(have)]) != have:
-                shared = _common(have, tokens)
+                shared = common_prefix(have, tokens)
                 raise MismatchError(
                     f"snapshot {name!r} holds {len(have)} tokens that are not a prefix of the prompt "
                     f"({len(tokens)} tokens, {shared} shared); refusing to restore it"
@@ -519,7 +519,8 @@ def _lock_file(root: Path, name: str) -> int:
         return -1
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
