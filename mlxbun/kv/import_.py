@@ -150,7 +150,7 @@ def _last_token(cache: list[Any], n: int) -> dict[str, np.ndarray]:
                 continue  # packed quantized weights: their scales and biases stand for them
             raw = t.buf[:, :, n - 1]
             out[f"{i}.{name}"] = (
-                (raw.view(np.uint32) << 16).view(np.float32)
+                (raw.astype(np.uint32) << 16).view(np.float32)
                 if t.dtype == "bfloat16"
                 else raw.astype(np.float32)
             )
