@@ -39,10 +39,12 @@ class Loaded:
 
 
 def model_reference(path: Path) -> str:
-    """What ``mlx_lm.load`` is given for this model: ``org/name`` inside a Hugging Face cache
-    (it resolves offline from there), else the directory."""
+    """What ``mlx_lm.load`` is given for this model, when it is path-free: ``org/name`` inside a
+    Hugging Face cache (it resolves offline from there); else "" (snapshots hold no absolute
+    paths, so the same run writes the same bytes anywhere; the store remembers the directory
+    beside them, see :meth:`mlxbun.kv.store.Store.remember_model`)."""
     hf = next((p.name for p in path.parents if p.name.startswith("models--")), None)
-    return hf[len("models--") :].replace("--", "/") if hf else str(path)
+    return hf[len("models--") :].replace("--", "/") if hf else ""
 
 
 def store_of(cfg: Any) -> Store:
@@ -113,6 +115,7 @@ def save_prompt(
         on_bytes=bar.update,
     )
     bar.close()
+    store.remember_model(loaded.model_fp, loaded.name or str(loaded.path))
     return info, tokens, seconds
 
 
@@ -364,7 +367,8 @@ def ls(cfg: Any) -> Any:
     """command=kv_ls: stored snapshots (json=true for machine-readable output)."""
     from mlxbun.provenance import RunResult
 
-    infos, bad = store_of(cfg).list()
+    store = store_of(cfg)
+    infos, bad = store.list()
     rows = [
         {
             "name": s.name,
@@ -373,7 +377,7 @@ def ls(cfg: Any) -> Any:
             "data_bytes": s.data_bytes,
             "disk_bytes": s.file_bytes,
             "blocks": len(s.blocks),
-            "model": s.model_name or None,
+            "model": s.model_name or store.model_of(s.model) or None,
             "model_fingerprint": s.model[:16],
             "path": str(s.path),
             "last_used": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.last_used)),

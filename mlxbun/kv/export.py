@@ -6,8 +6,8 @@ prompt-cache file, written by mlx-lm's own ``save_prompt_cache``.
 
 The snapshot is restored verified first (a corrupt one exits 1 and writes nothing); the file is
 written to a hidden temporary sibling, fsync'd and renamed. Its metadata holds what
-``cache_prompt`` writes: ``model`` (the snapshot's model reference, else ``model.name``) and
-``tokenizer_config``.
+``cache_prompt`` writes: ``model`` (the snapshot's repo id, else the directory the store recorded
+for its fingerprint, else ``model.name``) and ``tokenizer_config``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def export(store: Any, name: str, path: Path, *, model_name: str | None = None) 
 
     restored = store.load(name, model=None, verify=True)
     _, header = store.header(name)
-    ref = header.get("model_name") or model_name or ""
+    ref = header.get("model_name") or store.model_of(header["model"]) or model_name or ""
     meta = {"model": ref, "tokenizer_config": header.get("tokenizer_config", "{}")}
     tmp = Path(f"{tmp_sibling(path)}.safetensors")  # mlx appends the suffix otherwise
     try:

@@ -185,6 +185,7 @@ def run(cfg: Any) -> Any:
         layout=cfg.kv.layout,
         model_name=loaded.name,
     )
+    store.remember_model(loaded.model_fp, loaded.name or str(loaded.path))
     how = "unchecked (kv.verify=false)" if checked is None else f"last token recomputed within {checked:.1e}"
     msg = f"imported {str(path)!r} as {info.name!r}: {info.tokens} tokens, {info.data_bytes / 1e6:.1f} MB, {how}"
     metrics = {"tokens": info.tokens, "data_bytes": info.data_bytes, "recompute_diff": checked}

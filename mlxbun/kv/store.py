@@ -11,6 +11,7 @@ Layout::
         snapshots/<name>.kvm   block manifest         (layout=blocks,   mlxbun.kv.blocks)
         blocks/<blake3>        content-addressed blocks, written once, shared by manifests
         used/<name>            empty file; its mtime is the snapshot's last use (LRU for kv_gc)
+        models/<fingerprint>   the model directory (or repo id) a fingerprint was made from
 
 Hidden ``.*.tmp-*`` files are unfinished writes; nothing reads them and GC removes them. Last-use
 times live in ``used/`` rather than in the artifacts, so snapshots stay byte-deterministic.
@@ -320,6 +321,20 @@ class Store:
                     (self.snapshots / f"{name}{suffix}").unlink(missing_ok=True)
             self.touch(name)
         return self._info(name, target, header, written=written)
+
+    def remember_model(self, fingerprint: str, where: str) -> None:
+        """Record which model (directory or repo id) has ``fingerprint``, beside the snapshots
+        (``models/<fingerprint>``), for kv_ls and kv_export; snapshots stay path-free."""
+        if fmt.HEX64.fullmatch(fingerprint):
+            (self.root / "models").mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.root / "models" / fingerprint, where.encode())
+
+    def model_of(self, fingerprint: str) -> str:
+        """The model recorded for ``fingerprint`` ("" when none)."""
+        p = self.root / "models" / fingerprint
+        if not fmt.HEX64.fullmatch(fingerprint) or not p.is_file():
+            return ""
+        return p.read_bytes()[:4096].decode(errors="replace")
 
     # ------------------------------------------------------------ read
     def touch(self, name: str) -> None:
