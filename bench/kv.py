@@ -1,6 +1,8 @@
 """KV persistence: mlxbun's store vs mlx-lm's save/load_prompt_cache vs raw write+fsync, in one run.
 
-Run: .venv/bin/python bench/kv.py [--tokens 4096] [--layers 32] [--reps 3] [--out bench/results/kv.md]
+Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/kv.py [--tokens 4096]
+     [--layers 32] [--reps 3] [--out bench/results/kv.md]; then ``--restores-only --reps 5`` reruns
+     the restores alone on the same files (more rounds where the machine is noisy) and appends them.
 
 1. Throughput. A realistic cache — ``layers`` KVCache layers of (1, 8 KV heads, tokens, 128) fp16
    (32 x 4096: 512 MiB of valid K/V) — is saved and restored by
@@ -10,7 +12,10 @@ Run: .venv/bin/python bench/kv.py [--tokens 4096] [--layers 32] [--reps 3] [--ou
    * mlx-lm+xxh3: ``load_prompt_cache`` followed by the check a verified snapshot restore makes
                 (XXH3-128 of every tensor): mlx's own one-pass loader plus the hash, the ceiling
                 for any verified restore into mlx arrays;
-   * snapshot:  mlxbun single file (hashes, fsync, rename, dir fsync); restore hashes everything;
+   * snapshot:  mlxbun single file, an mlx-lm prompt-cache file (hashes, fsync, rename, dir fsync);
+                restore hashes everything; ``snapshot0``: the same with the data page-aligned
+                (no header padding to the 64-byte skew), to measure what the skew buys;
+   * stock-snapshot: mlx-lm's ``load_prompt_cache`` of an mlxbun snapshot file (no checks);
    * blocks:    mlxbun content-addressed 1 MiB blocks into an empty store; restore hashes every block;
    * -bg:       the same saves through ``Store.save_async``: how long the caller is blocked, and
                 how long until the save is durable.
@@ -92,6 +97,10 @@ def op_save(method: str, work: Path, cache: list, tokens: int) -> float | None:
         os.close(fd)
     else:
         layout, _, bg = method.partition("-")
+        if layout == "snapshot0":  # the data start page-aligned instead of 64 bytes past it
+            from mlxbun.kv import promptcache
+
+            promptcache.SKEW, layout = 0, "snapshot"
         shutil.rmtree(work / f"store-{method}", ignore_errors=True)
         store = Store(work / f"store-{method}", block_kib=1024)
         kw = dict(tokens=[1] * tokens, model="bench", layout=layout)
@@ -126,6 +135,9 @@ def op_load(method: str, work: Path, verify: bool) -> None:
             views = [memoryview(np.array(a, copy=False)).cast("B") for c in cache for a in c.state[:2]]
             with ThreadPoolExecutor(2) as pool:
                 list(pool.map(check_digest, views, ["xxh3_128"] * len(views)))
+    elif method == "stock-snapshot":
+        cache = load_prompt_cache(str(work / "store-snapshot/snapshots/s.safetensors"))
+        mx.eval([c.state[:2] for c in cache])
     else:
         cache = Store(work / f"store-{method}").load("s", model="bench", verify=verify).cache
         mx.eval([c.state[:2] for c in cache])
@@ -175,7 +187,7 @@ def conversation(args: argparse.Namespace) -> None:
             c.update_and_fetch(f.keys[..., done:upto, :], f.values[..., done:upto, :])
         done = upto
         t0 = time.perf_counter()
-        info = store.save(f"turn{turn}", cache, tokens=list(range(upto)), model="bench")
+        info = store.save(f"turn{turn}", cache, tokens=list(range(upto)), model="bench", layout="blocks")
         ours = time.perf_counter() - t0
         t0 = time.perf_counter()
         save_prompt_cache(str(work / f"turn{turn}.safetensors"), cache)
@@ -216,15 +228,29 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/kv.md")
     ap.add_argument("--child")
     ap.add_argument("--conversation", action="store_true")
+    ap.add_argument(
+        "--restores-only",
+        action="store_true",
+        help="rerun only the restores on the files of the last full run in --work; append to --out",
+    )
     args = ap.parse_args()
     if args.child:
         return child(args)
     if args.conversation:
         return conversation(args)
+    if args.restores_only:
+        return restores_only(args)
     args.work.mkdir(parents=True, exist_ok=True)
     size = valid_bytes(args.layers, args.tokens)
     res = {}
-    for op in ["save:raw", "save:mlx-lm", "save:mlx-lm+fsync", "save:snapshot", "save:blocks"]:
+    for op in [
+        "save:raw",
+        "save:mlx-lm",
+        "save:mlx-lm+fsync",
+        "save:snapshot",
+        "save:snapshot0",
+        "save:blocks",
+    ]:
         res[op] = run_child(args, "--child", op)
         report_op(op, res[op], size)
     for layout in ("snapshot", "blocks"):  # Store.save_async: how long generation waits
@@ -236,20 +262,8 @@ def main() -> None:
     # Restores: `reps` rounds, methods interleaved; each child restores twice, so the first restore
     # is a fresh process's (memory faulted in for the first time, as in one kv_generate run) and
     # the second reuses the heap the first one freed (a long-lived server).
-    loads = [
-        "load:raw",
-        "load:mlx-lm",
-        "load:mlx-lm+xxh3",
-        "load:snapshot",
-        "load:blocks",
-        "noverify:snapshot",
-        "noverify:blocks",
-    ]
-    runs: dict[str, list[dict]] = {op: [] for op in loads}
-    for _ in range(args.reps):
-        for op in loads:
-            runs[op].append(run_child(args, "--child", op, reps=2))
-    for op in loads:
+    runs = restore_rounds(args, LOADS)
+    for op in LOADS:
         for phase, i in (("cold", 0), ("warm", 1)):
             key = f"{op}:{phase}"
             res[key] = {
@@ -259,6 +273,56 @@ def main() -> None:
             report_op(key, res[key], size)
     conv = run_child(args, "--conversation")
     write_report(args, size, res, conv)
+
+
+def restore_rounds(args: argparse.Namespace, loads: list[str]) -> dict[str, list[dict]]:
+    """``reps`` rounds that interleave the restore methods; each child restores twice."""
+    runs: dict[str, list[dict]] = {op: [] for op in loads}
+    for _ in range(args.reps):
+        for op in loads:
+            runs[op].append(run_child(args, "--child", op, reps=2))
+    return runs
+
+
+def restores_only(args: argparse.Namespace) -> None:
+    """Restores alone (the saves of a full run already in --work), as a section appended to --out."""
+    size = valid_bytes(args.layers, args.tokens)
+    runs = restore_rounds(args, LOADS)
+    lines = [
+        "",
+        f"## Restores only: `bench/kv.py --restores-only --reps {args.reps}` (same files, {args.reps} interleaved rounds)",
+        "",
+        "| restore | method | fresh process s | vs mlx-lm | second in process s | vs mlx-lm |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    med = {(op, i): statistics.median(r["times"][i] for r in runs[op]) for op in LOADS for i in (0, 1)}
+    for op in LOADS:
+        kind, method = op.split(":")
+        ratios = [med[("load:mlx-lm", i)] / med[(op, i)] for i in (0, 1)]
+        lines.append(
+            f"| {'verify on' if kind == 'load' else 'verify off'} | {method} | {med[(op, 0)]:.3f} | {ratios[0]:.2f}x"
+            f" | {med[(op, 1)]:.3f} | {ratios[1]:.2f}x |"
+        )
+    lines.append(
+        f"\n({size / 2**20:.0f} MiB; mlx-lm's load checks nothing, so it is listed under verify on.)"
+    )
+    text = "\n".join(lines) + "\n"
+    with open(args.out, "a") as f:
+        f.write(text)
+    print(text)
+
+
+LOADS = [
+    "load:raw",
+    "load:mlx-lm",
+    "load:mlx-lm+xxh3",
+    "load:snapshot",
+    "load:blocks",
+    "load:stock-snapshot",
+    "noverify:snapshot",
+    "noverify:snapshot0",
+    "noverify:blocks",
+]
 
 
 def report_op(op: str, r: dict, size: int) -> None:
@@ -289,19 +353,30 @@ def write_report(args: argparse.Namespace, size: int, res: dict, conv: dict) -> 
         "mlx-lm+fsync": "mlx-lm + fsync",
         "mlx-lm+xxh3": "mlx-lm + XXH3-128 of every tensor",
         "snapshot": "mlxbun snapshot",
+        "snapshot0": "mlxbun snapshot, data page-aligned",
+        "stock-snapshot": "mlx-lm `load_prompt_cache` of an mlxbun snapshot",
         "blocks": "mlxbun blocks",
     }
     labels = {
         "save": "save",
         "blocked": "save, caller blocked (`save_async`)",
         "bgdone": "save, `save_async` until durable",
-        "load:cold": "restore, fresh process (verify on)",
-        "load:warm": "restore, second in process (verify on)",
+        "load:cold": "restore, fresh process (verify on; mlx-lm: none)",
+        "load:warm": "restore, second in process (verify on; mlx-lm: none)",
         "noverify:cold": "restore, fresh process (verify off)",
         "noverify:warm": "restore, second in process (verify off)",
     }
     for kind, label in labels.items():
-        for m in ("raw", "mlx-lm", "mlx-lm+fsync", "mlx-lm+xxh3", "snapshot", "blocks"):
+        for m in (
+            "raw",
+            "mlx-lm",
+            "mlx-lm+fsync",
+            "mlx-lm+xxh3",
+            "stock-snapshot",
+            "snapshot",
+            "snapshot0",
+            "blocks",
+        ):
             op, _, phase = kind.partition(":")
             k = f"{op}:{m}" + (f":{phase}" if phase else "")
             if k in med:
@@ -326,6 +401,9 @@ def write_report(args: argparse.Namespace, size: int, res: dict, conv: dict) -> 
         "the raw restore only reads bytes into numpy (no mlx arrays): a ceiling, not a like-for-like.",
         "`mlx-lm + XXH3-128` is mlx-lm's load followed by the check a verified snapshot restore makes:",
         "mlx's one-pass loader plus the hash, the fastest verified restore into mlx arrays.",
+        "Snapshots are mlx-lm prompt-cache files (format 3): `stock-snapshot` is mlx-lm's own loader",
+        "reading one; `snapshot0` moves the data start from 64 bytes past a 16 KiB boundary to the",
+        "boundary itself (the header is padded either way; there are no padding tensors).",
         "",
         f"## 10-turn conversation growing to {args.tokens} tokens, saved after every turn (blocks layout, 1 MiB)",
         "",
@@ -347,6 +425,11 @@ def write_report(args: argparse.Namespace, size: int, res: dict, conv: dict) -> 
         + "; ".join(
             f"{phase} snapshot {med[f'load:mlx-lm:{phase}'] / med[f'load:snapshot:{phase}']:.2f}x, blocks"
             f" {med[f'load:mlx-lm:{phase}'] / med[f'load:blocks:{phase}']:.2f}x"
+            for phase in ("cold", "warm")
+        )
+        + "; blocks with verify off (target >= 0.8x): "
+        + ", ".join(
+            f"{phase} {med[f'load:mlx-lm:{phase}'] / med[f'noverify:blocks:{phase}']:.2f}x"
             for phase in ("cold", "warm")
         ),
     ]

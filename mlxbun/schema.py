@@ -318,8 +318,8 @@ class KvCfg:
     prompt: str | None = None
     # File holding the prompt (or kv.prompt).
     prompt_file: str | None = None
-    # snapshot (one file per snapshot) or blocks (content-addressed, deduplicated).
-    layout: str = "blocks"
+    # snapshot: one mlx-lm prompt-cache file; blocks: deduplicated blocks (see README, KV caches).
+    layout: str = "snapshot"
     # Target size of one block in KiB (blocks layout).
     block_kib: int = 1024
     # Re-hash every tensor and block on restore.
@@ -330,6 +330,10 @@ class KvCfg:
     max_tokens: int = 32
     # kv_gc: false prints the plan, true frees the blocks.
     execute: bool = False
+    # kv_generate: true exits 1 on a corrupt snapshot; false recomputes and replaces it.
+    strict: bool = False
+    # kv_import: the mlx-lm prompt-cache file to bring in; kv_export: the file to write.
+    file: str | None = None
 
     def __post_init__(self) -> None:
         choose("kv.layout", self.layout, ("snapshot", "blocks"))

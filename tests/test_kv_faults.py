@@ -21,9 +21,10 @@ from kv_util import filled, state_arrays, tiny_model
 
 from mlxbun.kv import blocks as blk
 from mlxbun.kv import format as fmt
+from mlxbun.kv import promptcache as pc
 from mlxbun.kv import snapshot as snap
 from mlxbun.kv import state
-from mlxbun.kv.store import Store
+from mlxbun.kv.store import STEPS, Store
 
 LAYOUTS = ["snapshot", "blocks"]
 REPO = Path(__file__).resolve().parent.parent
@@ -56,7 +57,7 @@ def _block(tmp_path: Path) -> Path:
 
 def test_snapshot_data_flip_names_the_tensor(model, tmp_path):
     store, _, _ = _saved(model, tmp_path, "snapshot")
-    path = tmp_path / "snapshots/s.kvs"
+    path = tmp_path / "snapshots/s.safetensors"
     h = snap.read_header(path, what="x")
     t = h["layers"][1]["tensors"]["values"]
     _flip(path, h["data_start"] + t["offset"] + 5)
@@ -70,7 +71,7 @@ def test_snapshot_data_flip_names_the_tensor(model, tmp_path):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_header_flip_truncation_and_extension(model, tmp_path, layout):
     store, _, _ = _saved(model, tmp_path, layout)
-    path = tmp_path / "snapshots" / ("s.kvs" if layout == "snapshot" else "s.kvm")
+    path = tmp_path / "snapshots" / ("s.safetensors" if layout == "snapshot" else "s.kvm")
     good = path.read_bytes()
     _flip(path, 70)
     with pytest.raises(fmt.CorruptError, match="header hash mismatch"):
@@ -100,41 +101,42 @@ def test_header_flip_truncation_and_extension(model, tmp_path, layout):
 
 
 def _reseal(path: Path, edit) -> None:
-    """Apply ``edit`` to a .kvs's safetensors table and rewrite it with a valid header hash."""
+    """Apply ``edit`` to a snapshot's safetensors table and rewrite it with a valid header hash."""
     raw = path.read_bytes()
     start = int.from_bytes(raw[:8], "little") + 8
     table = json.loads(raw[8:start])
     edit(table)
     body = json.dumps(table, separators=(",", ":")).encode()
     head = raw[:8] + body + b" " * (start - 8 - len(body))
-    zeroed = head[: fmt.KVS_HASH_AT] + b"0" * 64 + head[fmt.KVS_HASH_AT + 64 :]
+    assert len(body) <= start - 8
+    zeroed = head[: pc.HASH_AT] + b"0" * 64 + head[pc.HASH_AT + 64 :]
     digest = hashlib.sha256(zeroed).hexdigest().encode()
-    path.write_bytes(head[: fmt.KVS_HASH_AT] + digest + head[fmt.KVS_HASH_AT + 64 :] + raw[start:])
+    path.write_bytes(head[: pc.HASH_AT] + digest + head[pc.HASH_AT + 64 :] + raw[start:])
 
 
 def test_snapshot_table_padding_and_version_are_covered(model, tmp_path):
     """The safetensors table mx.load follows must be the one the header describes; every byte
     before the data is hashed, padding included; another container version is refused."""
     store, _, _ = _saved(model, tmp_path, "snapshot")
-    path = tmp_path / "snapshots/s.kvs"
+    path = tmp_path / "snapshots/s.safetensors"
     good = path.read_bytes()
     _flip(path, 16000)  # a padding space
     with pytest.raises(fmt.CorruptError, match="header hash mismatch"):
         store.load("s", model="m")
     path.write_bytes(good)
 
-    def swap(table):  # point 0.keys at 0.values' bytes
-        table["0.keys"]["data_offsets"], table["0.values"]["data_offsets"] = (
-            table["0.values"]["data_offsets"],
-            table["0.keys"]["data_offsets"],
+    def swap(table):  # point layer 0's keys at its values' bytes
+        table["0.0"]["data_offsets"], table["0.1"]["data_offsets"] = (
+            table["0.1"]["data_offsets"],
+            table["0.0"]["data_offsets"],
         )
 
     _reseal(path, swap)
     with pytest.raises(fmt.CorruptError, match="tensor table does not match its header"):
         store.load("s", model="m")
     path.write_bytes(good)
-    _reseal(path, lambda t: t["__metadata__"].update({"mlxbun.kvs": "3"}))
-    with pytest.raises(fmt.UnsupportedError, match="format version 3 is not supported"):
+    _reseal(path, lambda t: t["__metadata__"].update({"0.mlxbun_kvs": "4"}))
+    with pytest.raises(fmt.UnsupportedError, match="format version 4 is not supported"):
         store.load("s", model="m")
     path.write_bytes(good)
     assert store.load("s", model="m").cache
@@ -164,15 +166,13 @@ def test_block_flip_truncate_extend_missing_name_the_block(model, tmp_path):
 
 
 def _rewrite(path: Path, h: dict) -> None:
-    """Re-encode a (modified) header with a valid hash, keeping the data."""
-    raw = path.read_bytes()
-    head = fmt.encode(h)
+    """Re-encode a (modified) header with a valid hash, keeping the data (and, for a snapshot,
+    its safetensors table: the lie is in the mlxbun header the table should derive from)."""
     if path.suffix == ".kvm":
-        path.write_bytes(head)
+        path.write_bytes(fmt.encode(h))
         return
-    n = 16384  # data_start of these small snapshots: keep the data where it is
-    assert len(head) <= n
-    path.write_bytes(head + bytes(n - len(head)) + raw[n:])
+    text = json.dumps(h, sort_keys=True, separators=(",", ":"))
+    _reseal(path, lambda t: t["__metadata__"].update({"0.mlxbun_header": text}))
 
 
 LIES = [
@@ -194,7 +194,7 @@ LIES = [
     (lambda h: h.update(hash="md5"), "hash 'md5' is not supported"),
 ]
 SNAPSHOT_LIES = [
-    (lambda h: h["layers"][0]["tensors"]["keys"].update(offset=100), "unaligned"),
+    (lambda h: h["layers"][0]["tensors"]["keys"].update(offset=100), "overlap|contiguous"),
     (lambda h: h["layers"][0]["tensors"]["keys"].update(offset=1 << 40), "runs past"),
     (lambda h: h["layers"][0]["tensors"]["keys"].update(nbytes=7), "nbytes=7"),
     (lambda h: h["layers"][0]["tensors"]["values"].update(offset=0), "overlap"),
@@ -210,9 +210,9 @@ BLOCK_LIES = [
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_lying_headers_refused_before_allocating(model, tmp_path, layout, monkeypatch):
     store, _, _ = _saved(model, tmp_path, layout)
-    path = tmp_path / "snapshots" / ("s.kvs" if layout == "snapshot" else "s.kvm")
+    path = tmp_path / "snapshots" / ("s.safetensors" if layout == "snapshot" else "s.kvm")
     good = path.read_bytes()
-    original, _ = fmt.read_header(path, what="x")
+    original = store.header("s")[1]
 
     def no_alloc(*a, **k):
         raise AssertionError("allocated before the header was validated")
@@ -394,3 +394,56 @@ def test_disk_full_on_a_real_small_tmpfs(layout):
         assert store.verify()[1] == []
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+# ---------------------------------------------------------------- a kill at every named step
+
+
+def _published(root: Path) -> dict[str, bytes]:
+    """Every published file of a store (hidden temporary files, locks and use times aside)."""
+    return {
+        str(p.relative_to(root)): p.read_bytes()
+        for d in ("snapshots", "blocks")
+        if (root / d).is_dir()
+        for p in sorted((root / d).iterdir())
+        if not p.name.startswith(".")
+    }
+
+
+def _save_killed_at(root: Path, layout: str, step: str) -> subprocess.CompletedProcess:
+    code = f"""
+import os, signal, sys
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+from kv_child import version_cache
+from mlxbun.kv.store import Store
+cache, toks = version_cache(1, tokens=300)
+def stage(name):
+    if name == {step!r}:
+        os.kill(os.getpid(), signal.SIGKILL)
+Store({str(root)!r}, block_kib=64).save("s", cache, tokens=toks, model="m", layout={layout!r}, on_stage=stage)
+"""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("layout", "step"),
+    [(lay, s) for lay in LAYOUTS for s in STEPS[lay]],
+)
+def test_kill_at_every_named_step_then_rerun_gives_the_same_bytes(tmp_path, layout, step):
+    old, old_toks = version_cache(0, tokens=300)
+    new, new_toks = version_cache(1, tokens=300)
+    clean = Store(tmp_path / "clean", block_kib=64)
+    clean.save("s", old, tokens=old_toks, model="m", layout=layout)
+    clean.save("s", new, tokens=new_toks, model="m", layout=layout)
+    store = Store(tmp_path / "killed", block_kib=64)
+    store.save("s", old, tokens=old_toks, model="m", layout=layout)
+    r = _save_killed_at(store.root, layout, step)
+    assert r.returncode == -signal.SIGKILL, r.stderr
+    got = store.load("s", model="m")  # the previous version or the new one, never a mix
+    assert got.tokens in (old_toks, new_toks)
+    want = old if got.tokens == old_toks else new
+    for a, b in zip(state_arrays(want), state_arrays(got.cache), strict=True):
+        np.testing.assert_array_equal(a, b)
+    store.save("s", new, tokens=new_toks, model="m", layout=layout)  # the rerun
+    assert _published(store.root) == _published(clean.root)
+    assert store.verify() == clean.verify()

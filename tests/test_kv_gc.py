@@ -32,12 +32,14 @@ def _blocks(store: Store) -> set[str]:
 def test_plan_then_execute_frees_only_unreferenced_blocks(model, tmp_path):
     store = Store(tmp_path, block_kib=4)
     cache, toks = filled(model, "kv", 30)
-    a = store.save("a", cache, tokens=toks, model="m")
+    a = store.save("a", cache, tokens=toks, model="m", layout="blocks")
     more = tokens(10, seed=2)
     continue_logits(model, cache, more)
-    b = store.save("b", cache, tokens=toks + more, model="m")
+    b = store.save("b", cache, tokens=toks + more, model="m", layout="blocks")
     other, otoks = filled(model, "kv", 30, seed=5)
-    store.save("a", other, tokens=otoks, model="m")  # a's old blocks: shared ones stay, its tail is orphaned
+    store.save(
+        "a", other, tokens=otoks, model="m", layout="blocks"
+    )  # a's old blocks: shared ones stay, its tail is orphaned
     orphans = set(a.blocks) - set(b.blocks)
     assert len(orphans) == 1
     p = gc.plan(store)
@@ -56,7 +58,7 @@ def test_cap_evicts_least_recently_used_first(model, tmp_path):
     store = Store(tmp_path, block_kib=4)
     for i, name in enumerate(("old", "mid", "new")):
         cache, toks = filled(model, "kv", 40, seed=10 + i)
-        store.save(name, cache, tokens=toks, model="m")
+        store.save(name, cache, tokens=toks, model="m", layout="blocks")
         time.sleep(0.02)
     store.load("old", model="m")  # now "mid" is the least recently used
     sizes = {i.name: i.file_bytes for i in store.list()[0]}
@@ -77,7 +79,7 @@ def test_cap_evicts_least_recently_used_first(model, tmp_path):
 def test_unreadable_manifest_blocks_all_block_deletion(model, tmp_path):
     store = Store(tmp_path, block_kib=4)
     cache, toks = filled(model, "kv", 20)
-    store.save("a", cache, tokens=toks, model="m")
+    store.save("a", cache, tokens=toks, model="m", layout="blocks")
     (store.snapshots / "a.kvm").write_bytes(b"\x89MLXBKV\nbroken")
     p = gc.plan(store)
     assert p.blocks == () and len(p.unreadable) == 1
@@ -86,11 +88,14 @@ def test_unreadable_manifest_blocks_all_block_deletion(model, tmp_path):
 
 def _paused_writer(store: Store, cache, toks, reached: threading.Event, release: threading.Event):
     def stage(name: str) -> None:
-        reached.set()
-        release.wait(30)
+        if name == "data_written":
+            reached.set()
+            release.wait(30)
 
     return threading.Thread(
-        target=store.save, args=("w", cache), kwargs=dict(tokens=toks, model="m", on_stage=stage)
+        target=store.save,
+        args=("w", cache),
+        kwargs=dict(tokens=toks, model="m", layout="blocks", on_stage=stage),
     )
 
 
@@ -206,7 +211,7 @@ def test_gc_racing_writer_processes(tmp_path):
 def test_reader_racing_gc_keeps_its_blocks(model, tmp_path, monkeypatch):
     store = Store(tmp_path, block_kib=4)
     cache, toks = filled(model, "kv", 30)
-    store.save("r", cache, tokens=toks, model="m")
+    store.save("r", cache, tokens=toks, model="m", layout="blocks")
     other, otoks = filled(model, "kv", 30, seed=8)
     reading, release = threading.Event(), threading.Event()
     real = blk.read_blocks
@@ -221,7 +226,9 @@ def test_reader_racing_gc_keeps_its_blocks(model, tmp_path, monkeypatch):
     reader = threading.Thread(target=lambda: got.update(c=store.load("r", model="m").cache))
     reader.start()
     assert reading.wait(30)
-    store.save("r", other, tokens=otoks, model="m")  # the reader's blocks are now unreferenced
+    store.save(
+        "r", other, tokens=otoks, model="m", layout="blocks"
+    )  # the reader's blocks are now unreferenced
     p = gc.plan(store)
     assert p.blocks  # ...and planned for deletion
     with pytest.raises(StoreBusy, match="is busy"):

@@ -16,6 +16,7 @@ from mlx_lm.models import cache as C
 
 from mlxbun.errors import InputError
 from mlxbun.kv import format as fmt
+from mlxbun.kv import promptcache as pc
 from mlxbun.kv.store import MismatchError, Store
 
 KINDS = ["kv", "rotating", "quantized", "list"]
@@ -72,55 +73,88 @@ def _fixed_cache() -> list:
 
 
 def test_golden_bytes_and_determinism(tmp_path):
+    kw = dict(tokens=[5, 6, 7], model="m", tokenizer="t", model_name="org/model")
     a, b = Store(tmp_path / "a"), Store(tmp_path / "b")
-    a.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
-    b.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
-    path = tmp_path / "a/snapshots/g.kvs"
+    a.save("g", _fixed_cache(), **kw)
+    b.save("g", _fixed_cache(), **kw)
+    path = tmp_path / "a/snapshots/g.safetensors"
     raw = path.read_bytes()
-    assert raw == (tmp_path / "b/snapshots/g.kvs").read_bytes()
+    assert raw == (tmp_path / "b/snapshots/g.safetensors").read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    assert 8 + n == 16384 and raw[8:40] == b'{"__metadata__":{"mlxbun.kvs":"2'
-    # header page; keys and values each 64 bytes into a 16 KiB page (fmt.SKEW)
-    assert len(raw) == 16384 + 16384 + 64 + 48
-    keys = raw[16384 + 64 : 16384 + 64 + 48]
+    # the header is padded so the data starts 64 bytes past a 16 KiB page (fmt.SKEW)
+    assert 8 + n == 16384 + 64 and raw[8:43] == b'{"__metadata__":{"0.mlxbun_kvs":"3"'
+    assert len(raw) == 16448 + 48 + 48 + 4  # keys, values back to back, then the offset scalar
+    keys = raw[16448 : 16448 + 48]
     np.testing.assert_array_equal(np.frombuffer(keys, np.float16), np.arange(24, dtype=np.float16))
-    table = json.loads(raw[8:16384])
+    assert raw[16448 + 96 :] == np.int32(3).tobytes()
+    table = json.loads(raw[8:16448])
     meta = table.pop("__metadata__")
-    assert list(meta) == ["mlxbun.kvs", "header_sha256", "header"]
-    assert raw[fmt.KVS_HASH_AT : fmt.KVS_HASH_AT + 64].decode() == meta["header_sha256"]
-    zeroed = raw[: fmt.KVS_HASH_AT] + b"0" * 64 + raw[fmt.KVS_HASH_AT + 64 : 16384]
-    assert meta["header_sha256"] == hashlib.sha256(zeroed).hexdigest()
-    header = json.loads(meta["header"])
-    assert header["hash"] == "xxh3_128" and header["data_start"] == 16384
+    assert list(meta) == [
+        "0.mlxbun_kvs", "0.mlxbun_sha256", "0.mlxbun_header", "0.model", "0.tokenizer_config",
+        "1.0", "2.0", "2.1.0", "2.1.1",
+    ]  # fmt: skip
+    assert raw[pc.HASH_AT : pc.HASH_AT + 64].decode() == meta["0.mlxbun_sha256"]
+    zeroed = raw[: pc.HASH_AT] + b"0" * 64 + raw[pc.HASH_AT + 64 : 16448]
+    assert meta["0.mlxbun_sha256"] == hashlib.sha256(zeroed).hexdigest()
+    header = json.loads(meta["0.mlxbun_header"])
+    assert header["hash"] == "xxh3_128" and header["data_start"] == 16448
     assert header["layers"][0]["tensors"]["keys"]["hash"] == xxhash.xxh3_128_hexdigest(keys)
+    assert {k: meta[k] for k in list(meta)[3:]} == {
+        "0.model": "org/model", "0.tokenizer_config": "{}", "1.0": "KVCache",
+        "2.0": "", "2.1.0": "0.2", "2.1.1": "scalar",
+    }  # fmt: skip
     assert table == {
-        "__pad__.0": {"dtype": "U8", "shape": [64], "data_offsets": [0, 64]},
-        "0.keys": {"dtype": "F16", "shape": [1, 2, 3, 4], "data_offsets": [64, 112]},
-        "__pad__.1": {"dtype": "U8", "shape": [16336], "data_offsets": [112, 16448]},
-        "0.values": {"dtype": "F16", "shape": [1, 2, 3, 4], "data_offsets": [16448, 16496]},
+        "0.0": {"dtype": "F16", "shape": [1, 2, 3, 4], "data_offsets": [0, 48]},
+        "0.1": {"dtype": "F16", "shape": [1, 2, 3, 4], "data_offsets": [48, 96]},
+        "0.2": {"dtype": "I32", "shape": [], "data_offsets": [96, 100]},
     }
-    assert hashlib.sha256(raw).hexdigest() == GOLDEN_KVS
+    assert hashlib.sha256(raw).hexdigest() == GOLDEN
 
 
 def test_snapshots_open_in_safetensors_readers(tmp_path):
     from safetensors.numpy import load_file
 
     store = Store(tmp_path)
-    store.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
+    store.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t")
     want = np.arange(24, dtype=np.float16).reshape(1, 2, 3, 4)
-    strict = load_file(str(tmp_path / "snapshots/g.kvs"))  # checks the data is contiguous
-    np.testing.assert_array_equal(strict["0.keys"], want)
-    np.testing.assert_array_equal(strict["0.values"], -want)
-    loaded = mx.load(str(tmp_path / "snapshots/g.kvs"), format="safetensors")
-    np.testing.assert_array_equal(np.array(loaded["0.values"]), -want)
+    path = str(tmp_path / "snapshots/g.safetensors")
+    strict = load_file(path)  # checks the data is contiguous and fully covered
+    np.testing.assert_array_equal(strict["0.0"], want)
+    np.testing.assert_array_equal(strict["0.1"], -want)
+    assert sorted(strict) == ["0.0", "0.1", "0.2"]  # no tensors beyond mlx-lm's own
+    loaded = mx.load(path)
+    np.testing.assert_array_equal(np.array(loaded["0.1"]), -want)
 
 
-GOLDEN_KVS = "7513df385cfae2e9449bdefb93e3174677532ea04fbbdff95d96ef5d496b6f3b"
-# written by earlier versions: framed header, BLAKE3 then XXH3-128 tensor hashes
+GOLDEN = "d19d06662218c57220398a241036dd686beaaf5cef22ec4cf2df7fc5bbfe004e"
+# written by earlier versions: framed header with BLAKE3 then XXH3-128 tensor hashes (version 1),
+# a safetensors .kvs with __pad__ tensors (version 2)
 OLD_KVS = {
     "blake3-v1.kvs": ("blake3", "73271bd4ece81ab3c973e6476409e3b35ef8d4d2d33077d0679bd5df6fb0a355"),
     "xxh3-v1.kvs": ("xxh3_128", "889aa5ea25c7783f59b098700b3a50b97b51069e9bdeebf6191bac70edfad307"),
 }
+V2_KVS = ("xxh3-v2.kvs", "7513df385cfae2e9449bdefb93e3174677532ea04fbbdff95d96ef5d496b6f3b")
+
+
+def test_snapshots_of_format_version_2_still_load(tmp_path):
+    fixture, sha = V2_KVS
+    raw = (Path(__file__).parent / "fixtures/kv" / fixture).read_bytes()
+    assert hashlib.sha256(raw).hexdigest() == sha
+    assert raw[8:40] == b'{"__metadata__":{"mlxbun.kvs":"2'
+    store = Store(tmp_path)
+    (tmp_path / "snapshots").mkdir()
+    (tmp_path / "snapshots/g.kvs").write_bytes(raw)
+    (layer,) = store.load("g", model="m", tokenizer="t").cache
+    np.testing.assert_array_equal(
+        np.array(layer.values), -np.arange(24, dtype=np.float16).reshape(1, 2, 3, 4)
+    )
+    assert store.verify() == (len(raw), [])
+    assert [s.name for s in store.list()[0]] == ["g"]
+    flipped = bytearray(raw)
+    flipped[16384 + 64 + 5] ^= 0x10
+    (tmp_path / "snapshots/g.kvs").write_bytes(bytes(flipped))
+    with pytest.raises(fmt.CorruptError, match="tensor '0.keys' hash mismatch"):
+        store.load("g", model="m", tokenizer="t")
 
 
 @pytest.mark.parametrize("fixture", sorted(OLD_KVS))
@@ -148,12 +182,12 @@ def test_snapshots_of_format_version_1_still_load(tmp_path, fixture):
 def test_tensor_hash_must_match_the_named_algorithm(tmp_path):
     store = Store(tmp_path)
     store.save("g", _fixed_cache(), tokens=[5, 6, 7], model="m", tokenizer="t", layout="snapshot")
-    path = tmp_path / "snapshots/g.kvs"
+    path = tmp_path / "snapshots/g.safetensors"
     raw = path.read_bytes()
-    header = fmt.read_header(path, what="x")[0]
+    header = store.header("g")[1]
     for algo, msg in (("blake3", "not 64 lower-case hex digits"), ("sha1", "hash 'sha1' is not supported")):
         lie = dict(header, hash=algo)  # 32-digit XXH3 values under another algorithm's name
-        path.write_bytes(fmt.encode_kvs(lie) + raw[16384:])
+        path.write_bytes(pc.encode(lie) + raw[header["data_start"] :])
         with pytest.raises((fmt.CorruptError, fmt.UnsupportedError), match=msg):
             store.load("g", model="m", tokenizer="t")
 
@@ -161,11 +195,11 @@ def test_tensor_hash_must_match_the_named_algorithm(tmp_path):
 def test_appending_tokens_keeps_earlier_blocks_identical(model, tmp_path):
     store = Store(tmp_path, block_kib=4)  # 1 KiB of K/V per token: 4 tokens per block
     cache, toks = filled(model, "kv", 30)
-    first = store.save("t1", cache, tokens=toks, model="m")
+    first = store.save("t1", cache, tokens=toks, model="m", layout="blocks")
     assert store.header("t1")[1]["block_tokens"] == 4
     more = tokens(10, seed=3)
     continue_logits(model, cache, more)
-    second = store.save("t2", cache, tokens=toks + more, model="m")
+    second = store.save("t2", cache, tokens=toks + more, model="m", layout="blocks")
     full = len(toks) // 4  # blocks of t1 that were full
     assert first.blocks[:full] == second.blocks[:full]
     assert first.blocks[full] != second.blocks[full]  # the partial block was rewritten
@@ -247,7 +281,7 @@ def test_layout_switch_replaces_the_other_file(model, tmp_path):
     cache, toks = filled(model, "kv", 12)
     store.save("s", cache, tokens=toks, model="m", layout="blocks")
     store.save("s", cache, tokens=toks, model="m", layout="snapshot")
-    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["s.kvs"]
+    assert sorted(p.name for p in (tmp_path / "snapshots").iterdir()) == ["s.safetensors"]
     assert store.names() == ["s"]
     assert store.info("s").layout == "snapshot"
 
@@ -255,7 +289,7 @@ def test_layout_switch_replaces_the_other_file(model, tmp_path):
 def test_header_versions_and_unknown_classes_refused(model, tmp_path):
     store = Store(tmp_path, block_kib=4)
     cache, toks = filled(model, "kv", 8)
-    store.save("s", cache, tokens=toks, model="m")
+    store.save("s", cache, tokens=toks, model="m", layout="blocks")
     path = tmp_path / "snapshots/s.kvm"
     header, _ = fmt.read_header(path, what="x")
     raw = bytearray(path.read_bytes())
@@ -272,7 +306,7 @@ def test_header_versions_and_unknown_classes_refused(model, tmp_path):
 def test_caller_cache_untouched_when_restore_fails(model, tmp_path):
     store = Store(tmp_path, block_kib=4)
     cache, toks = filled(model, "kv", 20)
-    store.save("s", cache, tokens=toks, model="m")
+    store.save("s", cache, tokens=toks, model="m", layout="blocks")
     mine, _ = filled(model, "kv", 10, seed=4)
     before = state_arrays(mine)
     block = next((tmp_path / "blocks").iterdir())

@@ -80,6 +80,8 @@ def check_name(name: str, *, what: str) -> str:
 
 # ---------------------------------------------------------------- write
 
+STEPS = ("stage", "sync", "link", "dir_fsync")  # named points of a blocks write
+
 
 _SCRATCH = threading.local()
 
@@ -219,8 +221,10 @@ def write_blocks(
     block_bytes: int,
     threads: int = 2,
     on_bytes: Callable[[int], None] | None = None,
+    on_step: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """Store all blocks of ``layers``; returns (manifest header, bytes actually written).
+    ``on_step`` is called with each name of :data:`STEPS` as that step starts.
 
     Three phases so that one flush covers many blocks: stage (gather, hash, write new blocks to
     temp files, start writeback) on worker threads; fdatasync every new temp file; link them to
@@ -237,15 +241,20 @@ def write_blocks(
             on_bytes(staged.nbytes)
         return staged
 
+    step = on_step or (lambda _: None)
+    step("stage")
     with ThreadPoolExecutor(max(1, threads)) as pool:
         futs = [pool.submit(one, j) for j in range(geo.n_blocks)]
         try:
             staged = [f.result() for f in futs]
+            step("sync")
             list(pool.map(sync_staged, staged))
         except BaseException:
             _discard(futs)
             raise
+    step("link")
     written = sum(publish_block(blocks, s) for s in staged)
+    step("dir_fsync")
     fsync_dir(blocks)
     header["block_tokens"] = p
     header["blocks"] = [{"hash": s.name, "nbytes": s.nbytes} for s in staged]

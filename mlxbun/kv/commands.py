@@ -20,7 +20,7 @@ from typing import Any
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.kv.fingerprint import model_fingerprint, tokenizer_fingerprint
-from mlxbun.kv.store import Store, check_snapshot_name
+from mlxbun.kv.store import MismatchError, Store, StoreBusy, check_snapshot_name, common_prefix
 
 PREFILL_STEP = 512
 
@@ -33,9 +33,26 @@ class Loaded:
     model_fp: str
     tokenizer_fp: str
 
+    @property
+    def name(self) -> str:
+        return model_reference(self.path)
+
+
+def model_reference(path: Path) -> str:
+    """What ``mlx_lm.load`` is given for this model, when it is path-free: ``org/name`` inside a
+    Hugging Face cache (it resolves offline from there); else "" (snapshots hold no absolute
+    paths, so the same run writes the same bytes anywhere; the store remembers the directory
+    beside them, see :meth:`mlxbun.kv.store.Store.remember_model`)."""
+    hf = next((p.name for p in path.parents if p.name.startswith("models--")), None)
+    return hf[len("models--") :].replace("--", "/") if hf else ""
+
 
 def store_of(cfg: Any) -> Store:
     return Store(cfg.kv.store, block_kib=cfg.kv.block_kib)
+
+
+def digest_cache(cfg: Any) -> Path:
+    return Path(cfg.paths.cache).expanduser() / "digests"
 
 
 def prompt_text(*, prompt: str | None, prompt_file: str | None) -> str:
@@ -50,11 +67,14 @@ def prompt_text(*, prompt: str | None, prompt_file: str | None) -> str:
     return path.read_text()
 
 
-def load_model(path: Path) -> Loaded:
+def load_model(path: Path, *, cache_dir: Path | None = None) -> Loaded:
+    """The model and tokenizer at ``path`` with their fingerprints (shard digests remembered in
+    ``cache_dir``)."""
     import mlx_lm
 
     model, tokenizer = mlx_lm.load(str(path))
-    return Loaded(model, tokenizer, path, model_fingerprint(path), tokenizer_fingerprint(path))
+    fp = model_fingerprint(path, cache_dir=cache_dir)
+    return Loaded(model, tokenizer, path, fp, tokenizer_fingerprint(path))
 
 
 def prefill(model: Any, tokens: list[int], cache: list[Any], *, step: int = PREFILL_STEP) -> None:
@@ -91,9 +111,11 @@ def save_prompt(
         model=loaded.model_fp,
         tokenizer=loaded.tokenizer_fp,
         layout=layout,
+        model_name=loaded.name,
         on_bytes=bar.update,
     )
     bar.close()
+    store.remember_model(loaded.model_fp, loaded.name or str(loaded.path))
     return info, tokens, seconds
 
 
@@ -106,8 +128,9 @@ def save(cfg: Any) -> Any:
         raise InputError("kv.name is not set; pass kv.name=<snapshot name>")
     check_snapshot_name(cfg.kv.name)
     text = prompt_text(prompt=cfg.kv.prompt, prompt_file=cfg.kv.prompt_file)
-    loaded = load_model(model_dir(cfg))
     store = store_of(cfg)
+    store.check_writable()  # before the model loads and the prefill runs
+    loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
     start = time.perf_counter()
     info, tokens, prefill_s = save_prompt(store, loaded, name=cfg.kv.name, text=text, layout=cfg.kv.layout)
     seconds = time.perf_counter() - start - prefill_s
@@ -121,6 +144,8 @@ def save(cfg: Any) -> Any:
         f"saved {info.name!r}: {len(tokens)} tokens, {info.data_bytes / 1e6:.1f} MB of KV"
         f" ({info.written_bytes / 1e6:.1f} MB newly written, layout={info.layout}) in {store.root}"
     )
+    if cfg.json:
+        msg = json.dumps(_record(info) | metrics, indent=2, sort_keys=True)
     inputs = [loaded.path / "config.json"] + (
         [Path(cfg.kv.prompt_file).expanduser()] if cfg.kv.prompt_file else []
     )
@@ -134,35 +159,142 @@ def _record(info: Any) -> dict[str, Any]:
         "tokens": info.tokens,
         "data_bytes": info.data_bytes,
         "model": info.model,
+        "model_name": info.model_name,
         "tokenizer": info.tokenizer,
         "blocks": len(info.blocks),
     }
 
 
+@dataclass
+class Outcome:
+    """What kv_generate did: generated ids, prompt tokens taken from the store, and why."""
+
+    tokens: list[int]
+    reused: int
+    notes: list[str]
+
+
+def why_not(store: Store, loaded: Loaded, tokens: list[int]) -> str:
+    """One line on why no stored snapshot serves ``tokens``: the closest near miss."""
+    infos, bad = store.list()
+    if not infos:
+        extra = f" ({len(bad)} unreadable: {bad[0]})" if bad else ""
+        return f"no snapshot in kv.store={store.root} to reuse{extra}"
+    misses = []
+    for s in infos:
+        have = store.header(s.name)[1]["tokens"]
+        shared = common_prefix(have, tokens)
+        if s.model != loaded.model_fp:
+            misses.append(
+                (
+                    0,
+                    f"{s.name!r} was saved for another model ({s.model_name or s.model[:16]}; "
+                    f"fingerprint {s.model[:12]} here {loaded.model_fp[:12]})",
+                )
+            )
+        elif s.tokenizer and loaded.tokenizer_fp and s.tokenizer != loaded.tokenizer_fp:
+            misses.append(
+                (
+                    0,
+                    f"{s.name!r} was saved with another tokenizer "
+                    f"(fingerprint {s.tokenizer[:12]}, here {loaded.tokenizer_fp[:12]})",
+                )
+            )
+        elif shared < len(have):
+            at = (
+                f"diverges from the prompt at token {shared}" if shared < len(tokens) else "is longer than it"
+            )
+            misses.append((shared + 1, f"{s.name!r} ({len(have)} tokens) {at}"))
+    misses.sort(key=lambda m: -m[0])
+    more = f" (and {len(misses) - 1} more)" if len(misses) > 1 else ""
+    return (
+        f"no stored prefix of the prompt: {misses[0][1]}{more}"
+        if misses
+        else "no stored prefix of the prompt"
+    )
+
+
 def continue_from(
-    store: Store, loaded: Loaded, tokens: list[int], *, name: str | None, max_tokens: int, verify: bool
-) -> tuple[list[int], int]:
+    store: Store,
+    loaded: Loaded,
+    tokens: list[int],
+    *,
+    name: str | None,
+    max_tokens: int,
+    verify: bool,
+    strict: bool = True,
+) -> Outcome:
     """Restore the best snapshot, prefill the rest of ``tokens``, decode greedily.
 
-    Returns (generated token ids, prompt tokens taken from the store).
+    A snapshot that is corrupt (or, named, missing) raises with ``strict``; otherwise its prefix
+    is recomputed and saved over it atomically, and a note says so.
     """
-    from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+    from mlxbun.kv import format as fmt
 
     fp = dict(model=loaded.model_fp, tokenizer=loaded.tokenizer_fp)
     hit = name or (m.name if (m := store.lookup(tokens, **fp)) else None)
-    cache, reused = make_prompt_cache(loaded.model), 0
-    if hit is not None:
+    if hit is None:
+        cache = _fresh(loaded)
+        return Outcome(
+            greedy(loaded, tokens, cache, max_tokens=max_tokens), 0, [why_not(store, loaded, tokens)]
+        )
+    try:
         restored = store.load(hit, tokens=tokens, verify=verify, **fp)
-        reused = len(restored.tokens)
-        if reused == len(tokens):  # the model needs at least one token to produce logits
-            if can_trim_prompt_cache(restored.cache):
-                trim_prompt_cache(restored.cache, 1)
-                reused -= 1
-            else:
-                reused = 0
-        if reused:
-            cache = restored.cache
-    return greedy(loaded, tokens[reused:], cache, max_tokens=max_tokens), reused
+    except (fmt.CorruptError, InputError) as e:
+        if strict or isinstance(e, MismatchError | StoreBusy) or (isinstance(e, InputError) and not name):
+            raise
+        return _repair(store, loaded, tokens, name=hit, why=str(e), max_tokens=max_tokens)
+    return _continue(loaded, tokens, restored.cache, len(restored.tokens), max_tokens=max_tokens, notes=[])
+
+
+def _fresh(loaded: Loaded) -> list[Any]:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    return make_prompt_cache(loaded.model)
+
+
+def _continue(
+    loaded: Loaded, tokens: list[int], cache: list[Any], reused: int, *, max_tokens: int, notes: list[str]
+) -> Outcome:
+    """Decode from ``cache`` holding ``tokens[:reused]`` (the model needs at least one new token)."""
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    if reused == len(tokens):
+        if can_trim_prompt_cache(cache):
+            trim_prompt_cache(cache, 1)
+            reused -= 1
+        else:
+            cache, reused = _fresh(loaded), 0
+            notes.append("the stored cache cannot be trimmed by the one token the model must see; prefilled")
+    return Outcome(greedy(loaded, tokens[reused:], cache, max_tokens=max_tokens), reused, notes)
+
+
+def _repair(
+    store: Store, loaded: Loaded, tokens: list[int], *, name: str, why: str, max_tokens: int
+) -> Outcome:
+    """Recompute the prefix snapshot ``name`` held (the whole prompt when unknown), save it over
+    the damaged or missing one, and continue from it."""
+    try:
+        have = store.header(name)[1]["tokens"]
+        n = len(have) if tokens[: len(have)] == have else len(tokens)
+    except Exception:  # header unreadable or missing: its prefix is unknown
+        n = len(tokens)
+    cache = _fresh(loaded)
+    prefill(loaded.model, tokens[:n], cache)
+    note = f"snapshot {name!r} could not be used ({why}); recomputed its {n} tokens"
+    try:
+        store.save(
+            name,
+            cache,
+            tokens=tokens[:n],
+            model=loaded.model_fp,
+            tokenizer=loaded.tokenizer_fp,
+            model_name=loaded.name,
+        )
+        note += " and replaced it"
+    except OSError as e:
+        note += f" but could not replace it ({e})"
+    return _continue(loaded, tokens, cache, n, max_tokens=max_tokens, notes=[note])
 
 
 def greedy(loaded: Loaded, rest: list[int], cache: list[Any], *, max_tokens: int) -> list[int]:
@@ -188,30 +320,46 @@ def generate(cfg: Any) -> Any:
     if cfg.kv.name:
         check_snapshot_name(cfg.kv.name)
     text = prompt_text(prompt=cfg.kv.prompt, prompt_file=cfg.kv.prompt_file)
-    loaded = load_model(model_dir(cfg))
+    loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
     tokens = list(loaded.tokenizer.encode(text))
     if not tokens:
         raise InputError("kv.prompt encodes to zero tokens; give a non-empty prompt")
     start = time.perf_counter()
-    out, reused = continue_from(
-        store_of(cfg), loaded, tokens, name=cfg.kv.name, max_tokens=cfg.kv.max_tokens, verify=cfg.kv.verify
+    got = continue_from(
+        store_of(cfg),
+        loaded,
+        tokens,
+        name=cfg.kv.name,
+        max_tokens=cfg.kv.max_tokens,
+        verify=cfg.kv.verify,
+        strict=cfg.kv.strict,
     )
     seconds = time.perf_counter() - start
-    completion = loaded.tokenizer.decode(out)
+    completion = loaded.tokenizer.decode(got.tokens)
     path = Path(cfg.paths.run_dir) / "generation.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(
-        path, {"prompt_tokens": len(tokens), "reused_tokens": reused, "tokens": out, "text": completion}
-    )
+    record = {
+        "prompt_tokens": len(tokens),
+        "reused_tokens": got.reused,
+        "tokens": got.tokens,
+        "text": completion,
+    }
+    atomic_write_json(path, record | {"notes": got.notes})
     metrics = {
         "prompt_tokens": len(tokens),
-        "reused_tokens": reused,
-        "generated": len(out),
+        "reused_tokens": got.reused,
+        "generated": len(got.tokens),
         "seconds": round(seconds, 3),
     }
-    msg = (
-        f"reused {reused} of {len(tokens)} prompt tokens from the store; generated {len(out)}:\n{completion}"
-    )
+    if cfg.json:
+        msg = json.dumps(
+            record | {"notes": got.notes, "seconds": metrics["seconds"]}, indent=2, sort_keys=True
+        )
+    else:
+        lines = [
+            f"reused {got.reused} of {len(tokens)} prompt tokens from the store; generated {len(got.tokens)}:"
+        ]
+        msg = "\n".join([f"note: {n}" for n in got.notes] + lines + [completion])
     return RunResult(outputs=[path], inputs=[loaded.path / "config.json"], metrics=metrics, message=msg)
 
 
@@ -219,7 +367,8 @@ def ls(cfg: Any) -> Any:
     """command=kv_ls: stored snapshots (json=true for machine-readable output)."""
     from mlxbun.provenance import RunResult
 
-    infos, bad = store_of(cfg).list()
+    store = store_of(cfg)
+    infos, bad = store.list()
     rows = [
         {
             "name": s.name,
@@ -228,7 +377,9 @@ def ls(cfg: Any) -> Any:
             "data_bytes": s.data_bytes,
             "disk_bytes": s.file_bytes,
             "blocks": len(s.blocks),
-            "model": s.model[:16],
+            "model": s.model_name or store.model_of(s.model) or None,
+            "model_fingerprint": s.model[:16],
+            "path": str(s.path),
             "last_used": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.last_used)),
         }
         for s in infos
@@ -238,7 +389,7 @@ def ls(cfg: Any) -> Any:
     lines = [f"{'name':<24} {'layout':<8} {'tokens':>8} {'MB':>10} {'blocks':>7}  {'last used':<19}  model"]
     lines += [
         f"{r['name']:<24} {r['layout']:<8} {r['tokens']:>8} {r['data_bytes'] / 1e6:>10.1f} {r['blocks']:>7}"
-        f"  {r['last_used']:<19}  {r['model']}"
+        f"  {r['last_used']:<19}  {r['model'] or '(unnamed)'} [{r['model_fingerprint'][:12]}]"
         for r in rows
     ]
     lines += [f"warning: {b}" for b in bad]
@@ -246,7 +397,8 @@ def ls(cfg: Any) -> Any:
 
 
 def verify(cfg: Any) -> Any:
-    """command=kv_verify: re-hash kv.name (or every snapshot); DriftError (exit 1) on any problem."""
+    """command=kv_verify: re-hash kv.name (or every snapshot); DriftError (exit 1) on any problem.
+    With json=true the report is JSON on stdout either way."""
     from mlxbun.provenance import RunResult
 
     store = store_of(cfg)
@@ -254,9 +406,14 @@ def verify(cfg: Any) -> Any:
     if names:
         store.path_of(names[0])
     checked, problems = store.verify(names)
+    n = len(names or store.names())
+    if cfg.json:
+        report = {"store": str(store.root), "snapshots": n, "bytes": checked, "problems": problems}
+        print(json.dumps(report | {"ok": not problems}, indent=2, sort_keys=True))
     if problems:
         raise DriftError(
             f"kv_verify found {len(problems)} problem(s) in {store.root}: " + "; ".join(problems)
         )
-    n = len(names or store.names())
+    if cfg.json:
+        return RunResult()
     return RunResult(message=f"ok: {n} snapshot(s), {checked / 1e6:.1f} MB re-hashed in {store.root}")

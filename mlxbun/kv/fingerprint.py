@@ -1,19 +1,23 @@
 """Fingerprints that tie a KV snapshot to the model and tokenizer that produced it.
 
-A model fingerprint hashes ``config.json``, each safetensors shard's name, size and header, and
-16 evenly spaced 64 KiB samples of its data: cheap for a 27B model, yet two random checkpoints of
-the same shape (different seeds) differ. A tokenizer fingerprint hashes the tokenizer files.
+A model fingerprint is the sha256 of ``config.json`` and of each safetensors shard's name, size
+and full-content sha256, so a change to any byte of any tensor gives another fingerprint (a
+sample of the weights let a model with sign-flipped unsampled tensors restore another's cache).
+A shard's sha256 is free when it is a Hugging Face cache blob (``blobs/<sha256>``, the name is
+the hash of the content); otherwise it is computed once and remembered under the file's identity
+(path, device, inode, size, mtime_ns; :func:`mlxbun.provenance.cached_sha256`). A tokenizer
+fingerprint hashes the tokenizer files.
 """
 
 from __future__ import annotations
 
 import hashlib
-import struct
+import re
 from pathlib import Path
 from typing import Any
 
-SAMPLES = 16
-SAMPLE_BYTES = 64 << 10
+SCHEME = b"mlxbun.kv.model/2\0"
+HEX64 = re.compile(r"[0-9a-f]{64}")
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -24,33 +28,36 @@ TOKENIZER_FILES = (
 )
 
 
-def _shard(h: Any, path: Path) -> None:
-    size = path.stat().st_size
-    h.update(f"{path.name}\0{size}\0".encode())
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else 0
-        h.update(raw + f.read(min(n, size)))
-        start = 8 + n
-        span = max(0, size - start - SAMPLE_BYTES)
-        for i in range(SAMPLES):
-            f.seek(start + span * i // max(1, SAMPLES - 1))
-            h.update(f.read(SAMPLE_BYTES))
+def shard_sha256(path: Path, *, cache_dir: Path | None) -> str:
+    """Full-content sha256 of one shard: the HF blob name when ``path`` links to one of the
+    right size, else the digest cached under the file's identity."""
+    from mlxbun.provenance import cached_sha256
+
+    real = path.resolve()
+    if path.is_symlink() and real.parent.name == "blobs" and HEX64.fullmatch(real.name):
+        return real.name
+    return cached_sha256(real, cache_dir)
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    """sha256 over config.json and each shard's name, size, header and sampled data.
+def model_fingerprint(model_dir: str | Path, *, cache_dir: str | Path | None = None) -> str:
+    """sha256 over config.json and each shard's name, size and full-content sha256.
+
+    Args:
+        model_dir: the model directory.
+        cache_dir: where shard digests are remembered (``paths.cache``/digests); None hashes.
 
     Example:
-        >>> model_fingerprint("~/models/llama-3.2-1b-4bit")[:12]
+        >>> model_fingerprint("~/models/llama-3.2-1b-4bit", cache_dir="~/.cache/mlxbun/digests")[:12]
     """
     d = Path(model_dir).expanduser()
-    h = hashlib.sha256(b"mlxbun.kv.model/1\0")
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else None
+    h = hashlib.sha256(SCHEME)
     cfg = d / "config.json"
     if cfg.is_file():
         h.update(cfg.read_bytes())
     for shard in sorted(d.glob("*.safetensors")):
-        _shard(h, shard)
+        size = shard.stat().st_size
+        h.update(f"{shard.name}\0{size}\0{shard_sha256(shard, cache_dir=cache)}\0".encode())
     return h.hexdigest()
 
 

@@ -1,7 +1,10 @@
-"""The framed headers of single-file snapshots (``.kvs``) and block manifests (``.kvm``).
+"""The mlxbun header (all layouts and versions), block manifests (``.kvm``) and the older
+single-file snapshots (``.kvs``, still read); its validation.
 
-A ``.kvs`` written now (format version 2) is also a valid safetensors file, so that restores
-read it with mlx's own one-pass loader (``mx.load``) and any safetensors tool can open it::
+Snapshots written now (format 3, ``.safetensors``) are mlx-lm prompt-cache files that carry this
+header in their metadata: see :mod:`mlxbun.kv.promptcache`. A ``.kvs`` of format version 2 is a
+safetensors file with ``__pad__`` tensors between the K/V tensors (which mlx-lm's loader
+rejects)::
 
     0    8  N                 u64 LE, the safetensors header length; 8 + N is a multiple of 16 KiB
     8    N  safetensors JSON, space-padded:
@@ -30,7 +33,8 @@ Block manifests and snapshots written before version 2 use this framing (still r
     ..      zero padding to data_start, the next multiple of 16 KiB      (.kvs only)
     data_start ..            tensor data, each tensor at a 16 KiB-aligned offset  (.kvs only)
 
-The header (both layouts)::
+The header (every layout and version; format 3 adds "model_name" and "tokenizer_config", and
+stores RotatingKVCache rings as they lie in memory, ``meta.ring``)::
 
     {"layout": "snapshot" | "blocks", "model": <fingerprint>, "tokenizer": <fingerprint>,
      "tokens": [ids...], "tokens_sha256": <sha256 of the ids as u32 LE>,
@@ -276,7 +280,11 @@ def _check_meta(cls: str, meta: Any, what: str) -> None:
     keys["RotatingKVCache"] = ("offset", "keep", "max_size", "idx")
     for k in keys[cls]:
         _int(meta.get(k), what, f"meta.{k}")
-    if cls == "RotatingKVCache" and not meta.get("empty"):
+    if cls == "RotatingKVCache" and not meta.get("empty") and meta.get("ring", False) is not False:
+        n = _int(meta.get("tokens"), what, "meta.tokens")
+        if meta["ring"] is not True or not meta["idx"] <= n <= meta["offset"]:
+            _fail(what, f"ring meta idx={meta['idx']} tokens={n} offset={meta['offset']} is not a ring state")
+    elif cls == "RotatingKVCache" and not meta.get("empty"):
         n = _int(meta.get("tokens"), what, "meta.tokens")
         if not meta["keep"] <= meta["idx"] <= n:
             _fail(what, f"meta.idx={meta['idx']} must lie in keep={meta['keep']}..tokens={n}")

@@ -19,13 +19,14 @@ Example:
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from mlxbun.io.atomic import TMP_MARK, atomic_write_json, fsync_dir
 from mlxbun.kv import format as fmt
-from mlxbun.kv.store import SUFFIX, SnapshotInfo, Store
+from mlxbun.kv.store import FILES, SnapshotInfo, Store
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def _evict(store: Store, name: str, planned_use: float) -> int:
     if used.exists() and used.stat().st_mtime != planned_use:
         return 0  # used again since the plan: keep it
     freed = 0
-    for suffix in SUFFIX.values():
+    for suffix in FILES:
         p = store.snapshots / f"{name}{suffix}"
         if p.exists():
             freed += p.stat().st_size
@@ -209,4 +210,10 @@ def run(cfg: Any) -> Any:
         msg += "\npass kv.execute=true to free them"
     metrics = {"planned_bytes": p.bytes_freed, "freed_bytes": done.bytes_freed if cfg.kv.execute else 0}
     metrics |= {"blocks": len(done.blocks), "evicted": len(done.evict), "bytes_before": p.bytes_before}
+    if cfg.json:
+        msg = json.dumps(
+            {"plan": p.to_dict(), "done": done.to_dict() if cfg.kv.execute else None},
+            indent=2,
+            sort_keys=True,
+        )
     return RunResult(outputs=outputs, metrics=metrics, message=msg)

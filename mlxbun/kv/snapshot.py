@@ -1,14 +1,16 @@
-"""Single-file snapshots (``snapshots/<name>.kvs``): a hashed header, then tensor data on 16 KiB pages.
+"""Single-file snapshots (``snapshots/<name>.safetensors``): mlx-lm prompt-cache files with a hashed
+mlxbun header in their metadata (format 3, drawn in :mod:`mlxbun.kv.promptcache`); ``.kvs`` files of
+formats 1-2 (:mod:`mlxbun.kv.format`) are still read.
 
-The byte layout is drawn in :mod:`mlxbun.kv.format`. A snapshot is written to a hidden temporary
-sibling: data first (hashed on worker threads while the main thread writes), then the header
-with the hashes is written over the reserved space at offset 0, the file is fsync'd, renamed over
-the final name, and the directory is fsync'd.
+A snapshot is written to a hidden temporary sibling: the K/V data first (hashed on worker
+threads while the main thread writes), then the scalars, then the header with the hashes over
+the reserved space at offset 0; the file is fsync'd, renamed over the final name, and the
+directory is fsync'd (:data:`STEPS` names these points for fault tests).
 
-Readers open the file once and validate its header fully before reading any data. A version-2
-file is a safetensors file, so a restore hands it to ``mx.load`` (mlx reads each tensor straight
-into fresh memory, in parallel) and then checks every tensor's XXH3-128; this is a third faster
-than zero-filling mlx arrays and reading into them, which is what version-1 files still get.
+Readers open the file once and validate its header fully (and re-derive its safetensors table)
+before reading any data. A restore hands the file to ``mx.load`` (mlx reads each tensor straight
+into fresh memory, in parallel) and then checks every tensor's XXH3-128; format-1 files are read
+into zero-filled mlx arrays instead.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 
 from mlxbun.io.atomic import fsync_dir, tmp_sibling
 from mlxbun.kv import format as fmt
+from mlxbun.kv import promptcache as pc
 from mlxbun.kv import state
 from mlxbun.kv.state import LayerState, Tensor
 
@@ -79,22 +82,20 @@ def layer_entries(layers: list[LayerState]) -> list[dict[str, Any]]:
 
 
 def plan_header(layers: list[LayerState], base: dict[str, Any]) -> tuple[dict[str, Any], list[Tensor]]:
-    """Header with offsets and placeholder hashes (hashes have fixed length, so its size is final)."""
+    """Format-3 header with offsets and placeholder hashes (hashes have fixed length, so its size
+    is final), and the tensors in storage order."""
     header = dict(base, layout="snapshot", hash=fmt.CHECK, layers=layer_entries(layers))
+    header.setdefault("model_name", "")
+    header.setdefault("tokenizer_config", pc.TOKENIZER_CONFIG)
     placeholder = "0" * fmt.TENSOR_HASHES[fmt.CHECK]
-    order: list[Tensor] = []
-    end = 0
-    for i, s in enumerate(layers):
-        for n in sorted(s.tensors):
-            t = s.tensors[n]
-            offset = fmt.align(end) + fmt.SKEW
-            header["layers"][i]["tensors"][n].update(offset=offset, nbytes=t.nbytes, hash=placeholder)
-            order.append(t)
-            end = offset + t.nbytes
-    header["data_bytes"] = end
-    header["data_start"] = 0
-    header["data_start"] = fmt.align(8 + len(fmt.kvs_table(header)) + 64)  # room for its own digits
+    order = [layers[int(q.split(".", 1)[0])].tensors[q.split(".", 1)[1]] for q, _ in fmt.tensors_of(header)]
+    for _, entry in fmt.tensors_of(header):
+        entry["hash"] = placeholder
+    pc.plan(header, [t.nbytes for t in order])
     return header, order
+
+
+STEPS = ("data", "tail", "header", "fsync", "rename", "dir_fsync")  # named points of a save
 
 
 def write_snapshot(
@@ -104,21 +105,26 @@ def write_snapshot(
     *,
     threads: int = 2,
     on_bytes: Callable[[int], None] | None = None,
+    on_step: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Write ``layers`` to ``path`` atomically; returns the header written.
+    """Write ``layers`` to ``path`` (a format-3 ``.safetensors``) atomically; returns the header.
 
     Args:
-        path: final file name (``snapshots/<name>.kvs``).
+        path: final file name (``snapshots/<name>.safetensors``).
         layers: from :func:`mlxbun.kv.state.cache_state`.
-        base: header fields other than layout/layers (model, tokenizer, tokens, tokens_sha256).
+        base: header fields other than layout/layers (model, tokenizer, tokens, tokens_sha256,
+            model_name, tokenizer_config).
         threads: hashing threads (XXH3 and file I/O release the GIL).
         on_bytes: called with the number of bytes written, for progress.
+        on_step: called with each name of :data:`STEPS` as that step starts (fault tests).
     """
+    step = on_step or (lambda _: None)
     header, order = plan_header(layers, base)
     start = header["data_start"]
     tmp = tmp_sibling(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
+        step("data")
         with ThreadPoolExecutor(max(1, threads)) as pool:
             hashes = [pool.submit(_hash_tensor, t, header["hash"]) for t in order]
             for t, entry in zip(order, fmt.tensors_of(header), strict=True):
@@ -132,12 +138,19 @@ def write_snapshot(
                     on_bytes(t.nbytes)
             for fut, (_, entry) in zip(hashes, fmt.tensors_of(header), strict=True):
                 entry["hash"] = fut.result()
+        step("tail")
+        rest = pc.tail(header)
+        _write(fd, rest, start + header["data_bytes"] - len(rest))
         os.ftruncate(fd, start + header["data_bytes"])
-        _write(fd, fmt.encode_kvs(header), 0)
+        step("header")
+        _write(fd, pc.encode(header), 0)
+        step("fsync")
         os.fsync(fd)
         os.close(fd)
         fd = -1
+        step("rename")
         os.replace(tmp, path)
+        step("dir_fsync")
         fsync_dir(path.parent)
     except BaseException:
         if fd >= 0:
@@ -147,12 +160,12 @@ def write_snapshot(
     return header
 
 
-def check_layout(h: dict[str, Any], size: int, *, what: str) -> None:
-    """Offsets, sizes and alignment of a .kvs header against the file size (before allocating)."""
+def check_layout(h: dict[str, Any], size: int, version: int, *, what: str) -> None:
+    """Offsets, sizes and alignment of a snapshot header against the file size (before allocating)."""
     start, total = h.get("data_start"), h.get("data_bytes")
     fmt._int(start, what, "data_start")
     fmt._int(total, what, "data_bytes")
-    if start % fmt.ALIGN or start < 8:
+    if version < pc.VERSION and (start % fmt.ALIGN or start < 8):
         fmt._fail(what, f"data_start={start} is not a multiple of {fmt.ALIGN}")
     if start + total != size:
         fmt._fail(what, f"file is {size} bytes but the header says {start + total} (truncated or extended)")
@@ -167,7 +180,7 @@ def check_layout(h: dict[str, Any], size: int, *, what: str) -> None:
                 what,
                 f"tensor {name!r}: nbytes={nb} but dtype {t['dtype']} x shape {t['shape']} is {fmt.entry_nbytes(t)}",
             )
-        if off % fmt.TENSOR_ALIGN or off + nb > total:
+        if (version < pc.VERSION and off % fmt.TENSOR_ALIGN) or off + nb > total:
             fmt._fail(what, f"tensor {name!r}: offset={off} is unaligned or runs past data_bytes={total}")
         if not isinstance(t.get("hash"), str) or not hex_hash.fullmatch(t["hash"]):
             fmt._fail(what, f"tensor {name!r}: hash is not {digits} lower-case hex digits ({h['hash']})")
@@ -176,16 +189,26 @@ def check_layout(h: dict[str, Any], size: int, *, what: str) -> None:
     for (_, end, a), (off, _, b) in zip(spans, spans[1:], strict=False):
         if off < end:
             fmt._fail(what, f"tensors {a!r} and {b!r} overlap")
+    if version == pc.VERSION:
+        pc.check_layout(h, size, what=what)
 
 
 def read_header_fd(fd: int, *, what: str) -> tuple[dict[str, Any], int]:
-    """Validated header of the .kvs open as ``fd``, and its format version."""
-    header, size, version = fmt.read_header_fd(fd, what=what)
+    """Validated header of the snapshot open as ``fd`` (any format version), and its version."""
+    if pc.is_v3(os.pread(fd, 8 + len(pc.MAGIC), 0)):
+        header, size, version = (
+            pc.decode(fd, os.fstat(fd).st_size, what=what),
+            os.fstat(fd).st_size,
+            pc.VERSION,
+        )
+    else:
+        header, size, version = fmt.read_header_fd(fd, what=what)
     fmt.check_header(header, what=what)
     if header["layout"] != "snapshot":
-        fmt._fail(what, f"layout {header['layout']!r} in a .kvs file")
-    check_layout(header, size, what=what)
-    if version == fmt.KVS_VERSION and fmt.encode_kvs(header) != os.pread(fd, header["data_start"], 0):
+        fmt._fail(what, f"layout {header['layout']!r} in a snapshot file")
+    check_layout(header, size, version, what=what)
+    encoded = {fmt.KVS_VERSION: fmt.encode_kvs, pc.VERSION: pc.encode}.get(version)
+    if encoded and encoded(header) != os.pread(fd, header["data_start"], 0):
         fmt._fail(what, "its safetensors tensor table does not match its header")
     return header, version
 
@@ -260,13 +283,30 @@ def _fd_path(fd: int) -> str:
     raise OSError(f"no /dev/fd here to reopen descriptor {fd}")
 
 
-def _mx_load(fd: int, header: dict[str, Any], *, what: str) -> dict[str, mx.array]:
-    """Lazy mlx arrays of every tensor of a version-2 .kvs, read by mlx's safetensors loader on
-    this thread's CPU stream; checked against the (validated) header before anything is read."""
+def check_tail(fd: int, header: dict[str, Any], version: int, *, what: str) -> None:
+    """The scalars after the K/V tensors of a format-3 file are the ones its meta derives."""
+    if version != pc.VERSION:
+        return
+    want = pc.tail(header)
+    if os.pread(fd, len(want), header["data_start"] + header["data_bytes"] - len(want)) != want:
+        fmt._fail(what, "its scalars (offsets, ring positions) do not match its header (corrupt data)")
+
+
+def file_names(header: dict[str, Any], version: int) -> dict[str, str]:
+    """mlxbun qualified tensor name -> the name in the file (mlx-lm's state names since format 3)."""
+    if version == pc.VERSION:
+        return {q: name for name, q in pc.entries(header)[0]}
+    return {q: q for q, _ in fmt.tensors_of(header)}
+
+
+def _mx_load(fd: int, header: dict[str, Any], version: int, *, what: str) -> dict[str, mx.array]:
+    """Lazy mlx arrays of every K/V tensor of a safetensors snapshot (format 2 or 3), read by
+    mlx's loader on this thread's CPU stream; checked against the (validated) header first."""
     loaded = mx.load(_fd_path(fd), format="safetensors", stream=state.cpu_stream())
     arrays = {}
+    names = file_names(header, version)
     for name, t in fmt.tensors_of(header):
-        a = loaded.get(name)
+        a = loaded.get(names[name])
         if a is None or list(a.shape) != t["shape"] or a.dtype != state.MX_DTYPES[t["dtype"]]:
             fmt._fail(
                 what, f"tensor {name!r}: mlx reads {a if a is None else (a.dtype, a.shape)}, not the header's"
@@ -301,14 +341,16 @@ def restore(
 ) -> dict[str, mx.array]:
     """Evaluated mlx arrays of every tensor of the validated .kvs open as ``fd``, keyed 'layer.name'.
 
-    Version 2: ``mx.load`` reads the tensors straight into new memory, ~64 MiB at a time, and
-    when ``verify`` each batch is hashed on ``threads`` threads while mlx reads the next.
+    Versions 2 and 3: ``mx.load`` reads the tensors straight into new memory, ~64 MiB at a time,
+    and when ``verify`` each batch is hashed on ``threads`` threads while mlx reads the next.
     Version 1: arrays are allocated (zero-filled), and the data is read into them and hashed on
     ``threads`` threads.
     """
     specs = dict(fmt.tensors_of(header))
-    if version == fmt.KVS_VERSION:
-        arrays = _mx_load(fd, header, what=what)
+    if verify:
+        check_tail(fd, header, version, what=what)
+    if version in (fmt.KVS_VERSION, pc.VERSION):
+        arrays = _mx_load(fd, header, version, what=what)
         raw = {n: a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for n, a in arrays.items()}
         if not verify:
             mx.eval(list(raw.values()))

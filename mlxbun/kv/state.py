@@ -2,7 +2,9 @@
 
 Only valid tokens are kept: a ``KVCache`` buffer padded in 256-token steps is trimmed to its
 ``offset``; a wrapped ``RotatingKVCache`` ring is stored in temporal order and re-rotated on
-restore so that later steps compute bit-identically. Each layer becomes a :class:`LayerState`
+restore so that later steps compute bit-identically (snapshots written before format 3); since
+format 3 the ring is stored as it lies in memory (``meta.ring``), which is what mlx-lm's own
+``RotatingKVCache.state`` holds, so stock loaders rebuild the same cache. Each layer becomes a :class:`LayerState`
 (class name, meta, named tensors); tensors are numpy views of (evaluated) mlx buffers, cut into
 rows ``(batch, head)`` of shape ``(tokens, width)`` so that a row is contiguous in memory.
 """
@@ -101,10 +103,6 @@ def _kv_tensors(keys: Any, values: Any, tokens: int, quantized: bool) -> dict[st
     return out
 
 
-def _temporal(c: Any) -> tuple[mx.array, mx.array]:
-    return c._temporal_order(c.keys), c._temporal_order(c.values)
-
-
 def layer_state(c: Any, where: str) -> LayerState:
     """Describe one cache object; refuse classes outside the allow-list."""
     cls = type(c).__name__
@@ -121,10 +119,11 @@ def layer_state(c: Any, where: str) -> LayerState:
         return LayerState(cls, meta, tensors)
     if c.keys is None:
         return LayerState(cls, _meta(c, cls) | {"empty": True}, {})
-    if cls == "RotatingKVCache":
-        keys, values = _temporal(c)
-        n = int(keys.shape[2])
-        return LayerState(cls, _meta(c, cls) | {"tokens": n}, _kv_tensors(keys, values, n, False))
+    if cls == "RotatingKVCache":  # the ring as it lies: slots past min(offset, buffer) are unused
+        n = min(int(c.offset), int(c.keys.shape[2]))
+        return LayerState(
+            cls, _meta(c, cls) | {"tokens": n, "ring": True}, _kv_tensors(c.keys, c.values, n, False)
+        )
     quantized = cls == "QuantizedKVCache"
     return LayerState(cls, _meta(c, cls), _kv_tensors(c.keys, c.values, c.offset, quantized))
 
@@ -252,7 +251,10 @@ def build_layer(cls: str, meta: dict[str, Any], arrays: dict[str, mx.array]) -> 
         c.values = tuple(arrays[f"values.{p}"] for p in QUANT_PARTS)
     elif cls == "KVCache":
         c.keys, c.values = arrays["keys"], arrays["values"]
-    else:
+    elif meta.get("ring"):
+        c.keys, c.values = arrays["keys"], arrays["values"]
+        c._idx = meta["idx"]
+    else:  # temporal order (written before format 3)
         c.keys = _unrotate(arrays["keys"], meta["keep"], meta["idx"])
         c.values = _unrotate(arrays["values"], meta["keep"], meta["idx"])
         mx.eval(c.keys, c.values)  # not left lazy on this thread's stream (see settle)

@@ -6,10 +6,12 @@ Layout::
         .lock                  flock: savers and loaders hold it shared, GC holds it exclusive
         .gate                  flock turnstile: GC holds it while it waits, so a stream of
                                overlapping savers cannot starve GC of the exclusive lock
-        snapshots/<name>.kvs   single-file snapshot   (layout=snapshot, mlxbun.kv.snapshot)
+        snapshots/<name>.safetensors  single-file snapshot (layout=snapshot, format 3: an mlx-lm
+                               prompt-cache file, mlxbun.kv.promptcache; formats 1-2: <name>.kvs)
         snapshots/<name>.kvm   block manifest         (layout=blocks,   mlxbun.kv.blocks)
         blocks/<blake3>        content-addressed blocks, written once, shared by manifests
         used/<name>            empty file; its mtime is the snapshot's last use (LRU for kv_gc)
+        models/<fingerprint>   the model directory (or repo id) a fingerprint was made from
 
 Hidden ``.*.tmp-*`` files are unfinished writes; nothing reads them and GC removes them. Last-use
 times live in ``used/`` rather than in the artifacts, so snapshots stay byte-deterministic.
@@ -24,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -36,14 +39,24 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes
+from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes, tmp_sibling
 from mlxbun.kv import blocks as blk
 from mlxbun.kv import format as fmt
 from mlxbun.kv import snapshot as snap
 from mlxbun.kv import state
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-SUFFIX = {"snapshot": ".kvs", "blocks": ".kvm"}
+SUFFIX = {"snapshot": ".safetensors", "blocks": ".kvm"}  # written now
+SNAPSHOT_FILES = (".safetensors", ".kvs")  # single-file snapshots: format 3; formats 1-2
+FILES = (*SNAPSHOT_FILES, ".kvm")  # every file a snapshot name may have
+
+
+# named steps of a save, in order (``on_stage``); a kill at any of them leaves the previous
+# version or the new one, and a rerun writes the same bytes
+STEPS = {
+    "snapshot": (*snap.STEPS, "data_written", "cleanup"),
+    "blocks": (*blk.STEPS, "data_written", "manifest", "cleanup"),
+}
 
 
 class MismatchError(InputError):
@@ -67,6 +80,7 @@ class SnapshotInfo:
     last_used: float
     blocks: tuple[str, ...] = ()
     written_bytes: int = 0
+    model_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,22 @@ class Store:
         for d in (self.snapshots, self.blocks, self.used):
             d.mkdir(parents=True, exist_ok=True)
 
+    def check_writable(self) -> None:
+        """Raise an InputError naming the directory unless a save can write here (checked up
+        front, so a read-only store fails before a prefill, not after)."""
+        d = self.root
+        try:
+            self._mkdirs()
+            for d in (self.root, self.snapshots, self.blocks, self.used):
+                probe = tmp_sibling(d / "write-probe")
+                os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+                probe.unlink()
+        except OSError as e:
+            raise InputError(
+                f"kv.store={self.root} is not writable ({d}: {e.strerror or e}); "
+                "pass kv.store=<a writable directory>"
+            ) from None
+
     @contextlib.contextmanager
     def locked(self, *, exclusive: bool, timeout: float | None = None) -> Iterator[None]:
         """Hold the store lock: shared for savers/loaders, exclusive for GC.
@@ -135,13 +165,12 @@ class Store:
         it holds ``.lock``; GC keeps the gate while it waits for the savers already inside to
         finish, so new savers queue behind it instead of overlapping it out forever.
         """
-        self.root.mkdir(parents=True, exist_ok=True)
         deadline = time.monotonic() + (self.lock_timeout if timeout is None else timeout)
-        gate = os.open(self.root / ".gate", os.O_RDWR | os.O_CREAT, 0o644)
+        gate = _lock_file(self.root, ".gate")
         fd = -1
         try:
             self._flock(gate, fcntl.LOCK_EX, deadline)
-            fd = os.open(self.root / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+            fd = _lock_file(self.root, ".lock")
             self._flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, deadline)
             if not exclusive:
                 os.close(gate)
@@ -153,6 +182,8 @@ class Store:
                     os.close(f)
 
     def _flock(self, fd: int, mode: int, deadline: float) -> None:
+        if fd < 0:
+            return  # a read-only store without lock files: nothing of ours can write it
         while True:
             try:
                 fcntl.flock(fd, mode | fcntl.LOCK_NB)
@@ -173,7 +204,8 @@ class Store:
         tokens: list[int],
         model: str,
         tokenizer: str = "",
-        layout: str = "blocks",
+        layout: str = "snapshot",
+        model_name: str = "",
         on_bytes: Callable[[int], None] | None = None,
         on_stage: Callable[[str], None] | None = None,
     ) -> SnapshotInfo:
@@ -182,11 +214,16 @@ class Store:
         Args:
             tokens: the token ids the cache holds (checked against the cache's length).
             model, tokenizer: fingerprints (see mlxbun.kv.fingerprint); loads must match.
-            layout: "blocks" (deduplicated) or "snapshot" (one file).
-            on_bytes: progress callback; on_stage: called with "data_written" once the data is
-                durable (blocks layout: before the manifest that publishes it is written).
+            layout: "snapshot" (one mlx-lm prompt-cache file) or "blocks" (deduplicated).
+            model_name: what ``mlx_lm generate --prompt-cache-file`` loads when no ``--model``
+                is given (a path or an HF repo id); kept in snapshot files, shown by kv_ls.
+            on_bytes: progress callback; on_stage: called with the name of each step as it
+                starts (:data:`STEPS`); "data_written" once the data is durable (blocks layout:
+                before the manifest that publishes it is written).
         """
-        job = self._prepare(name, cache, tokens=tokens, model=model, tokenizer=tokenizer, layout=layout)
+        job = self._prepare(
+            name, cache, tokens=tokens, model=model, tokenizer=tokenizer, layout=layout, model_name=model_name
+        )
         return self._persist(*job, on_bytes=on_bytes, on_stage=on_stage)
 
     def save_async(self, name: str, cache: list[Any], **kw: Any) -> Future[SnapshotInfo]:
@@ -217,7 +254,8 @@ class Store:
         tokens: list[int],
         model: str,
         tokenizer: str = "",
-        layout: str = "blocks",
+        layout: str = "snapshot",
+        model_name: str = "",
     ) -> tuple:
         check_snapshot_name(name)
         if layout not in SUFFIX:
@@ -233,6 +271,7 @@ class Store:
             "tokens": tokens,
             "tokens_sha256": fmt.tokens_sha256(tokens),
         }
+        base["model_name"] = model_name
         return name, layers, base, layout
 
     def _persist(
@@ -254,11 +293,13 @@ class Store:
         with self.locked(exclusive=False):
             self._mkdirs()
             target = self.snapshots / f"{name}{SUFFIX[layout]}"
+            step = on_stage or (lambda _: None)
             if layout == "snapshot":
-                header = snap.write_snapshot(target, layers, base, threads=self.threads, on_bytes=on_bytes)
+                header = snap.write_snapshot(
+                    target, layers, base, threads=self.threads, on_bytes=on_bytes, on_step=step
+                )
                 written = target.stat().st_size
-                if on_stage:
-                    on_stage("data_written")
+                step("data_written")
             else:
                 header, written = blk.write_blocks(
                     self.blocks,
@@ -267,16 +308,33 @@ class Store:
                     block_bytes=self.block_bytes,
                     threads=self.threads,
                     on_bytes=on_bytes,
+                    on_step=step,
                 )
-                if on_stage:
-                    on_stage("data_written")
+                step("data_written")
+                step("manifest")
                 data = fmt.encode(header)
                 atomic_write_bytes(target, data)
                 written += len(data)
-            other = self.snapshots / f"{name}{SUFFIX['blocks' if layout == 'snapshot' else 'snapshot']}"
-            other.unlink(missing_ok=True)
+            step("cleanup")
+            for suffix in FILES:
+                if suffix != target.suffix:
+                    (self.snapshots / f"{name}{suffix}").unlink(missing_ok=True)
             self.touch(name)
         return self._info(name, target, header, written=written)
+
+    def remember_model(self, fingerprint: str, where: str) -> None:
+        """Record which model (directory or repo id) has ``fingerprint``, beside the snapshots
+        (``models/<fingerprint>``), for kv_ls and kv_export; snapshots stay path-free."""
+        if fmt.HEX64.fullmatch(fingerprint):
+            (self.root / "models").mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(self.root / "models" / fingerprint, where.encode())
+
+    def model_of(self, fingerprint: str) -> str:
+        """The model recorded for ``fingerprint`` ("" when none)."""
+        p = self.root / "models" / fingerprint
+        if not fmt.HEX64.fullmatch(fingerprint) or not p.is_file():
+            return ""
+        return p.read_bytes()[:4096].decode(errors="replace")
 
     # ------------------------------------------------------------ read
     def touch(self, name: str) -> None:
@@ -289,7 +347,7 @@ class Store:
     def path_of(self, name: str) -> Path:
         """The snapshot file of ``name`` (the newer one if a crash left both layouts)."""
         check_snapshot_name(name)
-        found = [p for p in (self.snapshots / f"{name}{s}" for s in SUFFIX.values()) if p.is_file()]
+        found = [p for p in (self.snapshots / f"{name}{s}" for s in FILES) if p.is_file()]
         if not found:
             have = ", ".join(self.names()) or "none"
             raise InputError(f"kv.name={name!r}: no such snapshot in kv.store={self.root}; stored: {have}")
@@ -299,18 +357,14 @@ class Store:
         if not self.snapshots.is_dir():
             return []
         return sorted(
-            {
-                p.stem
-                for p in self.snapshots.iterdir()
-                if p.suffix in SUFFIX.values() and not p.name.startswith(".")
-            }
+            {p.stem for p in self.snapshots.iterdir() if p.suffix in FILES and not p.name.startswith(".")}
         )
 
     def header(self, name: str) -> tuple[Path, dict[str, Any]]:
         """Validated header of ``name`` (no tensor data read)."""
         path = self.path_of(name)
         what = f"snapshot {name!r}"
-        if path.suffix == ".kvs":
+        if path.suffix in SNAPSHOT_FILES:
             return path, snap.read_header(path, what=what)
         h, _ = fmt.read_header(path, what=what)
         fmt.check_header(h, what=what)
@@ -335,6 +389,7 @@ class Store:
             last,
             names,
             written,
+            h.get("model_name", "") if isinstance(h.get("model_name"), str) else "",
         )
 
     def info(self, name: str) -> SnapshotInfo:
@@ -352,9 +407,9 @@ class Store:
         return out, bad
 
     def _check(
-        self, name: str, h: dict[str, Any], *, model: str, tokenizer: str, tokens: list[int] | None
+        self, name: str, h: dict[str, Any], *, model: str | None, tokenizer: str, tokens: list[int] | None
     ) -> None:
-        if h["model"] != model:
+        if model is not None and h["model"] != model:
             raise MismatchError(
                 f"snapshot {name!r} was saved for model {h['model'][:16]}, not {model[:16]}; refusing to restore it"
             )
@@ -365,7 +420,7 @@ class Store:
         if tokens is not None:
             have = h["tokens"]
             if len(have) > len(tokens) or list(tokens[: len(have)]) != have:
-                shared = _common(have, tokens)
+                shared = common_prefix(have, tokens)
                 raise MismatchError(
                     f"snapshot {name!r} holds {len(have)} tokens that are not a prefix of the prompt "
                     f"({len(tokens)} tokens, {shared} shared); refusing to restore it"
@@ -375,7 +430,7 @@ class Store:
         self,
         name: str,
         *,
-        model: str,
+        model: str | None,
         tokenizer: str = "",
         tokens: list[int] | None = None,
         verify: bool = True,
@@ -383,13 +438,14 @@ class Store:
         """Restore ``name`` as new mlx-lm cache objects (nothing of the caller's is touched).
 
         The header is validated and matched against ``model``/``tokenizer``/``tokens`` (the
-        snapshot's tokens must be a prefix of ``tokens``) before any data is read; all data is
+        snapshot's tokens must be a prefix of ``tokens``; ``model=None`` skips the model check,
+        for exports) before any data is read; all data is
         hashed when ``verify``; caches are built off to the side and returned only when complete.
         """
         what = f"snapshot {name!r}"
         with self.locked(exclusive=False):
             path = self.path_of(name)
-            if path.suffix == ".kvs":
+            if path.suffix in SNAPSHOT_FILES:
                 with snap.opened(path, what=what) as (fd, h, version):
                     self._check(name, h, model=model, tokenizer=tokenizer, tokens=tokens)
                     arrays = snap.restore(fd, h, version, verify=verify, threads=self.threads, what=what)
@@ -437,8 +493,9 @@ class Store:
         with self.locked(exclusive=False):
             what = f"snapshot {name!r}"
             path = self.path_of(name)
-            if path.suffix == ".kvs":
-                with snap.opened(path, what=what) as (fd, h, _):
+            if path.suffix in SNAPSHOT_FILES:
+                with snap.opened(path, what=what) as (fd, h, version):
+                    snap.check_tail(fd, h, version, what=what)
                     snap.read_data(fd, h, verify=True, threads=self.threads, what=what)
                     return os.fstat(fd).st_size
             path, h = self.header(name)
@@ -462,7 +519,23 @@ class Store:
         return bad
 
 
-def _common(a: list[int], b: list[int]) -> int:
+def _lock_file(root: Path, name: str) -> int:
+    """A descriptor to flock ``root/name`` (created if possible); read-only when the store is
+    read-only (flock works on those); -1 when it cannot exist there."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return os.open(root / name, os.O_RDWR | os.O_CREAT, 0o644)
+    except (PermissionError, OSError) as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+    try:
+        return os.open(root / name, os.O_RDONLY)
+    except FileNotFoundError:
+        return -1
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:

@@ -1,0 +1,70 @@
+"""command=kv_export: write a stored snapshot (any layout or format version) as a plain mlx-lm
+prompt-cache file, written by mlx-lm's own ``save_prompt_cache``.
+
+    python -m mlxbun command=kv_export kv.name=system kv.file=system.safetensors
+    python -m mlx_lm generate --prompt-cache-file system.safetensors --prompt "..."
+
+The snapshot is restored verified first (a corrupt one exits 1 and writes nothing); the file is
+written to a hidden temporary sibling, fsync'd and renamed. Its metadata holds what
+``cache_prompt`` writes: ``model`` (the snapshot's repo id, else the directory the store recorded
+for its fingerprint, else ``model.name``) and ``tokenizer_config``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from mlxbun.errors import InputError
+from mlxbun.io.atomic import fsync_dir, tmp_sibling
+from mlxbun.kv.commands import store_of
+from mlxbun.kv.store import check_snapshot_name
+
+
+def export(store: Any, name: str, path: Path, *, model_name: str | None = None) -> dict[str, Any]:
+    """Write snapshot ``name`` of ``store`` to ``path`` atomically; returns what was written."""
+    from mlx_lm.models.cache import save_prompt_cache
+
+    restored = store.load(name, model=None, verify=True)
+    _, header = store.header(name)
+    ref = header.get("model_name") or store.model_of(header["model"]) or model_name or ""
+    meta = {"model": ref, "tokenizer_config": header.get("tokenizer_config", "{}")}
+    tmp = Path(f"{tmp_sibling(path)}.safetensors")  # mlx appends the suffix otherwise
+    try:
+        save_prompt_cache(str(tmp), restored.cache, meta)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return {"tokens": len(restored.tokens), "model": ref, "bytes": path.stat().st_size}
+
+
+def run(cfg: Any) -> Any:
+    """command=kv_export: kv.name -> kv.file (a plain mlx-lm prompt-cache file)."""
+    from mlxbun.provenance import RunResult
+
+    if not cfg.kv.name:
+        raise InputError("kv.name is not set; pass kv.name=<snapshot name>")
+    check_snapshot_name(cfg.kv.name)
+    if not cfg.kv.file:
+        raise InputError("kv.file is not set; pass kv.file=<output .safetensors file>")
+    path = Path(cfg.kv.file).expanduser()
+    if path.suffix != ".safetensors":
+        raise InputError(f"kv.file={cfg.kv.file!r} must end in .safetensors (mlx-lm loads no other name)")
+    if not path.parent.is_dir():
+        raise InputError(f"kv.file={cfg.kv.file!r}: directory {str(path.parent)!r} does not exist")
+    store = store_of(cfg)
+    store.path_of(cfg.kv.name)
+    done = export(store, cfg.kv.name, path, model_name=cfg.model.name)
+    note = "" if done["model"] else "; no model reference stored: pass --model to mlx_lm generate"
+    msg = f"exported {cfg.kv.name!r} ({done['tokens']} tokens) to {path}{note}"
+    if cfg.json:
+        msg = json.dumps(done | {"name": cfg.kv.name, "file": str(path)}, indent=2, sort_keys=True)
+    return RunResult(outputs=[path], metrics=done, message=msg)

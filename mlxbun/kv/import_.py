@@ -1,0 +1,196 @@
+"""command=kv_import: bring a prompt-cache file written by ``mlx_lm cache_prompt`` into the store.
+
+    python -m mlx_lm cache_prompt --model <dir> --prompt "$(cat system.txt)" --prompt-cache-file sys.safetensors
+    python -m mlxbun command=kv_import model.name=<dir> kv.file=sys.safetensors kv.name=system \
+        kv.prompt_file=system.txt
+
+mlx-lm's file holds no token ids, so the prompt it cached is given again (``kv.prompt`` or
+``kv.prompt_file``) and tokenized as ``cache_prompt`` does (through the chat template when the
+tokenizer has one). The import is checked before anything is stored: cache classes on the
+allow-list, one cache per model layer, the cache length equal to the prompt's token count, and
+(``kv.verify=true``) the last prompt token recomputed with the given model from the file's own
+cache must reproduce the file's keys and values at that position — another model or another
+prompt does not. The cache is then saved as a snapshot with this model's fingerprints.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxbun.errors import DriftError, InputError
+from mlxbun.kv import state
+from mlxbun.kv.commands import Loaded, digest_cache, load_model, prompt_text, store_of
+from mlxbun.kv.store import check_snapshot_name
+
+# recomputed K/V of the last token may differ from the file's by float rounding only
+TOLERANCE = 0.02
+
+
+def prompt_tokens(loaded: Loaded, text: str) -> list[int]:
+    """Token ids of ``text`` as ``mlx_lm cache_prompt`` makes them."""
+    tok = loaded.tokenizer
+    if getattr(tok, "has_chat_template", False):
+        messages = [{"role": "user", "content": text}]
+        return list(
+            tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
+        )
+    return list(tok.encode(text))
+
+
+def check_file(file: str | None) -> Path:
+    if not file:
+        raise InputError("kv.file is not set; pass kv.file=<prompt-cache .safetensors file>")
+    path = Path(file).expanduser()
+    if path.suffix != ".safetensors":
+        raise InputError(f"kv.file={file!r} must end in .safetensors (what mlx_lm cache_prompt writes)")
+    if not path.is_file():
+        raise InputError(f"kv.file={file!r} is not a file")
+    return path
+
+
+def read_prompt_cache(path: Path) -> tuple[list[Any], dict[str, str]]:
+    """The caches and user metadata of an mlx-lm prompt-cache file; classes are checked against
+    the allow-list before mlx-lm builds anything from their names."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import load_prompt_cache
+
+    try:
+        _, meta = mx.load(str(path), return_metadata=True)
+    except Exception as e:
+        raise InputError(f"kv.file={str(path)!r} is not a safetensors file ({e})") from None
+    classes = {k: v for k, v in meta.items() if k.startswith("1.")}
+    if not classes or "2.0" not in meta:
+        raise InputError(
+            f"kv.file={str(path)!r} is not an mlx-lm prompt-cache file (no cache classes in its metadata)"
+        )
+    bad = sorted({v for v in classes.values() if v not in state.CLASSES})
+    if bad:
+        raise InputError(
+            f"kv.file={str(path)!r}: cache class {bad[0]!r} is not supported; choose one of {', '.join(state.CLASSES)}"
+        )
+    try:
+        cache, user = load_prompt_cache(str(path), return_metadata=True)
+        state.cache_state(cache)  # refuses classes (also inside a CacheList) outside the allow-list
+    except InputError as e:
+        raise InputError(f"kv.file={str(path)!r}: {e}") from None
+    except Exception as e:
+        raise InputError(
+            f"kv.file={str(path)!r} is not a loadable prompt cache ({type(e).__name__}: {e})"
+        ) from None
+    return cache, user if isinstance(user, dict) else {}
+
+
+def cache_tokens(cache: list[Any]) -> int:
+    """The token count every layer of ``cache`` agrees on."""
+    offsets = {int(c.offset) for c in _leaves(cache)}
+    if len(offsets) != 1:
+        raise InputError(f"the prompt cache's layers disagree on their length: {sorted(offsets)}")
+    return offsets.pop()
+
+
+def _leaves(cache: list[Any]) -> list[Any]:
+    return [s for c in cache for s in (c.caches if type(c).__name__ == "CacheList" else [c])]
+
+
+def check_against(loaded: Loaded, cache: list[Any], tokens: list[int], *, path: Path) -> None:
+    """Layers, classes and length fit the model and prompt (InputError naming what differs)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    want = [type(c).__name__ for c in make_prompt_cache(loaded.model)]
+    got = [type(c).__name__ for c in cache]
+    if got != want:
+        raise InputError(
+            f"kv.file={str(path)!r} holds {len(got)} caches {sorted(set(got))}; the model makes {len(want)} {sorted(set(want))}"
+        )
+    n = cache_tokens(cache)
+    if n != len(tokens):
+        raise InputError(
+            f"kv.file={str(path)!r} caches {n} tokens but the prompt encodes to {len(tokens)}; "
+            "pass the prompt it was made from (kv.prompt or kv.prompt_file)"
+        )
+
+
+def recompute_check(loaded: Loaded, cache: list[Any], tokens: list[int], *, path: Path) -> float:
+    """Recompute the last prompt token from the file's cache of the tokens before it; its keys and
+    values must match the file's at that position. Returns the largest relative difference."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+    if len(tokens) < 2 or not can_trim_prompt_cache(cache):
+        raise InputError(
+            f"kv.file={str(path)!r} cannot be checked by recomputing its last token (untrimmable "
+            "or one-token cache); pass kv.verify=false to import it unchecked"
+        )
+    before = _last_token(cache, len(tokens))
+    trim_prompt_cache(cache, 1)
+    loaded.model(mx.array(tokens[-1:])[None], cache=cache)
+    after = _last_token(cache, len(tokens))
+    worst = 0.0
+    for name, a in before.items():
+        b = after[name]
+        worst = max(worst, float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(a))), 1e-6))
+    if worst > TOLERANCE:
+        raise DriftError(
+            f"kv.file={str(path)!r} was not made by this model from this prompt: recomputing its last "
+            f"token differs by {worst:.2g} (relative; at most {TOLERANCE} is rounding)"
+        )
+    return worst
+
+
+def _last_token(cache: list[Any], n: int) -> dict[str, np.ndarray]:
+    """Float keys/values/scales at token position n-1 of every layer, as float32 numpy."""
+    out = {}
+    for i, s in enumerate(state.cache_state(cache)):
+        for name, t in s.tensors.items():
+            if t.dtype == "uint32":
+                continue  # packed quantized weights: their scales and biases stand for them
+            raw = t.buf[:, :, n - 1]
+            out[f"{i}.{name}"] = (
+                (raw.astype(np.uint32) << 16).view(np.float32)
+                if t.dtype == "bfloat16"
+                else raw.astype(np.float32)
+            )
+    return out
+
+
+def run(cfg: Any) -> Any:
+    """command=kv_import: verify kv.file against the model and prompt, store it as kv.name."""
+    from mlxbun.provenance import RunResult
+    from mlxbun.source import model_dir
+
+    if not cfg.kv.name:
+        raise InputError("kv.name is not set; pass kv.name=<snapshot name>")
+    check_snapshot_name(cfg.kv.name)
+    path = check_file(cfg.kv.file)
+    text = prompt_text(prompt=cfg.kv.prompt, prompt_file=cfg.kv.prompt_file)
+    store = store_of(cfg)
+    store.check_writable()
+    cache, _ = read_prompt_cache(path)
+    loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
+    tokens = prompt_tokens(loaded, text)
+    check_against(loaded, cache, tokens, path=path)
+    checked = None
+    if cfg.kv.verify:
+        checked = recompute_check(loaded, read_prompt_cache(path)[0], tokens, path=path)
+    info = store.save(
+        cfg.kv.name,
+        cache,
+        tokens=tokens,
+        model=loaded.model_fp,
+        tokenizer=loaded.tokenizer_fp,
+        layout=cfg.kv.layout,
+        model_name=loaded.name,
+    )
+    store.remember_model(loaded.model_fp, loaded.name or str(loaded.path))
+    how = "unchecked (kv.verify=false)" if checked is None else f"last token recomputed within {checked:.1e}"
+    msg = f"imported {str(path)!r} as {info.name!r}: {info.tokens} tokens, {info.data_bytes / 1e6:.1f} MB, {how}"
+    metrics = {"tokens": info.tokens, "data_bytes": info.data_bytes, "recompute_diff": checked}
+    if cfg.json:
+        msg = json.dumps(metrics | {"name": info.name, "file": str(path), "model": info.model_name}, indent=2)
+    return RunResult(
+        outputs=[info.path], inputs=[path], metrics=metrics | {"store": str(store.root)}, message=msg
+    )

@@ -1,0 +1,134 @@
+"""kv_import / kv_export: mlx-lm prompt-cache files in and out of the store, checked both ways."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from cli_util import run_cli
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
+
+from mlxbun import synth
+from mlxbun.errors import DriftError, InputError
+from mlxbun.kv import commands
+from mlxbun.kv import import_ as imp
+from mlxbun.kv.export import export
+from mlxbun.kv.store import Store
+
+PROMPT = "the quick brown fox jumps over the lazy dog; " * 6
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    path = synth.ensure_synthetic(cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny")
+    return commands.load_model(path)
+
+
+def cached(loaded, text: str, path) -> list[int]:
+    """What ``mlx_lm cache_prompt`` writes for ``text``: the whole prompt's cache, full buffers."""
+    toks = imp.prompt_tokens(loaded, text)
+    cache = make_prompt_cache(loaded.model)
+    commands.prefill(loaded.model, toks, cache)
+    save_prompt_cache(str(path), cache, {"model": str(loaded.path), "tokenizer_config": "{}"})
+    return toks
+
+
+def test_import_checks_then_stores_a_prompt_cache(loaded, tmp_path):
+    src = tmp_path / "sys.safetensors"
+    toks = cached(loaded, PROMPT, src)
+    cache, _ = imp.read_prompt_cache(src)
+    imp.check_against(loaded, cache, toks, path=src)
+    assert imp.recompute_check(loaded, imp.read_prompt_cache(src)[0], toks, path=src) < 1e-2
+    store = Store(tmp_path / "kv")
+    store.save("sys", cache, tokens=toks, model=loaded.model_fp, tokenizer=loaded.tokenizer_fp)
+    assert store.verify()[1] == []
+    full = toks + [5, 6, 7]  # the chat-templated prompt, then a question
+    got = commands.continue_from(store, loaded, full, name=None, max_tokens=8, verify=True)
+    scratch = commands.greedy(loaded, full, make_prompt_cache(loaded.model), max_tokens=8)
+    assert got.reused == len(toks) and got.tokens == scratch
+
+
+def test_import_refuses_another_prompt_or_model(loaded, tmp_path):
+    src = tmp_path / "sys.safetensors"
+    toks = cached(loaded, PROMPT, src)
+    cache, _ = imp.read_prompt_cache(src)
+    with pytest.raises(InputError, match="caches .* tokens but the prompt encodes to"):
+        imp.check_against(loaded, cache, toks[:-1], path=src)
+    wrong = toks[:-1] + [(toks[-1] + 7) % 500]  # same length, another last token
+    with pytest.raises(DriftError, match="not made by this model from this prompt"):
+        imp.recompute_check(loaded, imp.read_prompt_cache(src)[0], wrong, path=src)
+    other = commands.load_model(
+        synth.ensure_synthetic(cache_dir=tmp_path, arch="llama", preset="tiny", seed=1)
+    )
+    with pytest.raises(DriftError, match="not made by this model"):
+        imp.recompute_check(other, imp.read_prompt_cache(src)[0], toks, path=src)
+
+
+def test_import_refuses_hostile_files(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    mx.save_safetensors(str(bad), {"0.0": mx.zeros((1,))}, {"1.0": "ArraysCache", "2.0": ""})
+    with pytest.raises(InputError, match="'ArraysCache' is not supported"):
+        imp.read_prompt_cache(bad)
+    mx.save_safetensors(str(bad), {"w": mx.zeros((1,))}, {"format": "mlx"})
+    with pytest.raises(InputError, match="not an mlx-lm prompt-cache file"):
+        imp.read_prompt_cache(bad)
+    bad.write_bytes(b"\xff" * 20)
+    with pytest.raises(InputError, match="not a safetensors file"):
+        imp.read_prompt_cache(bad)
+    with pytest.raises(InputError, match="must end in .safetensors"):
+        imp.check_file(str(tmp_path / "x.kvs"))
+
+
+@pytest.mark.parametrize("layout", ["snapshot", "blocks"])
+def test_export_writes_a_plain_prompt_cache(loaded, tmp_path, layout):
+    store = Store(tmp_path / "kv", block_kib=4)
+    info, toks, _ = commands.save_prompt(store, loaded, name="sys", text=PROMPT, layout=layout)
+    out = tmp_path / "out.safetensors"
+    done = export(store, "sys", out)
+    assert done["tokens"] == len(toks) and done["model"] == str(loaded.path)
+    cache, meta = load_prompt_cache(str(out), return_metadata=True)
+    assert meta == {"model": str(loaded.path), "tokenizer_config": "{}"}
+    rest = list(loaded.tokenizer.encode(PROMPT + " and then"))
+    scratch = commands.greedy(loaded, rest, make_prompt_cache(loaded.model), max_tokens=8)
+    assert commands.greedy(loaded, rest[len(toks) :], cache, max_tokens=8) == scratch
+
+
+def test_cli_import_of_mlx_lm_cache_prompt_and_export(loaded, tmp_path):
+    """The real ``mlx_lm cache_prompt`` output imports; the export opens in ``mlx_lm generate``."""
+    src = tmp_path / "sys.safetensors"
+    argv = [sys.executable, "-m", "mlx_lm", "cache_prompt", "--model", str(loaded.path)]
+    argv += ["--prompt", PROMPT, "--prompt-cache-file", str(src)]
+    r = subprocess.run(
+        argv, capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": ""}
+    )
+    assert r.returncode == 0, r.stderr
+    kv = [f"kv.store={tmp_path / 'kv'}", f"model.name={loaded.path}"]
+    r = run_cli(
+        "command=kv_import",
+        "kv.name=sys",
+        f"kv.file={src}",
+        f"kv.prompt={json.dumps(PROMPT)}",
+        *kv,
+        tmp=tmp_path,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "imported" in r.stdout and "last token recomputed within" in r.stdout
+    r = run_cli("command=kv_import", "kv.name=x", f"kv.file={src}", "kv.prompt=short", *kv, tmp=tmp_path)
+    assert r.returncode == 2 and "but the prompt encodes to" in r.stderr
+    out = tmp_path / "out.safetensors"
+    r = run_cli("command=kv_export", "kv.name=sys", f"kv.file={out}", *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    argv = [sys.executable, "-m", "mlx_lm", "generate", "--prompt-cache-file", str(out)]
+    argv += ["--prompt", " and then", "--max-tokens", "4", "--ignore-chat-template"]
+    r = subprocess.run(
+        argv, capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": ""}
+    )
+    assert r.returncode == 0, r.stderr
+    # the store's own file is path-free (model "" for a local directory): stock loaders open it
+    # as it is, and kv_export adds the model directory the store recorded for mlx_lm generate
+    snap = tmp_path / "kv/snapshots/sys.safetensors"
+    cache, meta = load_prompt_cache(str(snap), return_metadata=True)
+    assert meta["model"] == "" and len(cache) == len(make_prompt_cache(loaded.model))
