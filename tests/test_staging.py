@@ -1,0 +1,108 @@
+"""Staging of quantize outputs: no stuck states after SIGKILL, other runs' progress kept, reuse
+verified against digests recorded at publish, no absolute paths in artifacts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from cli_util import run_python
+from test_quantize import make_hf_model
+
+from mlxbun.quant.uniform import quantize_model_dir
+
+SHARD = 40_000  # bytes: a tiny llama gives several shards
+
+
+def quantize_code(src: Path, out: Path, **kw) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in {"bits": 4, "shard_bytes": SHARD, **kw}.items())
+    return (
+        "from mlxbun.quant.uniform import quantize_model_dir\n"
+        f"quantize_model_dir({str(src)!r}, {str(out)!r}, {args})\n"
+    )
+
+
+def all_files(d: Path) -> dict[str, bytes]:
+    """Every file under ``d``, hidden ones included, by relative name."""
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def visible_files(d: Path) -> dict[str, bytes]:
+    return {k: v for k, v in all_files(d).items() if not k.startswith(".")}
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory) -> Path:
+    return make_hf_model(tmp_path_factory.mktemp("src") / "llama", "llama", files=2)
+
+
+@pytest.fixture(scope="module")
+def clean(src, tmp_path_factory) -> Path:
+    return quantize_model_dir(src, tmp_path_factory.mktemp("clean") / "model", bits=4, shard_bytes=SHARD).out
+
+
+def test_kill_after_the_writer_finished_then_rerun_completes(src, clean, tmp_path):
+    out = tmp_path / "model"
+    killed = run_python(quantize_code(src, out), tmp=tmp_path, kill_at="finish")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not out.exists()
+    res = quantize_model_dir(src, out, bits=4, shard_bytes=SHARD)
+    assert not res.reused and all_files(out) == all_files(clean)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kill-hook", "model"]
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_kill_while_the_first_marker_is_written_then_rerun_completes(src, clean, tmp_path, resume):
+    out = tmp_path / "model"
+    killed = run_python(quantize_code(src, out), tmp=tmp_path, kill_at="rename-in:.model.partial-")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    (partial,) = [p for p in tmp_path.glob(".model.partial-*") if p.is_dir()]
+    assert [p.name for p in partial.iterdir() if ".tmp-" not in p.name] == []  # only a temp file
+    quantize_model_dir(src, out, bits=4, shard_bytes=SHARD, resume=resume)
+    assert all_files(out) == all_files(clean)
+
+
+def test_an_unrelated_quantize_keeps_another_runs_progress(src, clean, tmp_path):
+    root = tmp_path / "outputs" / ".partial"  # the CLI's stable root: every run's out is <run>/model
+    first, second = tmp_path / "run1" / "model", tmp_path / "run2" / "model"
+    killed = run_python(quantize_code(src, first, partial_root=str(root)), tmp=tmp_path, kill_at="shard:2")
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    (progress,) = [p for p in root.iterdir() if p.is_dir()]
+    quantize_model_dir(src, second, bits=8, shard_bytes=SHARD, partial_root=root)  # another conversion
+    assert progress.is_dir() and len(list(progress.glob(".mlxbun-shard-*"))) == 2
+    again = tmp_path / "run3" / "model"
+    quantize_model_dir(src, again, bits=4, shard_bytes=SHARD, partial_root=root)
+    assert all_files(again) == all_files(clean) and not progress.exists()
+
+
+@pytest.mark.parametrize("damage", ["flip", "delete", "truncate"])
+def test_a_damaged_output_is_not_reused(src, clean, tmp_path, damage):
+    out = tmp_path / "model"
+    shutil.copytree(clean, out)
+    shard = sorted(out.glob("model-*.safetensors"))[1]
+    if damage == "flip":
+        data = bytearray(shard.read_bytes())
+        data[-100] ^= 0x80
+        shard.write_bytes(bytes(data))
+    elif damage == "delete":
+        shard.unlink()
+    else:
+        shard.write_bytes(shard.read_bytes()[:-8])
+    res = quantize_model_dir(src, out, bits=4, shard_bytes=SHARD)
+    assert not res.reused
+    assert all_files(out) == all_files(clean)
+    assert quantize_model_dir(src, out, bits=4, shard_bytes=SHARD).reused  # intact now: reused
+
+
+def test_outputs_do_not_depend_on_where_the_source_is(src, clean, tmp_path):
+    elsewhere = tmp_path / "another" / "checkout" / "llama"
+    shutil.copytree(src, elsewhere)
+    for p in elsewhere.iterdir():
+        os.utime(p, ns=(1_000_000_000, 1_000_000_000))  # a fresh checkout: other mtimes
+    out = quantize_model_dir(elsewhere, tmp_path / "model", bits=4, shard_bytes=SHARD).out
+    assert all_files(out) == all_files(clean)
+    record = json.loads(next(out.glob(".mlxbun-*.json")).read_text())
+    assert str(tmp_path) not in json.dumps(record) and str(src) not in json.dumps(record)
