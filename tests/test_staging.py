@@ -14,6 +14,7 @@ from test_quantize import make_hf_model
 
 from mlxbun.quant.uniform import quantize_model_dir
 
+REPO = Path(__file__).resolve().parent.parent
 SHARD = 40_000  # bytes: a tiny llama gives several shards
 
 
@@ -106,3 +107,23 @@ def test_outputs_do_not_depend_on_where_the_source_is(src, clean, tmp_path):
     assert all_files(out) == all_files(clean)
     record = json.loads(next(out.glob(".mlxbun-*.json")).read_text())
     assert str(tmp_path) not in json.dumps(record) and str(src) not in json.dumps(record)
+
+
+def test_rotate_cli_rerun_after_sigkill_resumes(tiny_model, tmp_path):
+    from cli_util import kill_hook, run_cli
+
+    from mlxbun.rotate import rotate_model_dir
+
+    src = tiny_model("llama", norm_jitter=0.2)
+    args = ("command=rotate", f"model.name={src}", "io.shard_gb=0.00002", "fold.verify=false", "verbose=true")
+    hook = {"PYTHONPATH": f"{kill_hook(tmp_path)}{os.pathsep}{REPO}", "MLXBUN_TEST_KILL_AT": "shard:2"}
+    killed = run_cli(*args, tmp=tmp_path, env=hook)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    again = run_cli(*args, tmp=tmp_path, env={"PYTHONPATH": str(REPO)})
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "resuming" in again.stderr
+    runs = sorted((tmp_path / "outputs" / "rotate").iterdir())
+    assert len(runs) == 2 and not (runs[0] / "model").exists()
+    clean = rotate_model_dir(src, tmp_path / "clean", shard_bytes=int(0.00002 * (1 << 30)), verify=False)
+    assert all_files(runs[1] / "model") == all_files(clean.out)
+    assert not list((tmp_path / "outputs" / ".partial").iterdir())

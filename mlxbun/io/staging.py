@@ -258,8 +258,9 @@ class Stage:
         return self.out
 
     def discard(self) -> None:
-        """Delete the staging dir (the job failed in a way a resume would repeat)."""
+        """Delete the staging dir and its lock file (the job failed in a way a resume would repeat)."""
         shutil.rmtree(self.dir, ignore_errors=True)
+        self.lock.unlink(missing_ok=True)  # a waiter re-checks the name after locking
         self._state = "discarded"
 
     def _require(self, state: str, call: str) -> None:
