@@ -211,6 +211,8 @@ class Stage:
             reached("locked")
             yield stage
         finally:
+            if not stage.dir.exists():  # published, discarded or never claimed: nothing to guard
+                stage.lock.unlink(missing_ok=True)  # a waiter re-checks the name after locking
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
             f.close()
 
@@ -237,7 +239,10 @@ class Stage:
         return self.resumed
 
     def publish(self) -> Path:
-        """fsync every file, drop the marker, rename the staging dir to ``out``, drop the lock file."""
+        """fsync every file, drop the marker, rename the staging dir to ``out``.
+
+        The lock file goes when the lock is released, as for any stage without a staging dir.
+        """
         self._require("claimed", "publish")
         for p in sorted(self.dir.rglob("*")):
             if p.is_file():
@@ -253,14 +258,12 @@ class Stage:
         self.out.parent.mkdir(parents=True, exist_ok=True)
         publish_dir(self.dir, self.out)
         reached("published")
-        self.lock.unlink(missing_ok=True)  # a waiter re-checks the name after locking
         self._state = "published"
         return self.out
 
     def discard(self) -> None:
-        """Delete the staging dir and its lock file (the job failed in a way a resume would repeat)."""
+        """Delete the staging dir (the job failed in a way a resume would repeat)."""
         shutil.rmtree(self.dir, ignore_errors=True)
-        self.lock.unlink(missing_ok=True)  # a waiter re-checks the name after locking
         self._state = "discarded"
 
     def _require(self, state: str, call: str) -> None:
