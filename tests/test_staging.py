@@ -12,6 +12,7 @@ import pytest
 from cli_util import run_python
 from test_quantize import make_hf_model
 
+from mlxbun.io.staging import Stage, damaged_files, digest_files, read_marker
 from mlxbun.quant.uniform import quantize_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -127,3 +128,65 @@ def test_rotate_cli_rerun_after_sigkill_resumes(tiny_model, tmp_path):
     clean = rotate_model_dir(src, tmp_path / "clean", shard_bytes=int(0.00002 * (1 << 30)), verify=False)
     assert all_files(runs[1] / "model") == all_files(clean.out)
     assert not list((tmp_path / "outputs" / ".partial").iterdir())
+
+
+# ---------------------------------------------------------------------------- the protocol itself
+
+
+def _claimed(out: Path, key: str, root: Path, *, kind: str = "synth") -> Path:
+    with Stage.locked(out, kind=kind, key=key, root=root) as stage:
+        stage.claim()
+        (stage.dir / "part").write_text(key)
+        return stage.dir
+
+
+def test_stale_sweep_removes_only_earlier_jobs_into_the_same_out(tmp_path):
+    import fcntl
+
+    root, out = tmp_path / "root", tmp_path / "run1" / "model"
+    earlier = _claimed(out, "a" * 64, root)
+    held = _claimed(out, "b" * 64, root)
+    other_run = _claimed(tmp_path / "run2" / "model", "c" * 64, root)
+    other_kind = _claimed(out, "d" * 64, root, kind="rotate")
+    foreign = root / ".model.partial-eeeeeeeeeeeeeeee"  # no marker: not known to be stale
+    foreign.mkdir()
+    with open(held.with_name(held.name + ".lock"), "a") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # a live run
+        mine = _claimed(out, "f" * 64, root)
+    assert not earlier.exists() and not earlier.with_name(earlier.name + ".lock").exists()
+    assert all(d.is_dir() for d in (held, other_run, other_kind, foreign, mine))
+    assert read_marker(mine) == {"version": 1, "kind": "synth", "key": "f" * 64, "target": str(out)}
+
+
+def test_a_rerun_with_another_target_resumes_and_retargets(tmp_path):
+    root = tmp_path / "root"
+    first = _claimed(tmp_path / "run1" / "model", "a" * 64, root)
+    with Stage.locked(tmp_path / "run2" / "model", kind="synth", key="a" * 64, root=root) as stage:
+        assert stage.claim() and stage.dir == first and (first / "part").read_text() == "a" * 64
+        assert read_marker(first)["target"] == str(tmp_path / "run2" / "model")
+        stage.publish()
+    assert (tmp_path / "run2" / "model" / "part").is_file() and list(root.iterdir()) == []
+    with Stage.locked(tmp_path / "run3" / "model", kind="synth", key="a" * 64, root=root) as stage:
+        with pytest.raises(RuntimeError, match=r"publish\(\) on a stage that is locked"):
+            stage.publish()
+        assert stage.claim() is False  # nothing left to resume
+        with pytest.raises(RuntimeError, match=r"claim\(\) on a stage that is claimed"):
+            stage.claim()
+        stage.discard()
+    assert list(root.iterdir()) == []
+
+
+def test_damaged_files_names_each_problem(tmp_path):
+    (tmp_path / "a").write_bytes(b"aaaa")
+    (tmp_path / "b").write_bytes(b"bbbb")
+    (tmp_path / ".hidden").write_bytes(b"not recorded")
+    files = digest_files(tmp_path)
+    assert sorted(files) == ["a", "b"] and files["a"]["size"] == 4
+    (tmp_path / "a").write_bytes(b"aaab")
+    (tmp_path / "b").unlink()
+    files["../x"] = {"sha256": "0" * 64, "size": 1}
+    assert damaged_files(tmp_path, files) == [
+        "../x: missing",
+        "a: sha256 differs from the one recorded at publish",
+        "b: missing",
+    ]
