@@ -184,9 +184,9 @@ def test_damaged_files_names_each_problem(tmp_path):
     assert sorted(files) == ["a", "b"] and files["a"]["size"] == 4
     (tmp_path / "a").write_bytes(b"aaab")
     (tmp_path / "b").unlink()
-    files["../x"] = {"sha256": "0" * 64, "size": 1}
+    files["../x"] = {"xxh3_128": "0" * 32, "size": 1}
     assert damaged_files(tmp_path, files) == [
         "../x: missing",
-        "a: sha256 differs from the one recorded at publish",
+        "a: xxh3_128 differs from the one recorded at publish",
         "b: missing",
     ]

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -50,6 +49,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
+import xxhash
+
 from mlxbun.io.atomic import atomic_write_json, fsync_dir, publish_dir
 
 log = logging.getLogger("mlxbun")
@@ -59,6 +60,7 @@ MARKER_VERSION = 1
 STEPS = ("locked", "created", "claimed", "weights", "built", "unmarked", "published")
 KEY_CHARS = 16
 HASH_CHUNK = 8 << 20
+DIGEST = "xxh3_128"
 
 
 def reached(step: str) -> None:
@@ -123,8 +125,9 @@ def read_marker(d: Path) -> dict[str, Any] | None:
 # ---------------------------------------------------------------------------- digests
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
+def file_digest(path: Path) -> str:
+    """XXH3-128 of a file: catches flipped, lost or truncated bytes at ~5 GB/s (sha256: ~0.4 here)."""
+    h = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while block := f.read(HASH_CHUNK):
             h.update(block)
@@ -136,12 +139,12 @@ def _visible_files(d: Path) -> list[Path]:
 
 
 def digest_files(d: Path) -> dict[str, dict[str, Any]]:
-    """{relative name: {"sha256", "size"}} of every visible file under ``d`` (sorted)."""
+    """{relative name: {"xxh3_128", "size"}} of every visible file under ``d`` (sorted)."""
     files = _visible_files(d)
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(file_sha256, files))
+        digests = list(pool.map(file_digest, files))
     return {
-        p.relative_to(d).as_posix(): {"sha256": h, "size": p.stat().st_size}
+        p.relative_to(d).as_posix(): {DIGEST: h, "size": p.stat().st_size}
         for p, h in zip(files, digests, strict=True)
     }
 
@@ -158,8 +161,8 @@ def damaged_files(d: Path, files: dict[str, dict[str, Any]]) -> list[str]:
             bad.append(f"{name}: missing")
         elif p.stat().st_size != want.get("size"):
             bad.append(f"{name}: size {p.stat().st_size}, recorded {want.get('size')}")
-        elif file_sha256(p) != want.get("sha256"):
-            bad.append(f"{name}: sha256 differs from the one recorded at publish")
+        elif file_digest(p) != want.get(DIGEST):
+            bad.append(f"{name}: {DIGEST} differs from the one recorded at publish")
     return bad
 
 

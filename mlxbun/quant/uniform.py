@@ -21,7 +21,7 @@ On disk (the staging protocol of :mod:`mlxbun.io.staging`, kind "quantize")::
         .mlxbun-quantize.json             record: {"format", "settings", "source" (a digest of
                                           config.json, file sizes and safetensors headers: no
                                           paths, no mtimes), "quantization", "files": {name:
-                                          {"sha256", "size"}}}; a later run reuses <out> only
+                                          {"xxh3_128", "size"}}}; a later run reuses <out> only
                                           when settings and source match and every file verifies
 """
 
