@@ -92,6 +92,7 @@ def test_a_kill_at_any_step_then_a_rerun_gives_the_same_bytes(sources, reference
     assert list(root.iterdir()) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", KILL_POINTS)
 def test_quantize_killed_then_rerun_into_the_same_out(sources, reference, tmp_path, where):
     out = tmp_path / "model"

@@ -33,6 +33,10 @@ What a re-run finds and does, holding the lock:
 - staging dirs of the same kind and target with another key (an earlier job into this same
   ``<out>``, which can never be published now): removed, unless a live run holds their lock.
   Staging dirs of other targets are other runs' resumable progress and are never touched.
+
+A job that may reuse an existing ``<out>`` (quantize) records :func:`digest_files` of its files
+in its own record before publishing and reuses ``<out>`` only when :func:`damaged_files` finds
+nothing; a damaged ``<out>`` of its own is removed with :func:`discard_dir` and built again.
 """
 
 from __future__ import annotations
