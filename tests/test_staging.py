@@ -190,3 +190,35 @@ def test_damaged_files_names_each_problem(tmp_path):
         "a: xxh3_128 differs from the one recorded at publish",
         "b: missing",
     ]
+
+
+def test_a_waiter_on_a_lock_file_unlinked_by_a_publish_locks_the_current_one(tmp_path):
+    import fcntl
+    import threading
+
+    from mlxbun.io.staging import _open_locked
+
+    path = tmp_path / ".model.partial-0123456789abcdef.lock"
+    holder = open(path, "a")
+    fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(f=_open_locked(path, wait=True)))
+    waiter.start()
+    while not got and not _waiting_on(path):
+        pass
+    path.unlink()  # the holder published and dropped the lock file ...
+    newcomer = open(path, "a")  # ... and a newcomer created and locked a fresh one
+    fcntl.flock(newcomer.fileno(), fcntl.LOCK_EX)
+    holder.close()  # the waiter now gets the old, unlinked file: it must not stop there
+    waiter.join(0.5)
+    assert waiter.is_alive()  # still waiting, now on the newcomer's file
+    newcomer.close()
+    waiter.join(5)
+    assert os.fstat(got["f"].fileno()).st_ino == os.stat(path).st_ino
+    got["f"].close()
+
+
+def _waiting_on(path: Path) -> bool:
+    """Is some thread of this process blocked in flock on ``path``? (from /proc/locks)"""
+    ino = os.stat(path).st_ino
+    return any(f":{ino} " in line and "->" in line for line in Path("/proc/locks").read_text().splitlines())
