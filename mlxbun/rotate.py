@@ -36,7 +36,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,8 +45,9 @@ import numpy as np
 
 from mlxbun.errors import DriftError, InputError
 from mlxbun.hadamard import HadamardSpec, apply_rows, plan
-from mlxbun.io.atomic import atomic_write_json, fsync_dir, publish_dir
+from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import OUTPUT_CODES as OUT_DTYPES
+from mlxbun.io.staging import Stage, reached, stable_root, weights_written
 from mlxbun.kl import kl as _kl
 
 log = logging.getLogger("mlxbun")
@@ -536,24 +536,18 @@ def _job(m: Any, *, seed: int, dtype: str | None, shard_bytes: int) -> dict[str,
     }
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # torn or unreadable: treated as another job
+def _job_key(job: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
 
 
-def _prepare_partial(tmp: Path, job: dict[str, Any]) -> bool:
-    """Reuse ``tmp`` when it holds a partial run of the same job (returns True), else start it afresh."""
-    marker = tmp / ".rotate-job.json"
-    finished = any(tmp.glob("model*.safetensors"))  # failed after the shards: redo it all
-    if marker.is_file() and not finished and _read_json(marker) == job:
-        return True
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    atomic_write_json(marker, job)
-    return False
+def _tensor_hash(m: Any, name: str) -> tuple[str, list[int], str]:
+    info = m.info(name)
+    return info.dtype, list(info.shape), hashlib.sha256(m.numpy(name)).hexdigest()
+
+
+def _source_fingerprint(m: Any) -> dict[str, Any]:
+    """What :func:`_stream` records of the source, for a resumed run whose shards are all written."""
+    return {**_fingerprint({n: _tensor_hash(m, n) for n in m.names()}), "bytes": m.total_bytes}
 
 
 def _fingerprint(hashes: dict[str, tuple[str, list[int], str]]) -> dict[str, Any]:
@@ -562,32 +556,38 @@ def _fingerprint(hashes: dict[str, tuple[str, list[int], str]]) -> dict[str, Any
 
 
 def _stream(
-    m: Any, fp: FoldPlan, rot: Rotation, tmp: Path, *, dtype: str | None, shard_bytes: int, resume: bool
-):
-    """Fold every tensor into shards in ``tmp``; returns the layout and the source fingerprint."""
+    m: Any, fp: FoldPlan, rot: Rotation, tmp: Path, *, dtype: str | None, shard_bytes: int
+) -> dict[str, Any]:
+    """Fold every tensor into shards in ``tmp`` (resuming its shards); returns the source fingerprint."""
     from mlxbun.io.shards import ShardedWriter
     from mlxbun.progress import Progress
 
     hashes: dict[str, tuple[str, list[int], str]] = {}
     progress = Progress(total=sum(m.info(s).nbytes for _, _, s in fp.roles.values()), unit="B", desc="rotate")
-    with ShardedWriter(tmp, shard_bytes=shard_bytes, resume=resume) as writer:
+    with ShardedWriter(tmp, shard_bytes=shard_bytes, resume=True) as writer:
+        if writer.done_names:
+            log.info(
+                "rotate: resuming %s, %d of %d tensors already written",
+                tmp,
+                len(writer.done_names),
+                len(fp.roles),
+            )
         for name, (role, feeder, source) in fp.roles.items():
             info = m.info(source)
             if source not in hashes:
-                hashes[source] = (info.dtype, list(info.shape), hashlib.sha256(m.numpy(source)).hexdigest())
+                hashes[source] = _tensor_hash(m, source)
             if name not in writer.done_names:
                 gain, out_dtype = fp.gains[feeder] if feeder else None, dtype or info.dtype
                 store = fold_tensor(m.array(source), role, gain, rot, dtype=out_dtype, gemma=fp.gemma)
                 writer.add(name, _wrap(store, out_dtype))
                 del store
             progress.update(info.nbytes)
-        layout = writer.finish()
+        writer.finish()
     progress.close()
     for name in m.names():
         if name not in hashes:  # an ignored tied lm_head still identifies the source
-            info = m.info(name)
-            hashes[name] = (info.dtype, list(info.shape), hashlib.sha256(m.numpy(name)).hexdigest())
-    return layout, {**_fingerprint(hashes), "bytes": m.total_bytes}
+            hashes[name] = _tensor_hash(m, name)
+    return {**_fingerprint(hashes), "bytes": m.total_bytes}
 
 
 def _copy_side_files(src: Path, tmp: Path, config: dict[str, Any]) -> list[Path]:
@@ -607,10 +607,14 @@ def _copy_side_files(src: Path, tmp: Path, config: dict[str, Any]) -> list[Path]
 def _check_paths(src: Path, out: Path, dtype: str | None) -> None:
     if dtype is not None and dtype not in OUT_DTYPES:
         raise InputError(f"fold.dtype={dtype!r} is not allowed; choose one of {', '.join(OUT_DTYPES)}")
-    if out.exists():
-        raise InputError(f"output directory {out} already exists; choose a new one (rotate never overwrites)")
+    _refuse_existing(out)
     if (src / RECORD).is_file():
         raise InputError(f"{src} already holds {RECORD}: it is a rotated model; rotate its source instead")
+
+
+def _refuse_existing(out: Path) -> None:
+    if out.exists():
+        raise InputError(f"output directory {out} already exists; choose a new one (rotate never overwrites)")
 
 
 def rotate_model_dir(
@@ -622,12 +626,14 @@ def rotate_model_dir(
     shard_bytes: int = 5 << 30,
     verify: bool = True,
     verify_tokens: int = 64,
+    partial_root: str | Path | None = None,
 ) -> RotateResult:
     """Write a rotated copy of the HF-layout checkpoint ``src`` to the new directory ``out``.
 
-    Streams one tensor at a time; the output is built in ``.<out>.partial`` beside ``out``
-    (resumed when a run with the same settings was interrupted) and published only when complete
-    and, with ``verify``, checked against the source on random tokens.
+    Streams one tensor at a time; the output is built in a staging dir (see
+    :mod:`mlxbun.io.staging`; resumed when a run with the same source and settings was
+    interrupted) and published only when complete and, with ``verify``, checked against the
+    source on random tokens.
 
     Args:
         src: source model directory (llama, mistral, qwen2, qwen3, gemma3_text; bf16/f16/f32).
@@ -637,6 +643,7 @@ def rotate_model_dir(
         shard_bytes: shard size ceiling of the output.
         verify: compare logits of both models (see :func:`verify_rotation`); DriftError if they differ.
         verify_tokens: random tokens for the check.
+        partial_root: where the staging dir lives (default: beside ``out``).
 
     Example:
         >>> res = rotate_model_dir("models/llama", "models/llama-r1", seed=0)
@@ -644,27 +651,51 @@ def rotate_model_dir(
     """
     from mlxbun.io.safetensors import open_model
 
-    src, out = Path(src), Path(out)
+    src, out = Path(src), Path(out).absolute()
     _check_paths(src, out, dtype)
     with open_model(src) as m:
         fp = check_source(m)
         rot = Rotation.build(seed=seed, n=fp.hidden_size)
-        tmp = out.parent / f".{out.name}.partial"
-        resume = _prepare_partial(tmp, _job(m, seed=seed, dtype=dtype, shard_bytes=shard_bytes))
-        layout, source = _stream(
-            m, fp, rot, tmp, dtype=OUT_DTYPES.get(dtype), shard_bytes=shard_bytes, resume=resume
-        )
-    names = [p.name for p in layout.files] + (
-        ["model.safetensors.index.json"] if layout.index_written else []
+        key = _job_key(_job(m, seed=seed, dtype=dtype, shard_bytes=shard_bytes))
+        with Stage.locked(out, kind="rotate", key=key, root=partial_root) as stage:
+            _refuse_existing(out)
+            stage.claim()
+            tmp = stage.dir
+            if weights_written(tmp):
+                source = _source_fingerprint(m)
+            else:
+                source = _stream(m, fp, rot, tmp, dtype=OUT_DTYPES.get(dtype), shard_bytes=shard_bytes)
+            reached("weights")
+            _copy_side_files(src, tmp, fp.config)
+            record = _record(fp, rot, seed=seed, source=source, dtype=dtype)
+            record.write(tmp / RECORD)
+            try:
+                report = _verify_partial(src, tmp, verify=verify, tokens=verify_tokens, seed=seed)
+            except DriftError:
+                stage.discard()  # a resume would publish the same wrong fold
+                raise
+            names, total = _written_names(tmp), _total_bytes(tmp)
+            stage.publish()
+    return RotateResult(out, record, [out / n for n in names], report, total)
+
+
+def _written_names(d: Path) -> list[str]:
+    """The files of the rotated model in ``d``: shards, index, config and tokenizer, the record."""
+    from mlxbun.io.safetensors import INDEX_FILE
+
+    weights = sorted(p.name for p in d.glob("model*.safetensors"))
+    weights += [INDEX_FILE] if (d / INDEX_FILE).is_file() else []
+    side = sorted(
+        p.name for p in d.iterdir() if p.name not in (*weights, RECORD) and not p.name.startswith(".")
     )
-    names += [p.name for p in _copy_side_files(src, tmp, fp.config)] + [RECORD]
-    record = _record(fp, rot, seed=seed, source=source, dtype=dtype)
-    record.write(tmp / RECORD)
-    report = _verify_partial(src, tmp, verify=verify, tokens=verify_tokens, seed=seed)
-    (tmp / ".rotate-job.json").unlink()
-    fsync_dir(tmp)
-    publish_dir(tmp, out)
-    return RotateResult(out, record, [out / n for n in names], report, layout.total_size)
+    return [*weights, *side, RECORD]
+
+
+def _total_bytes(d: Path) -> int:
+    from mlxbun.io.safetensors import open_model
+
+    with open_model(d) as m:
+        return m.total_bytes
 
 
 def _record(
@@ -688,7 +719,6 @@ def _verify_partial(src: Path, tmp: Path, *, verify: bool, tokens: int, seed: in
         return None
     report = verify_rotation(src, tmp, n_tokens=tokens, seed=seed)
     if report is not None and not report.ok:
-        shutil.rmtree(tmp)
         raise DriftError(
             f"rotated model differs from {src}: KL {report.kl:.2e} > {report.kl_tolerance:.0e} for its weight dtype "
             f"and > {BASELINE_FACTOR:g} × the KL of jittering the source by its rounding ({report.baseline_kl:.2e}); "
@@ -854,6 +884,7 @@ def run(cfg: Any) -> Any:
         dtype=cfg.fold.dtype,
         shard_bytes=int(cfg.io.shard_gb * (1 << 30)),
         verify=cfg.fold.verify,
+        partial_root=stable_root(cfg.paths.outputs, out),  # a re-run into a new run dir resumes
     )
     rec, spec = res.record, HadamardSpec.from_dict(res.record.hadamard)
     check = (

@@ -5,7 +5,7 @@ Random weights with real shapes and Hugging Face tensor names, written tensor by
 :class:`mlxbun.io.shards.ShardedWriter` (memory stays near one shard), plus a byte-level BPE
 tokenizer built offline, so ``mlx_lm.load`` and ``generate`` work on the result::
 
-    <out>/                                  built as .<out>.partial/, renamed when complete
+    <out>/                                  staged by mlxbun.io.staging, renamed when complete
         synth.json                          resolved spec, planted channels, format version
         config.json                         HF config (model_type, dims, rope, eps, torch_dtype, ...)
         generation_config.json              bos / eos / pad ids
@@ -68,8 +68,9 @@ from typing import Any
 import numpy as np
 
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, fsync_dir, publish_dir
+from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock
 from mlxbun.io.dtypes import OUTPUT_DTYPES as DTYPES
+from mlxbun.io.staging import Stage, reached, stable_root, staging_dir, weights_written
 from mlxbun.schema import ARCHS, SYNTH_DIMS
 
 log = logging.getLogger("mlxbun")
@@ -794,44 +795,15 @@ def build_tokenizer(vocab_size: int) -> Any:
 # ---------------------------------------------------------------------------- writing
 
 
-def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    fsync_dir(root)
-
-
 def _spec_record(spec: Spec) -> dict[str, Any]:
     return {**spec.to_dict(), "planted_channels": planted_channels(spec)}
-
-
-def _prepare_partial(partial: Path, spec: Spec) -> None:
-    """Keep a partial build of the same spec (its finished shards are resumed); else start over."""
-    record = partial / SPEC_FILE
-    same = record.is_file() and json.loads(record.read_text()) == _spec_record(spec)
-    if partial.exists() and not same:
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True, exist_ok=True)
-    if not same:
-        atomic_write_json(record, _spec_record(spec))
-
-
-def _weights_done(partial: Path) -> bool:
-    # The writer deletes its journal last in finish(): shards without a journal are complete.
-    from mlxbun.io.shards import JOURNAL
-
-    return not (partial / JOURNAL).exists() and any(partial.glob("model*.safetensors"))
 
 
 def _write_weights(spec: Spec, partial: Path, *, shard_bytes: int, overlap: bool) -> None:
     from mlxbun.io.shards import ShardedWriter
     from mlxbun.progress import Progress
 
-    if _weights_done(partial):
+    if weights_written(partial):
         return
     tensors, channels = plan(spec), planted_channels(spec)
     progress = Progress(total=sum(t.nbytes for t in tensors), unit="B", desc=f"synth {spec.arch}")
@@ -880,25 +852,21 @@ def write_spec(
 ) -> Path:
     """Write ``spec`` into ``out_dir`` (must not exist) through a hidden partial directory.
 
-    The partial directory ``.<name>.partial-<spec hash>`` lives in ``partial_root`` (default:
-    beside ``out_dir``; same filesystem) under a lock; a killed build of the same spec resumes
-    from its finished shards, and the directory is renamed to ``out_dir`` when complete.
+    The staging dir ``.<name>.partial-<spec hash>`` (see :mod:`mlxbun.io.staging`) lives in
+    ``partial_root`` (default: beside ``out_dir``; same filesystem) under a lock; a killed build
+    of the same spec resumes from its finished shards, and the directory is renamed to
+    ``out_dir`` when complete.
     """
     out_dir = Path(out_dir).expanduser().absolute()
     _refuse_existing(out_dir)
-    root = Path(partial_root).expanduser().absolute() if partial_root else out_dir.parent
-    root.mkdir(parents=True, exist_ok=True)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    partial = root / f".{out_dir.name}.partial-{spec.hash}"
-    lock = partial.with_name(partial.name + ".lock")
-    with file_lock(lock):
-        _refuse_existing(out_dir)
-        _prepare_partial(partial, spec)
-        _write_weights(spec, partial, shard_bytes=shard_bytes, overlap=overlap)
-        _write_side_files(spec, partial)
-        _fsync_tree(partial)
-        publish_dir(partial, out_dir)
-        lock.unlink()  # safe once published: a waiter re-checks out_dir before building
+    with Stage.locked(out_dir, kind="synth", key=spec.hash, root=partial_root) as stage:
+        _refuse_existing(out_dir)  # a waiter finds the first build published
+        stage.claim()
+        atomic_write_json(stage.dir / SPEC_FILE, _spec_record(spec))
+        _write_weights(spec, stage.dir, shard_bytes=shard_bytes, overlap=overlap)
+        reached("weights")
+        _write_side_files(spec, stage.dir)
+        stage.publish()
     return out_dir
 
 
@@ -972,14 +940,6 @@ def ensure_synthetic(*, cache_dir: str | Path, shard_bytes: int = 5 << 30, **fie
     return final
 
 
-def _stable_partial_root(outputs: Path, out: Path) -> Path:
-    """``<outputs>/.partial`` when it is on ``out``'s filesystem (the final step is a rename)."""
-    root = outputs.expanduser().absolute() / ".partial"
-    root.mkdir(parents=True, exist_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return root if os.stat(root).st_dev == os.stat(out.parent).st_dev else out.parent
-
-
 def available_memory() -> int | None:
     """Bytes this process may still allocate: MemAvailable, capped by RLIMIT_AS (``ulimit -v``)."""
     import resource
@@ -1010,7 +970,7 @@ def check_room(spec: Spec, *, out: Path, partial_root: Path | None, shard_bytes:
     tensors = plan(spec)
     total, largest = sum(t.nbytes for t in tensors), max(t.nbytes for t in tensors)
     root = partial_root or out.parent
-    done = sum(f.stat().st_size for f in root.glob(f".{out.name}.partial-{spec.hash}/*") if f.is_file())
+    done = sum(f.stat().st_size for f in staging_dir(out, spec.hash, root).glob("*") if f.is_file())
     where = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(where).free
     s = spec.shape
@@ -1038,7 +998,7 @@ def run(cfg: Any) -> Any:
     spec = resolve_spec(**fields)
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "model"
     # Into a fresh run dir: keep the partial build at a stable place so a re-run resumes it.
-    root = None if cfg.synth.out else _stable_partial_root(Path(cfg.paths.outputs), out)
+    root = None if cfg.synth.out else stable_root(cfg.paths.outputs, out)
     check_room(spec, out=out, partial_root=root, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap)
     start = time.perf_counter()
     path = write_spec(spec, out, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap, partial_root=root)

@@ -40,3 +40,64 @@ def write_then_die(self, k, items):
         os.kill(os.getpid(), signal.SIGKILL)
 shards.ShardedWriter._write_shard = write_then_die
 """
+
+# A sitecustomize.py body that SIGKILLs the process at the point named by MLXBUN_TEST_KILL_AT:
+#   step:<name>        at mlxbun.io.staging.reached(<name>) (a step of the staging protocol)
+#   finish             when a ShardedWriter.finish() returns
+#   shard:<k>          when a ShardedWriter has written its k-th shard
+#   rename-in:<prefix> before the first os.replace into a directory whose name starts with <prefix>
+# Unset, it does nothing.
+KILL_AT = """
+import os, signal
+where = os.environ.get("MLXBUN_TEST_KILL_AT", "")
+kind, _, arg = where.partition(":")
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+if kind == "step":
+    from mlxbun.io import staging
+    def reached(step):
+        if step == arg:
+            die()
+    staging.reached = reached
+elif kind in ("finish", "shard"):
+    from mlxbun.io import shards
+    real_finish, real_write = shards.ShardedWriter.finish, shards.ShardedWriter._write_shard
+    def finish(self):
+        layout = real_finish(self)
+        if kind == "finish":
+            die()
+        return layout
+    def write_shard(self, k, items):
+        real_write(self, k, items)
+        if kind == "shard" and k == int(arg):
+            die()
+    shards.ShardedWriter.finish, shards.ShardedWriter._write_shard = finish, write_shard
+elif kind == "rename-in":
+    real_replace = os.replace
+    def replace(src, dst, **kw):
+        if os.path.basename(os.path.dirname(os.path.abspath(dst))).startswith(arg):
+            die()
+        return real_replace(src, dst, **kw)
+    os.replace = replace
+"""
+
+
+def kill_hook(tmp: Path) -> Path:
+    """A directory holding the KILL_AT sitecustomize.py; put it first on a child's PYTHONPATH."""
+    hook = tmp / "kill-hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(KILL_AT)
+    return hook
+
+
+def run_python(
+    code: str, *, tmp: Path, kill_at: str | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter importing this checkout; ``kill_at`` as in KILL_AT."""
+    path = [str(kill_hook(tmp)), str(REPO)] if kill_at else [str(REPO)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "HF_HUB_OFFLINE": "1"}
+    if kill_at:
+        env["MLXBUN_TEST_KILL_AT"] = kill_at
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
+    )

@@ -275,7 +275,7 @@ def test_stale_partial_of_another_conversion_is_removed(tmp_path):
     (stale,) = out.parent.glob(".model.partial-*[!k]")
     busy = out.parent / ".model.partial-0123456789abcdef"  # another run holds this one's lock
     busy.mkdir()
-    (busy / ".mlxbun-quantize.json").write_text((stale / ".mlxbun-quantize.json").read_text())
+    (busy / ".mlxbun-stage.json").write_text((stale / ".mlxbun-stage.json").read_text())
     mine = out.parent / ".model.partial-notmine"  # not a quantize partial name: never touched
     mine.mkdir()
     with open(busy.with_name(busy.name + ".lock"), "a") as held:
@@ -340,7 +340,7 @@ def test_bad_sources_and_outputs_are_refused(tmp_path):
 def test_a_different_conversion_does_not_reuse_an_output(tmp_path):
     src = make_hf_model(tmp_path / "src", "llama")
     first = quantize_model_dir(src, tmp_path / "out", bits=4)
-    assert json.loads((first.out / MARKER).read_text())["state"] == "complete"
+    assert "model.safetensors" in json.loads((first.out / MARKER).read_text())["files"]
     with pytest.raises(InputError, match=r"already exists and is not this conversion"):
         quantize_model_dir(src, tmp_path / "out", bits=8)
 

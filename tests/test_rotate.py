@@ -395,7 +395,7 @@ def test_interrupted_run_resumes_to_the_same_bytes(tiny_model, tmp_path, monkeyp
     monkeypatch.setattr(rotate, "fold_tensor", crash_late)
     with pytest.raises(KeyboardInterrupt):
         rotate_model_dir(src, tmp_path / "out", seed=9, shard_bytes=40_000, verify=False)
-    partial = tmp_path / ".out.partial"
+    (partial,) = tmp_path.glob(".out.partial-*[!k]")
     assert not (tmp_path / "out").exists() and list(partial.glob(".mlxbun-shard-*"))
     calls.clear()
     monkeypatch.setattr(rotate, "fold_tensor", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
@@ -475,12 +475,20 @@ def test_recipe_synth_rotate_quantize_loads_in_mlx_lm(tmp_path):
     assert np.isfinite(np.asarray(out.astype(mx.float32))).all()
 
 
-def test_a_torn_partial_from_another_job_is_started_afresh(tiny_model, tmp_path):
+def test_a_torn_partial_from_another_job_is_started_afresh(tiny_model, tmp_path, monkeypatch):
     src = tiny_model("llama", dtype="float32")
-    partial = tmp_path / ".out.partial"
-    partial.mkdir()
-    (partial / ".rotate-job.json").write_text('{"seed": ')
+    real = rotate.fold_tensor
+
+    def crash(*args, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rotate, "fold_tensor", crash)
+    with pytest.raises(KeyboardInterrupt):
+        rotate_model_dir(src, tmp_path / "out", seed=0, verify=False)
+    (partial,) = tmp_path.glob(".out.partial-*[!k]")
+    (partial / ".mlxbun-stage.json").write_text('{"seed": ')
     (partial / "stray.bin").write_bytes(b"x")
+    monkeypatch.setattr(rotate, "fold_tensor", real)
     res = rotate_model_dir(src, tmp_path / "out", seed=0, verify=False)
     assert not (res.out / "stray.bin").exists() and not partial.exists()
     assert read_fold_record(res.out).seed == 0

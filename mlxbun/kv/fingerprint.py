@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import re
 from pathlib import Path
-from typing import Any
 
 SCHEME = b"mlxbun.kv.model/2\0"
 HEX64 = re.compile(r"[0-9a-f]{64}")

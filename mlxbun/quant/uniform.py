@@ -5,19 +5,24 @@ Output tensors, their order, shard packing and config.json match ``mlx_lm conver
 same settings (see :mod:`mlxbun.quant.plan` for how the structure is derived); memory stays at
 about one shard plus a few modules in flight, whatever the model size.
 
-On disk::
+On disk (the staging protocol of :mod:`mlxbun.io.staging`, kind "quantize")::
 
-    .<out name>.partial-<fp16>/           hidden; beside <out>, or in <paths.outputs>/.partial/
-                                          for the default out, so that a re-run finds it
-        .mlxbun-quantize.json             marker: fingerprint of source + settings, state
+    .<out name>.partial-<key16>/          staging dir, beside <out> or in <paths.outputs>/.partial/
+                                          for the default out, so that a re-run finds it; key:
+                                          source identity, weight files' mtimes, settings
+        .mlxbun-stage.json                stage marker (never published)
         .mlxbun-shards.json               ShardedWriter journal (completed shards, digests)
         .mlxbun-shard-0000k.safetensors   completed shards
-    .<out name>.partial-<fp16>.lock       flock held while a run works on it
-    <out>/                                the partial dir, renamed when everything is written
+    .<out name>.partial-<key16>.lock      flock held while a run works on it
+    <out>/                                the staging dir, renamed when everything is written
         model.safetensors | model-0000i-of-0000N.safetensors, model.safetensors.index.json
         config.json                       with "quantization" and "quantization_config"
         tokenizer files, generation_config.json, *.py   copied from the source
-        .mlxbun-quantize.json             the marker, so a later run recognises its own output
+        .mlxbun-quantize.json             record: {"format", "settings", "source" (a digest of
+                                          config.json, file sizes and safetensors headers: no
+                                          paths, no mtimes), "quantization", "files": {name:
+                                          {"xxh3_128", "size"}}}; a later run reuses <out> only
+                                          when settings and source match and every file verifies
 """
 
 from __future__ import annotations
@@ -25,8 +30,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 import threading
 import time
 from collections import deque
@@ -37,8 +40,17 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, file_lock, fsync_dir, publish_dir
+from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
 from mlxbun.io.dtypes import OUTPUT_DTYPES as CONVERSION_DTYPES
+from mlxbun.io.staging import (
+    Stage,
+    damaged_files,
+    digest_files,
+    discard_dir,
+    reached,
+    stable_root,
+    weights_written,
+)
 from mlxbun.progress import Progress
 from mlxbun.quant.plan import Skeleton, prepare
 from mlxbun.quant.spec import Plan, QuantSpec, load_plan
@@ -46,7 +58,7 @@ from mlxbun.quant.spec import Plan, QuantSpec, load_plan
 log = logging.getLogger("mlxbun")
 
 MARKER = ".mlxbun-quantize.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # of the record; 2: no paths, digests of every file
 # Files mlx-lm's output carries besides weights and config (its tokenizer save + copies).
 COPY_PATTERNS = (
     "tokenizer.json",
@@ -109,22 +121,40 @@ def resolve_dtype(dtype: str | None, config: dict[str, Any]) -> str | None:
     return dtype
 
 
-def fingerprint(src: Path, settings: dict[str, Any]) -> str:
-    """Identity of a conversion: source files (name, size, mtime), config bytes, settings."""
-    h = hashlib.sha256()
-    h.update((src / "config.json").read_bytes())
+def source_identity(src: Path) -> str:
+    """Digest of what defines the source and is the same in every copy of it: config.json, and
+    each weight file's name, size and safetensors header (or bytes, for the index)."""
+    h = hashlib.sha256((src / "config.json").read_bytes())
     for f in sorted(src.glob("model*.safetensors*")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+        h.update(f"\n{f.name}:{f.stat().st_size}\n".encode())
+        h.update(_safetensors_header(f) if f.suffix == ".safetensors" else f.read_bytes())
+    return h.hexdigest()
+
+
+def _safetensors_header(path: Path) -> bytes:
+    from mlxbun.io.safetensors import HEADER_CAP
+
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return f.read(min(n, HEADER_CAP))
+
+
+def fingerprint(src: Path, settings: dict[str, Any]) -> str:
+    """Key of a conversion's staging dir: source identity, the weight files' mtimes (a source
+    rewritten in place is never resumed into), settings."""
+    h = hashlib.sha256(source_identity(src).encode())
+    for f in sorted(src.glob("model*.safetensors*")):
+        h.update(f"{f.name}:{f.stat().st_mtime_ns}\n".encode())
     h.update(json.dumps({"format": FORMAT_VERSION, **settings}, sort_keys=True).encode())
     return h.hexdigest()
 
 
-def _read_marker(d: Path) -> dict[str, Any] | None:
+def _read_record(d: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((d / MARKER).read_text())
+        record = json.loads((d / MARKER).read_text())
     except (OSError, ValueError):
         return None
+    return record if isinstance(record, dict) else None
 
 
 # ------------------------------------------------------------------------------- units
@@ -326,65 +356,30 @@ def copy_side_files(src: Path, dst: Path) -> list[str]:
 # ------------------------------------------------------------------------------- the command
 
 
-def _boundary(out: Path, fp: str, partial: Path) -> QuantizeResult | None:
-    """Refuse an out dir that is not ours; return the existing result if it is ours and complete."""
-    if out.exists():
-        marker = _read_marker(out)
-        if marker is None or marker.get("fingerprint") != fp:
-            raise InputError(
-                f"quant.out={str(out)!r} already exists and is not this conversion's output; choose"
-                " another quant.out or delete it"
-            )
-        files = sorted(p.name for p in out.glob("model*.safetensors"))
-        return QuantizeResult(out, files, marker.get("quantization", {}), 0, 0, 0.0, reused=True)
-    if partial.exists() and _read_marker(partial) is None and any(partial.iterdir()):
-        raise InputError(f"{partial} exists and was not written by quantize; delete it to continue")
-    return None
+def _reusable(out: Path, identity: dict[str, Any]) -> QuantizeResult | None:
+    """The existing ``out`` if it is this conversion's intact output; None when there is no
+    ``out``, or when it is ours but damaged (it is then discarded, to be converted again)."""
+    if not out.exists():
+        return None
+    record = _read_record(out)
+    if record is None or {k: record.get(k) for k in identity} != identity:
+        raise InputError(
+            f"quant.out={str(out)!r} already exists and is not this conversion's output; choose"
+            " another quant.out or delete it"
+        )
+    bad = damaged_files(out, record.get("files") or {}) if record.get("files") else ["no digests recorded"]
+    if bad:
+        log.warning("quantize: %s is damaged (%s); converting again", out, "; ".join(bad[:3]))
+        discard_dir(out)
+        return None
+    files = sorted(p.name for p in out.glob("model*.safetensors"))
+    return QuantizeResult(out, files, record.get("quantization", {}), 0, 0, 0.0, reused=True)
 
 
-def _sweep_stale(partial: Path) -> list[Path]:
-    """Delete partial dirs of the same output that another conversion (other source bytes or
-    settings, so never resumable by this run) left behind when it was killed.
-
-    Only dirs carrying quantize's marker are touched, and only when their lock can be taken
-    without waiting: a run still working on one keeps it.
-    """
-    import fcntl
-    import re
-
-    stem = partial.name[: -len(partial.name.rsplit("-", 1)[1])]  # ".<out>.partial-"
-    pattern = re.compile(re.escape(stem) + "[0-9a-f]{16}")
-    removed = []
-    for d in sorted(partial.parent.iterdir()) if partial.parent.is_dir() else []:
-        if d == partial or not pattern.fullmatch(d.name) or not d.is_dir() or _read_marker(d) is None:
-            continue
-        lock = d.with_name(d.name + ".lock")
-        with open(lock, "a") as f:
-            try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue
-            try:
-                shutil.rmtree(d)
-                lock.unlink(missing_ok=True)
-            finally:
-                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
-        log.info("removed %s: a killed run of another conversion to the same output", d)
-        removed.append(d)
-    return removed
-
-
-def _claim(partial: Path, fp: str, settings: dict[str, Any], *, resume: bool) -> str:
-    """Create or reuse the partial dir; return its state ("new", "writing" or "complete")."""
-    marker = _read_marker(partial)
-    if marker is not None and (marker.get("fingerprint") != fp or not resume):
-        shutil.rmtree(partial)
-        marker = None
-    if marker is None:
-        partial.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(partial / MARKER, {"fingerprint": fp, "settings": settings, "state": "writing"})
-        return "new"
-    return marker.get("state", "writing")
+def _write_record(d: Path, identity: dict[str, Any], quantization: dict[str, Any] | None) -> None:
+    """The record that lets a later run recognise and verify this output (hidden, last file)."""
+    record = {**identity, "quantization": quantization, "files": digest_files(d)}
+    atomic_write_json(d / MARKER, record)
 
 
 def _write_shards(
@@ -471,24 +466,22 @@ def quantize_model_dir(
         plan = load_plan(plan)
     sk, spec = prepare(src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed)
     dtype = resolve_dtype(dtype, sk.config)
-    settings = _settings(spec, plan, mixed, dtype, shard_bytes, src)
-    fp = fingerprint(src, settings)
-    partial = Path(partial_root or out.parent).expanduser().resolve() / f".{out.name}.partial-{fp[:16]}"
-    if (done := _boundary(out, fp, partial)) is not None:
-        return done
-    lock = partial.with_name(partial.name + ".lock")
-    with file_lock(lock):  # two runs of the same conversion: the second waits, then reuses
-        if (done := _boundary(out, fp, partial)) is not None:
+    settings = _settings(spec, plan, mixed, dtype, shard_bytes)
+    identity = {"format": FORMAT_VERSION, "settings": settings, "source": source_identity(src)}
+    key = fingerprint(src, settings)
+    # Two runs of the same conversion: the second waits, then reuses the first one's output.
+    with Stage.locked(out, kind="quantize", key=key, root=partial_root) as stage:
+        if (done := _reusable(out, identity)) is not None:
             return done
-        _sweep_stale(partial)
-        state = _claim(partial, fp, settings, resume=resume)
+        stage.claim(resume=resume)
+        state = "complete" if weights_written(stage.dir) else "writing"
         src_bytes, out_bytes = _convert(
-            sk, src, partial, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads
+            sk, src, stage.dir, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads
         )
-        _finish_files(sk, src, partial)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        publish_dir(partial, out)
-        lock.unlink(missing_ok=True)
+        reached("weights")
+        _finish_files(sk, src, stage.dir)
+        _write_record(stage.dir, identity, sk.quantization)
+        stage.publish()
     files = sorted(p.name for p in out.glob("model*.safetensors"))
     return QuantizeResult(out, files, sk.quantization or {}, src_bytes, out_bytes, time.monotonic() - t0)
 
@@ -496,7 +489,7 @@ def quantize_model_dir(
 def _convert(
     sk: Skeleton, src: Path, partial: Path, state: str, *, dtype: str | None, shard_bytes: int, threads: int
 ) -> tuple[int, int]:
-    """Write the shards (unless a killed run already did) and mark the partial dir complete."""
+    """Write the shards unless a killed run already did (``state="complete"``)."""
     import mlx.core as mx
 
     if state == "complete":
@@ -507,16 +500,13 @@ def _convert(
         sizes = _write_shards(sk, src, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads)
     finally:
         mx.set_cache_limit(previous)
-    marker = _read_marker(partial) or {}
-    atomic_write_json(partial / MARKER, {**marker, "state": "complete", "quantization": sk.quantization})
     return sizes
 
 
 def _settings(
-    spec: QuantSpec, plan: Plan | None, mixed: str | None, dtype: str | None, shard_bytes: int, src: Path
+    spec: QuantSpec, plan: Plan | None, mixed: str | None, dtype: str | None, shard_bytes: int
 ) -> dict[str, Any]:
     return {
-        "source": str(src),
         "default": spec.to_dict(),
         "plan": plan.to_dict() if plan is not None else None,
         "mixed": mixed,
@@ -540,7 +530,7 @@ def run(cfg: Any) -> Any:
     q = cfg.quant
     src = model_dir(cfg)
     out = Path(q.out).expanduser() if q.out else Path(cfg.paths.run_dir) / "model"
-    partial_root = None if q.out else _stable_partial_root(Path(cfg.paths.outputs), out)
+    partial_root = None if q.out else stable_root(cfg.paths.outputs, out)
     res = quantize_model_dir(
         src,
         out,
@@ -573,14 +563,6 @@ def run(cfg: Any) -> Any:
         message=f"quantized {src.name} -> {res.out} ({verb}, {len(res.files)} shard(s))",
         provides={"model.name": str(res.out)},
     )
-
-
-def _stable_partial_root(outputs: Path, out: Path) -> Path:
-    """``<outputs>/.partial`` (stable across runs, so a re-run resumes) when on out's filesystem."""
-    root = outputs.expanduser().resolve() / ".partial"
-    root.mkdir(parents=True, exist_ok=True)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    return root if os.stat(root).st_dev == os.stat(out.parent).st_dev else out.parent
 
 
 def registry_name(cfg: Any, quantization: dict[str, Any]) -> str:
