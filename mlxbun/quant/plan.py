@@ -200,8 +200,9 @@ def _lazy_source(src: Path) -> dict[str, Any]:
     return weights
 
 
-def build_skeleton(src: str | Path) -> Skeleton:
-    """Instantiate the model class for ``src`` and sanitize lazy views of its tensors."""
+def build_skeleton(src: str | Path, *, weights: dict[str, Any] | None = None) -> Skeleton:
+    """Instantiate the model class for ``src`` and sanitize lazy views of its tensors
+    (``weights``: those views when they come from elsewhere, e.g. a synthetic source)."""
     from mlx.utils import tree_flatten
 
     from mlxbun.quant.mlxlm import model_classes
@@ -209,7 +210,7 @@ def build_skeleton(src: str | Path) -> Skeleton:
     src = Path(src)
     config = check_source(src)
     model_class, args_class = model_classes(config)
-    raw = _lazy_source(src)
+    raw = _lazy_source(src) if weights is None else weights
     by_id = {id(v): k for k, v in raw.items()}
     try:
         model = model_class(args_class.from_dict(config))
@@ -323,6 +324,7 @@ def prepare(
     group_size: int | None = None,
     plan: Plan | str | Path | None = None,
     mixed: str | None = None,
+    weights: dict[str, Any] | None = None,
 ) -> tuple[Skeleton, QuantSpec]:
     """Build the skeleton of ``src`` and quantize it lazily by a uniform setting, a plan or a rule."""
     if plan is not None and mixed is not None:
@@ -332,7 +334,7 @@ def prepare(
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     spec = plan.default if plan is not None else spec_for(mode, bits, group_size)
-    sk = build_skeleton(src)
+    sk = build_skeleton(src, weights=weights)
     predicate = None
     if plan is not None:
         predicate = plan_predicate(plan)
