@@ -140,8 +140,8 @@ class QuantCfg:
     # Output model directory; None writes <run_dir>/model (a re-run resumes a killed one).
     out: str | None = None
     resume: bool = True
-    # Modules read, cast and quantized in parallel.
-    threads: int = 2
+    # Modules read, cast and quantized in parallel; None: one per core this process may use.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         from mlxbun.quant.plan import spec_for

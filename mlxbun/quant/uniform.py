@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +91,8 @@ class QuantizeResult:
     output_bytes: int
     seconds: float
     reused: bool = False
+    # shard file name -> sha256, computed while the shard was written (empty when reused)
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------- settings
@@ -107,13 +109,14 @@ def resolve_dtype(dtype: str | None, config: dict[str, Any]) -> str | None:
     return dtype
 
 
-def fingerprint(src: Path, settings: dict[str, Any]) -> str:
-    """Identity of a conversion: source files (name, size, mtime), config bytes, settings."""
+def fingerprint(src: Path, settings: dict[str, Any], *, tensors: str | None = None) -> str:
+    """Identity of a conversion: config bytes, the tensors (weight files' name, size and mtime,
+    or a synthetic spec's hash: ``mlxbun.source.identity``), settings."""
+    from mlxbun.source import identity
+
     h = hashlib.sha256()
     h.update((src / "config.json").read_bytes())
-    for f in sorted(src.glob("model*.safetensors*")):
-        st = f.stat()
-        h.update(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    h.update((identity(src) if tensors is None else tensors).encode())
     h.update(json.dumps({"format": FORMAT_VERSION, **settings}, sort_keys=True).encode())
     return h.hexdigest()
 
@@ -123,6 +126,14 @@ def _read_marker(d: Path) -> dict[str, Any] | None:
         return json.loads((d / MARKER).read_text())
     except (OSError, ValueError):
         return None
+
+
+def default_threads() -> int:
+    """One conversion thread per core this process may run on (its CPU affinity)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 # ------------------------------------------------------------------------------- units
@@ -151,10 +162,11 @@ def plan_units(sk: Skeleton) -> list[Unit]:
 class Converter:
     """Reads, casts and quantizes units; safe to call from several threads (one unit each)."""
 
-    def __init__(self, sk: Skeleton, src_dir: Any, dtype: str | None) -> None:
+    def __init__(self, sk: Skeleton, tensors: Any, dtype: str | None) -> None:
+        """``tensors``: the source's tensor reader (``mlxbun.source``)."""
         import mlx.core as mx
 
-        self.sk, self.src = sk, src_dir
+        self.sk, self.src = sk, tensors
         self.dtype = getattr(mx, dtype) if dtype else None
         self.cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)
 
@@ -193,21 +205,12 @@ class Converter:
         name = f"{unit.path}.weight"
         return name in self.sk.sources and self.sk.weights[name].nbytes > BIG_TENSOR
 
-    def read_rows(self, name: str, r0: int, r1: int) -> Any:
-        """Rows [r0, r1) of a 2-D source tensor, with pread (no mapped pages left behind)."""
-        import mlx.core as mx
-        import numpy as np
-
-        from mlxbun.io.safetensors import NP_DTYPES
-
-        info = self.src.info(self.sk.sources[name])
-        row = info.nbytes // info.shape[0]
-        buf = bytearray((r1 - r0) * row)
-        with open(info.file, "rb", buffering=0) as f:
-            f.seek(info.start + r0 * row)
-            f.readinto(buf)
-        arr = mx.array(np.frombuffer(buf, dtype=NP_DTYPES[info.dtype]).reshape(r1 - r0, *info.shape[1:]))
-        return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
+    def step(self, name: str, width: int) -> int:
+        """Rows per block of a big weight: about CHUNK_BYTES of f32, a multiple of the source's
+        natural block (a synthetic tensor's RNG stream) when that is smaller."""
+        step = max(1, CHUNK_BYTES // max(1, width * 4))
+        natural = self.src.row_step(self.sk.sources[name])
+        return max(natural, step - step % natural)
 
     def quantize_rows(self, unit: Unit) -> dict[str, Any]:
         """mx.quantize of a big weight, block of rows by block of rows.
@@ -220,12 +223,12 @@ class Converter:
 
         name, q = f"{unit.path}.weight", unit.quant
         rows, width = self.sk.weights.pop(name).shape
-        step = max(1, CHUNK_BYTES // max(1, width * 4))
+        step, src = self.step(name, width), self.sk.sources[name]
         packed: Any = None
         small: list[list[Any]] = []
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            chunk = self.cast(name, self.read_rows(name, r0, r1))
+            chunk = self.cast(name, self.src.rows(src, r0, r1))
             w, *rest = mx.quantize(chunk, q["group_size"], q["bits"], mode=q.get("mode", "affine"))
             mx.eval(w, *rest)
             if packed is None:
@@ -386,20 +389,24 @@ def _claim(partial: Path, fp: str, settings: dict[str, Any], *, resume: bool) ->
 
 
 def _write_shards(
-    sk: Skeleton, src: Path, partial: Path, *, dtype: str | None, shard_bytes: int, threads: int
-) -> tuple[int, int]:
-    """Stream every unit into the ShardedWriter in ``partial``; return (source, output) bytes."""
+    sk: Skeleton, source: Any, partial: Path, *, dtype: str | None, shard_bytes: int, threads: int
+) -> tuple[int, int, dict[str, str]]:
+    """Stream every unit into the ShardedWriter in ``partial``; return (source, output) bytes and
+    each shard's sha256 (hashed as the writer streamed it out)."""
     import mlx.core as mx
 
-    from mlxbun.io.safetensors import INDEX_FILE, open_model
+    from mlxbun.io.safetensors import INDEX_FILE
     from mlxbun.io.shards import ShardedWriter
+    from mlxbun.source import open_tensors
 
     units = plan_units(sk)
     total = sum(u.nbytes for u in units)
     written = 0
     with (
-        open_model(src) as model_dir,
-        ShardedWriter(partial, shard_bytes=shard_bytes, resume=True, quantization=sk.quantization) as writer,
+        open_tensors(source) as tensors,
+        ShardedWriter(
+            partial, shard_bytes=shard_bytes, resume=True, quantization=sk.quantization, checksum="sha256"
+        ) as writer,
     ):
         todo = [u for u in units if not set(u.outputs) <= writer.done_names]
         if writer.done_names:
@@ -411,22 +418,22 @@ def _write_shards(
             )
         progress = Progress(total=total, unit="B", desc="quantize")
         progress.update(total - sum(u.nbytes for u in todo))
-        for unit, tensors in stream(todo, Converter(sk, model_dir, dtype), threads=threads):
-            for name, arr in tensors:
+        for unit, results in stream(todo, Converter(sk, tensors, dtype), threads=threads):
+            for name, arr in results:
                 written += arr.nbytes
                 writer.add(name, arr)
-            del tensors
+            del results
             progress.update(unit.nbytes)
         layout = writer.finish()
         progress.close()
     if not layout.index_written:  # mlx-lm writes the index for a single shard too
         atomic_write_json(partial / INDEX_FILE, layout.index)
     mx.clear_cache()
-    return total, layout.total_size or written
+    return total, layout.total_size or written, layout.digests
 
 
 def quantize_model_dir(
-    src: str | Path,
+    src: str | Path | Any,
     out: str | Path,
     *,
     mode: str = "affine",
@@ -437,13 +444,14 @@ def quantize_model_dir(
     dtype: str | None = None,
     shard_bytes: int = 5 << 30,
     resume: bool = True,
-    threads: int = 2,
+    threads: int | None = None,
     partial_root: str | Path | None = None,
 ) -> QuantizeResult:
     """Quantize the HF model in ``src`` into an mlx-lm-loadable directory ``out``.
 
     Args:
-        src: model directory with config.json and model*.safetensors.
+        src: model directory with config.json and model*.safetensors, or a
+            :class:`mlxbun.synth.SyntheticSource` (tensors generated as they are read).
         out: output directory; must not exist (unless it is this same conversion, then reused).
         mode, bits, group_size: uniform setting, mlx-lm's per-mode defaults for None.
         plan: a :class:`Plan` or plan.json path (overrides mode/bits/group_size).
@@ -451,7 +459,7 @@ def quantize_model_dir(
         dtype: dtype of non-quantized tensors; None follows config.json like mlx-lm.
         shard_bytes: ceiling of tensor bytes per output shard (mlx-lm: 5 << 30).
         resume: continue a killed run of the same conversion from its last complete shard.
-        threads: modules converted in parallel.
+        threads: modules converted in parallel (None: one per core this process may use).
         partial_root: where the hidden partial directory lives (default: beside ``out``).
 
     Example:
@@ -459,18 +467,24 @@ def quantize_model_dir(
         >>> r.files
         ['model.safetensors']
     """
+    from mlxbun.source import identity, lazy_weights, source_dir
+
     t0 = time.monotonic()
-    src, out = Path(src).expanduser().resolve(), Path(out).expanduser().resolve()
+    out = Path(out).expanduser().resolve()
+    threads = default_threads() if threads is None else threads
     if dtype is not None and dtype not in CONVERSION_DTYPES:
         raise InputError(
             f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}"
         )
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
-    sk, spec = prepare(src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed)
+    source, src = src, source_dir(src)
+    sk, spec = prepare(
+        src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed, weights=lazy_weights(source)
+    )
     dtype = resolve_dtype(dtype, sk.config)
     settings = _settings(spec, plan, mixed, dtype, shard_bytes, src)
-    fp = fingerprint(src, settings)
+    fp = fingerprint(src, settings, tensors=identity(source))
     partial = Path(partial_root or out.parent).expanduser().resolve() / f".{out.name}.partial-{fp[:16]}"
     if (done := _boundary(out, fp, partial)) is not None:
         return done
@@ -480,29 +494,37 @@ def quantize_model_dir(
             return done
         _sweep_stale(partial)
         state = _claim(partial, fp, settings, resume=resume)
-        src_bytes, out_bytes = _convert(
-            sk, src, partial, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads
+        src_bytes, out_bytes, digests = _convert(
+            sk, source, partial, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads
         )
         _finish_files(sk, src, partial)
         out.parent.mkdir(parents=True, exist_ok=True)
         publish_dir(partial, out)
         lock.unlink(missing_ok=True)
     files = sorted(p.name for p in out.glob("model*.safetensors"))
-    return QuantizeResult(out, files, sk.quantization or {}, src_bytes, out_bytes, time.monotonic() - t0)
+    seconds = time.monotonic() - t0
+    return QuantizeResult(out, files, sk.quantization or {}, src_bytes, out_bytes, seconds, digests=digests)
 
 
 def _convert(
-    sk: Skeleton, src: Path, partial: Path, state: str, *, dtype: str | None, shard_bytes: int, threads: int
-) -> tuple[int, int]:
+    sk: Skeleton,
+    source: Any,
+    partial: Path,
+    state: str,
+    *,
+    dtype: str | None,
+    shard_bytes: int,
+    threads: int,
+) -> tuple[int, int, dict[str, str]]:
     """Write the shards (unless a killed run already did) and mark the partial dir complete."""
     import mlx.core as mx
 
     if state == "complete":
         src_bytes = sum(v.nbytes for v in sk.weights.values())
-        return src_bytes, sum(p.stat().st_size for p in partial.glob("model*.safetensors"))
+        return src_bytes, sum(p.stat().st_size for p in partial.glob("model*.safetensors")), {}
     previous = mx.set_cache_limit(128 << 20)  # freed buffers go back to the OS, not a cache
     try:
-        sizes = _write_shards(sk, src, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads)
+        sizes = _write_shards(sk, source, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads)
     finally:
         mx.set_cache_limit(previous)
     marker = _read_marker(partial) or {}
@@ -531,15 +553,18 @@ def _finish_files(sk: Skeleton, src: Path, partial: Path) -> None:
 
 def run(cfg: Any) -> Any:
     """command=quantize: unpack ``cfg`` into :func:`quantize_model_dir`; register the output."""
-    from mlxbun.provenance import RunResult
-    from mlxbun.source import model_dir
+    from mlxbun.provenance import RunResult, prehash
+    from mlxbun.source import model_source, source_dir
 
     q = cfg.quant
-    src = model_dir(cfg)
+    source = model_source(cfg)
+    src = source_dir(source)
     out = Path(q.out).expanduser() if q.out else Path(cfg.paths.run_dir) / "model"
     partial_root = None if q.out else _stable_partial_root(Path(cfg.paths.outputs), out)
+    # The manifest's input digests: free in the HF cache, else hashed while the conversion runs.
+    inputs = prehash([src], cache_dir=Path(cfg.paths.cache).expanduser() / "digests")
     res = quantize_model_dir(
-        src,
+        source,
         out,
         mode=q.mode,
         bits=q.bits,
@@ -561,14 +586,17 @@ def run(cfg: Any) -> Any:
         "gb_per_s": round(rate, 3),
         "shards": len(res.files),
         "reused": res.reused,
+        "threads": q.threads or default_threads(),
     }
     verb = "reused" if res.reused else f"wrote {res.output_bytes / 1e9:.2f} GB in {res.seconds:.1f}s"
+    name = f"synthetic {cfg.synth.arch} {cfg.synth.preset}" if cfg.model.synthetic else src.name
     return RunResult(
         outputs=[res.out],
         inputs=[src],
         metrics=metrics,
-        message=f"quantized {src.name} -> {res.out} ({verb}, {len(res.files)} shard(s))",
+        message=f"quantized {name} -> {res.out} ({verb}, {len(res.files)} shard(s))",
         provides={"model.name": str(res.out)},
+        digests={**inputs.result(), **{res.out / f: d for f, d in res.digests.items()}},
     )
 
 
