@@ -1054,7 +1054,8 @@ class SyntheticSource:
 
     def rows(self, name: str, r0: int, r1: int) -> Any:
         t = self.tensors[name]
-        return tensor_rows(t, r0, r1, spec=self.spec, channels=self.channels).reshape(r1 - r0, *t.shape[1:])
+        shape = (r1 - r0, *t.shape[1:]) if len(t.shape) > 1 else t.shape  # 1-D: one row
+        return tensor_rows(t, r0, r1, spec=self.spec, channels=self.channels).reshape(shape)
 
     def row_step(self, name: str) -> int:
         return row_step(self.tensors[name])
