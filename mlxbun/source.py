@@ -18,6 +18,7 @@ and described by :func:`lazy_weights` (shapes for the model skeleton) and :func:
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,22 @@ def model_source(cfg: Any) -> Any:
     return synth.ensure_synthetic_source(cache_dir=expand(cfg.paths.cache) / "synth", **spec)
 
 
+# safetensors dtype -> mx dtype name, for tensors read raw into mx buffers (the others, F64
+# and FP8, go through ModelDir.array)
+PREAD_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "I8": "int8",
+    "U8": "uint8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+}
+
+
 class FileTensors:
     """The tensors of a model directory, read with the source calls above (see the module doc).
 
@@ -83,23 +100,33 @@ class FileTensors:
         self.model.close()
 
     def array(self, name: str) -> Any:
-        return self.model.array(name)
+        info = self.model.info(name)
+        if info.dtype not in PREAD_DTYPES or not info.shape or info.size == 0:
+            return self.model.array(name)
+        return self.rows(name, 0, info.shape[0])
 
     def rows(self, name: str, r0: int, r1: int) -> Any:
-        """Rows [r0, r1) of a tensor, with pread (no mapped pages left behind)."""
+        """Rows [r0, r1) of a tensor, read with pread straight into an mx buffer: one copy from the
+        page cache, no mapped pages to fault in or leave behind."""
         import mlx.core as mx
         import numpy as np
 
-        from mlxbun.io.safetensors import NP_DTYPES
-
         info = self.model.info(name)
         row = info.nbytes // info.shape[0]
-        buf = bytearray((r1 - r0) * row)
-        with open(info.file, "rb", buffering=0) as f:
-            f.seek(info.start + r0 * row)
-            f.readinto(buf)
-        arr = mx.array(np.frombuffer(buf, dtype=NP_DTYPES[info.dtype]).reshape(r1 - r0, *info.shape[1:]))
-        return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
+        out = mx.zeros(((r1 - r0) * row,), dtype=mx.uint8)
+        mx.eval(out)
+        view = np.array(out, copy=False)
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            done, want, start = 0, view.nbytes, info.start + r0 * row
+            while done < want:
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n <= 0:
+                    raise InputError(f"{info.file}: file ends inside tensor {name!r}; the file is truncated")
+                done += n
+        finally:
+            os.close(fd)
+        return out.view(getattr(mx, PREAD_DTYPES[info.dtype])).reshape(r1 - r0, *info.shape[1:])
 
     def row_step(self, name: str) -> int:
         return 1
