@@ -222,6 +222,58 @@ def ratios(rows: list[dict]) -> list[str]:
     return out
 
 
+PROFILE = """
+import hashlib, os, sys, tempfile, time
+import mlx.core as mx
+from mlxbun.source import FileTensors
+from mlxbun.io.shards import tensor_bytes
+src = sys.argv[1]
+def clock():
+    return time.perf_counter(), time.process_time()
+def row(name, t, nbytes):
+    wall, cpu = time.perf_counter() - t[0], time.process_time() - t[1]
+    print(f"| {name} | {nbytes / 1e9:.2f} | {wall:.2f} | {cpu:.2f} | {nbytes / 1e9 / max(cpu, 1e-9):.2f} |", flush=True)
+with FileTensors(__import__('pathlib').Path(src)) as f:
+    names = [n for n in f.model.names() if n.endswith("proj.weight") or n.endswith("embed_tokens.weight")]
+    t, total, arrays = clock(), 0, []
+    for n in names:
+        a = f.array(n); mx.eval(a); total += a.nbytes
+        arrays.append(a) if len(arrays) < 0 else None
+    row("read every weight (pread into mx buffers)", t, total)
+    t, out = clock(), []
+    for n in names:
+        w, s, b = mx.quantize(f.array(n), 64, 4); mx.eval(w, s, b); out.append((w, s, b))
+    row("read + mx.quantize 4-bit g64, one thread", t, total)
+    size = sum(x.nbytes for o in out for x in o)
+    t = clock()
+    with tempfile.NamedTemporaryFile(dir=os.path.dirname(src.rstrip('/')) or '.') as tmp:
+        for o in out:
+            for x in o:
+                tmp.write(tensor_bytes(x)[2])
+        tmp.flush(); os.fsync(tmp.fileno())
+    row("write + fsync the quantized bytes", t, size)
+    t, h = clock(), hashlib.sha256()
+    for o in out:
+        for x in o:
+            h.update(tensor_bytes(x)[2])
+    row("sha256 of the quantized bytes", t, size)
+    t, h = clock(), hashlib.sha256()
+    for p in sorted(f.model.files):
+        with open(p, "rb") as fh:
+            while block := fh.read(16 << 20):
+                h.update(block)
+    row("sha256 of the source files", t, sum(os.path.getsize(p) for p in f.model.files))
+"""
+
+
+def profile(src: Path) -> str:
+    """Where a 4-bit conversion's time goes: each phase alone, one thread, in a child."""
+    warm(src)
+    r = run_child([sys.executable, "-c", PROFILE, str(src)], cwd=src.parent)
+    head = ["| phase (one thread) | GB | wall s | CPU s | GB per CPU s |", "|---|---|---|---|---|"]
+    return "\n".join(head + [line for line in r["log"].splitlines() if line.startswith("| ")])
+
+
 def _ver(pkg: str) -> str:
     from importlib import metadata
 
@@ -236,7 +288,11 @@ def main() -> None:
     ap.add_argument(
         "--reps", type=int, default=2, help="interleaved runs of mlx-lm and mlxbun (best is kept)"
     )
+    ap.add_argument("--profile", type=Path, help="only time the phases of a conversion of this model dir")
     args = ap.parse_args()
+    if args.profile:
+        print(profile(args.profile))
+        return
     args.work.mkdir(parents=True, exist_ok=True)
     load0 = open("/proc/loadavg").read().split()[0]
     rows, sizes = [], {}
