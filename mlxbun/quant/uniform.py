@@ -3,7 +3,9 @@
 Run: ``python -m mlxbun command=quantize model.name=<dir|name|org/repo> quant.bits=4``.
 Output tensors, their order, shard packing and config.json match ``mlx_lm convert`` for the
 same settings (see :mod:`mlxbun.quant.plan` for how the structure is derived); memory stays at
-about one shard plus a few modules in flight, whatever the model size.
+about one shard plus a few modules in flight, whatever the model size. Tensors come through
+:mod:`mlxbun.source`: files, or (``model.synthetic=true``) generated in memory as they are read.
+Each shard's sha256 is computed while it is written and handed to the manifest.
 
 On disk::
 
