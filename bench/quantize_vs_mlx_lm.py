@@ -2,19 +2,27 @@
 
 Run: .venv/bin/python bench/quantize_vs_mlx_lm.py [--work DIR] [--keep] [--quick] [--reps N]
 Builds two synthetic bf16 llama checkpoints (1.7B, then 3.6B; --quick: 0.2B and 0.4B) in child
-processes, then for each runs, as child processes on a warm page cache: ``mlx_lm.convert -q``
-(4-bit, g64) and mlxbun's ``quantize_model_dir`` with the same settings and mlx-lm's 5 GiB shards,
-interleaved --reps times (best wall time kept, the machine is shared); then mlxbun with 1 GiB
-shards, as a library call and as ``python -m mlxbun command=quantize`` (which adds Hydra start-up,
-the registry, and sha256 of every input and output file for the manifest). Every mlxbun output
-is checked tensor by tensor against mlx-lm's. Peak RSS is each child's ``ru_maxrss`` from
-``os.wait4``. Models and outputs are deleted afterwards unless --keep. Results are appended to
-bench/results/quantize.md.
+processes and lays each out as a Hugging Face cache entry (``blobs/<sha256>`` hard links,
+``snapshots/<rev>/`` symlinks), then runs as child processes on a warm page cache, interleaved
+--reps times (best wall time kept, the machine is shared), all with mlx-lm's 5 GiB shards:
+
+- ``mlx_lm.convert -q`` (4-bit, g64) on the snapshot directory;
+- mlxbun's ``quantize_model_dir`` with the same settings (the library call);
+- ``python -m mlxbun command=quantize`` on the snapshot, a first run (empty digest cache,
+  registry and outputs: Hydra start-up, registry, manifest with sha256 of every input and output);
+- the same command again (a new conversion into a new run directory; input digests cached);
+
+then once: the first CLI run on the plain directory (inputs hashed while the conversion runs) and
+the library call with 1 GiB shards (peak RSS near one shard, whatever the model size). Every
+mlxbun output is checked tensor by tensor against mlx-lm's. Peak RSS is each child's
+``ru_maxrss`` from ``os.wait4``. Models and outputs are deleted afterwards unless --keep. Results
+are appended to bench/results/quantize.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -77,7 +85,7 @@ def mlx_lm_run(src: Path, work: Path, name: str) -> dict:
     shutil.rmtree(ref, ignore_errors=True)
     warm(src)
     return run_child(
-        [str(REPO / ".venv/bin/mlx_lm.convert"), "--hf-path", str(src), "--mlx-path", str(ref), "-q",
+        [str(Path(sys.executable).parent / "mlx_lm.convert"), "--hf-path", str(src), "--mlx-path", str(ref), "-q",
          "--q-bits", "4", "--q-group-size", "64"],
         cwd=work,
     )  # fmt: skip
@@ -93,17 +101,23 @@ def lib_run(src: Path, work: Path, name: str, shard_gb: int) -> dict:
     return r
 
 
-def cli_run(src: Path, work: Path, name: str) -> dict:
-    outputs = work / f"{name}-mlxbun-cli"
-    warm(src)
-    r = run_child(
-        [sys.executable, "-m", "mlxbun", "command=quantize", f"model.name={src}", "quant.bits=4",
-         "quant.group_size=64", "io.shard_gb=1", f"paths.outputs={outputs}", f"paths.cache={work / 'cache'}",
-         f"registry.path={work / 'registry.db'}"],
-        cwd=work,
-    )  # fmt: skip
-    shutil.rmtree(outputs)
-    return r
+def cli_runs(src: Path, work: Path, name: str, *, repeat: bool) -> list[dict]:
+    """A first ``python -m mlxbun command=quantize`` run with empty caches, and (``repeat``) the
+    same command again; both outputs compared with mlx-lm's."""
+    root = work / f"{name}-mlxbun-cli"
+    shutil.rmtree(root, ignore_errors=True)
+    args = [sys.executable, "-m", "mlxbun", "command=quantize", f"model.name={src}", "quant.bits=4",
+            "quant.group_size=64", "io.shard_gb=5", f"paths.outputs={root / 'outputs'}",
+            f"paths.cache={root / 'cache'}", f"registry.path={root / 'registry.db'}"]  # fmt: skip
+    runs = []
+    for _ in range(2 if repeat else 1):
+        warm(src)
+        runs.append(run_child(args, cwd=work))
+    outs = sorted((root / "outputs" / "quantize").iterdir())
+    for r, run_dir in zip(runs, outs, strict=True):
+        r["identical"] = same_tensors(work / f"{name}-mlx_lm", run_dir / "model")
+    shutil.rmtree(root)
+    return runs
 
 
 def best(runs: list[dict]) -> dict:
@@ -115,31 +129,56 @@ def best(runs: list[dict]) -> dict:
     return out
 
 
-def bench_model(name: str, src: Path, work: Path, reps: int) -> list[dict]:
-    """mlx-lm and mlxbun (library call, 5 GiB shards) interleaved ``reps`` times, then mlxbun with
-    1 GiB shards as a library call and as the CLI command."""
-    ref, lib5 = [], []
+def bench_model(name: str, plain: Path, snap: Path, work: Path, reps: int) -> list[dict]:
+    """mlx-lm, the library call and the CLI (first run, repeat) interleaved ``reps`` times; then
+    the first CLI run from a plain directory and the library call with 1 GiB shards."""
+    ref, lib5, first, again = [], [], [], []
     for _ in range(reps):
-        ref.append(mlx_lm_run(src, work, name))
-        lib5.append(lib_run(src, work, name, 5))
+        ref.append(mlx_lm_run(snap, work, name))
+        lib5.append(lib_run(snap, work, name, 5))
+        r1, r2 = cli_runs(snap, work, name, repeat=True)
+        first.append(r1)
+        again.append(r2)
     rows = [
         {"model": name, "tool": "mlx_lm convert", "shard_gb": 5, **best(ref)},
         {"model": name, "tool": "mlxbun (library call)", "shard_gb": 5, **best(lib5)},
+        {"model": name, "tool": "mlxbun CLI, first run (HF cache)", "shard_gb": 5, **best(first)},
+        {"model": name, "tool": "mlxbun CLI, repeat run (HF cache)", "shard_gb": 5, **best(again)},
+        {
+            "model": name,
+            "tool": "mlxbun CLI, first run (plain dir)",
+            "shard_gb": 5,
+            **best(cli_runs(plain, work, name, repeat=False)),
+        },
         {
             "model": name,
             "tool": "mlxbun (library call)",
             "shard_gb": 1,
-            **best([lib_run(src, work, name, 1)]),
-        },
-        {
-            "model": name,
-            "tool": "mlxbun CLI (+manifest hashing)",
-            "shard_gb": 1,
-            **best([cli_run(src, work, name)]),
+            **best([lib_run(snap, work, name, 1)]),
         },
     ]
     shutil.rmtree(work / f"{name}-mlx_lm")
     return rows
+
+
+def hf_cache_entry(plain: Path, hub: Path, name: str) -> Path:
+    """Lay ``plain`` out as an HF cache entry (hard links, no extra disk); return the snapshot."""
+    repo = hub / f"models--bench--{name}"
+    snap = repo / "snapshots" / ("0" * 40)
+    if snap.is_dir():
+        return snap
+    (repo / "blobs").mkdir(parents=True, exist_ok=True)
+    snap.mkdir(parents=True)
+    for f in sorted(plain.iterdir()):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            while block := fh.read(16 << 20):
+                h.update(block)
+        blob = repo / "blobs" / h.hexdigest()
+        if not blob.exists():
+            os.link(f, blob)
+        (snap / f.name).symlink_to(Path("../../blobs") / blob.name)
+    return snap
 
 
 def synthesize(src: Path, dims: dict) -> None:
@@ -183,6 +222,58 @@ def ratios(rows: list[dict]) -> list[str]:
     return out
 
 
+PROFILE = """
+import hashlib, os, sys, tempfile, time
+import mlx.core as mx
+from mlxbun.source import FileTensors
+from mlxbun.io.shards import tensor_bytes
+src = sys.argv[1]
+def clock():
+    return time.perf_counter(), time.process_time()
+def row(name, t, nbytes):
+    wall, cpu = time.perf_counter() - t[0], time.process_time() - t[1]
+    print(f"| {name} | {nbytes / 1e9:.2f} | {wall:.2f} | {cpu:.2f} | {nbytes / 1e9 / max(cpu, 1e-9):.2f} |", flush=True)
+with FileTensors(__import__('pathlib').Path(src)) as f:
+    names = [n for n in f.model.names() if n.endswith("proj.weight") or n.endswith("embed_tokens.weight")]
+    t, total, arrays = clock(), 0, []
+    for n in names:
+        a = f.array(n); mx.eval(a); total += a.nbytes
+        arrays.append(a) if len(arrays) < 0 else None
+    row("read every weight (pread into mx buffers)", t, total)
+    t, out = clock(), []
+    for n in names:
+        w, s, b = mx.quantize(f.array(n), 64, 4); mx.eval(w, s, b); out.append((w, s, b))
+    row("read + mx.quantize 4-bit g64, one thread", t, total)
+    size = sum(x.nbytes for o in out for x in o)
+    t = clock()
+    with tempfile.NamedTemporaryFile(dir=os.path.dirname(src.rstrip('/')) or '.') as tmp:
+        for o in out:
+            for x in o:
+                tmp.write(tensor_bytes(x)[2])
+        tmp.flush(); os.fsync(tmp.fileno())
+    row("write + fsync the quantized bytes", t, size)
+    t, h = clock(), hashlib.sha256()
+    for o in out:
+        for x in o:
+            h.update(tensor_bytes(x)[2])
+    row("sha256 of the quantized bytes", t, size)
+    t, h = clock(), hashlib.sha256()
+    for p in sorted(f.model.files):
+        with open(p, "rb") as fh:
+            while block := fh.read(16 << 20):
+                h.update(block)
+    row("sha256 of the source files", t, sum(os.path.getsize(p) for p in f.model.files))
+"""
+
+
+def profile(src: Path) -> str:
+    """Where a 4-bit conversion's time goes: each phase alone, one thread, in a child."""
+    warm(src)
+    r = run_child([sys.executable, "-c", PROFILE, str(src)], cwd=src.parent)
+    head = ["| phase (one thread) | GB | wall s | CPU s | GB per CPU s |", "|---|---|---|---|---|"]
+    return "\n".join(head + [line for line in r["log"].splitlines() if line.startswith("| ")])
+
+
 def _ver(pkg: str) -> str:
     from importlib import metadata
 
@@ -197,7 +288,11 @@ def main() -> None:
     ap.add_argument(
         "--reps", type=int, default=2, help="interleaved runs of mlx-lm and mlxbun (best is kept)"
     )
+    ap.add_argument("--profile", type=Path, help="only time the phases of a conversion of this model dir")
     args = ap.parse_args()
+    if args.profile:
+        print(profile(args.profile))
+        return
     args.work.mkdir(parents=True, exist_ok=True)
     load0 = open("/proc/loadavg").read().split()[0]
     rows, sizes = [], {}
@@ -206,8 +301,9 @@ def main() -> None:
             src = args.work / name
             if not src.exists():
                 synthesize(src, dims)
+            snap = hf_cache_entry(src, args.work / "hub", name)
             sizes[name] = sum(f.stat().st_size for f in src.glob("*.safetensors")) / 1e9
-            rows += bench_model(name, src, args.work, args.reps)
+            rows += bench_model(name, src, snap, args.work, args.reps)
             print("\n".join(ratios(rows)), flush=True)
     finally:
         if not args.keep:

@@ -22,7 +22,7 @@ import platform
 import stat
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -50,6 +50,8 @@ class RunResult:
         message: printed to stdout when the run ends.
         provides: config keys for later pipeline steps, e.g. {"model.name": "<dir>"}.
         exit_code: the process exit code of a read-only command whose answer is "no" (1).
+        digests: sha256 the command already knows (file path -> hex digest), e.g. computed
+            while it wrote the file; the manifest uses them instead of reading the file again.
     """
 
     outputs: list[Path] = field(default_factory=list)
@@ -58,6 +60,7 @@ class RunResult:
     message: str = ""
     provides: dict[str, str] = field(default_factory=dict)
     exit_code: int = 0
+    digests: dict[Path, str] = field(default_factory=dict)
 
 
 def sha256_file(path: Path, *, chunk: int = 8 << 20) -> str:
@@ -68,12 +71,31 @@ def sha256_file(path: Path, *, chunk: int = 8 << 20) -> str:
     return h.hexdigest()
 
 
+def named_sha256(path: Path) -> str | None:
+    """The sha256 a Hugging Face cache file carries in its name, else None.
+
+    In the cache, ``snapshots/<rev>/<file>`` links to ``blobs/<sha256>`` for LFS files (weights),
+    named by the sha256 the hub verified on download; small git files are named by a 40-hex
+    git blob hash and get no free digest.
+    """
+    if not path.is_symlink():
+        return None
+    target = path.resolve()
+    name = target.name
+    if target.parent.name == "blobs" and len(name) == 64 and all(c in "0123456789abcdef" for c in name):
+        return name
+    return None
+
+
 def cached_sha256(path: Path, cache_dir: Path | None) -> str:
-    """sha256 of ``path``, remembered in ``cache_dir`` under its identity (device, inode, size,
-    mtime in ns, resolved path), so a sweep over one source model hashes its shards once.
+    """sha256 of ``path``: from its name in a Hugging Face cache (:func:`named_sha256`), else
+    remembered in ``cache_dir`` under its identity (device, inode, size, mtime in ns, resolved
+    path), so a sweep over one source model hashes its shards once.
 
     Any change to the file changes its mtime and so its key; ``cache_dir=None`` always hashes.
     """
+    if (named := named_sha256(path)) is not None:
+        return named
     if cache_dir is None:
         return sha256_file(path)
     st = path.stat()
@@ -99,23 +121,49 @@ def _files_under(path: Path) -> list[Path]:
 
 
 def hash_paths(
-    paths: list[Path], *, base: Path | None = None, cache_dir: Path | None = None
+    paths: list[Path],
+    *,
+    base: Path | None = None,
+    cache_dir: Path | None = None,
+    known: dict[Path, str] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """sha256 and size of every file in ``paths`` (directories recursively), keyed by path.
 
     Keys are relative to ``base`` when the file lies under it, else absolute. Files are hashed on
     one thread per core (hashlib releases the GIL), so a sharded model hashes in parallel;
-    ``cache_dir`` reuses digests of unchanged files (see :func:`cached_sha256`).
+    ``cache_dir`` reuses digests of unchanged files (see :func:`cached_sha256`) and ``known``
+    (path -> sha256) gives digests computed elsewhere, e.g. while the file was written.
     """
     files: dict[str, Path] = {}
     for root in map(Path, paths):
         if root.exists():
             files.update((_rel(f, base), f) for f in _files_under(root))
     files.pop(MANIFEST, None)
+    given = {Path(p).resolve(): d for p, d in (known or {}).items()}
+
+    def digest(f: Path) -> str:
+        return given.get(f.resolve()) or cached_sha256(f, cache_dir)
+
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-        hashed = pool.map(lambda f: cached_sha256(f, cache_dir), files.values())
-        digests = dict(zip(files, hashed, strict=True))
+        digests = dict(zip(files, pool.map(digest, files.values()), strict=True))
     return {k: {"sha256": digests[k], "size": files[k].stat().st_size} for k in sorted(files)}
+
+
+def prehash(paths: list[Path], *, cache_dir: Path | None) -> Future:
+    """Start hashing ``paths`` (as :func:`hash_paths` would, filling ``cache_dir``) on a
+    background thread, so a command overlaps it with its own work; the future gives
+    {path: sha256} for :attr:`RunResult.digests`.
+
+    Example:
+        >>> pending = prehash([src], cache_dir=cache)
+        >>> ...  # convert
+        >>> RunResult(inputs=[src], digests=pending.result())
+    """
+    files = [f for root in map(Path, paths) if root.exists() for f in _files_under(root)]
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prehash")
+    future = pool.submit(lambda: {f: cached_sha256(f, cache_dir) for f in files})
+    pool.shutdown(wait=False)
+    return future
 
 
 def _rel(path: Path, base: Path | None) -> str:
@@ -242,8 +290,11 @@ class Manifest:
     def finish(self, *, status: str, result: RunResult | None = None, error: str | None = None) -> Path:
         self.status, self.error, self.finished_at = status, error, now_iso()
         if result is not None:
-            self.inputs = hash_paths(result.inputs, base=self.run_dir, cache_dir=self.digest_cache)
-            self.outputs = hash_paths(result.outputs, base=self.run_dir)
+            known = result.digests
+            self.inputs = hash_paths(
+                result.inputs, base=self.run_dir, cache_dir=self.digest_cache, known=known
+            )
+            self.outputs = hash_paths(result.outputs, base=self.run_dir, known=known)
             self.output_roots = sorted(
                 {_rel(Path(p), self.run_dir) for p in result.outputs if Path(p).exists()}
             )

@@ -192,8 +192,8 @@ class QuantCfg:
     # Output model directory; None writes <run_dir>/model (a re-run resumes a killed one).
     out: str | None = None
     resume: bool = True
-    # Modules read, cast and quantized in parallel.
-    threads: int = 2
+    # Modules read, cast and quantized in parallel; None: one per core this process may use.
+    threads: int | None = None
 
     def __post_init__(self) -> None:
         spec_for(self.mode, self.bits, self.group_size, key="quant")

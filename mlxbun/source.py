@@ -3,10 +3,22 @@
 Every command that reads a model calls :func:`model_dir` with its config; ``model.name`` may be a
 path, a registry name or an HF repo id in the local cache (resolved by ``mlxbun.registry``), and
 ``model.synthetic=true`` builds (once, cached) a random checkpoint shaped by the ``synth`` section.
+
+A command that streams tensors (quantize) calls :func:`model_source` instead: with
+``model.synthetic=true`` it gets a :class:`mlxbun.synth.SyntheticSource` whose tensors are
+generated when read, so no weight file is ever written. Both kinds of source are read through
+the same few calls (:func:`open_tensors`; :class:`FileTensors` for files)::
+
+    array(name)            one tensor as an mx.array
+    rows(name, r0, r1)     rows [r0, r1) of a tensor (big weights are read block by block)
+    row_step(name)         rows per natural block (1 for files; a synthetic RNG stream)
+
+and described by :func:`lazy_weights` (shapes for the model skeleton) and :func:`identity`.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -39,3 +51,111 @@ def model_dir(cfg: Any) -> Path:
 
     registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
     return registry.resolve(name, hub_cache=cfg.registry.hub_cache, paths=cfg.registry.paths)
+
+
+def model_source(cfg: Any) -> Any:
+    """A model directory (:class:`pathlib.Path`), or a synthetic source that writes no weights."""
+    if not cfg.model.synthetic:
+        return model_dir(cfg)
+    from mlxbun import synth
+
+    spec = {k: v for k, v in asdict(cfg.synth).items() if k != "out"}
+    return synth.ensure_synthetic_source(cache_dir=expand(cfg.paths.cache) / "synth", **spec)
+
+
+# safetensors dtype -> mx dtype name, for tensors read raw into mx buffers (the others, F64
+# and FP8, go through ModelDir.array)
+PREAD_DTYPES = {
+    "BF16": "bfloat16",
+    "F16": "float16",
+    "F32": "float32",
+    "I8": "int8",
+    "U8": "uint8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+}
+
+
+class FileTensors:
+    """The tensors of a model directory, read with the source calls above (see the module doc).
+
+    Example:
+        >>> with FileTensors(Path("hf/llama")) as src:
+        ...     block = src.rows("model.embed_tokens.weight", 0, 1024)
+    """
+
+    def __init__(self, path: Path) -> None:
+        from mlxbun.io.safetensors import open_model
+
+        self.path = path
+        self.model = open_model(path)
+
+    def __enter__(self) -> FileTensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.close()
+
+    def array(self, name: str) -> Any:
+        info = self.model.info(name)
+        if info.dtype not in PREAD_DTYPES or not info.shape or info.size == 0:
+            return self.model.array(name)
+        return self.rows(name, 0, info.shape[0])
+
+    def rows(self, name: str, r0: int, r1: int) -> Any:
+        """Rows [r0, r1) of a tensor, read with pread straight into an mx buffer: one copy from the
+        page cache, no mapped pages to fault in or leave behind."""
+        import mlx.core as mx
+        import numpy as np
+
+        info = self.model.info(name)
+        row = info.nbytes // info.shape[0]
+        out = mx.zeros(((r1 - r0) * row,), dtype=mx.uint8)
+        mx.eval(out)
+        view = np.array(out, copy=False)
+        fd = os.open(info.file, os.O_RDONLY)
+        try:
+            done, want, start = 0, view.nbytes, info.start + r0 * row
+            while done < want:
+                n = os.preadv(fd, [view[done:]], start + done)
+                if n <= 0:
+                    raise InputError(f"{info.file}: file ends inside tensor {name!r}; the file is truncated")
+                done += n
+        finally:
+            os.close(fd)
+        return out.view(getattr(mx, PREAD_DTYPES[info.dtype])).reshape(r1 - r0, *info.shape[1:])
+
+    def row_step(self, name: str) -> int:
+        return 1
+
+
+def source_dir(source: Any) -> Path:
+    """The directory with config.json (and tokenizer) of a model directory or synthetic source."""
+    if isinstance(source, (str, Path)):
+        return Path(source).expanduser().resolve()
+    return Path(source.path)
+
+
+def lazy_weights(source: Any) -> dict[str, Any] | None:
+    """name -> unevaluated array for the model skeleton; None for files (mapped by the skeleton)."""
+    return None if isinstance(source, (str, Path)) else source.lazy()
+
+
+def identity(source: Any) -> str:
+    """What a conversion's fingerprint records about the tensors: the weight files' names,
+    sizes and mtimes (a changed file changes its mtime), or the synthetic spec's hash."""
+    if not isinstance(source, (str, Path)):
+        return source.identity()
+    lines = []
+    for f in sorted(source_dir(source).glob("model*.safetensors*")):
+        st = f.stat()
+        lines.append(f"{f.name}:{st.st_size}:{st.st_mtime_ns}\n")
+    return "".join(lines)
+
+
+def open_tensors(source: Any) -> Any:
+    """The tensor reader of ``source``, for a ``with``: a synthetic source reads itself."""
+    return FileTensors(source_dir(source)) if isinstance(source, (str, Path)) else source

@@ -3,7 +3,9 @@
 Run ``python -m mlxbun command=synth synth.arch=qwen3 synth.preset=tiny`` (or ``+recipe=quickstart``).
 Random weights with real shapes and Hugging Face tensor names, written tensor by tensor through
 :class:`mlxbun.io.shards.ShardedWriter` (memory stays near one shard), plus a byte-level BPE
-tokenizer built offline, so ``mlx_lm.load`` and ``generate`` work on the result::
+tokenizer built offline, so ``mlx_lm.load`` and ``generate`` work on the result (or, without
+writing any weights, :class:`SyntheticSource` generates each tensor when a reader such as
+``command=quantize model.synthetic=true`` asks for it, with the same bytes)::
 
     <out>/                                  staged by mlxbun.io.staging, renamed when complete
         synth.json                          resolved spec, planted channels, format version
@@ -62,13 +64,14 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock
+from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, publish_dir
 from mlxbun.io.dtypes import OUTPUT_DTYPES as DTYPES
 from mlxbun.io.staging import Stage, reached, stable_root, staging_dir, weights_written
 from mlxbun.schema import ARCHS, SYNTH_DIMS
@@ -681,27 +684,56 @@ def tensor_array(t: TensorPlan, *, spec: Spec, channels: list[int]) -> Any:
     """
     import mlx.core as mx
 
-    planted = bool(channels) and t.outlier_axis is not None
-    if t.std == 0 and not planted:
+    if _constant(t, channels):
         return mx.full(t.shape, t.base - t.offset, dtype=_mx_dtype(t.dtype))
     rows = t.shape[0] if len(t.shape) > 1 else 1
+    return tensor_rows(t, 0, rows, spec=spec, channels=channels).reshape(t.shape)
+
+
+def row_step(t: TensorPlan) -> int:
+    """Rows per RNG stream of ``t``: :func:`tensor_rows` is cheapest on multiples of this."""
+    rows = t.shape[0] if len(t.shape) > 1 else 1
+    return max(1, CHUNK // (t.numel // rows))
+
+
+def tensor_rows(t: TensorPlan, r0: int, r1: int, *, spec: Spec, channels: list[int]) -> Any:
+    """Rows [r0, r1) of a planned tensor (a 1-D tensor is one row): the same bytes as
+    ``tensor_array(t)[r0:r1]``, generating only the RNG streams that cover them.
+
+    Example:
+        >>> t = plan(spec)[0]
+        >>> tensor_rows(t, 8, 16, spec=spec, channels=[]).shape
+        (8, 64)
+    """
+    import mlx.core as mx
+
+    rows = t.shape[0] if len(t.shape) > 1 else 1
+    if not 0 <= r0 < r1 <= rows:
+        raise ValueError(f"rows [{r0}, {r1}) are outside {t.name!r} of {rows} rows")
     cols = t.numel // rows
-    out = mx.zeros((rows, cols), dtype=_bits_dtype(t.dtype))
+    if _constant(t, channels):
+        return mx.full((r1 - r0, cols), t.base - t.offset, dtype=_mx_dtype(t.dtype))
+    out = mx.zeros((r1 - r0, cols), dtype=_bits_dtype(t.dtype))
     mx.eval(out)
     buf = np.array(out, copy=False)  # writable view of the mx buffer: no second copy
+    planted = bool(channels) and t.outlier_axis is not None
     normal = _table(t, 1.0)
     scaled = _table(t, t.outlier_factor) if planted else None
-    step = max(1, CHUNK // cols)
-    starts = range(0, rows, step)
     fill = _Filler(t, spec.seed, normal, scaled, np.asarray(channels, dtype=np.int64))
+    step = row_step(t)
+    chunks = range(r0 // step, (r1 - 1) // step + 1)
     with ThreadPoolExecutor(THREADS) as pool:
-        list(pool.map(lambda k: fill(buf, k, starts[k], step), range(len(starts))))
-    return out.view(_mx_dtype(t.dtype)).reshape(t.shape)
+        list(pool.map(lambda k: fill.rows(buf, r0, r1, k, step), chunks))
+    return out.view(_mx_dtype(t.dtype))
+
+
+def _constant(t: TensorPlan, channels: list[int]) -> bool:
+    return t.std == 0 and not (channels and t.outlier_axis is not None)
 
 
 @dataclass(frozen=True)
 class _Filler:
-    """Fills rows [r0, r0 + step) of a tensor's buffer from that chunk's own RNG stream."""
+    """Fills the rows of one chunk (RNG stream) of a tensor."""
 
     t: TensorPlan
     seed: int
@@ -709,8 +741,21 @@ class _Filler:
     scaled: np.ndarray | None
     channels: np.ndarray
 
-    def __call__(self, buf: np.ndarray, k: int, r0: int, step: int) -> None:
-        block = buf[r0 : r0 + step]
+    def rows(self, buf: np.ndarray, r0: int, r1: int, k: int, step: int) -> None:
+        """Write the rows of chunk ``k`` (rows [k*step, (k+1)*step)) that lie in [r0, r1) into
+        ``buf``, whose first row is row ``r0``. A stream's prefix does not depend on its length,
+        so a chunk starting in range is filled in place, and only its first rows are drawn."""
+        c0 = k * step
+        lo, hi = max(c0, r0), min(c0 + step, r1)
+        if lo == c0:
+            self(buf[lo - r0 : hi - r0], k, c0)
+            return
+        block = np.empty((hi - c0, buf.shape[1]), dtype=buf.dtype)
+        self(block, k, c0)
+        buf[lo - r0 : hi - r0] = block[lo - c0 :]
+
+    def __call__(self, block: np.ndarray, k: int, r0: int) -> None:
+        """Fill ``block``, the first rows of chunk ``k``, which starts at row ``r0``."""
         # Raw PCG64 output (a fixed algorithm, unlike Generator methods), 4 indices per draw.
         raw = np.random.PCG64(_stream_seed(self.seed, self.t.name, k)).random_raw((block.size + 3) // 4)
         idx = raw.view("<u2")[: block.size].reshape(block.shape)
@@ -988,6 +1033,81 @@ def check_room(spec: Spec, *, out: Path, partial_root: Path | None, shard_bytes:
             f" tensor, {human_bytes(largest)}), {human_bytes(avail)} is available; lower io.shard_gb or"
             " the synth.* dimensions"
         )
+
+
+@dataclass(frozen=True)
+class SyntheticSource:
+    """A synthetic checkpoint read without its weight files: ``path`` holds config.json, the
+    tokenizer and synth.json; every tensor is generated when it is asked for, with the bytes
+    :func:`write_spec` would have written (so a conversion of it equals one of the files).
+
+    Example:
+        >>> src = ensure_synthetic_source(cache_dir=tmp, arch="gemma3_text", preset="27b")
+        >>> src.rows("model.embed_tokens.weight", 0, 780).shape
+        (780, 5376)
+    """
+
+    spec: Spec
+    path: Path
+
+    def __enter__(self) -> SyntheticSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    @cached_property
+    def tensors(self) -> dict[str, TensorPlan]:
+        return {t.name: t for t in plan(self.spec)}
+
+    @cached_property
+    def channels(self) -> list[int]:
+        return planted_channels(self.spec)
+
+    def lazy(self) -> dict[str, Any]:
+        """name -> an unevaluated array of the tensor's shape and dtype (a placeholder that holds
+        no memory; the converter reads values through :meth:`array` and :meth:`rows`)."""
+        import mlx.core as mx
+
+        return {n: mx.zeros(t.shape, dtype=_mx_dtype(t.dtype)) for n, t in self.tensors.items()}
+
+    def array(self, name: str) -> Any:
+        return tensor_array(self.tensors[name], spec=self.spec, channels=self.channels)
+
+    def rows(self, name: str, r0: int, r1: int) -> Any:
+        t = self.tensors[name]
+        shape = (r1 - r0, *t.shape[1:]) if len(t.shape) > 1 else t.shape  # 1-D: one row
+        return tensor_rows(t, r0, r1, spec=self.spec, channels=self.channels).reshape(shape)
+
+    def row_step(self, name: str) -> int:
+        return row_step(self.tensors[name])
+
+    def identity(self) -> str:
+        return f"synthetic:{self.spec.hash}"
+
+
+def ensure_synthetic_source(*, cache_dir: str | Path, **fields: Any) -> SyntheticSource:
+    """The :class:`SyntheticSource` for these synth fields; its small directory (config,
+    tokenizer, synth.json: no weights) is built once into ``cache_dir/<spec hash>.config/``."""
+    fields.pop("out", None)
+    spec = resolve_spec(**fields)
+    cache_dir = Path(cache_dir).expanduser()
+    final = cache_dir / f"{spec.hash}.config"
+    if not (final / "config.json").is_file():
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        with file_lock(cache_dir / f".{spec.hash}.config.lock"):
+            if not final.exists():
+                tmp = cache_dir / f".{spec.hash}.config.partial"
+                shutil.rmtree(tmp, ignore_errors=True)
+                tmp.mkdir()
+                atomic_write_json(tmp / SPEC_FILE, _spec_record(spec))
+                _write_side_files(spec, tmp)
+                for f in sorted(tmp.rglob("*")):
+                    if f.is_file():
+                        with open(f, "rb") as fh:
+                            os.fsync(fh.fileno())
+                publish_dir(tmp, final)
+    return SyntheticSource(spec=spec, path=final)
 
 
 def run(cfg: Any) -> Any:

@@ -434,3 +434,17 @@ def test_streaming_copy_peak_memory_is_about_one_shard(tmp_path: Path, overlap: 
     limit = (2 if overlap == "1" else 1) * (16 << 20) + 2 * (8 << 20)
     assert grew < limit, f"peak RSS grew by {grew / 2**20:.0f} MiB copying a 128 MiB model"
     assert open_model(tmp_path / "dst").names() == [f"t{i:02d}" for i in range(16)]
+
+
+def test_layout_digests_are_the_sha256_of_the_published_files(tmp_path: Path) -> None:
+    import hashlib
+
+    produce(tmp_path / "run", resume=False, stop_after_shards=2, checksum="sha256")._stop(keep_shards=True)
+    resumed = ShardedWriter(tmp_path / "run", shard_bytes=1500, resume=True, checksum="sha256")
+    for i in range(TENSORS):
+        if f"t.{i:02d}" not in resumed.done_names:
+            resumed.add(f"t.{i:02d}", tensor(i))
+    layout = resumed.finish()
+    assert len(layout.shards) > 2 and sorted(layout.digests) == sorted(layout.shards)
+    for name, digest in layout.digests.items():  # resumed shards and new ones alike
+        assert hashlib.sha256((tmp_path / "run" / name).read_bytes()).hexdigest() == digest

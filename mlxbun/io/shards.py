@@ -68,6 +68,8 @@ class ShardLayout:
         total_size: bytes of tensor data (the index's ``total_size``).
         total_parameters: parameters by mlx-lm's count (packed weights at their logical size).
         index: the index dict (written only when there are several shards).
+        digests: shard file name -> the writer's ``checksum`` of the whole file, computed
+            while its bytes were written (read back only for shards a resume kept).
     """
 
     out_dir: Path
@@ -75,6 +77,7 @@ class ShardLayout:
     total_size: int
     total_parameters: int
     index: dict[str, Any]
+    digests: dict[str, str] = field(default_factory=dict)
 
     @property
     def files(self) -> list[Path]:
@@ -500,7 +503,8 @@ class ShardedWriter:
             "metadata": {"total_size": total_size, "total_parameters": params},
             "weight_map": dict(sorted(weight_map.items())),
         }
-        return ShardLayout(self.out_dir, shards, total_size, params, index)
+        digests = {n: s.digest for n, s in zip(names, self._shards, strict=True)}
+        return ShardLayout(self.out_dir, shards, total_size, params, index, digests)
 
     def _publish(self, layout: ShardLayout) -> None:
         self._write_journal(finishing=len(layout.shards))

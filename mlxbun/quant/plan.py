@@ -84,14 +84,15 @@ def _lazy_source(src: Path) -> dict[str, Any]:
     return weights
 
 
-def build_skeleton(src: str | Path) -> Skeleton:
-    """Instantiate the model class for ``src`` and sanitize lazy views of its tensors."""
+def build_skeleton(src: str | Path, *, weights: dict[str, Any] | None = None) -> Skeleton:
+    """Instantiate the model class for ``src`` and sanitize lazy views of its tensors
+    (``weights``: those views when they come from elsewhere, e.g. a synthetic source)."""
     from mlx.utils import tree_flatten
 
     src = Path(src)
     config = check_source(src)
     model_class, args_class = model_classes(config)
-    raw = _lazy_source(src)
+    raw = _lazy_source(src) if weights is None else weights
     by_id = {id(v): k for k, v in raw.items()}
     try:
         model = model_class(args_class.from_dict(config))
@@ -203,13 +204,14 @@ def prepare(
     group_size: int | None = None,
     plan: Plan | str | Path | None = None,
     mixed: str | None = None,
+    weights: dict[str, Any] | None = None,
 ) -> tuple[Skeleton, QuantSpec]:
     """Build the skeleton of ``src`` and quantize it lazily by a uniform setting, a plan or a rule."""
     check_mixed(mixed, mode=mode, plan=plan)
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     spec = plan.default if plan is not None else spec_for(mode, bits, group_size)
-    sk = build_skeleton(src)
+    sk = build_skeleton(src, weights=weights)
     predicate = None
     if plan is not None:
         predicate = plan_predicate(plan)

@@ -3,7 +3,9 @@
 Run: ``python -m mlxbun command=quantize model.name=<dir|name|org/repo> quant.bits=4``.
 Output tensors, their order, shard packing and config.json match ``mlx_lm convert`` for the
 same settings (see :mod:`mlxbun.quant.plan` for how the structure is derived); memory stays at
-about one shard plus a few modules in flight, whatever the model size.
+about one shard plus a few modules in flight, whatever the model size. Tensors come through
+:mod:`mlxbun.source`: files, or (``model.synthetic=true``) generated in memory as they are read.
+Each shard's sha256 is computed while it is written and handed to the manifest.
 
 On disk (the staging protocol of :mod:`mlxbun.io.staging`, kind "quantize")::
 
@@ -30,12 +32,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +108,8 @@ class QuantizeResult:
     output_bytes: int
     seconds: float
     reused: bool = False
+    # shard file name -> sha256, computed while the shard was written (empty when reused)
+    digests: dict[str, str] = field(default_factory=dict)
 
 
 # ------------------------------------------------------------------------------- settings
@@ -121,10 +126,14 @@ def resolve_dtype(dtype: str | None, config: dict[str, Any]) -> str | None:
     return dtype
 
 
-def source_identity(src: Path) -> str:
+def source_identity(src: Path, tensors: str | None = None) -> str:
     """Digest of what defines the source and is the same in every copy of it: config.json, and
-    each weight file's name, size and safetensors header (or bytes, for the index)."""
+    each weight file's name, size and safetensors header (or bytes, for the index) — or, for a
+    synthetic source, its spec's identity (``mlxbun.source.identity``)."""
     h = hashlib.sha256((src / "config.json").read_bytes())
+    if tensors is not None:
+        h.update(tensors.encode())
+        return h.hexdigest()
     for f in sorted(src.glob("model*.safetensors*")):
         h.update(f"\n{f.name}:{f.stat().st_size}\n".encode())
         h.update(_safetensors_header(f) if f.suffix == ".safetensors" else f.read_bytes())
@@ -139,11 +148,11 @@ def _safetensors_header(path: Path) -> bytes:
         return f.read(min(n, HEADER_CAP))
 
 
-def fingerprint(src: Path, settings: dict[str, Any]) -> str:
+def fingerprint(src: Path, settings: dict[str, Any], *, tensors: str | None = None) -> str:
     """Key of a conversion's staging dir: source identity, the weight files' mtimes (a source
     rewritten in place is never resumed into), settings."""
-    h = hashlib.sha256(source_identity(src).encode())
-    for f in sorted(src.glob("model*.safetensors*")):
+    h = hashlib.sha256(source_identity(src, tensors).encode())
+    for f in sorted(src.glob("model*.safetensors*")) if tensors is None else []:
         h.update(f"{f.name}:{f.stat().st_mtime_ns}\n".encode())
     h.update(json.dumps({"format": FORMAT_VERSION, **settings}, sort_keys=True).encode())
     return h.hexdigest()
@@ -155,6 +164,14 @@ def _read_record(d: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return record if isinstance(record, dict) else None
+
+
+def default_threads() -> int:
+    """One conversion thread per core this process may run on (its CPU affinity)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
 
 
 # ------------------------------------------------------------------------------- units
@@ -183,10 +200,11 @@ def plan_units(sk: Skeleton) -> list[Unit]:
 class Converter:
     """Reads, casts and quantizes units; safe to call from several threads (one unit each)."""
 
-    def __init__(self, sk: Skeleton, src_dir: Any, dtype: str | None) -> None:
+    def __init__(self, sk: Skeleton, tensors: Any, dtype: str | None) -> None:
+        """``tensors``: the source's tensor reader (``mlxbun.source``)."""
         import mlx.core as mx
 
-        self.sk, self.src = sk, src_dir
+        self.sk, self.src = sk, tensors
         self.dtype = getattr(mx, dtype) if dtype else None
         self.cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)
 
@@ -225,21 +243,12 @@ class Converter:
         name = f"{unit.path}.weight"
         return name in self.sk.sources and self.sk.weights[name].nbytes > BIG_TENSOR
 
-    def read_rows(self, name: str, r0: int, r1: int) -> Any:
-        """Rows [r0, r1) of a 2-D source tensor, with pread (no mapped pages left behind)."""
-        import mlx.core as mx
-        import numpy as np
-
-        from mlxbun.io.safetensors import NP_DTYPES
-
-        info = self.src.info(self.sk.sources[name])
-        row = info.nbytes // info.shape[0]
-        buf = bytearray((r1 - r0) * row)
-        with open(info.file, "rb", buffering=0) as f:
-            f.seek(info.start + r0 * row)
-            f.readinto(buf)
-        arr = mx.array(np.frombuffer(buf, dtype=NP_DTYPES[info.dtype]).reshape(r1 - r0, *info.shape[1:]))
-        return arr.view(mx.bfloat16) if info.dtype == "BF16" else arr
+    def step(self, name: str, width: int) -> int:
+        """Rows per block of a big weight: about CHUNK_BYTES of f32, a multiple of the source's
+        natural block (a synthetic tensor's RNG stream) when that is smaller."""
+        step = max(1, CHUNK_BYTES // max(1, width * 4))
+        natural = self.src.row_step(self.sk.sources[name])
+        return max(natural, step - step % natural)
 
     def quantize_rows(self, unit: Unit) -> dict[str, Any]:
         """mx.quantize of a big weight, block of rows by block of rows.
@@ -252,12 +261,12 @@ class Converter:
 
         name, q = f"{unit.path}.weight", unit.quant
         rows, width = self.sk.weights.pop(name).shape
-        step = max(1, CHUNK_BYTES // max(1, width * 4))
+        step, src = self.step(name, width), self.sk.sources[name]
         packed: Any = None
         small: list[list[Any]] = []
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            chunk = self.cast(name, self.read_rows(name, r0, r1))
+            chunk = self.cast(name, self.src.rows(src, r0, r1))
             w, *rest = mx.quantize(chunk, q["group_size"], q["bits"], mode=q.get("mode", "affine"))
             mx.eval(w, *rest)
             if packed is None:
@@ -383,20 +392,24 @@ def _write_record(d: Path, identity: dict[str, Any], quantization: dict[str, Any
 
 
 def _write_shards(
-    sk: Skeleton, src: Path, partial: Path, *, dtype: str | None, shard_bytes: int, threads: int
-) -> tuple[int, int]:
-    """Stream every unit into the ShardedWriter in ``partial``; return (source, output) bytes."""
+    sk: Skeleton, source: Any, partial: Path, *, dtype: str | None, shard_bytes: int, threads: int
+) -> tuple[int, int, dict[str, str]]:
+    """Stream every unit into the ShardedWriter in ``partial``; return (source, output) bytes and
+    each shard's sha256 (hashed as the writer streamed it out)."""
     import mlx.core as mx
 
-    from mlxbun.io.safetensors import INDEX_FILE, open_model
+    from mlxbun.io.safetensors import INDEX_FILE
     from mlxbun.io.shards import ShardedWriter
+    from mlxbun.source import open_tensors
 
     units = plan_units(sk)
     total = sum(u.nbytes for u in units)
     written = 0
     with (
-        open_model(src) as model_dir,
-        ShardedWriter(partial, shard_bytes=shard_bytes, resume=True, quantization=sk.quantization) as writer,
+        open_tensors(source) as tensors,
+        ShardedWriter(
+            partial, shard_bytes=shard_bytes, resume=True, quantization=sk.quantization, checksum="sha256"
+        ) as writer,
     ):
         todo = [u for u in units if not set(u.outputs) <= writer.done_names]
         if writer.done_names:
@@ -408,22 +421,22 @@ def _write_shards(
             )
         progress = Progress(total=total, unit="B", desc="quantize")
         progress.update(total - sum(u.nbytes for u in todo))
-        for unit, tensors in stream(todo, Converter(sk, model_dir, dtype), threads=threads):
-            for name, arr in tensors:
+        for unit, results in stream(todo, Converter(sk, tensors, dtype), threads=threads):
+            for name, arr in results:
                 written += arr.nbytes
                 writer.add(name, arr)
-            del tensors
+            del results
             progress.update(unit.nbytes)
         layout = writer.finish()
         progress.close()
     if not layout.index_written:  # mlx-lm writes the index for a single shard too
         atomic_write_json(partial / INDEX_FILE, layout.index)
     mx.clear_cache()
-    return total, layout.total_size or written
+    return total, layout.total_size or written, layout.digests
 
 
 def quantize_model_dir(
-    src: str | Path,
+    src: str | Path | Any,
     out: str | Path,
     *,
     mode: str = "affine",
@@ -434,13 +447,14 @@ def quantize_model_dir(
     dtype: str | None = None,
     shard_bytes: int = 5 << 30,
     resume: bool = True,
-    threads: int = 2,
+    threads: int | None = None,
     partial_root: str | Path | None = None,
 ) -> QuantizeResult:
     """Quantize the HF model in ``src`` into an mlx-lm-loadable directory ``out``.
 
     Args:
-        src: model directory with config.json and model*.safetensors.
+        src: model directory with config.json and model*.safetensors, or a
+            :class:`mlxbun.synth.SyntheticSource` (tensors generated as they are read).
         out: output directory; must not exist (unless it is this same conversion, then reused).
         mode, bits, group_size: uniform setting, mlx-lm's per-mode defaults for None.
         plan: a :class:`Plan` or plan.json path (overrides mode/bits/group_size).
@@ -448,7 +462,7 @@ def quantize_model_dir(
         dtype: dtype of non-quantized tensors; None follows config.json like mlx-lm.
         shard_bytes: ceiling of tensor bytes per output shard (mlx-lm: 5 << 30).
         resume: continue a killed run of the same conversion from its last complete shard.
-        threads: modules converted in parallel.
+        threads: modules converted in parallel (None: one per core this process may use).
         partial_root: where the hidden partial directory lives (default: beside ``out``).
 
     Example:
@@ -456,48 +470,63 @@ def quantize_model_dir(
         >>> r.files
         ['model.safetensors']
     """
+    from mlxbun.source import identity, lazy_weights, source_dir
+
     t0 = time.monotonic()
-    src, out = Path(src).expanduser().resolve(), Path(out).expanduser().resolve()
+    out = Path(out).expanduser().resolve()
+    threads = default_threads() if threads is None else threads
     if dtype is not None and dtype not in CONVERSION_DTYPES:
         raise InputError(
             f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}"
         )
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
-    sk, spec = prepare(src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed)
+    source, src = src, source_dir(src)
+    sk, spec = prepare(
+        src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed, weights=lazy_weights(source)
+    )
     dtype = resolve_dtype(dtype, sk.config)
     settings = _settings(spec, plan, mixed, dtype, shard_bytes)
-    identity = {"format": FORMAT_VERSION, "settings": settings, "source": source_identity(src)}
-    key = fingerprint(src, settings)
+    tensors = identity(source) if source is not src else None
+    identity_doc = {"format": FORMAT_VERSION, "settings": settings, "source": source_identity(src, tensors)}
+    key = fingerprint(src, settings, tensors=tensors)
     # Two runs of the same conversion: the second waits, then reuses the first one's output.
     with Stage.locked(out, kind="quantize", key=key, root=partial_root) as stage:
-        if (done := _reusable(out, identity)) is not None:
+        if (done := _reusable(out, identity_doc)) is not None:
             return done
         stage.claim(resume=resume)
         state = "complete" if weights_written(stage.dir) else "writing"
-        src_bytes, out_bytes = _convert(
-            sk, src, stage.dir, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads
+        src_bytes, out_bytes, digests = _convert(
+            sk, source, stage.dir, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads
         )
         reached("weights")
         _finish_files(sk, src, stage.dir)
-        _write_record(stage.dir, identity, sk.quantization)
+        _write_record(stage.dir, identity_doc, sk.quantization)
         stage.publish()
     files = sorted(p.name for p in out.glob("model*.safetensors"))
-    return QuantizeResult(out, files, sk.quantization or {}, src_bytes, out_bytes, time.monotonic() - t0)
+    seconds = time.monotonic() - t0
+    return QuantizeResult(out, files, sk.quantization or {}, src_bytes, out_bytes, seconds, digests=digests)
 
 
 def _convert(
-    sk: Skeleton, src: Path, partial: Path, state: str, *, dtype: str | None, shard_bytes: int, threads: int
-) -> tuple[int, int]:
+    sk: Skeleton,
+    source: Any,
+    partial: Path,
+    state: str,
+    *,
+    dtype: str | None,
+    shard_bytes: int,
+    threads: int,
+) -> tuple[int, int, dict[str, str]]:
     """Write the shards unless a killed run already did (``state="complete"``)."""
     import mlx.core as mx
 
     if state == "complete":
         src_bytes = sum(v.nbytes for v in sk.weights.values())
-        return src_bytes, sum(p.stat().st_size for p in partial.glob("model*.safetensors"))
+        return src_bytes, sum(p.stat().st_size for p in partial.glob("model*.safetensors")), {}
     previous = mx.set_cache_limit(128 << 20)  # freed buffers go back to the OS, not a cache
     try:
-        sizes = _write_shards(sk, src, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads)
+        sizes = _write_shards(sk, source, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads)
     finally:
         mx.set_cache_limit(previous)
     return sizes
@@ -524,15 +553,18 @@ def _finish_files(sk: Skeleton, src: Path, partial: Path) -> None:
 def run(cfg: Any) -> Any:
     """command=quantize: unpack ``cfg`` into :func:`quantize_model_dir`; register the output."""
     from mlxbun.progress import human_bytes
-    from mlxbun.provenance import RunResult
-    from mlxbun.source import model_dir
+    from mlxbun.provenance import RunResult, prehash
+    from mlxbun.source import model_source, source_dir
 
     q = cfg.quant
-    src = model_dir(cfg)
+    source = model_source(cfg)
+    src = source_dir(source)
     out = Path(q.out).expanduser() if q.out else Path(cfg.paths.run_dir) / "model"
     partial_root = None if q.out else stable_root(cfg.paths.outputs, out)
+    # The manifest's input digests: free in the HF cache, else hashed while the conversion runs.
+    inputs = prehash([src], cache_dir=Path(cfg.paths.cache).expanduser() / "digests")
     res = quantize_model_dir(
-        src,
+        source,
         out,
         mode=q.mode,
         bits=q.bits,
@@ -554,14 +586,17 @@ def run(cfg: Any) -> Any:
         "gb_per_s": round(rate, 3),
         "shards": len(res.files),
         "reused": res.reused,
+        "threads": q.threads or default_threads(),
     }
     verb = "reused" if res.reused else f"wrote {human_bytes(res.output_bytes)} in {res.seconds:.1f}s"
+    name = f"synthetic {cfg.synth.arch} {cfg.synth.preset}" if cfg.model.synthetic else src.name
     return RunResult(
         outputs=[res.out],
         inputs=[src],
         metrics=metrics,
-        message=f"quantized {src.name} -> {res.out} ({verb}, {len(res.files)} shard(s))",
+        message=f"quantized {name} -> {res.out} ({verb}, {len(res.files)} shard(s))",
         provides={"model.name": str(res.out)},
+        digests={**inputs.result(), **{res.out / f: d for f, d in res.digests.items()}},
     )
 
 

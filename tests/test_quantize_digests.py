@@ -1,0 +1,87 @@
+"""The manifest's digests of a conversion: outputs hashed while written, inputs free in the HF cache."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from mlxbun import provenance
+from mlxbun.provenance import Manifest, RunResult, hash_paths, named_sha256
+from mlxbun.quant.uniform import quantize_model_dir
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def hf_cache_snapshot(root: Path, files: dict[str, bytes]) -> Path:
+    """``models--o--m/{blobs/<sha256>, snapshots/<rev>/<file> -> ../../blobs/<sha256>}``."""
+    repo = root / "models--o--m"
+    snap = repo / "snapshots" / ("a" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for name, data in files.items():
+        digest = hashlib.sha256(data).hexdigest()
+        if name == "config.json":
+            digest = hashlib.sha1(data).hexdigest()  # git files are named by a 40-hex blob hash
+        (repo / "blobs" / digest).write_bytes(data)
+        (snap / name).symlink_to(Path("../../blobs") / digest)
+    return snap
+
+
+def test_hf_cache_blob_names_are_the_input_digests(tmp_path, monkeypatch):
+    snap = hf_cache_snapshot(tmp_path, {"model.safetensors": b"w" * 1000, "config.json": b"{}"})
+    assert named_sha256(snap / "model.safetensors") == _sha(snap / "model.safetensors")
+    assert named_sha256(snap / "config.json") is None  # a sha1 name is no sha256
+    assert named_sha256(snap.parent.parent / "blobs" / _sha(snap / "model.safetensors")) is None  # not a link
+    read = []
+    real = provenance.sha256_file
+    monkeypatch.setattr(provenance, "sha256_file", lambda p, **kw: read.append(Path(p).name) or real(p, **kw))
+    got = hash_paths([snap], base=tmp_path)
+    assert read == ["config.json"]
+    for name in ("model.safetensors", "config.json"):
+        key = str((snap / name).resolve().relative_to(tmp_path.resolve()))  # keys name the blobs
+        assert got[key]["sha256"] == _sha(snap / name)
+
+
+def test_a_link_to_a_misnamed_file_is_hashed(tmp_path):
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    (blobs / ("0" * 64)).write_bytes(b"not what the name says")
+    (tmp_path / "w").symlink_to(blobs / ("0" * 64))
+    # Only links into a cache's blobs/ are trusted; this one is, by name: the HF convention.
+    assert named_sha256(tmp_path / "w") == "0" * 64
+    (tmp_path / "store").mkdir()
+    (tmp_path / "store" / ("1" * 64)).write_bytes(b"x")
+    (tmp_path / "v").symlink_to(tmp_path / "store" / ("1" * 64))
+    assert named_sha256(tmp_path / "v") is None
+
+
+def test_manifest_takes_the_writers_shard_digests_without_reading_them(tmp_path, tiny_model, monkeypatch):
+    src = tiny_model("llama")
+    run_dir = tmp_path / "run"
+    res = quantize_model_dir(src, run_dir / "model", bits=4, shard_bytes=20000, threads=2)
+    assert len(res.digests) == len(res.files) > 1
+    real = provenance.sha256_file
+
+    def no_shards(path, **kw):
+        if Path(path).name.startswith("model-") and Path(path).suffix == ".safetensors":
+            pytest.fail(f"{path} was read again to hash it")
+        return real(path, **kw)
+
+    monkeypatch.setattr(provenance, "sha256_file", no_shards)
+    manifest = Manifest(run_dir, "quantize", {}, [], None, 0, {})
+    digests = {res.out / f: d for f, d in res.digests.items()}
+    manifest.finish(status="ok", result=RunResult(outputs=[res.out], digests=digests))
+    for name in res.files:
+        assert manifest.outputs[f"model/{name}"]["sha256"] == _sha(res.out / name)
+
+
+def test_prehash_fills_the_digest_cache(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.bin").write_bytes(b"a" * 5000)
+    got = provenance.prehash([tmp_path / "src"], cache_dir=tmp_path / "cache").result(timeout=30)
+    assert got == {tmp_path / "src" / "a.bin": _sha(tmp_path / "src" / "a.bin")}
+    assert list((tmp_path / "cache").rglob("*")) != []
