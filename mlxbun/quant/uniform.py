@@ -487,7 +487,7 @@ def quantize_model_dir(
     )
     dtype = resolve_dtype(dtype, sk.config)
     settings = _settings(spec, plan, mixed, dtype, shard_bytes)
-    tensors = identity(source) if source is not src else None
+    tensors = None if isinstance(source, (str, Path)) else identity(source)
     identity_doc = {"format": FORMAT_VERSION, "settings": settings, "source": source_identity(src, tensors)}
     key = fingerprint(src, settings, tensors=tensors)
     # Two runs of the same conversion: the second waits, then reuses the first one's output.
