@@ -181,8 +181,9 @@ class SensitivityCfg:
     # None: the mode's default (affine 64, mxfp4 32, nvfp4 16, mxfp8 32).
     group_size: int | None = 64
     mode: str = "affine"
-    # fast: reuse block inputs, batch, float32 BLAS; reference: the seed's one-forward-per-sample.
-    method: str = "fast"
+    # fisher: estimated from one backward pass + one forward per candidate (mlxbun/quant/fisher.py);
+    # exact: every (module, candidate) measured; reference: exact, one forward per sample (slow).
+    method: str = "fisher"
     batch_size: int = 8
     # Split the work over Hydra multirun jobs: sensitivity.shard=range(0,N) sensitivity.num_shards=N.
     shard: int = 0
@@ -197,7 +198,7 @@ class SensitivityCfg:
 
     def __post_init__(self) -> None:
         choose("sensitivity.mode", self.mode, QUANT_MODES)
-        choose("sensitivity.method", self.method, ("fast", "reference"))
+        choose("sensitivity.method", self.method, ("fisher", "exact", "reference"))
         if self.group_size is not None:
             choose("sensitivity.group_size", self.group_size, GROUP_SIZES)
         if not self.bits:
