@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +48,11 @@ from mlxbun.quant.sensitivity import Candidate, Target, fake_quant, kl_from_stat
 
 
 @dataclass
-class Terms:
-    """Row and column weights of one module: KL ~ 1/2 * sum over terms of rows @ dW^2 @ cols."""
-
-    pairs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
-
-
-@dataclass
 class Estimate:
     kl: dict[str, dict[str, float]]  # path -> {bits: calibrated KL}
     raw: dict[str, dict[str, float]]  # path -> {bits: second-order score before calibration}
-    factors: dict[str, float]  # bits -> measured whole-model KL / sum of raw scores
-    measured: dict[str, float]  # bits -> whole-model KL with every module at that candidate
+    factors: dict[str, dict[str, float]]  # role -> bits -> measured KL / sum of the role's raw scores
+    measured: dict[str, dict[str, float]]  # role -> bits -> KL with every module of the role quantized
     forward_equivalents: float
 
 
@@ -78,22 +71,25 @@ class _Tap:
     def __call__(self, x: Any) -> Any:
         import mlx.core as mx
 
-        if self.rec.embedding(self.path):
+        if self.rec.kinds[self.path] == "embedding":
             self.rec.ids[self.path] = x
             return self.rec.tap(self.path, self.mod.weight[x].astype(mx.float32))
-        self.rec.sq_in(self.path, x)
+        self.rec.inputs[self.path] = x
         return self.rec.tap(self.path, self.mod(x))
 
     def as_linear(self, x: Any) -> Any:
         import mlx.core as mx
 
-        key = self.path + "@head"
-        self.rec.sq_in(key, x)
+        key = self.path + HEAD
+        self.rec.inputs[key] = x
         return self.rec.tap(key, x @ self.mod.weight.astype(mx.float32).T)
 
 
+HEAD = "@head"  # the tap of a tied embedding used as the output head
+
+
 class _Recorder:
-    """The zero taps of one batch and the squared inputs (summed over tokens) seen by each module."""
+    """The zero taps of one batch and what each module saw (inputs, or token ids for lookups)."""
 
     def __init__(self, kinds: dict[str, str]) -> None:
         self.kinds = kinds
@@ -102,18 +98,9 @@ class _Recorder:
         self.ids: dict[str, Any] = {}
         self.shapes: dict[str, tuple] = {}
 
-    def embedding(self, path: str) -> bool:
-        return self.kinds[path] == "embedding"
-
     def tap(self, key: str, y: Any) -> Any:
         self.shapes[key] = y.shape
         return y + self.deltas[key] if key in self.deltas else y
-
-    def sq_in(self, key: str, x: Any) -> None:
-        import mlx.core as mx
-
-        x = x.astype(mx.float32)
-        self.inputs[key] = (x * x).reshape(-1, x.shape[-1]).sum(axis=0)
 
 
 def _install(model: Any, tgts: list[Target], rec: _Recorder) -> list[tuple[Any, str, Any]]:
@@ -152,19 +139,18 @@ def _kinds(model: Any, tgts: list[Target]) -> dict[str, str]:
 
 
 class FisherPass:
-    """Accumulates r (mean squared output gradient) and c (mean squared input) for every target."""
+    """Scores every (target, candidate) batch by batch: sum over tokens and output channels of
+    g_ti^2 * (dW x_t)_i^2, g the gradient of the sampled labels' log-likelihood at the output."""
 
-    def __init__(self, model: Any, tgts: list[Target], *, seed: int) -> None:
-        self.model, self.tgts = model, tgts
+    def __init__(self, model: Any, tgts: list[Target], cands: list[Candidate], *, seed: int) -> None:
+        self.model, self.tgts, self.cands = model, tgts, cands
         self.rec = _Recorder(_kinds(model, tgts))
         self.key = seed
-        self.grad_sq: dict[str, np.ndarray] = {}
-        self.in_sq: dict[str, np.ndarray] = {}
-        self.counts: dict[str, np.ndarray] = {}
+        self.sums: dict[str, dict[str, float]] = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
         self.tokens = 0
 
     def _zeros(self, batch: Any) -> dict[str, Any]:
-        """Zero taps shaped like each module's output (shapes from a forward without taps' grads)."""
+        """Zero taps shaped like each module's output (shapes from a one-token forward)."""
         import mlx.core as mx
 
         if not self.rec.shapes:
@@ -174,7 +160,7 @@ class FisherPass:
         return {k: mx.zeros((n, length, s[-1]), dtype=mx.float32) for k, s in self.rec.shapes.items()}
 
     def run(self, batch: Any) -> Any:
-        """One forward + backward on ``batch``; returns the reference logits (float32)."""
+        """One forward + backward on ``batch``, then its scores; returns the reference logits."""
         import mlx.core as mx
 
         undo = _install(self.model, self.tgts, self.rec)
@@ -189,65 +175,46 @@ class FisherPass:
                 y = mx.random.categorical(mx.stop_gradient(logits), key=key)
                 logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
                 ll = mx.take_along_axis(logp, y[..., None], axis=-1).sum()
-                return ll, mx.stop_gradient(logits), dict(self.rec.inputs)
+                return (
+                    ll,
+                    mx.stop_gradient(logits),
+                    {k: mx.stop_gradient(v) for k, v in self.rec.inputs.items()},
+                )
 
             (_, logits, inputs), grads = mx.value_and_grad(loglik)(deltas)
-            sq = {k: (g * g).reshape(-1, g.shape[-1]).sum(axis=0) for k, g in grads.items()}
-            mx.eval(logits, inputs, sq)
+            mx.eval(logits, inputs, grads)
+            ids = dict(self.rec.ids)
         finally:
-            self.rec.deltas = {}
+            self.rec.deltas, self.rec.inputs, self.rec.ids = {}, {}, {}
             _uninstall(undo)
-        self._accumulate(sq, inputs, batch)
+        for t in self.tgts:
+            self._score(t, {k: v * v for k, v in grads.items() if k in (t.path, t.path + HEAD)}, inputs, ids)
+        self.tokens += int(batch.size)
         return logits
 
-    def _accumulate(self, sq: dict, inputs: dict, batch: Any) -> None:
-        for k, v in sq.items():
-            self.grad_sq[k] = self.grad_sq.get(k, 0.0) + np.array(v, dtype=np.float64)
-        for k, v in inputs.items():
-            self.in_sq[k] = self.in_sq.get(k, 0.0) + np.array(v, dtype=np.float64)
-        for k, ids in self.rec.ids.items():
-            vocab = module_at(self.model, k).weight.shape[0]
-            counts = np.bincount(np.array(ids).reshape(-1), minlength=vocab).astype(np.float64)
-            self.counts[k] = self.counts.get(k, 0.0) + counts
-        self.tokens += int(batch.size)
+    def _score(self, t: Target, g2: dict, inputs: dict, ids: dict) -> None:
+        """Adds this batch's sum g^2 * dY^2 for every candidate of ``t``."""
+        import mlx.core as mx
 
-    def terms(self) -> dict[str, Terms]:
-        """Each target's (rows, cols) pairs, normalised per token."""
+        w = _real(module_at(self.model, t.path)).weight
+        for c in self.cands:
+            if c.same(t.current):
+                continue
+            d = fake_quant(w, c, dtype=t.dtype) - w.astype(mx.float32)
+            total = mx.array(0.0)
+            if t.path in ids:  # lookup: dY_t = dW[token_t]
+                total = total + (g2[t.path] * mx.square(d[ids[t.path]])).sum()
+            elif t.path in g2:
+                total = total + (g2[t.path] * mx.square(inputs[t.path].astype(mx.float32) @ d.T)).sum()
+            if t.path + HEAD in g2:  # a tied embedding is also the head
+                head = t.path + HEAD
+                total = total + (g2[head] * mx.square(inputs[head].astype(mx.float32) @ d.T)).sum()
+            self.sums[t.path][str(c.bits)] += float(total.item())
+
+    def scores(self) -> dict[str, dict[str, float]]:
+        """Per-token KL estimates: 1/2 * sums / tokens."""
         n = float(max(self.tokens, 1))
-        out = {}
-        for t in self.tgts:
-            terms = Terms()
-            if t.path in self.counts:  # lookup: rows are token frequencies, cols the output Fisher
-                terms.pairs.append((self.counts[t.path] / n, self.grad_sq[t.path] / n))
-            elif t.path in self.grad_sq:
-                terms.pairs.append((self.grad_sq[t.path] / n, self.in_sq[t.path] / n))
-            head = t.path + "@head"
-            if head in self.grad_sq:  # a tied embedding is also the head
-                terms.pairs.append((self.grad_sq[head] / n, self.in_sq[head] / n))
-            out[t.path] = terms
-        return out
-
-
-# ---------------------------------------------------------------- 2. scores
-
-
-CHUNK = 1 << 24  # weights per slice of rows scored at once (bounds the float32 temporaries)
-
-
-def score(weight: Any, cand: Candidate, terms: Terms, *, dtype: str) -> float:
-    """1/2 sum dW^2 * rows x cols for ``cand`` on ``weight``, in slices of rows (groups run along rows)."""
-    import mlx.core as mx
-
-    step = max(1, CHUNK // weight.shape[-1])
-    total = 0.0
-    for lo in range(0, weight.shape[0], step):
-        w = weight[lo : lo + step].astype(mx.float32)
-        d = fake_quant(w, cand, dtype=dtype) - w
-        sq = d * d
-        for rows, cols in terms.pairs:
-            r = mx.array(rows[lo : lo + step].astype(np.float32))
-            total += float((r @ sq @ mx.array(cols.astype(np.float32))).item())
-    return 0.5 * total
+        return {p: {b: 0.5 * v / n for b, v in row.items()} for p, row in self.sums.items()}
 
 
 # ---------------------------------------------------------------- 3. calibration
@@ -336,6 +303,14 @@ class _Cast:
         return self.mod.as_linear(x)
 
 
+CALIB_FRACTION = 4  # role calibration runs on the first 1/4 of the calibration batches (at least one)
+
+
+def role(path: str) -> str:
+    """What a module does, the same in every block: ``q_proj``, ``down_proj``, ``embed_tokens``..."""
+    return path.rsplit(".", 1)[-1]
+
+
 def estimate(
     model: Any,
     tokens: Any,
@@ -353,7 +328,12 @@ def estimate(
     import mlx.core as mx
 
     batches = [mx.array(tokens[i : i + batch_size]) for i in range(0, tokens.shape[0], batch_size)]
-    fwd = 3 * len(batches) + len(cands) * len(batches)  # fisher pass ~ forward + backward (2x)
+    sub = batches[: max(1, len(batches) // CALIB_FRACTION)]
+    roles: dict[str, list[Target]] = {}
+    for t in tgts:
+        roles.setdefault(role(t.path), []).append(t)
+    # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
+    fwd = (3 + len(cands)) * len(batches) + len(roles) * len(cands) * len(sub)
     done = [0.0]
 
     def tick(units: float) -> None:
@@ -364,37 +344,30 @@ def estimate(
     cast = _F32Embeddings(model, tgts)
     refs = _RefStore()
     try:
-        fp = FisherPass(model, tgts, seed=seed)
+        fp = FisherPass(model, tgts, cands, seed=seed)
         for b in batches:
             refs.put(fp.run(b))
-            tick(3.0)
-        terms = fp.terms()
-        raw = _scores(model, tgts, cands, terms)
-        measured = {str(c.bits): whole_model_kl(model, batches, refs, tgts, c, tick) for c in cands}
+            tick(3.0 + len(cands))
+        raw = fp.scores()
+        measured = {
+            r: {str(c.bits): whole_model_kl(model, sub, refs, ts, c, tick) for c in cands}
+            for r, ts in roles.items()
+        }
     finally:
         refs.close()
         cast.close()
     return _calibrate(raw, measured, cands, forward_equivalents=fwd / len(batches))
 
 
-def _scores(model: Any, tgts: list[Target], cands: list[Candidate], terms: dict[str, Terms]) -> dict:
-    raw: dict[str, dict[str, float]] = {}
-    for t in tgts:
-        w = module_at(model, t.path).weight
-        raw[t.path] = {
-            str(c.bits): 0.0 if c.same(t.current) else score(w, c, terms[t.path], dtype=t.dtype)
-            for c in cands
-        }
-    return raw
-
-
 def _calibrate(raw: dict, measured: dict, cands: list[Candidate], *, forward_equivalents: float) -> Estimate:
-    factors = {}
-    for c in cands:
-        b = str(c.bits)
-        total = sum(v[b] for v in raw.values())
-        factors[b] = measured[b] / total if total > 0 else 1.0
-    kl = {p: {b: v * factors[b] for b, v in row.items()} for p, row in raw.items()}
+    """Scale each role's scores at each candidate so they sum to the role's measured KL."""
+    factors: dict[str, dict[str, float]] = {}
+    for r, kls in measured.items():
+        factors[r] = {}
+        for b, kl in kls.items():
+            total = sum(v[b] for p, v in raw.items() if role(p) == r)
+            factors[r][b] = kl / total if total > 0 else 1.0
+    kl = {p: {b: v * factors[role(p)][b] for b, v in row.items()} for p, row in raw.items()}
     return Estimate(
         kl=kl, raw=raw, factors=factors, measured=measured, forward_equivalents=forward_equivalents
     )
