@@ -51,8 +51,8 @@ from mlxbun.quant.sensitivity import Candidate, Target, fake_quant, kl_from_stat
 class Estimate:
     kl: dict[str, dict[str, float]]  # path -> {bits: calibrated KL}
     raw: dict[str, dict[str, float]]  # path -> {bits: second-order score before calibration}
-    factors: dict[str, dict[str, float]]  # role -> bits -> measured KL / sum of the role's raw scores
-    measured: dict[str, dict[str, float]]  # role -> bits -> KL with every module of the role quantized
+    factors: dict[str, dict[str, float]]  # bits -> group -> measured KL / sum of its raw scores
+    measured: dict[str, dict[str, float]]  # bits -> group -> KL with the group's modules quantized
     forward_equivalents: float
 
 
@@ -86,6 +86,7 @@ class _Tap:
 
 
 HEAD = "@head"  # the tap of a tied embedding used as the output head
+CHUNK = 1 << 24  # weights per slice of rows scored at once (bounds the float32 temporaries)
 
 
 class _Recorder:
@@ -120,8 +121,8 @@ def _uninstall(undo: list[tuple[Any, str, Any]]) -> None:
 
 
 def _real(mod: Any) -> Any:
-    """The module behind a stand-in (_Tap, _Cast)."""
-    while isinstance(mod, (_Tap, _Cast)):
+    """The module behind a stand-in (_Tap)."""
+    while isinstance(mod, _Tap):
         mod = mod.mod
     return mod
 
@@ -142,12 +143,26 @@ class FisherPass:
     """Scores every (target, candidate) batch by batch: sum over tokens and output channels of
     g_ti^2 * (dW x_t)_i^2, g the gradient of the sampled labels' log-likelihood at the output."""
 
-    def __init__(self, model: Any, tgts: list[Target], cands: list[Candidate], *, seed: int) -> None:
-        self.model, self.tgts, self.cands = model, tgts, cands
+    def __init__(
+        self,
+        model: Any,
+        tgts: list[Target],
+        cands: list[Candidate],
+        *,
+        seed: int,
+        n_sub: int,
+        tick: Callable[[float], None],
+    ) -> None:
+        self.model, self.tgts, self.cands, self.tick = model, tgts, cands, tick
+        self.share = {t.path: t.in_features * t.out_features for t in tgts}
+        total = sum(self.share.values())
+        self.share = {p: v / total for p, v in self.share.items()}
         self.rec = _Recorder(_kinds(model, tgts))
         self.key = seed
         self.sums: dict[str, dict[str, float]] = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
-        self.tokens = 0
+        self.sub_sums = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
+        self.tokens = self.samples = self.sub_tokens = 0
+        self.n_sub = n_sub
 
     def _zeros(self, batch: Any) -> dict[str, Any]:
         """Zero taps shaped like each module's output (shapes from a one-token forward)."""
@@ -184,37 +199,60 @@ class FisherPass:
             (_, logits, inputs), grads = mx.value_and_grad(loglik)(deltas)
             mx.eval(logits, inputs, grads)
             ids = dict(self.rec.ids)
+            self.tick(3.0 * batch.shape[0])
         finally:
             self.rec.deltas, self.rec.inputs, self.rec.ids = {}, {}, {}
             _uninstall(undo)
+        k = min(max(self.n_sub - self.samples, 0), batch.shape[0])  # samples in the calibration subset
         for t in self.tgts:
-            self._score(t, {k: v * v for k, v in grads.items() if k in (t.path, t.path + HEAD)}, inputs, ids)
+            self._score(
+                t, {k: v * v for k, v in grads.items() if k in (t.path, t.path + HEAD)}, inputs, ids, k
+            )
+            self.tick(len(self.cands) * batch.shape[0] * self.share[t.path])
         self.tokens += int(batch.size)
+        self.sub_tokens += k * batch.shape[1]
+        self.samples += batch.shape[0]
         return logits
 
-    def _score(self, t: Target, g2: dict, inputs: dict, ids: dict) -> None:
-        """Adds this batch's sum g^2 * dY^2 for every candidate of ``t``."""
+    def _score(self, t: Target, g2: dict, inputs: dict, ids: dict, k: int) -> None:
+        """Adds this batch's sum g^2 * dY^2 for every candidate of ``t`` (rows in slices); the
+        first ``k`` samples also count towards the calibration subset's sums."""
+        w = _real(module_at(self.model, t.path)).weight
+        step = max(1, CHUNK // w.shape[-1])
+        for c in self.cands:
+            if not c.same(t.current):
+                per = sum(
+                    self._rows(t, w, c, lo, lo + step, g2, inputs, ids) for lo in range(0, w.shape[0], step)
+                )
+                self.sums[t.path][str(c.bits)] += float(per.sum())
+                self.sub_sums[t.path][str(c.bits)] += float(per[:k].sum())
+
+    def _rows(
+        self, t: Target, w: Any, c: Candidate, lo: int, hi: int, g2: dict, inputs: dict, ids: dict
+    ) -> Any:
+        """Per sample, the sum over tokens and rows lo:hi of g^2 * dY^2 (numpy float64)."""
         import mlx.core as mx
 
-        w = _real(module_at(self.model, t.path)).weight
-        for c in self.cands:
-            if c.same(t.current):
-                continue
-            d = fake_quant(w, c, dtype=t.dtype) - w.astype(mx.float32)
-            total = mx.array(0.0)
-            if t.path in ids:  # lookup: dY_t = dW[token_t]
-                total = total + (g2[t.path] * mx.square(d[ids[t.path]])).sum()
-            elif t.path in g2:
-                total = total + (g2[t.path] * mx.square(inputs[t.path].astype(mx.float32) @ d.T)).sum()
-            if t.path + HEAD in g2:  # a tied embedding is also the head
-                head = t.path + HEAD
-                total = total + (g2[head] * mx.square(inputs[head].astype(mx.float32) @ d.T)).sum()
-            self.sums[t.path][str(c.bits)] += float(total.item())
+        wc = w[lo:hi].astype(mx.float32)
+        d = fake_quant(wc, c, dtype=t.dtype) - wc
+        total = mx.array(0.0)
+        axes = (1, 2)
+        if t.path in ids:  # lookup: dY_t = dW[token_t], for the tokens whose row is in the slice
+            tok = ids[t.path]
+            inside = ((tok >= lo) & (tok < hi))[..., None]
+            rows = d[mx.clip(tok - lo, 0, d.shape[0] - 1)]
+            total = total + (g2[t.path] * mx.square(rows) * inside).sum(axis=axes)
+        elif t.path in g2:
+            total = total + (g2[t.path][..., lo:hi] * mx.square(inputs[t.path] @ d.T)).sum(axis=axes)
+        if t.path + HEAD in g2:  # a tied embedding is also the head
+            head = t.path + HEAD
+            total = total + (g2[head][..., lo:hi] * mx.square(inputs[head] @ d.T)).sum(axis=axes)
+        return np.array(total, dtype=np.float64)
 
-    def scores(self) -> dict[str, dict[str, float]]:
-        """Per-token KL estimates: 1/2 * sums / tokens."""
-        n = float(max(self.tokens, 1))
-        return {p: {b: 0.5 * v / n for b, v in row.items()} for p, row in self.sums.items()}
+    def scores(self, *, subset: bool = False) -> dict[str, dict[str, float]]:
+        """Per-token KL estimates, 1/2 * sums / tokens, over all samples or the calibration subset."""
+        sums, n = (self.sub_sums, self.sub_tokens) if subset else (self.sums, self.tokens)
+        return {p: {b: 0.5 * v / max(n, 1) for b, v in row.items()} for p, row in sums.items()}
 
 
 # ---------------------------------------------------------------- 3. calibration
@@ -257,9 +295,9 @@ def whole_model_kl(
         for j, b in enumerate(batches):
             logits = model(b).astype(mx.float32)
             mx.eval(logits)
-            kl = kl_from_stats(ref_stats(mx.array(refs.get(j))), logits)
+            kl = kl_from_stats(ref_stats(mx.array(refs.get(j)[: b.shape[0]])), logits)
             total, n = total + float(kl.sum()), n + len(kl)
-            tick(1.0)
+            tick(float(b.shape[0]))
         return total / max(n, 1)
     finally:
         for mod, w in saved:
@@ -269,46 +307,27 @@ def whole_model_kl(
 # ---------------------------------------------------------------- entry point
 
 
-class _F32Embeddings:
-    """Casts embedding lookups to float32 so every matmul runs in float32 over low-precision weights."""
-
-    def __init__(self, model: Any, tgts: list[Target]) -> None:
-        import mlx.nn as nn
-
-        self.undo = []
-        for path, mod in model.named_modules():
-            if isinstance(mod, nn.Embedding):
-                parent_path, _, name = path.rpartition(".")
-                parent = module_at(model, parent_path) if parent_path else model
-                self.undo.append((parent, name, mod))
-                setattr(parent, name, _Cast(mod))
-
-    def close(self) -> None:
-        _uninstall(self.undo)
-
-
-class _Cast:
-    def __init__(self, mod: Any) -> None:
-        self.mod = mod
-
-    def __getattr__(self, key: str) -> Any:
-        return getattr(self.mod, key)
-
-    def __call__(self, x: Any) -> Any:
-        import mlx.core as mx
-
-        return self.mod(x).astype(mx.float32)
-
-    def as_linear(self, x: Any) -> Any:
-        return self.mod.as_linear(x)
-
-
-CALIB_FRACTION = 4  # role calibration runs on the first 1/4 of the calibration batches (at least one)
+CALIB_FRACTION = 8  # calibration runs on the first 1/8 of the calibration samples (at least one)
+LOW_BITS = 3  # at and below, the second-order estimate breaks down by depth: calibrate per depth too
+DEPTH_BUCKETS = 4
 
 
 def role(path: str) -> str:
     """What a module does, the same in every block: ``q_proj``, ``down_proj``, ``embed_tokens``..."""
     return path.rsplit(".", 1)[-1]
+
+
+def calibration_groups(tgts: list[Target], cand: Candidate) -> dict[str, list[Target]]:
+    """Modules quantized together in one calibration forward: one role, and at low bits one
+    quarter of the depth (where the second-order estimate breaks down unevenly, e.g. late v_proj)."""
+    n_blocks = max(t.group for t in tgts) + 1
+    out: dict[str, list[Target]] = {}
+    for t in tgts:
+        key = role(t.path)
+        if cand.mode == "affine" and cand.bits <= LOW_BITS:
+            key += f"@{min(t.group * DEPTH_BUCKETS // n_blocks, DEPTH_BUCKETS - 1)}"
+        out.setdefault(key, []).append(t)
+    return out
 
 
 def estimate(
@@ -327,13 +346,13 @@ def estimate(
     """
     import mlx.core as mx
 
-    batches = [mx.array(tokens[i : i + batch_size]) for i in range(0, tokens.shape[0], batch_size)]
-    sub = batches[: max(1, len(batches) // CALIB_FRACTION)]
-    roles: dict[str, list[Target]] = {}
-    for t in tgts:
-        roles.setdefault(role(t.path), []).append(t)
+    n = tokens.shape[0]
+    batches = [mx.array(tokens[i : i + batch_size]) for i in range(0, n, batch_size)]
+    n_sub = max(1, n // CALIB_FRACTION)
+    sub = [mx.array(tokens[i : min(i + batch_size, n_sub)]) for i in range(0, n_sub, batch_size)]
+    groups = {str(c.bits): calibration_groups(tgts, c) for c in cands}
     # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
-    fwd = (3 + len(cands)) * len(batches) + len(roles) * len(cands) * len(sub)
+    fwd = (3 + len(cands)) * n + sum(len(g) for g in groups.values()) * n_sub  # in samples
     done = [0.0]
 
     def tick(units: float) -> None:
@@ -341,33 +360,38 @@ def estimate(
         if progress is not None:
             progress(min(done[0] / fwd, 1.0))
 
-    cast = _F32Embeddings(model, tgts)
     refs = _RefStore()
     try:
-        fp = FisherPass(model, tgts, cands, seed=seed)
+        fp = FisherPass(model, tgts, cands, seed=seed, n_sub=n_sub, tick=tick)
         for b in batches:
             refs.put(fp.run(b))
-            tick(3.0 + len(cands))
-        raw = fp.scores()
+        raw, raw_sub = fp.scores(), fp.scores(subset=True)
         measured = {
-            r: {str(c.bits): whole_model_kl(model, sub, refs, ts, c, tick) for c in cands}
-            for r, ts in roles.items()
+            str(c.bits): {
+                k: whole_model_kl(model, sub, refs, ts, c, tick) for k, ts in groups[str(c.bits)].items()
+            }
+            for c in cands
         }
     finally:
         refs.close()
-        cast.close()
-    return _calibrate(raw, measured, cands, forward_equivalents=fwd / len(batches))
+    return _calibrate(raw, raw_sub, measured, groups, forward_equivalents=fwd / n)
 
 
-def _calibrate(raw: dict, measured: dict, cands: list[Candidate], *, forward_equivalents: float) -> Estimate:
-    """Scale each role's scores at each candidate so they sum to the role's measured KL."""
+def _calibrate(
+    raw: dict, raw_sub: dict, measured: dict, groups: dict, *, forward_equivalents: float
+) -> Estimate:
+    """Scale each calibration group's scores at each candidate by measured / estimated KL, both on
+    the calibration subset (the subset's text cancels out; the estimate's error is what is left)."""
     factors: dict[str, dict[str, float]] = {}
-    for r, kls in measured.items():
-        factors[r] = {}
-        for b, kl in kls.items():
-            total = sum(v[b] for p, v in raw.items() if role(p) == r)
-            factors[r][b] = kl / total if total > 0 else 1.0
-    kl = {p: {b: v * factors[role(p)][b] for b, v in row.items()} for p, row in raw.items()}
+    kl: dict[str, dict[str, float]] = {p: {} for p in raw}
+    for b, kls in measured.items():
+        factors[b] = {}
+        for key, value in kls.items():
+            paths = [t.path for t in groups[b][key]]
+            total = sum(raw_sub[p][b] for p in paths)
+            factors[b][key] = value / total if total > 0 else 1.0
+            for p in paths:
+                kl[p][b] = raw[p][b] * factors[b][key]
     return Estimate(
         kl=kl, raw=raw, factors=factors, measured=measured, forward_equivalents=forward_equivalents
     )

@@ -137,10 +137,8 @@ def find_blocks(model: Any) -> tuple[Any, str]:
     return best[1], best[0]
 
 
-def load_model(model_dir: str | Path, *, float32: bool = True) -> tuple[Any, Any, dict[str, dict]]:
-    """mlx-lm model (dequantized; float32 unless ``float32=False``) + tokenizer + each quantized
-    module's original setting. The fisher method keeps the stored dtype (half the memory) and
-    runs its matmuls in float32 activations (float32 x bfloat16 promotes to float32 BLAS)."""
+def load_model(model_dir: str | Path) -> tuple[Any, Any, dict[str, dict]]:
+    """mlx-lm model (float32, dequantized) + tokenizer + each quantized module's original setting."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx_lm.utils import dequantize_model, load
@@ -156,8 +154,7 @@ def load_model(model_dir: str | Path, *, float32: bool = True) -> tuple[Any, Any
             dtypes[path] = mod.scales.dtype if mod.mode == "affine" else mx.bfloat16
     # Dequantized weights come out in the scales' dtype: that is the candidates' source.
     model = dequantize_model(model)
-    if float32:
-        model.set_dtype(mx.float32)
+    model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     model.eval()
     names = {path: str(dt).split(".")[-1] for path, dt in dtypes.items()}
@@ -635,7 +632,7 @@ def prepare(
     from mlxbun.quant.calib import load_calibration
 
     cands = candidates(bits, group_size=group_size, mode=mode)
-    model, tokenizer, source = load_model(model_dir, float32=method != "fisher")
+    model, tokenizer, source = load_model(model_dir)
     calib = load_calibration(
         tokenizer=tokenizer, path=calib_path, samples=samples, seq_len=seq_len, seed=seed
     )
