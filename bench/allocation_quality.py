@@ -103,7 +103,8 @@ class Evaluator:
     def __init__(self, model_dir: Path, token_sets: dict) -> None:
         import mlx.core as mx
 
-        from mlxbun.quant.sensitivity import load_model, log_probs
+        from mlxbun.kl import log_probs
+        from mlxbun.quant.sensitivity import load_model
 
         ref, _, _ = load_model(model_dir)
         self.sets = {}
@@ -113,7 +114,8 @@ class Evaluator:
             self.sets[name] = (batches, refs, len(tokens))
 
     def kl(self, model_dir: Path) -> dict[str, float]:
-        from mlxbun.quant.sensitivity import kl_rows, load_model
+        from mlxbun.kl import kl_rows
+        from mlxbun.quant.sensitivity import load_model
 
         cur, _, _ = load_model(model_dir)
         out = {}
@@ -171,7 +173,7 @@ class Bench:
 
         path = self.work / "plans" / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        body = {p: (s.to_json() if s else False) for p, s in layers.items()}
+        body = {p: (s.to_dict() if s else False) for p, s in layers.items()}
         atomic_write_json(
             path, {"version": 1, "default": {"bits": 4, "group_size": 64, "mode": "affine"}, "layers": body}
         )
@@ -180,9 +182,9 @@ class Bench:
     def ours(self, limit: int, name: str, tiers: tuple[int, int] | None = None) -> dict:
         from mlxbun.io.atomic import atomic_write_json
         from mlxbun.quant.allocate import allocate
-        from mlxbun.quant.budget import Setting
+        from mlxbun.quant.spec import QuantSpec
 
-        cands = None if tiers is None else {Setting(b, 64) for b in tiers}
+        cands = None if tiers is None else {QuantSpec(bits=b, group_size=64) for b in tiers}
         plan = allocate(self.sens, model_dir=self.args.model, budget_bytes=limit, candidates=cands)
         path = self.work / "plans" / f"{name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -198,15 +200,15 @@ class Bench:
 
     def dq_threshold(self, limit: int, low: int, high: int) -> dict | None:
         """mlx-lm's rule: modules above a score threshold get ``high`` bits; the largest set that fits."""
-        from mlxbun.quant.budget import Setting
+        from mlxbun.quant.spec import QuantSpec
 
         scores = self.dq[f"{low}_{high}"]
         order = sorted(scores, key=lambda p: -scores[p])
-        layers = {p: Setting(low, 64) for p in scores}
+        layers = {p: QuantSpec(bits=low, group_size=64) for p in scores}
         if self._size(layers) > limit:
             return None
         for p in order:
-            trial = {**layers, p: Setting(high, 64)}
+            trial = {**layers, p: QuantSpec(bits=high, group_size=64)}
             if self._size(trial) > limit:
                 break
             layers = trial
@@ -216,12 +218,16 @@ class Bench:
     def dq_knapsack(self, limit: int, low: int, high: int) -> dict | None:
         """dynamic_quant's scores as the cost of staying low, solved by mlxbun's knapsack."""
         from mlxbun.quant.allocate import LayerSensitivity, Sensitivity, allocate
-        from mlxbun.quant.budget import Setting
+        from mlxbun.quant.spec import QuantSpec
 
         scores = self.dq[f"{low}_{high}"]
         sens = Sensitivity(
             {
-                p: LayerSensitivity(p, 0, {Setting(low, 64): float(s), Setting(high, 64): 0.0})
+                p: LayerSensitivity(
+                    p,
+                    0,
+                    {QuantSpec(bits=low, group_size=64): float(s), QuantSpec(bits=high, group_size=64): 0.0},
+                )
                 for p, s in scores.items()
             }
         )
@@ -233,18 +239,18 @@ class Bench:
         return self.quantize(f"dynamic_quant {low}/{high} (knapsack)", plan=path)
 
     def reaches(self, limit: int, low: int, high: int) -> bool:
-        from mlxbun.quant.budget import Setting
+        from mlxbun.quant.spec import QuantSpec
 
         paths = self.dq[f"{low}_{high}"]
-        lo = self._size({p: Setting(low, 64) for p in paths})
-        hi = self._size({p: Setting(high, 64) for p in paths})
+        lo = self._size({p: QuantSpec(bits=low, group_size=64) for p in paths})
+        hi = self._size({p: QuantSpec(bits=high, group_size=64) for p in paths})
         return lo <= limit <= hi
 
     def _size(self, layers: dict) -> int:
         from mlxbun.quant import budget
-        from mlxbun.quant.budget import Setting
+        from mlxbun.quant.spec import QuantSpec
 
-        return budget.predict(self.source, default=Setting(4, 64), layers=layers).file_bytes
+        return budget.predict(self.source, default=QuantSpec(bits=4, group_size=64), layers=layers).file_bytes
 
 
 def compare(bench: Bench, label: str, baseline: dict) -> list[dict]:

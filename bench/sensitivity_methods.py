@@ -101,7 +101,8 @@ class Evaluator:
     def __init__(self, model_dir: Path, tokens: np.ndarray) -> None:
         import mlx.core as mx
 
-        from mlxbun.quant.sensitivity import load_model, log_probs
+        from mlxbun.kl import log_probs
+        from mlxbun.quant.sensitivity import load_model
 
         ref, _, _ = load_model(model_dir)
         self.batches = [mx.array(tokens[i : i + 4]) for i in range(0, len(tokens), 4)]
@@ -109,7 +110,8 @@ class Evaluator:
         self.n = len(tokens)
 
     def kl(self, model_dir: Path) -> float:
-        from mlxbun.quant.sensitivity import kl_rows, load_model
+        from mlxbun.kl import kl_rows
+        from mlxbun.quant.sensitivity import load_model
 
         cur, _, _ = load_model(model_dir)
         rows = [np.asarray(kl_rows(r, cur(b))) for b, r in zip(self.batches, self.refs, strict=True)]

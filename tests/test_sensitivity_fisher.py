@@ -17,6 +17,7 @@ blas.load()
 import mlx.core as mx  # noqa: E402
 from test_sensitivity import FIXTURE, by_path, run_sens, tiny_qwen3  # noqa: E402
 
+from mlxbun import kl  # noqa: E402
 from mlxbun.progress import Progress  # noqa: E402
 from mlxbun.quant import fisher  # noqa: E402
 from mlxbun.quant import sensitivity as sens  # noqa: E402
@@ -65,12 +66,12 @@ def test_group_kl_is_exact(tmp_path):
     est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=1, seed=0)
     ref, _, _ = sens.load_model(FIXTURE)  # float32, as the exact method runs
     sub = s.tokens[: max(1, len(s.tokens) // fisher.CALIB_FRACTION)]
-    want_ref = [sens.log_probs(ref(mx.array(sub[i : i + 1]))) for i in range(len(sub))]
+    want_ref = [kl.log_probs(ref(mx.array(sub[i : i + 1]))) for i in range(len(sub))]
     for t in s.targets:
         if fisher.role(t.path) == "down_proj":
             mod = sens.module_at(ref, t.path)
             mod.weight = sens.fake_quant(mod.weight, s.cands[0], dtype=t.dtype)
-    kls = [sens.kl_rows(r, ref(mx.array(sub[i : i + 1])))[0] for i, r in enumerate(want_ref)]
+    kls = [kl.kl_rows(r, ref(mx.array(sub[i : i + 1])))[0] for i, r in enumerate(want_ref)]
     assert est.measured["4"]["down_proj"] == pytest.approx(float(np.mean(kls)), rel=1e-3)
 
 

@@ -44,7 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from mlxbun.quant.sensitivity import Candidate, Target, fake_quant, kl_from_stats, module_at, ref_stats
+from mlxbun.kl import kl_from_stats, ref_stats
+from mlxbun.quant.sensitivity import Target, fake_quant, module_at
+from mlxbun.quant.spec import QuantSpec
 
 
 @dataclass
@@ -147,7 +149,7 @@ class FisherPass:
         self,
         model: Any,
         tgts: list[Target],
-        cands: list[Candidate],
+        cands: list[QuantSpec],
         *,
         seed: int,
         n_sub: int,
@@ -220,7 +222,7 @@ class FisherPass:
         w = _real(module_at(self.model, t.path)).weight
         step = max(1, CHUNK // w.shape[-1])
         for c in self.cands:
-            if not c.same(t.current):
+            if not c.matches(t.current):
                 per = sum(
                     self._rows(t, w, c, lo, lo + step, g2, inputs, ids) for lo in range(0, w.shape[0], step)
                 )
@@ -228,7 +230,7 @@ class FisherPass:
                 self.sub_sums[t.path][str(c.bits)] += float(per[:k].sum())
 
     def _rows(
-        self, t: Target, w: Any, c: Candidate, lo: int, hi: int, g2: dict, inputs: dict, ids: dict
+        self, t: Target, w: Any, c: QuantSpec, lo: int, hi: int, g2: dict, inputs: dict, ids: dict
     ) -> Any:
         """Per sample, the sum over tokens and rows lo:hi of g^2 * dY^2 (numpy float64)."""
         import mlx.core as mx
@@ -277,7 +279,7 @@ class _RefStore:
 
 
 def whole_model_kl(
-    model: Any, batches: list, refs: _RefStore, tgts: list[Target], cand: Candidate, tick
+    model: Any, batches: list, refs: _RefStore, tgts: list[Target], cand: QuantSpec, tick
 ) -> float:
     """KL(ref || every target at ``cand``), mean over tokens then samples; weights restored."""
     import mlx.core as mx
@@ -285,7 +287,7 @@ def whole_model_kl(
     saved = []
     try:
         for t in tgts:
-            if cand.same(t.current):
+            if cand.matches(t.current):
                 continue
             mod = _real(module_at(model, t.path))
             saved.append((mod, mod.weight))
@@ -317,7 +319,7 @@ def role(path: str) -> str:
     return path.rsplit(".", 1)[-1]
 
 
-def calibration_groups(tgts: list[Target], cand: Candidate) -> dict[str, list[Target]]:
+def calibration_groups(tgts: list[Target], cand: QuantSpec) -> dict[str, list[Target]]:
     """Modules quantized together in one calibration forward: one role, and at low bits one
     quarter of the depth (where the second-order estimate breaks down unevenly, e.g. late v_proj)."""
     n_blocks = max(t.group for t in tgts) + 1
@@ -334,7 +336,7 @@ def estimate(
     model: Any,
     tokens: Any,
     tgts: list[Target],
-    cands: list[Candidate],
+    cands: list[QuantSpec],
     *,
     batch_size: int,
     seed: int,
