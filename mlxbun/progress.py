@@ -52,6 +52,7 @@ class Progress:
         self.log_every = log_every
         self.done = 0.0
         self.work_total, self.work = work_total, 0.0
+        self.eta_hint: float | None = None  # a caller's estimate of the whole run, until work is done
         self.start = self._last = time.monotonic()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -71,6 +72,8 @@ class Progress:
         f = self.fraction()
         eta = elapsed * (1 - f) / f if f > 0 else float("inf")
         eta_s = f"{eta:,.0f}s" if eta != float("inf") else "?"
+        if f == 0 and self.eta_hint is not None:
+            eta_s = f"~{max(self.eta_hint - elapsed, 0):,.0f}s (estimated from a timed forward)"
         return (
             f"{self.desc} {100.0 * f:5.1f}% {_human(self.done, self.unit)}/{_human(self.total, self.unit)}"
             f" {_human(rate, self.unit)}/s elapsed {elapsed:,.0f}s ETA {eta_s}"
@@ -81,6 +84,12 @@ class Progress:
             self.done += n
             self.work += work
             self._report(force=False)
+
+    def hint(self, seconds: float) -> None:
+        """An estimate of the whole run's duration, shown as the ETA until the first work is done."""
+        with self._lock:
+            self.eta_hint = time.monotonic() - self.start + seconds
+            self._report(force=True)
 
     def _report(self, *, force: bool) -> None:
         now = time.monotonic()

@@ -37,6 +37,7 @@ Example:
 from __future__ import annotations
 
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -341,10 +342,12 @@ def estimate(
     batch_size: int,
     seed: int,
     progress: Callable[[float], None] | None = None,
+    hint: Callable[[float], None] | None = None,
 ) -> Estimate:
     """Per-module KL estimates for every candidate (see the module docstring).
 
-    ``progress(fraction)`` is called with the fraction of work done, counted in forward passes.
+    ``progress(fraction)`` is called with the fraction of work done, counted in forward passes;
+    ``hint(seconds)`` once at the start with the run's duration estimated from one timed forward.
     """
     import mlx.core as mx
 
@@ -362,6 +365,8 @@ def estimate(
         if progress is not None:
             progress(min(done[0] / fwd, 1.0))
 
+    if hint is not None:
+        hint(_timed_forward(model, tokens, batch_size) * fwd / min(batch_size, n))
     refs = _RefStore()
     try:
         fp = FisherPass(model, tgts, cands, seed=seed, n_sub=n_sub, tick=tick)
@@ -377,6 +382,18 @@ def estimate(
     finally:
         refs.close()
     return _calibrate(raw, raw_sub, measured, groups, forward_equivalents=fwd / n)
+
+
+def _timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
+    """Seconds of one forward of a batch, from a forward of its first quarter of tokens (>= 16)."""
+    import mlx.core as mx
+
+    length = tokens.shape[1]
+    part = min(length, max(16, length // 4))
+    x = mx.array(tokens[:batch_size, :part])
+    t0 = time.perf_counter()
+    mx.eval(model(x))
+    return (time.perf_counter() - t0) * length / part
 
 
 def _calibrate(

@@ -743,7 +743,7 @@ def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int) -> dic
 
     est = estimate(
         s.model, s.tokens, s.targets, s.cands, batch_size=batch_size, seed=s.settings["calibration"]["seed"],
-        progress=at,
+        progress=at, hint=progress.hint,
     )  # fmt: skip
     for g in sorted(todo):
         on_group(g, {t.path: est.kl[t.path] for t in todo[g]})
