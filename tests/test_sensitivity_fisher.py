@@ -139,10 +139,12 @@ def test_progress_heartbeat_rate_and_work_eta(caplog):
     with caplog.at_level(logging.INFO, logger="mlxbun"):
         p = Progress(total=40, unit="modules", desc="sensitivity", stream=stream, log_every=0.2,
                      work_total=100.0, heartbeat=True)  # fmt: skip
+        p.hint(30.0)  # an estimate, shown until work is done
         p.update(1, work=50.0)  # the first module carried half the work
         time.sleep(0.7)  # no updates: the heartbeat still reports
         p.close()
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) >= 3, lines
-    assert "50.0%" in lines[0] and "modules/s" in lines[0] and "ETA ?" not in lines[0]
+    assert len(lines) >= 4, lines
+    assert "0.0%" in lines[0] and "ETA ~30s (estimated" in lines[0]
+    assert "50.0%" in lines[1] and "modules/s" in lines[1] and "ETA ?" not in lines[1]
     assert " 0 modules/s" not in lines[-1]  # small rates keep their digits
