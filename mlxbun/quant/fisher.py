@@ -90,6 +90,7 @@ class _Tap:
 
 HEAD = "@head"  # the tap of a tied embedding used as the output head
 CHUNK = 1 << 24  # weights per slice of rows scored at once (bounds the float32 temporaries)
+ERROR_CACHE_BYTES = 512 << 20  # quantization errors kept across batches (small models: all of them)
 
 
 class _Recorder:
@@ -166,6 +167,8 @@ class FisherPass:
         self.sub_sums = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
         self.tokens = self.samples = self.sub_tokens = 0
         self.n_sub = n_sub
+        self._errors: dict[tuple, Any] = {}
+        self._error_bytes = 0
 
     def _zeros(self, batch: Any) -> dict[str, Any]:
         """Zero taps shaped like each module's output (shapes from a one-token forward)."""
@@ -230,14 +233,28 @@ class FisherPass:
                 self.sums[t.path][str(c.bits)] += float(per.sum())
                 self.sub_sums[t.path][str(c.bits)] += float(per[:k].sum())
 
+    def _error(self, t: Target, w: Any, c: QuantSpec, lo: int, hi: int) -> Any:
+        """dW of rows lo:hi at ``c``; kept for the next batches while they fit ``ERROR_CACHE_BYTES``."""
+        import mlx.core as mx
+
+        key = (t.path, str(c.bits), lo)
+        if key in self._errors:
+            return self._errors[key]
+        wc = w[lo:hi].astype(mx.float32)
+        d = fake_quant(wc, c, dtype=t.dtype) - wc
+        if self._error_bytes + d.nbytes <= ERROR_CACHE_BYTES:
+            mx.eval(d)
+            self._errors[key] = d
+            self._error_bytes += d.nbytes
+        return d
+
     def _rows(
         self, t: Target, w: Any, c: QuantSpec, lo: int, hi: int, g2: dict, inputs: dict, ids: dict
     ) -> Any:
         """Per sample, the sum over tokens and rows lo:hi of g^2 * dY^2 (numpy float64)."""
         import mlx.core as mx
 
-        wc = w[lo:hi].astype(mx.float32)
-        d = fake_quant(wc, c, dtype=t.dtype) - wc
+        d = self._error(t, w, c, lo, hi)
         total = mx.array(0.0)
         axes = (1, 2)
         if t.path in ids:  # lookup: dY_t = dW[token_t], for the tokens whose row is in the slice
