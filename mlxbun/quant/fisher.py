@@ -416,18 +416,49 @@ def _timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
 def _calibrate(
     raw: dict, raw_sub: dict, measured: dict, groups: dict, *, forward_equivalents: float
 ) -> Estimate:
-    """Scale each calibration group's scores at each candidate by measured / estimated KL, both on
-    the calibration subset (the subset's text cancels out; the estimate's error is what is left)."""
+    """Scale each calibration group's scores by measured / estimated KL, both on the calibration
+    subset (the subset's text cancels out; the estimate's error is what is left). Above
+    ``LOW_BITS`` the estimate is in its quadratic regime, so one factor per role pools every such
+    candidate (less noise); then each module's KL is made non-increasing in bits."""
+    pooled: dict[str, list[float]] = {}
+    for b, kls in measured.items():
+        for key, value in kls.items():
+            if "@" not in key:
+                sub = sum(raw_sub[t.path][b] for t in groups[b][key])
+                acc = pooled.setdefault(key, [0.0, 0.0])
+                acc[0], acc[1] = acc[0] + value, acc[1] + sub
     factors: dict[str, dict[str, float]] = {}
     kl: dict[str, dict[str, float]] = {p: {} for p in raw}
     for b, kls in measured.items():
         factors[b] = {}
         for key, value in kls.items():
-            paths = [t.path for t in groups[b][key]]
-            total = sum(raw_sub[p][b] for p in paths)
-            factors[b][key] = value / total if total > 0 else 1.0
-            for p in paths:
-                kl[p][b] = raw[p][b] * factors[b][key]
+            num, den = (
+                pooled[key] if key in pooled else (value, sum(raw_sub[t.path][b] for t in groups[b][key]))
+            )
+            factors[b][key] = num / den if den > 0 else 1.0
+            for t in groups[b][key]:
+                kl[t.path][b] = raw[t.path][b] * factors[b][key]
+    kl = {p: _monotone(row) for p, row in kl.items()}
     return Estimate(
         kl=kl, raw=raw, factors=factors, measured=measured, forward_equivalents=forward_equivalents
     )
+
+
+def _monotone(row: dict[str, float]) -> dict[str, float]:
+    """KL non-increasing in bits: adjacent violators pooled (geometric mean), as in isotonic fits."""
+    bits = sorted(row, key=int)
+    blocks = [[row[b]] for b in bits]
+    merged: list[list[float]] = []
+    for blk in blocks:
+        merged.append(blk)
+        while len(merged) > 1 and _gmean(merged[-1]) > _gmean(merged[-2]):
+            last = merged.pop()
+            merged[-1] = merged[-1] + last
+    values = [_gmean(m) for m in merged for _ in m]
+    return dict(zip(bits, values, strict=True))
+
+
+def _gmean(xs: list[float]) -> float:
+    if min(xs) <= 0:
+        return sum(xs) / len(xs)
+    return float(np.exp(np.mean(np.log(xs))))
