@@ -417,25 +417,15 @@ def _calibrate(
     raw: dict, raw_sub: dict, measured: dict, groups: dict, *, forward_equivalents: float
 ) -> Estimate:
     """Scale each calibration group's scores by measured / estimated KL, both on the calibration
-    subset (the subset's text cancels out; the estimate's error is what is left). Above
-    ``LOW_BITS`` the estimate is in its quadratic regime, so one factor per role pools every such
-    candidate (less noise); then each module's KL is made non-increasing in bits."""
-    pooled: dict[str, list[float]] = {}
-    for b, kls in measured.items():
-        for key, value in kls.items():
-            if "@" not in key:
-                sub = sum(raw_sub[t.path][b] for t in groups[b][key])
-                acc = pooled.setdefault(key, [0.0, 0.0])
-                acc[0], acc[1] = acc[0] + value, acc[1] + sub
+    subset (the subset's text cancels out; the estimate's error is what is left); then make each
+    module's KL non-increasing in bits (the factors of neighbouring bits are measured apart)."""
     factors: dict[str, dict[str, float]] = {}
     kl: dict[str, dict[str, float]] = {p: {} for p in raw}
     for b, kls in measured.items():
         factors[b] = {}
         for key, value in kls.items():
-            num, den = (
-                pooled[key] if key in pooled else (value, sum(raw_sub[t.path][b] for t in groups[b][key]))
-            )
-            factors[b][key] = num / den if den > 0 else 1.0
+            den = sum(raw_sub[t.path][b] for t in groups[b][key])
+            factors[b][key] = value / den if den > 0 else 1.0
             for t in groups[b][key]:
                 kl[t.path][b] = raw[t.path][b] * factors[b][key]
     kl = {p: _monotone(row) for p, row in kl.items()}
