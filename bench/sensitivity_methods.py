@@ -245,13 +245,13 @@ def _fixture_table(name: str, res: dict) -> list[str]:
         + "".join(f" KL @ {lb} |" for lb in labels),
         "|---" * (7 + len(labels)) + "|",
     ]
-    mlx = " | ".join(f"{sizes[lb]['mlx-lm']['kl']:.4f}" for lb in labels)
+    mlx = " | ".join(f"{sizes[lb]['mlx-lm']['kl']:.3g}" for lb in labels)
     lines.append(f"| mlx-lm option itself | | | | | | | {mlx} |")
     for m, st in stats.items():
         ag = res["agreement"].get(m)
         rho = f"{ag['all']:.3f} | {min(ag['per_bit'].values()):.3f}" if ag else "1 | 1"
         kls = " | ".join(
-            f"{sizes[lb][m]['kl']:.4f}"
+            f"{sizes[lb][m]['kl']:.3g}"
             + ("" if m == "exact" else f" ({sizes[lb][m]['kl'] / sizes[lb]['exact']['kl']:.2f}x)")
             for lb in labels
         )
