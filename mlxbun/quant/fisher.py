@@ -383,7 +383,7 @@ def estimate(
             progress(min(done[0] / fwd, 1.0))
 
     if hint is not None:
-        hint(_timed_forward(model, tokens, batch_size) * fwd / min(batch_size, n))
+        hint(timed_forward(model, tokens, batch_size) * fwd / min(batch_size, n))
     refs = _RefStore()
     try:
         fp = FisherPass(model, tgts, cands, seed=seed, n_sub=n_sub, tick=tick)
@@ -401,7 +401,7 @@ def estimate(
     return _calibrate(raw, raw_sub, measured, groups, forward_equivalents=fwd / n)
 
 
-def _timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
+def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
     """Seconds of one forward of a batch, from a forward of its first quarter of tokens (>= 16)."""
     import mlx.core as mx
 

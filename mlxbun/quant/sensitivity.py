@@ -727,6 +727,12 @@ def _compute(
 
             reference_sweep(s.model, s.tokens, todo, s.cands, on_group=on_group, progress=progress)
         else:
+            from mlxbun.quant.fisher import timed_forward
+
+            # work is counted in blocks run per module and candidate: (n_blocks + 1) make one forward
+            per_batch = timed_forward(s.model, s.tokens, batch_size)
+            n_batches = -(-len(s.tokens) // batch_size)
+            progress.hint(per_batch * n_batches * (1 + work / (n_blocks + 1)))
             sweep = Sweep(s.model, s.tokens, batch_size=batch_size, ref_cache_mb=ref_cache_mb)
             sweep.run(todo, s.cands, on_group=on_group, progress=progress)
         return None
