@@ -665,13 +665,13 @@ def sensitivity(
         else:
             todo[g] = groups[g]
     t0 = time.monotonic()
-    extra = _compute(
+    _compute(
         s, todo, ckpt, kls, batch_size=batch_size, ref_cache_mb=ref_cache_mb, stop_after=stop_after_groups
     )
     shard_info = None if num_shards == 1 else {"index": shard, "count": num_shards, "groups": mine}
     doc = document(tgts=s.targets, kls=kls, settings=s.settings, shard=shard_info)
-    if extra is not None:
-        doc["estimate"] = extra
+    if s.settings["method"] == "fisher" and (ckpt.dir / "estimate.json").is_file():
+        doc["estimate"] = json.loads((ckpt.dir / "estimate.json").read_text())
     write_reports(doc, Path(out_dir))
     stats = {
         "seconds": round(time.monotonic() - t0, 3),
@@ -721,7 +721,7 @@ def _compute(
 
     try:
         if method == "fisher":
-            return _fisher(s, todo, on_group, progress, batch_size=batch_size)
+            return _fisher(s, todo, on_group, progress, batch_size=batch_size, ckpt_dir=ckpt.dir)
         if method == "reference":
             from mlxbun.quant.sensitivity_ref import reference_sweep
 
@@ -740,7 +740,7 @@ def _compute(
         progress.close()
 
 
-def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int) -> dict[str, Any]:
+def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_dir: Path) -> dict[str, Any]:
     """The fisher estimate over all targets (its calibration is whole-model); todo's groups saved."""
     from mlxbun.quant.fisher import estimate
 
@@ -751,9 +751,11 @@ def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int) -> dic
         s.model, s.tokens, s.targets, s.cands, batch_size=batch_size, seed=s.settings["calibration"]["seed"],
         progress=at, hint=progress.hint,
     )  # fmt: skip
+    extra = {"factors": est.factors, "measured": est.measured, "forward_equivalents": est.forward_equivalents}
+    atomic_write_json(ckpt_dir / "estimate.json", extra)  # before the groups: a resume finds it
     for g in sorted(todo):
         on_group(g, {t.path: est.kl[t.path] for t in todo[g]})
-    return {"factors": est.factors, "measured": est.measured, "forward_equivalents": est.forward_equivalents}
+    return extra
 
 
 def run(cfg: Any) -> Any:
