@@ -8,7 +8,7 @@ Part 1, same model and calibration, each side in its own child process (peak RSS
   seed-bf16  the seed's loop as it runs on a bf16 checkpoint: per module and bit, fake-quantize the
              module, one full forward per sample, model in bf16 (MLX CPU bf16 matmuls)
   seed-f32   the same loop in float32 (what the tests compare against: the same numbers)
-  mlxbun     method=fast: block-input reuse, batched samples, float32 BLAS
+  mlxbun     method=exact: block-input reuse, batched samples, float32 BLAS
 It prints wall time of the sweep (model load and calibration excluded; shown separately), the
 speedups and the largest relative KL difference of each against the float32 reference.
 Part 2, through the CLI: one job vs `-m sensitivity.shard=0,1 sensitivity.num_shards=2
@@ -45,7 +45,7 @@ def child(which: str, args: argparse.Namespace) -> None:
     common = dict(bits=args.bits, group_size=64, mode="affine", calib_path=None, samples=args.samples,
                   seq_len=args.seq_len, seed=0)  # fmt: skip
     if which == "mlxbun":
-        s = sens.prepare(model_dir=args.model, method="fast", batch_size=args.batch_size, **common)
+        s = sens.prepare(model_dir=args.model, method="exact", batch_size=args.batch_size, **common)
         load_s = time.perf_counter() - t0
         t1 = time.perf_counter()
         groups: dict = {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from typing import TextIO
 
@@ -32,14 +33,19 @@ def human_seconds(s: float) -> str:
 
 
 def _human(n: float, unit: str) -> str:
-    return human_bytes(n) if unit == "B" else f"{n:,.0f} {unit}"
+    if unit != "B":
+        return f"{n:,.0f} {unit}" if abs(n) >= 10 or n == int(n) else f"{n:.2g} {unit}"
+    return human_bytes(n)
 
 
 class Progress:
     """Counts work done against a total and reports rate and ETA.
 
     On a terminal it redraws one line at most 10 times a second; elsewhere (logs, CI) it logs a
-    line every ``log_every`` seconds and once at the end.
+    line every ``log_every`` seconds and once at the end. With ``heartbeat=True`` a daemon thread
+    also reports every ``log_every`` seconds while no update arrives (long steps stay visible).
+    When items cost unequal work (a deep group's probes vs a shallow one's), ``update(n, work=w)``
+    counts ``w`` of ``work_total``: the percentage and ETA follow work, the rate counts items.
 
     Example:
         >>> p = Progress(total=nbytes, unit="B", desc="quantize")
@@ -54,39 +60,77 @@ class Progress:
         desc: str = "",
         stream: TextIO | None = None,
         log_every: float = 10.0,
+        work_total: float | None = None,
+        heartbeat: bool = False,
     ) -> None:
         self.total, self.unit, self.desc = total, unit, desc
         self.stream = stream or sys.stderr
         self.tty = self.stream.isatty()
         self.log_every = log_every
         self.done = 0.0
+        self.work_total, self.work = work_total, 0.0
+        self.eta_hint: float | None = None  # a caller's estimate of the whole run, until work is done
         self.start = self._last = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if heartbeat:
+            self._thread = threading.Thread(target=self._beat, daemon=True, name=f"progress {desc}")
+            self._thread.start()
+
+    def fraction(self) -> float:
+        if self.work_total:
+            return min(self.work / self.work_total, 1.0)
+        return min(self.done / self.total, 1.0) if self.total else 1.0
 
     def line(self) -> str:
         elapsed = max(time.monotonic() - self.start, 1e-9)
         rate = self.done / elapsed
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
-        pct = 100.0 * self.done / self.total if self.total else 100.0
+        f = self.fraction()
+        eta = elapsed * (1 - f) / f if f > 0 else float("inf")
         eta_s = human_seconds(eta)
+        if f == 0 and self.eta_hint is not None:
+            eta_s = f"~{human_seconds(max(self.eta_hint - elapsed, 0))} (estimated from a timed forward)"
         return (
-            f"{self.desc} {pct:5.1f}% {_human(self.done, self.unit)}/{_human(self.total, self.unit)}"
-            f" {_human(rate, self.unit)}/s ETA {eta_s}"
+            f"{self.desc} {100.0 * f:5.1f}% {_human(self.done, self.unit)}/{_human(self.total, self.unit)}"
+            f" {_human(rate, self.unit)}/s elapsed {human_seconds(elapsed)} ETA {eta_s}"
         )
 
-    def update(self, n: float = 1) -> None:
-        self.done += n
+    def update(self, n: float = 1, *, work: float = 0.0) -> None:
+        with self._lock:
+            self.done += n
+            self.work += work
+            self._report(force=False)
+
+    def hint(self, seconds: float) -> None:
+        """An estimate of the whole run's duration, shown as the ETA until the first work is done."""
+        with self._lock:
+            self.eta_hint = time.monotonic() - self.start + seconds
+            self._report(force=True)
+
+    def _report(self, *, force: bool) -> None:
         now = time.monotonic()
-        if self.tty and now - self._last >= 0.1:
+        if self.tty and (force or now - self._last >= 0.1):
             self.stream.write("\r" + self.line())
             self.stream.flush()
             self._last = now
-        elif not self.tty and now - self._last >= self.log_every:
+        elif not self.tty and (force or now - self._last >= self.log_every):
             log.info(self.line())
             self._last = now
 
+    def _beat(self) -> None:
+        while not self._stop.wait(min(1.0, self.log_every)):
+            with self._lock:
+                if time.monotonic() - self._last >= self.log_every:
+                    self._report(force=True)
+
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\r" + self.line() + "\n")
-            self.stream.flush()
-        else:
-            log.info(self.line())
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        with self._lock:
+            if self.tty:
+                self.stream.write("\r" + self.line() + "\n")
+                self.stream.flush()
+            else:
+                log.info(self.line())

@@ -223,8 +223,9 @@ class SensitivityCfg:
     # None: the mode's default (affine 64, mxfp4 32, nvfp4 16, mxfp8 32).
     group_size: int | None = 64
     mode: str = "affine"
-    # fast: reuse block inputs, batch, float32 BLAS; reference: the seed's one-forward-per-sample.
-    method: str = "fast"
+    # fisher: estimated from one backward pass + one forward per candidate (mlxbun/quant/fisher.py);
+    # exact: every (module, candidate) measured; reference: exact, one forward per sample (slow).
+    method: str = "fisher"
     batch_size: int = 8
     # Split the work over Hydra multirun jobs: sensitivity.shard=range(0,N) sensitivity.num_shards=N.
     shard: int = 0
@@ -238,7 +239,7 @@ class SensitivityCfg:
     inputs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        choose("sensitivity.method", self.method, ("fast", "reference"))
+        choose("sensitivity.method", self.method, ("fisher", "exact", "reference"))
         if not self.bits:
             raise InputError("sensitivity.bits=[] is empty; give at least one bit width, e.g. [4, 8]")
         for b in self.bits:

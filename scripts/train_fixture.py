@@ -1,12 +1,18 @@
-"""Train the small llama fixture in tests/fixtures/llama-text-3m from offline text, on the CPU.
+"""Train the small llama fixtures in tests/fixtures/ from offline text, on the CPU.
 
-Run: ``.venv/bin/python scripts/train_fixture.py [--out tests/fixtures/llama-text-3m] [--steps 300]``
+Run: ``.venv/bin/python scripts/train_fixture.py [--preset llama-text-3m] [--steps 300]``
+
+Presets (``--preset``): ``llama-text-3m`` (4 layers, the first fixture) and ``llama-text-12l``
+(12 layers, hidden 256, MLP 384, one KV head, vocabulary 1536, ~5.9M parameters, 11.9 MB; a
+corpus of 733K tokens with 16 more stdlib modules). The 12-layer preset's 100 steps (205K tokens
+seen, 31 min on a shared 2-core machine) are fewer than the first fixture's 300: the budget was
+CPU time; ``--steps`` trains longer.
 
 The corpus is text that every Debian/Python machine carries: the licence texts in
 ``/usr/share/common-licenses`` and a fixed list of CPython 3.11 standard-library modules (English
 docstrings and comments plus Python code). A byte-level BPE tokenizer (2048 tokens) is trained on
-it with ``tokenizers``; a 4-layer llama (hidden 256, ~3.3M parameters, tied embeddings) is
-trained with AdamW in float32 and saved in bfloat16 so the fixture stays under 8 MB::
+it with ``tokenizers``; a llama (llama-text-3m: 4 layers, hidden 256, ~3.3M parameters, tied
+embeddings) is trained with AdamW in float32 and saved in bfloat16 so the fixture stays small::
 
     tests/fixtures/llama-text-3m/
         config.json  model.safetensors  model.safetensors.index.json
@@ -46,6 +52,10 @@ MODULES = (
     "csv calendar string random decimal datetime enum dataclasses inspect typing "
     "logging/__init__ json/__init__ collections/__init__"
 ).split()
+EXTRA_MODULES = (
+    "ast tokenize pickle subprocess threading socket email/message http/client urllib/parse "
+    "unittest/case configparser optparse pprint gettext smtplib imaplib"
+).split()
 LICENCES = "/usr/share/common-licenses"
 CONFIG = {
     "model_type": "llama",
@@ -63,11 +73,26 @@ CONFIG = {
     "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
 }
+# name -> (config overrides, extra stdlib modules, default steps); the held-out tail is always the
+# last 8192 tokens of the corpus (the end of the last module listed).
+PRESETS = {
+    "llama-text-3m": ({}, (), 300),
+    "llama-text-12l": (
+        {
+            "num_hidden_layers": 12,
+            "intermediate_size": 384,
+            "num_key_value_heads": 1,
+            "vocab_size": 1536,
+        },
+        tuple(EXTRA_MODULES),
+        100,
+    ),
+}
 
 
-def corpus_files() -> list[Path]:
+def corpus_files(extra: tuple[str, ...] = ()) -> list[Path]:
     files = sorted(Path(LICENCES).iterdir())
-    files += [Path(STDLIB) / f"{m}.py" for m in MODULES]
+    files += [Path(STDLIB) / f"{m}.py" for m in (*extra, *MODULES)]
     return [f for f in files if f.is_file()]
 
 
@@ -132,7 +157,7 @@ def eval_loss(model, ids: np.ndarray, *, seq: int) -> float:
     return nn.losses.cross_entropy(model(x), y, reduction="mean").item()
 
 
-def save(model, out: Path, meta: dict) -> None:
+def save(model, out: Path, meta: dict, config: dict) -> None:
     weights = dict(tree_flatten(model.parameters()))
     weights = {k: v.astype(mx.bfloat16) for k, v in sorted(weights.items())}
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
@@ -142,25 +167,29 @@ def save(model, out: Path, meta: dict) -> None:
         "weight_map": {k: "model.safetensors" for k in weights},
     }
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=4) + "\n")
-    (out / "config.json").write_text(json.dumps(CONFIG, indent=4, sort_keys=True) + "\n")
+    (out / "config.json").write_text(json.dumps(config, indent=4, sort_keys=True) + "\n")
     (out / "FIXTURE.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(REPO / "tests/fixtures/llama-text-3m"))
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--preset", default="llama-text-3m", choices=sorted(PRESETS))
+    ap.add_argument("--out", default=None, help="default: tests/fixtures/<preset>")
+    ap.add_argument("--steps", type=int, default=None, help="default: the preset's")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    out = Path(args.out)
+    overrides, extra, steps = PRESETS[args.preset]
+    config = CONFIG | overrides
+    args.steps = args.steps or steps
+    out = Path(args.out or REPO / "tests/fixtures" / args.preset)
     out.mkdir(parents=True, exist_ok=True)
 
-    files = corpus_files()
+    files = corpus_files(extra)
     texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    tok = train_tokenizer(texts, CONFIG["vocab_size"])
+    tok = train_tokenizer(texts, config["vocab_size"])
     save_tokenizer(tok, out)
     eot = tok.token_to_id("<|endoftext|>")
     ids = np.concatenate([np.array(tok.encode(t).ids + [eot], dtype=np.int32) for t in texts])
@@ -169,12 +198,12 @@ def main() -> None:
     print(f"corpus: {len(files)} files, {sum(map(len, texts))} chars, {len(ids)} train tokens")
 
     mx.random.seed(args.seed)
-    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
+    model = llama.Model(llama.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
-    # Scale the residual-output projections down (GPT-2 style) so 4 layers train stably.
+    # Scale the residual-output projections down (GPT-2 style) so deep stacks train stably.
     for layer in model.model.layers:
         for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
-            lin.weight = lin.weight / math.sqrt(2 * CONFIG["num_hidden_layers"])
+            lin.weight = lin.weight / math.sqrt(2 * config["num_hidden_layers"])
     t0 = time.time()
     curve = train(model, ids, steps=args.steps, seq=args.seq, batch=args.batch, lr=args.lr, seed=args.seed)
     model.update(tree_map(lambda a: a.astype(mx.bfloat16).astype(mx.float32), model.parameters()))
@@ -188,7 +217,7 @@ def main() -> None:
         "train_seconds": round(time.time() - t0, 1),
         "script": "scripts/train_fixture.py",
     }
-    save(model, out, meta)
+    save(model, out, meta, config)
     print(f"held-out loss (bf16 weights): {held_loss:.3f}; wrote {out}")
 
 

@@ -1,4 +1,4 @@
-"""Sensitivity: fast path == seed-faithful reference, shards + merge == one job, resume, quantized
+"""Sensitivity (method=exact): fast path == seed-faithful reference, shards + merge == one job, resume, quantized
 source, calibration determinism. Models: the trained fixture and a random tiny qwen3 (untied head)."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def tiny_qwen3(path: Path) -> Path:
 
 
 def run_sens(model_dir: Path, out: Path, work: Path, **kw) -> dict:
-    args = {"bits": [4, 8], "batch_size": 3, "calib_path": None} | SMALL | kw
+    args = {"bits": [4, 8], "batch_size": 3, "calib_path": None, "method": "exact"} | SMALL | kw
     return sens.sensitivity(model_dir=model_dir, out_dir=out, work_dir=work, **args)
 
 
@@ -297,6 +297,7 @@ def test_sigkill_then_resume(tmp_path):
     from cli_util import isolated_args
 
     args = ["command=sensitivity", f"model.name={FIXTURE}", "sensitivity.bits=[3,4,8]", "sensitivity.batch_size=2",
+            "sensitivity.method=exact",
             "sensitivity.calib.samples=8", "sensitivity.calib.seq_len=128", *isolated_args(tmp_path)]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "mlxbun", *args], cwd=ROOT, stderr=subprocess.PIPE)
     groups = tmp_path / "cache" / "sensitivity"

@@ -1,6 +1,14 @@
-"""command=sensitivity: exact per-layer KL(reference || one layer quantized) at candidate bit widths.
+"""command=sensitivity: per-layer KL(reference || one layer quantized) at candidate bit widths.
 
-For every quantizable module (the ones mlx-lm's quantize would touch) and every candidate bit
+``method`` chooses how the numbers are made:
+
+- ``fisher`` (default, ``fisher.py``): a second-order estimate from one forward + backward per
+  calibration batch, scaled per candidate by one whole-model forward: about 3 + candidates
+  forward passes in all, linear in depth;
+- ``exact`` (this module, below): every (module, candidate) measured;
+- ``reference`` (``sensitivity_ref.py``): the same numbers as ``exact``, the slow way.
+
+Exact: for every quantizable module (the ones mlx-lm's quantize would touch) and every candidate bit
 width, the module's weight is quantized then dequantized, the calibration samples run through the
 model, and the score is KL(ref || cur) = mean over tokens of sum_v p_ref (log p_ref - log p_cur)
 of the float32 logits (softmax and sums in float64), averaged over samples. ``sensitivity_ref.py``
@@ -359,6 +367,7 @@ class Sweep:
         self, groups: dict[int, list[Target]], cands: list[QuantSpec], *, on_group, progress=None
     ) -> None:
         self.cache_refs()
+        self.n_cands = len(cands)
         totals: dict[int, dict[str, dict[str, float]]] = {}
         pending = None
         for job in self.jobs(groups, cands):
@@ -375,11 +384,12 @@ class Sweep:
                 p: {b: v / self.n_samples for b, v in kl.items()} for p, kl in totals.pop(g, {}).items()
             }
             on_group(g, results)
-            if progress is not None:
-                progress.update(len(groups[g]))
             return
         acc = totals.setdefault(g, {}).setdefault(t.path, {})
         acc.setdefault(str(c.bits), 0.0)
+        if progress is not None:  # a module counts once all its probes are in; work = blocks run
+            share = 1.0 / (self.n_cands * (len(self.batches) if kind == "probe" else 1))
+            progress.update(share, work=share * self.n_cands * (self.stack.n - g + 1))
         if kind == "probe":
             j, logits, ref = payload
             stats = self._ref[j] if ref is None else ref_stats(ref)
@@ -475,6 +485,7 @@ def document(
         "mode": settings["mode"],
         "model": settings["model"],
         "calibration": settings["calibration"],
+        "runtime": settings["runtime"],
         "all_layers": [t.path for t in tgts],
         "layers": layers,
         "shard": shard,
@@ -575,7 +586,8 @@ def prepare(
         "bits": [c.bits for c in cands],
         "group_size": cands[0].group_size,
         "mode": mode,
-        "batch_size": batch_size if method == "fast" else 1,
+        "batch_size": batch_size if method != "reference" else 1,
+        "runtime": runtime(),
         "model": {
             "fingerprint": model_fingerprint(model_dir),
             "model_type": getattr(model, "model_type", None) or _config(model_dir).get("model_type"),
@@ -609,7 +621,7 @@ def sensitivity(
     samples: int = 24,
     seq_len: int = 512,
     seed: int = 0,
-    method: str = "fast",
+    method: str = "fisher",
     batch_size: int = 8,
     shard: int = 0,
     num_shards: int = 1,
@@ -624,9 +636,10 @@ def sensitivity(
         work_dir: root of per-group checkpoints (keyed by model, calibration and settings).
         bits, group_size, mode: the candidates (``mode`` as in ``mx.quantize``).
         calib_path, samples, seq_len, seed: calibration (see ``mlxbun.quant.calib``).
-        method: "fast" (this module) or "reference" (``sensitivity_ref``: one full forward per
+        method: "fisher" (``fisher.py``: estimated from one backward pass, the default),
+            "exact" (this module) or "reference" (``sensitivity_ref``: one full forward per
             sample and probe; slow, for checking).
-        batch_size: samples per forward in the fast path.
+        batch_size: samples per forward (fisher, exact).
         shard, num_shards: compute only this shard's groups (merge with ``sensitivity_merge``).
         ref_cache_mb: keep reference log-probs for all samples when they fit in this budget.
         stop_after_groups: stop (raising KeyboardInterrupt) after this many new groups (tests).
@@ -657,6 +670,8 @@ def sensitivity(
     )
     shard_info = None if num_shards == 1 else {"index": shard, "count": num_shards, "groups": mine}
     doc = document(tgts=s.targets, kls=kls, settings=s.settings, shard=shard_info)
+    if s.settings["method"] == "fisher" and (ckpt.dir / "estimate.json").is_file():
+        doc["estimate"] = json.loads((ckpt.dir / "estimate.json").read_text())
     write_reports(doc, Path(out_dir))
     stats = {
         "seconds": round(time.monotonic() - t0, 3),
@@ -668,15 +683,33 @@ def sensitivity(
     return doc | {"_stats": stats}
 
 
+def runtime() -> dict[str, Any]:
+    """What changes the numbers besides model, calibration and settings: mlx version and BLAS."""
+    import mlx.core as mx
+
+    from mlxbun import blas
+
+    info = blas.load()  # what was loaded before mlx.core (cached), or the bundled BLAS
+    return {"mlx": mx.__version__, "blas": info.get("library") if info.get("loaded") else "bundled"}
+
+
 def _compute(
     s: Setup, todo: dict, ckpt: Checkpoints, kls: dict, *, batch_size, ref_cache_mb, stop_after
-) -> None:
+) -> dict[str, Any] | None:
+    """Fill ``kls`` for the groups in ``todo`` (each saved as it completes); the fisher extras."""
     from mlxbun.progress import Progress
 
     if not todo:
-        return
+        return None
+    method = s.settings["method"]
+    n_blocks = Stack(s.model).n
     total = sum(len(v) for v in todo.values())
-    progress = Progress(total=total, unit="layers", desc="sensitivity")
+    work = {"exact": sum(group_cost(g, todo[g], n_blocks, len(s.cands)) for g in todo), "fisher": 1.0}.get(
+        method
+    )
+    progress = Progress(
+        total=total, unit="modules", desc=f"sensitivity ({method})", work_total=work, heartbeat=True
+    )
     count = [0]
 
     def on_group(g: int, results: dict) -> None:
@@ -686,14 +719,43 @@ def _compute(
         if stop_after is not None and count[0] >= stop_after:
             raise KeyboardInterrupt(f"stopped after {count[0]} groups")
 
-    if s.settings["method"] == "reference":
-        from mlxbun.quant.sensitivity_ref import reference_sweep
+    try:
+        if method == "fisher":
+            return _fisher(s, todo, on_group, progress, batch_size=batch_size, ckpt_dir=ckpt.dir)
+        if method == "reference":
+            from mlxbun.quant.sensitivity_ref import reference_sweep
 
-        reference_sweep(s.model, s.tokens, todo, s.cands, on_group=on_group, progress=progress)
-    else:
-        sweep = Sweep(s.model, s.tokens, batch_size=batch_size, ref_cache_mb=ref_cache_mb)
-        sweep.run(todo, s.cands, on_group=on_group, progress=progress)
-    progress.close()
+            reference_sweep(s.model, s.tokens, todo, s.cands, on_group=on_group, progress=progress)
+        else:
+            from mlxbun.quant.fisher import timed_forward
+
+            # work is counted in blocks run per module and candidate: (n_blocks + 1) make one forward
+            per_batch = timed_forward(s.model, s.tokens, batch_size)
+            n_batches = -(-len(s.tokens) // batch_size)
+            progress.hint(per_batch * n_batches * (1 + work / (n_blocks + 1)))
+            sweep = Sweep(s.model, s.tokens, batch_size=batch_size, ref_cache_mb=ref_cache_mb)
+            sweep.run(todo, s.cands, on_group=on_group, progress=progress)
+        return None
+    finally:
+        progress.close()
+
+
+def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_dir: Path) -> dict[str, Any]:
+    """The fisher estimate over all targets (its calibration is whole-model); todo's groups saved."""
+    from mlxbun.quant.fisher import estimate
+
+    def at(fraction: float) -> None:
+        progress.update(fraction * progress.total - progress.done, work=fraction - progress.work)
+
+    est = estimate(
+        s.model, s.tokens, s.targets, s.cands, batch_size=batch_size, seed=s.settings["calibration"]["seed"],
+        progress=at, hint=progress.hint,
+    )  # fmt: skip
+    extra = {"factors": est.factors, "measured": est.measured, "forward_equivalents": est.forward_equivalents}
+    atomic_write_json(ckpt_dir / "estimate.json", extra)  # before the groups: a resume finds it
+    for g in sorted(todo):
+        on_group(g, {t.path: est.kl[t.path] for t in todo[g]})
+    return extra
 
 
 def run(cfg: Any) -> Any:

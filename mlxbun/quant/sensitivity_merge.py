@@ -36,6 +36,8 @@ SAME = (
     "mode",
     "model",
     "calibration",
+    "runtime",
+    "estimate",
     "all_layers",
 )
 

@@ -1,0 +1,454 @@
+"""sensitivity.method=fisher: every module's KL at every candidate from one backward pass per sample.
+
+The exact method (``sensitivity.py``) runs one partial forward per (module, candidate): its cost
+grows with modules x candidates x depth. This estimate costs about ``3 + candidates`` forward
+passes over the calibration set, whatever the depth or the number of candidates:
+
+1. **Fisher pass** (one forward + one backward per calibration batch). KL(ref || ref + dY) is
+   1/2 dY^T F dY to second order, F the Fisher information of the model's output distribution.
+   Labels are sampled from the model's own distribution, so the gradient g_t of their
+   log-likelihood with respect to a module's output at token t has E[g g^T] = F. Every target
+   module gets a zero "tap" added to its output; one backward gives g for all of them at once.
+   With dY_t = dW x_t, and the Fisher taken diagonal and split by rows and columns
+   (sum_t g_ti^2 x_tj^2 ~ T * mean(g_i^2) * mean(x_j^2)), the per-token KL of a weight change is
+
+       KL_m(dW) ~ 1/2 * sum_ij dW_ij^2 * r_i * c_j,     r = mean_t g_t^2,  c = mean_t x_t^2
+
+   (an embedding lookup uses token frequencies as ``c``; a tied head adds its own term). Only the
+   vectors r and c are kept: memory is the model plus one batch of activations.
+2. **Scores** per (module, candidate): quantize -> dequantize the weight and evaluate the formula:
+   elementwise work on the weight, no forwards. A new candidate costs one quantization.
+3. **Calibration** (one forward per candidate and batch): all modules at candidate s together,
+   KL(ref || cur) measured exactly; the scores of s are scaled by measured / sum of scores.
+   This corrects the second-order formula where it breaks (2-3 bits, where KL stops being
+   quadratic) and keeps the knapsack's trade-off between bit widths on the measured scale.
+
+The returned numbers are per-module KLs in nats per token, the same unit as the exact method's,
+so ``allocate`` reads either. ``bench/sensitivity_methods.py`` compares them with exact ones.
+
+Example:
+    >>> from mlxbun.quant.sensitivity import prepare
+    >>> s = prepare(model_dir=d, bits=[2, 4, 8], group_size=64, mode="affine", calib_path=None,
+    ...             samples=8, seq_len=256, seed=0, method="fisher", batch_size=1)
+    >>> est = estimate(s.model, s.tokens, s.targets, s.cands, batch_size=1, seed=0)
+    >>> est.kl["model.layers.0.mlp.down_proj"]["4"], est.factors["4"]
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxbun.kl import kl_from_stats, ref_stats
+from mlxbun.quant.sensitivity import Target, fake_quant, module_at
+from mlxbun.quant.spec import QuantSpec
+
+
+@dataclass
+class Estimate:
+    kl: dict[str, dict[str, float]]  # path -> {bits: calibrated KL}
+    raw: dict[str, dict[str, float]]  # path -> {bits: second-order score before calibration}
+    factors: dict[str, dict[str, float]]  # bits -> group -> measured KL / sum of its raw scores
+    measured: dict[str, dict[str, float]]  # bits -> group -> KL with the group's modules quantized
+    forward_equivalents: float
+
+
+# ---------------------------------------------------------------- taps
+
+
+class _Tap:
+    """Stands in for a module during the Fisher pass: adds a zero tap to its output, records inputs."""
+
+    def __init__(self, mod: Any, path: str, rec: _Recorder) -> None:
+        self.mod, self.path, self.rec = mod, path, rec
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self.mod, key)
+
+    def __call__(self, x: Any) -> Any:
+        import mlx.core as mx
+
+        if self.rec.kinds[self.path] == "embedding":
+            self.rec.ids[self.path] = x
+            return self.rec.tap(self.path, self.mod.weight[x].astype(mx.float32))
+        self.rec.inputs[self.path] = x
+        return self.rec.tap(self.path, self.mod(x))
+
+    def as_linear(self, x: Any) -> Any:
+        import mlx.core as mx
+
+        key = self.path + HEAD
+        self.rec.inputs[key] = x
+        return self.rec.tap(key, x @ self.mod.weight.astype(mx.float32).T)
+
+
+HEAD = "@head"  # the tap of a tied embedding used as the output head
+CHUNK = 1 << 24  # weights per slice of rows scored at once (bounds the float32 temporaries)
+ERROR_CACHE_BYTES = 512 << 20  # quantization errors kept across batches (small models: all of them)
+
+
+class _Recorder:
+    """The zero taps of one batch and what each module saw (inputs, or token ids for lookups)."""
+
+    def __init__(self, kinds: dict[str, str]) -> None:
+        self.kinds = kinds
+        self.deltas: dict[str, Any] = {}
+        self.inputs: dict[str, Any] = {}
+        self.ids: dict[str, Any] = {}
+        self.shapes: dict[str, tuple] = {}
+
+    def tap(self, key: str, y: Any) -> Any:
+        self.shapes[key] = y.shape
+        return y + self.deltas[key] if key in self.deltas else y
+
+
+def _install(model: Any, tgts: list[Target], rec: _Recorder) -> list[tuple[Any, str, Any]]:
+    undo = []
+    for t in tgts:
+        parent_path, _, name = t.path.rpartition(".")
+        parent = module_at(model, parent_path) if parent_path else model
+        mod = getattr(parent, name)
+        setattr(parent, name, _Tap(mod, t.path, rec))
+        undo.append((parent, name, mod))
+    return undo
+
+
+def _uninstall(undo: list[tuple[Any, str, Any]]) -> None:
+    for parent, name, mod in reversed(undo):
+        setattr(parent, name, mod)
+
+
+def _real(mod: Any) -> Any:
+    """The module behind a stand-in (_Tap)."""
+    while isinstance(mod, _Tap):
+        mod = mod.mod
+    return mod
+
+
+def _kinds(model: Any, tgts: list[Target]) -> dict[str, str]:
+    import mlx.nn as nn
+
+    def kind(path: str) -> str:
+        return "embedding" if isinstance(_real(module_at(model, path)), nn.Embedding) else "linear"
+
+    return {t.path: kind(t.path) for t in tgts}
+
+
+# ---------------------------------------------------------------- 1. Fisher pass
+
+
+class FisherPass:
+    """Scores every (target, candidate) batch by batch: sum over tokens and output channels of
+    g_ti^2 * (dW x_t)_i^2, g the gradient of the sampled labels' log-likelihood at the output."""
+
+    def __init__(
+        self,
+        model: Any,
+        tgts: list[Target],
+        cands: list[QuantSpec],
+        *,
+        seed: int,
+        n_sub: int,
+        tick: Callable[[float], None],
+    ) -> None:
+        self.model, self.tgts, self.cands, self.tick = model, tgts, cands, tick
+        self.share = {t.path: t.in_features * t.out_features for t in tgts}
+        total = sum(self.share.values())
+        self.share = {p: v / total for p, v in self.share.items()}
+        self.rec = _Recorder(_kinds(model, tgts))
+        self.key = seed
+        self.sums: dict[str, dict[str, float]] = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
+        self.sub_sums = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
+        self.tokens = self.samples = self.sub_tokens = 0
+        self.n_sub = n_sub
+        self._errors: dict[tuple, Any] = {}
+        self._error_bytes = 0
+
+    def _zeros(self, batch: Any) -> dict[str, Any]:
+        """Zero taps shaped like each module's output (shapes from a one-token forward)."""
+        import mlx.core as mx
+
+        if not self.rec.shapes:
+            self.rec.deltas = {}
+            mx.eval(self.model(batch[:, :1]))
+        n, length = batch.shape
+        return {k: mx.zeros((n, length, s[-1]), dtype=mx.float32) for k, s in self.rec.shapes.items()}
+
+    def run(self, batch: Any) -> Any:
+        """One forward + backward on ``batch``, then its scores; returns the reference logits."""
+        import mlx.core as mx
+
+        undo = _install(self.model, self.tgts, self.rec)
+        try:
+            deltas = self._zeros(batch)
+            key = mx.random.key(self.key)
+            self.key += 1
+
+            def loglik(d: dict) -> Any:
+                self.rec.deltas = d
+                logits = self.model(batch).astype(mx.float32)
+                y = mx.random.categorical(mx.stop_gradient(logits), key=key)
+                logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+                ll = mx.take_along_axis(logp, y[..., None], axis=-1).sum()
+                return (
+                    ll,
+                    mx.stop_gradient(logits),
+                    {k: mx.stop_gradient(v) for k, v in self.rec.inputs.items()},
+                )
+
+            (_, logits, inputs), grads = mx.value_and_grad(loglik)(deltas)
+            mx.eval(logits, inputs, grads)
+            ids = dict(self.rec.ids)
+            self.tick(3.0 * batch.shape[0])
+        finally:
+            self.rec.deltas, self.rec.inputs, self.rec.ids = {}, {}, {}
+            _uninstall(undo)
+        k = min(max(self.n_sub - self.samples, 0), batch.shape[0])  # samples in the calibration subset
+        for t in self.tgts:
+            self._score(
+                t, {k: v * v for k, v in grads.items() if k in (t.path, t.path + HEAD)}, inputs, ids, k
+            )
+            self.tick(len(self.cands) * batch.shape[0] * self.share[t.path])
+        self.tokens += int(batch.size)
+        self.sub_tokens += k * batch.shape[1]
+        self.samples += batch.shape[0]
+        return logits
+
+    def _score(self, t: Target, g2: dict, inputs: dict, ids: dict, k: int) -> None:
+        """Adds this batch's sum g^2 * dY^2 for every candidate of ``t`` (rows in slices); the
+        first ``k`` samples also count towards the calibration subset's sums."""
+        w = _real(module_at(self.model, t.path)).weight
+        step = max(1, CHUNK // w.shape[-1])
+        for c in self.cands:
+            if not c.matches(t.current):
+                per = sum(
+                    self._rows(t, w, c, lo, lo + step, g2, inputs, ids) for lo in range(0, w.shape[0], step)
+                )
+                self.sums[t.path][str(c.bits)] += float(per.sum())
+                self.sub_sums[t.path][str(c.bits)] += float(per[:k].sum())
+
+    def _error(self, t: Target, w: Any, c: QuantSpec, lo: int, hi: int) -> Any:
+        """dW of rows lo:hi at ``c``; kept for the next batches while they fit ``ERROR_CACHE_BYTES``."""
+        import mlx.core as mx
+
+        key = (t.path, str(c.bits), lo)
+        if key in self._errors:
+            return self._errors[key]
+        wc = w[lo:hi].astype(mx.float32)
+        d = fake_quant(wc, c, dtype=t.dtype) - wc
+        if self._error_bytes + d.nbytes <= ERROR_CACHE_BYTES:
+            mx.eval(d)
+            self._errors[key] = d
+            self._error_bytes += d.nbytes
+        return d
+
+    def _rows(
+        self, t: Target, w: Any, c: QuantSpec, lo: int, hi: int, g2: dict, inputs: dict, ids: dict
+    ) -> Any:
+        """Per sample, the sum over tokens and rows lo:hi of g^2 * dY^2 (numpy float64)."""
+        import mlx.core as mx
+
+        d = self._error(t, w, c, lo, hi)
+        total = mx.array(0.0)
+        axes = (1, 2)
+        if t.path in ids:  # lookup: dY_t = dW[token_t], for the tokens whose row is in the slice
+            tok = ids[t.path]
+            inside = ((tok >= lo) & (tok < hi))[..., None]
+            rows = d[mx.clip(tok - lo, 0, d.shape[0] - 1)]
+            total = total + (g2[t.path] * mx.square(rows) * inside).sum(axis=axes)
+        elif t.path in g2:
+            total = total + (g2[t.path][..., lo:hi] * mx.square(inputs[t.path] @ d.T)).sum(axis=axes)
+        if t.path + HEAD in g2:  # a tied embedding is also the head
+            head = t.path + HEAD
+            total = total + (g2[head][..., lo:hi] * mx.square(inputs[head] @ d.T)).sum(axis=axes)
+        return np.array(total, dtype=np.float64)
+
+    def scores(self, *, subset: bool = False) -> dict[str, dict[str, float]]:
+        """Per-token KL estimates, 1/2 * sums / tokens, over all samples or the calibration subset."""
+        sums, n = (self.sub_sums, self.sub_tokens) if subset else (self.sums, self.tokens)
+        return {p: {b: 0.5 * v / max(n, 1) for b, v in row.items()} for p, row in sums.items()}
+
+
+# ---------------------------------------------------------------- 3. calibration
+
+
+class _RefStore:
+    """Reference logits of every batch, spilled to a temporary directory (float32 .npy)."""
+
+    def __init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="mlxbun-fisher-")
+        self.n = 0
+
+    def put(self, logits: Any) -> None:
+        np.save(Path(self._dir.name) / f"{self.n}.npy", np.array(logits))
+        self.n += 1
+
+    def get(self, j: int) -> np.ndarray:
+        return np.load(Path(self._dir.name) / f"{j}.npy")
+
+    def close(self) -> None:
+        self._dir.cleanup()
+
+
+def whole_model_kl(
+    model: Any, batches: list, refs: _RefStore, tgts: list[Target], cand: QuantSpec, tick
+) -> float:
+    """KL(ref || every target at ``cand``), mean over tokens then samples; weights restored."""
+    import mlx.core as mx
+
+    saved = []
+    try:
+        for t in tgts:
+            if cand.matches(t.current):
+                continue
+            mod = _real(module_at(model, t.path))
+            saved.append((mod, mod.weight))
+            mod.weight = fake_quant(mod.weight, cand, dtype=t.dtype).astype(mod.weight.dtype)
+            mx.eval(mod.weight)
+        total, n = 0.0, 0
+        for j, b in enumerate(batches):
+            logits = model(b).astype(mx.float32)
+            mx.eval(logits)
+            kl = kl_from_stats(ref_stats(mx.array(refs.get(j)[: b.shape[0]])), logits)
+            total, n = total + float(kl.sum()), n + len(kl)
+            tick(float(b.shape[0]))
+        return total / max(n, 1)
+    finally:
+        for mod, w in saved:
+            mod.weight = w
+
+
+# ---------------------------------------------------------------- entry point
+
+
+CALIB_FRACTION = 8  # calibration runs on the first 1/8 of the calibration samples (at least one)
+LOW_BITS = 3  # at and below, the second-order estimate breaks down by depth: calibrate per depth too
+DEPTH_BUCKETS = 4
+
+
+def role(path: str) -> str:
+    """What a module does, the same in every block: ``q_proj``, ``down_proj``, ``embed_tokens``..."""
+    return path.rsplit(".", 1)[-1]
+
+
+def calibration_groups(tgts: list[Target], cand: QuantSpec) -> dict[str, list[Target]]:
+    """Modules quantized together in one calibration forward: one role, and at low bits one
+    quarter of the depth (where the second-order estimate breaks down unevenly, e.g. late v_proj)."""
+    n_blocks = max(t.group for t in tgts) + 1
+    out: dict[str, list[Target]] = {}
+    for t in tgts:
+        key = role(t.path)
+        if cand.mode == "affine" and cand.bits <= LOW_BITS:
+            key += f"@{min(t.group * DEPTH_BUCKETS // n_blocks, DEPTH_BUCKETS - 1)}"
+        out.setdefault(key, []).append(t)
+    return out
+
+
+def estimate(
+    model: Any,
+    tokens: Any,
+    tgts: list[Target],
+    cands: list[QuantSpec],
+    *,
+    batch_size: int,
+    seed: int,
+    progress: Callable[[float], None] | None = None,
+    hint: Callable[[float], None] | None = None,
+) -> Estimate:
+    """Per-module KL estimates for every candidate (see the module docstring).
+
+    ``progress(fraction)`` is called with the fraction of work done, counted in forward passes;
+    ``hint(seconds)`` once at the start with the run's duration estimated from one timed forward.
+    """
+    import mlx.core as mx
+
+    n = tokens.shape[0]
+    batches = [mx.array(tokens[i : i + batch_size]) for i in range(0, n, batch_size)]
+    n_sub = max(1, n // CALIB_FRACTION)
+    sub = [mx.array(tokens[i : min(i + batch_size, n_sub)]) for i in range(0, n_sub, batch_size)]
+    groups = {str(c.bits): calibration_groups(tgts, c) for c in cands}
+    # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
+    fwd = (3 + len(cands)) * n + sum(len(g) for g in groups.values()) * n_sub  # in samples
+    done = [0.0]
+
+    def tick(units: float) -> None:
+        done[0] += units
+        if progress is not None:
+            progress(min(done[0] / fwd, 1.0))
+
+    if hint is not None:
+        hint(timed_forward(model, tokens, batch_size) * fwd / min(batch_size, n))
+    refs = _RefStore()
+    try:
+        fp = FisherPass(model, tgts, cands, seed=seed, n_sub=n_sub, tick=tick)
+        for b in batches:
+            refs.put(fp.run(b))
+        raw, raw_sub = fp.scores(), fp.scores(subset=True)
+        measured = {
+            str(c.bits): {
+                k: whole_model_kl(model, sub, refs, ts, c, tick) for k, ts in groups[str(c.bits)].items()
+            }
+            for c in cands
+        }
+    finally:
+        refs.close()
+    return _calibrate(raw, raw_sub, measured, groups, forward_equivalents=fwd / n)
+
+
+def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
+    """Seconds of one forward of a batch, from a forward of its first quarter of tokens (>= 16)."""
+    import mlx.core as mx
+
+    length = tokens.shape[1]
+    part = min(length, max(16, length // 4))
+    x = mx.array(tokens[:batch_size, :part])
+    t0 = time.perf_counter()
+    mx.eval(model(x))
+    return (time.perf_counter() - t0) * length / part
+
+
+def _calibrate(
+    raw: dict, raw_sub: dict, measured: dict, groups: dict, *, forward_equivalents: float
+) -> Estimate:
+    """Scale each calibration group's scores by measured / estimated KL, both on the calibration
+    subset (the subset's text cancels out; the estimate's error is what is left); then make each
+    module's KL non-increasing in bits (the factors of neighbouring bits are measured apart)."""
+    factors: dict[str, dict[str, float]] = {}
+    kl: dict[str, dict[str, float]] = {p: {} for p in raw}
+    for b, kls in measured.items():
+        factors[b] = {}
+        for key, value in kls.items():
+            den = sum(raw_sub[t.path][b] for t in groups[b][key])
+            factors[b][key] = value / den if den > 0 else 1.0
+            for t in groups[b][key]:
+                kl[t.path][b] = raw[t.path][b] * factors[b][key]
+    kl = {p: _monotone(row) for p, row in kl.items()}
+    return Estimate(
+        kl=kl, raw=raw, factors=factors, measured=measured, forward_equivalents=forward_equivalents
+    )
+
+
+def _monotone(row: dict[str, float]) -> dict[str, float]:
+    """KL non-increasing in bits: adjacent violators pooled (geometric mean), as in isotonic fits."""
+    bits = sorted(row, key=int)
+    blocks = [[row[b]] for b in bits]
+    merged: list[list[float]] = []
+    for blk in blocks:
+        merged.append(blk)
+        while len(merged) > 1 and _gmean(merged[-1]) > _gmean(merged[-2]):
+            last = merged.pop()
+            merged[-1] = merged[-1] + last
+    values = [_gmean(m) for m in merged for _ in m]
+    return dict(zip(bits, values, strict=True))
+
+
+def _gmean(xs: list[float]) -> float:
+    if min(xs) <= 0:
+        return sum(xs) / len(xs)
+    return float(np.exp(np.mean(np.log(xs))))

@@ -1,0 +1,161 @@
+"""Sensitivity method=fisher against exact: agreement, its calibration, its cost, cache keys, progress."""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mlxbun import blas
+
+blas.load()
+
+import mlx.core as mx  # noqa: E402
+from test_sensitivity import FIXTURE, by_path, run_sens, tiny_qwen3  # noqa: E402
+
+from mlxbun import kl  # noqa: E402
+from mlxbun.progress import Progress  # noqa: E402
+from mlxbun.quant import fisher  # noqa: E402
+from mlxbun.quant import sensitivity as sens  # noqa: E402
+
+CAL = {"samples": 4, "seq_len": 64, "seed": 0}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fisher")
+    exact = run_sens(FIXTURE, tmp / "e", tmp / "we", bits=[3, 4, 8], method="exact", batch_size=4, **CAL)
+    est = run_sens(FIXTURE, tmp / "f", tmp / "wf", bits=[3, 4, 8], method="fisher", batch_size=2, **CAL)
+    return by_path(exact), est
+
+
+def test_fisher_ranks_modules_like_exact(both):
+    exact, doc = both
+    est = by_path(doc)
+    assert est.keys() == exact.keys() and doc["method"] == "fisher"
+    for bits in ("4", "8"):
+        paths = sorted(exact)
+        rho = spearman([exact[p][bits] for p in paths], [est[p][bits] for p in paths])
+        assert rho > 0.8, (bits, rho)
+    # Same scale as exact; calibration groups: one per role, and per depth quarter at low bits.
+    for bits in ("3", "4", "8"):
+        total_est = sum(v[bits] for v in est.values())
+        total_exact = sum(v[bits] for v in exact.values())
+        assert 0.33 < total_est / total_exact < 3.0, (bits, total_est, total_exact)
+    s = sens.prepare(model_dir=FIXTURE, bits=[3, 4, 8], group_size=64, mode="affine", calib_path=None,
+                     method="fisher", batch_size=2, **CAL)  # fmt: skip
+    for c in s.cands:
+        groups = fisher.calibration_groups(s.targets, c)
+        assert len(groups) == (29 if c.bits <= fisher.LOW_BITS else 8)  # 7 roles x 4 depths + embedding
+        assert groups.keys() == doc["estimate"]["measured"][str(c.bits)].keys()
+
+
+def test_group_kl_is_exact(tmp_path):
+    """A calibration group.s forward equals an independent float32 forward with its modules fake-quantized."""
+    s = sens.prepare(model_dir=FIXTURE, bits=[4], group_size=64, mode="affine", calib_path=None,
+                     method="fisher", batch_size=1, **CAL)  # fmt: skip
+    est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=1, seed=0)
+    ref, _, _ = sens.load_model(FIXTURE)  # float32, as the exact method runs
+    sub = s.tokens[: max(1, len(s.tokens) // fisher.CALIB_FRACTION)]
+    want_ref = [kl.log_probs(ref(mx.array(sub[i : i + 1]))) for i in range(len(sub))]
+    for t in s.targets:
+        if fisher.role(t.path) == "down_proj":
+            mod = sens.module_at(ref, t.path)
+            mod.weight = sens.fake_quant(mod.weight, s.cands[0], dtype=t.dtype)
+    kls = [kl.kl_rows(r, ref(mx.array(sub[i : i + 1])))[0] for i, r in enumerate(want_ref)]
+    assert est.measured["4"]["down_proj"] == pytest.approx(float(np.mean(kls)), rel=1e-3)
+
+
+def test_fisher_cost_does_not_grow_with_candidates(monkeypatch):
+    """Forwards: one per batch for the Fisher pass (+1 shape probe), then per role and candidate one
+    over a quarter of the batches: no term grows with modules x candidates x depth."""
+    s = sens.prepare(model_dir=FIXTURE, bits=[2, 3, 4, 5, 6, 8], group_size=64, mode="affine",
+                     calib_path=None, method="fisher", batch_size=2, **CAL)  # fmt: skip
+    calls = [0]
+    cls = type(s.model)
+    original = cls.__call__
+
+    def counting(self, *a, **k):
+        calls[0] += 1
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(cls, "__call__", counting)
+    est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0)
+    n_samples, n_batches = 4, 2
+    n_sub = max(1, n_samples // fisher.CALIB_FRACTION)  # calibration samples, one batch here
+    n_groups = 2 * 29 + 4 * 8  # bits 2, 3: roles x depth quarters; 4, 5, 6, 8: roles (8 with embedding)
+    assert calls[0] == 1 + n_batches + n_groups
+    want = 3 + len(s.cands) + n_groups * n_sub / n_samples
+    assert est.forward_equivalents == pytest.approx(want)
+
+
+def test_fisher_untied_head_and_weights_restored(tmp_path):
+    model_dir = tiny_qwen3(tmp_path / "qwen3")
+    s = sens.prepare(model_dir=model_dir, bits=[4, 8], group_size=64, mode="affine", calib_path=None,
+                     method="fisher", batch_size=2, **CAL)  # fmt: skip
+    before = {t.path: np.array(sens.module_at(s.model, t.path).weight.astype(mx.float32)) for t in s.targets}
+    est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0)
+    for t in s.targets:
+        after = np.array(sens.module_at(s.model, t.path).weight.astype(mx.float32))
+        assert np.array_equal(before[t.path], after), t.path
+        assert est.kl[t.path]["4"] > est.kl[t.path]["8"] > 0, t.path
+    assert "lm_head" in est.kl and type(sens.module_at(s.model, "lm_head")).__name__ == "Linear"
+
+
+# ------------------------------------------------------------------ cache keys
+
+
+def test_cache_key_changes_with_blas_and_method(tmp_path, monkeypatch):
+    """A blas=off run's checkpoints must not be reused by an OpenBLAS run (the numbers differ)."""
+    cheap = {"samples": 2, "seq_len": 32, "bits": [8], "method": "exact"}
+    first = run_sens(FIXTURE, tmp_path / "a", tmp_path / "w", **cheap)
+    assert first["_stats"]["groups_computed"] > 0
+    again = run_sens(FIXTURE, tmp_path / "b", tmp_path / "w", **cheap)
+    assert again["_stats"]["groups_computed"] == 0  # same everything: resumed
+    monkeypatch.setattr(sens, "runtime", lambda: {"mlx": mx.__version__, "blas": "bundled"})
+    other = run_sens(FIXTURE, tmp_path / "c", tmp_path / "w", **cheap)
+    assert other["_stats"]["groups_resumed"] == 0 and other["runtime"]["blas"] == "bundled"
+    monkeypatch.undo()
+    fish = run_sens(FIXTURE, tmp_path / "d", tmp_path / "w", **(cheap | {"method": "fisher"}))
+    assert fish["_stats"]["groups_resumed"] == 0
+    keys = {Path(d["_stats"]["checkpoints"]).name for d in (first, other, fish)}
+    assert len(keys) == 3
+
+
+# ------------------------------------------------------------------ progress
+
+
+def test_progress_heartbeat_rate_and_work_eta(caplog):
+    stream = io.StringIO()  # not a terminal: log lines
+    with caplog.at_level(logging.INFO, logger="mlxbun"):
+        p = Progress(total=40, unit="modules", desc="sensitivity", stream=stream, log_every=0.2,
+                     work_total=100.0, heartbeat=True)  # fmt: skip
+        p.hint(30.0)  # an estimate, shown until work is done
+        p.update(1, work=50.0)  # the first module carried half the work
+        time.sleep(1.0)  # no updates: the heartbeat still reports
+        p.close()
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) >= 3, lines  # the estimate, at least one heartbeat, the close
+    assert "0.0%" in lines[0] and "ETA ~30s (estimated" in lines[0]
+    assert "50.0%" in lines[1] and "modules/s" in lines[1] and "ETA ?" not in lines[1]
+    assert " 0 modules/s" not in lines[-1]  # small rates keep their digits
+
+
+def test_fisher_resumed_run_writes_the_same_document(tmp_path):
+    """A rerun that resumes every group still carries the estimate's calibration: same bytes."""
+    cheap = {"samples": 2, "seq_len": 32, "bits": [4, 8], "method": "fisher"}
+    first = run_sens(FIXTURE, tmp_path / "a", tmp_path / "w", **cheap)
+    again = run_sens(FIXTURE, tmp_path / "b", tmp_path / "w", **cheap)
+    assert again["_stats"]["groups_computed"] == 0 and "estimate" in first
+    assert (tmp_path / "a" / "sensitivity.json").read_bytes() == (
+        tmp_path / "b" / "sensitivity.json"
+    ).read_bytes()
