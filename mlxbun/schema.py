@@ -142,6 +142,8 @@ class QuantCfg:
     resume: bool = True
     # Modules read, cast and quantized in parallel.
     threads: int = 2
+    # How affine weights are rounded: rtn (mx.quantize) or clip (per-group range search).
+    method: str = "rtn"
 
     def __post_init__(self) -> None:
         from mlxbun.quant.plan import spec_for
@@ -159,6 +161,9 @@ class QuantCfg:
             choose("quant.bits", self.bits, AFFINE_BITS)
         spec_for(self.mode, self.bits, self.group_size)
         positive("quant.threads", self.threads)
+        from mlxbun.quant.rounding import check_method
+
+        check_method(self.method, mode=self.mode)
 
 
 @dataclass

@@ -151,10 +151,10 @@ def plan_units(sk: Skeleton) -> list[Unit]:
 class Converter:
     """Reads, casts and quantizes units; safe to call from several threads (one unit each)."""
 
-    def __init__(self, sk: Skeleton, src_dir: Any, dtype: str | None) -> None:
+    def __init__(self, sk: Skeleton, src_dir: Any, dtype: str | None, method: str = "rtn") -> None:
         import mlx.core as mx
 
-        self.sk, self.src = sk, src_dir
+        self.sk, self.src, self.method = sk, src_dir, method
         self.dtype = getattr(mx, dtype) if dtype else None
         self.cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)
 
@@ -226,7 +226,7 @@ class Converter:
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             chunk = self.cast(name, self.read_rows(name, r0, r1))
-            w, *rest = mx.quantize(chunk, q["group_size"], q["bits"], mode=q.get("mode", "affine"))
+            w, *rest = self.quantize_weight(chunk, q)
             mx.eval(w, *rest)
             if packed is None:
                 packed = np.empty((rows, w.shape[1]), dtype=np.uint32)
@@ -255,10 +255,25 @@ class Converter:
             with _build_lock:
                 module.update(tree_unflatten([(n[len(prefix) :], a) for n, a in arrays.items()]))
                 qm = module.to_quantized(**unit.quant)
+            if self.varies(unit.quant) and (w := arrays.get(prefix + "weight")) is not None:
+                qm.weight, qm.scales, qm.biases = self.quantize_weight(w, unit.quant)
             out = {prefix + k: v for k, v in tree_flatten(qm.parameters())}
             del module, qm
         del arrays
         return self.finish(unit, out)
+
+    def varies(self, q: dict[str, Any]) -> bool:
+        return self.method != "rtn" and q.get("mode", "affine") == "affine"
+
+    def quantize_weight(self, w: Any, q: dict[str, Any]) -> tuple[Any, ...]:
+        """The hook where a quantizer variant (``mlxbun.quant.rounding``) replaces mx.quantize."""
+        import mlx.core as mx
+
+        if not self.varies(q):
+            return tuple(mx.quantize(w, q["group_size"], q["bits"], mode=q.get("mode", "affine")))
+        from mlxbun.quant.rounding import quantize
+
+        return quantize(w, bits=q["bits"], group_size=q["group_size"], method=self.method)
 
     def finish(self, unit: Unit, out: dict[str, Any]) -> list[tuple[str, Any]]:
         import mlx.core as mx
@@ -386,7 +401,7 @@ def _claim(partial: Path, fp: str, settings: dict[str, Any], *, resume: bool) ->
 
 
 def _write_shards(
-    sk: Skeleton, src: Path, partial: Path, *, dtype: str | None, shard_bytes: int, threads: int
+    sk: Skeleton, src: Path, partial: Path, *, dtype: str | None, shard_bytes: int, threads: int, method: str
 ) -> tuple[int, int]:
     """Stream every unit into the ShardedWriter in ``partial``; return (source, output) bytes."""
     import mlx.core as mx
@@ -411,7 +426,7 @@ def _write_shards(
             )
         progress = Progress(total=total, unit="B", desc="quantize")
         progress.update(total - sum(u.nbytes for u in todo))
-        for unit, tensors in stream(todo, Converter(sk, model_dir, dtype), threads=threads):
+        for unit, tensors in stream(todo, Converter(sk, model_dir, dtype, method), threads=threads):
             for name, arr in tensors:
                 written += arr.nbytes
                 writer.add(name, arr)
@@ -439,6 +454,7 @@ def quantize_model_dir(
     resume: bool = True,
     threads: int = 2,
     partial_root: str | Path | None = None,
+    method: str = "rtn",
 ) -> QuantizeResult:
     """Quantize the HF model in ``src`` into an mlx-lm-loadable directory ``out``.
 
@@ -453,6 +469,7 @@ def quantize_model_dir(
         resume: continue a killed run of the same conversion from its last complete shard.
         threads: modules converted in parallel.
         partial_root: where the hidden partial directory lives (default: beside ``out``).
+        method: how affine weights are rounded (:mod:`mlxbun.quant.rounding`); "rtn" is mx.quantize.
 
     Example:
         >>> r = quantize_model_dir("hf/llama", "llama-4bit", bits=4, group_size=64)
@@ -465,11 +482,16 @@ def quantize_model_dir(
         raise InputError(
             f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}"
         )
+    from mlxbun.quant.rounding import check_method
+
+    check_method(method)
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     sk, spec = prepare(src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed)
     dtype = resolve_dtype(dtype, sk.config)
     settings = _settings(spec, plan, mixed, dtype, shard_bytes, src)
+    if method != "rtn":  # absent by default, so existing fingerprints stay as they were
+        settings["method"] = method
     fp = fingerprint(src, settings)
     partial = Path(partial_root or out.parent).expanduser().resolve() / f".{out.name}.partial-{fp[:16]}"
     if (done := _boundary(out, fp, partial)) is not None:
@@ -481,7 +503,7 @@ def quantize_model_dir(
         _sweep_stale(partial)
         state = _claim(partial, fp, settings, resume=resume)
         src_bytes, out_bytes = _convert(
-            sk, src, partial, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads
+            sk, src, partial, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads, method=method
         )
         _finish_files(sk, src, partial)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -492,7 +514,15 @@ def quantize_model_dir(
 
 
 def _convert(
-    sk: Skeleton, src: Path, partial: Path, state: str, *, dtype: str | None, shard_bytes: int, threads: int
+    sk: Skeleton,
+    src: Path,
+    partial: Path,
+    state: str,
+    *,
+    dtype: str | None,
+    shard_bytes: int,
+    threads: int,
+    method: str = "rtn",
 ) -> tuple[int, int]:
     """Write the shards (unless a killed run already did) and mark the partial dir complete."""
     import mlx.core as mx
@@ -502,7 +532,9 @@ def _convert(
         return src_bytes, sum(p.stat().st_size for p in partial.glob("model*.safetensors"))
     previous = mx.set_cache_limit(128 << 20)  # freed buffers go back to the OS, not a cache
     try:
-        sizes = _write_shards(sk, src, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads)
+        sizes = _write_shards(
+            sk, src, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads, method=method
+        )
     finally:
         mx.set_cache_limit(previous)
     marker = _read_marker(partial) or {}
@@ -551,6 +583,7 @@ def run(cfg: Any) -> Any:
         resume=q.resume,
         threads=q.threads,
         partial_root=partial_root,
+        method=q.method,
     )
     _register(cfg, res.out, res.quantization)
     rate = res.source_bytes / res.seconds / 1e9 if res.seconds else 0.0

@@ -1,0 +1,157 @@
+"""Quantizer variants that write mlx's plain affine format: per-group range (clip) search.
+
+``mx.quantize`` takes each group's min and max as its range. ``method="clip"`` instead tries
+shrunken ranges (a fixed grid of ratios), then refits scale and bias by least squares to the
+codes they give, and keeps per group whichever candidate has the smallest squared error,
+optionally weighted per input column (e.g. by the mean squared activation E[x_j^2], which makes
+it the layer's output error for independent inputs). ``mx.quantize``'s own result is always
+one of the candidates, so the error is never above it. The output is ``(packed, scales,
+biases)`` exactly as ``mx.quantize`` lays them out (codes packed as one little-endian bit stream
+per row), so stock ``mlx_lm.load`` reads it; the same input gives the same bytes.
+
+Example:
+    >>> wq, scales, biases = quantize(w, bits=3, group_size=64, method="clip")
+    >>> mx.dequantize(wq, scales, biases, group_size=64, bits=3)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+METHODS = ("rtn", "clip")
+# Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
+RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
+REFITS = 2
+BLOCK_ELEMENTS = 1 << 22  # rows are searched in blocks of about this many weights
+
+
+def check_method(method: str, *, mode: str = "affine", key: str = "quant.method") -> None:
+    """Reject an unknown method, or a non-default one for a mode other than affine."""
+    from mlxbun.errors import InputError
+
+    if method not in METHODS:
+        raise InputError(f"{key}={method!r} is not allowed; choose one of {', '.join(METHODS)}")
+    if method != "rtn" and mode != "affine":
+        raise InputError(f"{key}={method!r} needs mode affine, got mode={mode!r}; use method rtn")
+
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes (rows, cols) in [0, 2**bits) -> uint32 (rows, cols*bits/32), mlx's bit order."""
+    rows, cols = codes.shape
+    planes = (codes[..., None].astype(np.uint32) >> np.arange(bits, dtype=np.uint32)) & 1
+    stream = np.packbits(planes.astype(np.uint8).reshape(rows, cols * bits), axis=-1, bitorder="little")
+    return np.ascontiguousarray(stream).view("<u4").astype(np.uint32)
+
+
+def _codes(w: Any, s: Any, b: Any, n: int) -> Any:
+    import mlx.core as mx
+
+    return mx.clip(mx.round((w - b) / s), 0, n)
+
+
+def _err(w: Any, q: Any, s: Any, b: Any, imp: Any) -> Any:
+    import mlx.core as mx
+
+    return mx.sum(imp * mx.square(w - (s * q + b)), axis=-1, keepdims=True)
+
+
+def _stored(x: Any, dtype: Any) -> Any:
+    """The value a scale or bias has once written in ``dtype``; zero scales become tiny."""
+    import mlx.core as mx
+
+    x = x.astype(dtype).astype(mx.float32)
+    return mx.where(x == 0, mx.array(1e-8, mx.float32).astype(dtype).astype(mx.float32), x)
+
+
+def _refit(w: Any, q: Any, imp: Any, s: Any, b: Any) -> tuple[Any, Any]:
+    """Weighted least-squares scale and bias for fixed codes (unchanged where degenerate)."""
+    import mlx.core as mx
+
+    sw, sq = mx.sum(imp, -1, keepdims=True), mx.sum(imp * q, -1, keepdims=True)
+    sqq, swx = mx.sum(imp * q * q, -1, keepdims=True), mx.sum(imp * w, -1, keepdims=True)
+    sqx = mx.sum(imp * q * w, -1, keepdims=True)
+    det = sw * sqq - sq * sq
+    ok = det > 1e-12 * mx.maximum(sw * sqq, 1e-30)
+    s_new = (sw * sqx - sq * swx) / mx.where(ok, det, 1.0)
+    b_new = (swx - s_new * sq) / mx.maximum(sw, 1e-30)
+    return mx.where(ok, s_new, s), mx.where(ok, b_new, b)
+
+
+def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -> tuple[Any, Any, Any]:
+    """Best (codes, scale, bias) per group of a float32 block (rows, cols)."""
+    import mlx.core as mx
+
+    n = (1 << bits) - 1
+    rows, cols = w.shape
+    wg = w.reshape(rows, cols // group_size, group_size)
+    ig = imp.reshape(1, cols // group_size, group_size)
+    _, s0, b0 = mx.quantize(w.astype(dtype), group_size=group_size, bits=bits)
+    best_s, best_b = _stored(s0[..., None], dtype), _stored(b0[..., None], dtype)
+    best_q = _codes(wg, best_s, best_b, n)
+    best_e = _err(wg, best_q, best_s, best_b, ig)
+    lo, hi = mx.min(wg, -1, keepdims=True), mx.max(wg, -1, keepdims=True)
+    for ratio in (1.0, *RATIOS):
+        s = _stored(mx.maximum((hi - lo) * ratio / n, 1e-8), dtype)
+        b = _stored(lo * ratio, dtype)
+        for step in range(REFITS + 1):
+            q = _codes(wg, s, b, n)
+            e = _err(wg, q, s, b, ig)
+            better = e < best_e
+            best_e = mx.where(better, e, best_e)
+            best_s, best_b = mx.where(better, s, best_s), mx.where(better, b, best_b)
+            best_q = mx.where(better, q, best_q)
+            if step < REFITS:
+                s, b = _refit(wg, q, ig, s, b)
+                s, b = _stored(s, dtype), _stored(b, dtype)
+        mx.eval(best_e, best_s, best_b, best_q)
+    return best_q.reshape(rows, cols), best_s[..., 0], best_b[..., 0]
+
+
+def quantize(
+    w: Any,
+    *,
+    bits: int,
+    group_size: int,
+    method: str = "clip",
+    importance: Any = None,
+) -> tuple[Any, Any, Any]:
+    """``mx.quantize(w, group_size, bits)`` (affine) with the range chosen by ``method``.
+
+    Args:
+        w: 2-D weight (out, in); scales and biases come back in its dtype.
+        bits, group_size: as in ``mx.quantize``.
+        method: "rtn" (``mx.quantize`` itself) or "clip" (range search, module docstring).
+        importance: optional non-negative weight per input column (length ``in``).
+    """
+    import mlx.core as mx
+
+    check_method(method)
+    if method == "rtn":
+        return tuple(mx.quantize(w, group_size=group_size, bits=bits))
+    rows, cols = w.shape
+    imp = mx.ones((cols,), mx.float32) if importance is None else mx.array(importance).astype(mx.float32)
+    step = max(1, BLOCK_ELEMENTS // cols)
+    packed, scales, biases = [], [], []
+    for r0 in range(0, rows, step):
+        block = w[r0 : r0 + step].astype(mx.float32)
+        q, s, b = _search_block(block, imp, bits=bits, group_size=group_size, dtype=w.dtype)
+        packed.append(pack(np.asarray(q.astype(mx.uint8 if bits <= 8 else mx.uint32)), bits))
+        scales.append(s.astype(w.dtype))
+        biases.append(b.astype(w.dtype))
+    return mx.array(np.concatenate(packed)), mx.concatenate(scales), mx.concatenate(biases)
+
+
+def fake_quant_with(method: str):
+    """A drop-in for ``sensitivity.fake_quant`` that quantizes with ``method``."""
+
+    def fake_quant(weight: Any, cand: Any, *, dtype: str) -> Any:
+        import mlx.core as mx
+
+        src = weight.astype(getattr(mx, dtype))
+        parts = quantize(src, bits=cand.bits, group_size=cand.group_size, method=method)
+        out = mx.dequantize(*parts, group_size=cand.group_size, bits=cand.bits)
+        return out.astype(mx.float32)
+
+    return fake_quant

@@ -1,0 +1,153 @@
+"""rounding: range-searched affine quantization in mlx's own layout, checked against mx.quantize."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_quantize import make_hf_model
+
+from mlxbun.errors import InputError
+from mlxbun.quant import rounding
+from mlxbun.quant.uniform import quantize_model_dir
+
+BITS = (2, 3, 4, 5, 6, 8)
+
+
+def _weight(rows: int = 64, cols: int = 256, seed: int = 0) -> mx.array:
+    """Gaussian weights with per-column scale spread and a few outliers, like trained linears."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)) * np.exp(0.5 * rng.standard_normal(cols))
+    w[rng.integers(0, rows, 8), rng.integers(0, cols, 8)] *= 8
+    return mx.array(w.astype(np.float32)).astype(mx.bfloat16)
+
+
+def _codes(q, s, b, bits: int, g: int) -> np.ndarray:
+    deq = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=g, bits=bits)
+    return np.asarray(
+        mx.round((deq - mx.repeat(b.astype(mx.float32), g, -1)) / mx.repeat(s.astype(mx.float32), g, -1))
+    )
+
+
+def _bytes(a: mx.array) -> bytes:
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes()
+
+
+def _group_err(w: mx.array, parts, bits: int, g: int, imp: np.ndarray | None = None) -> np.ndarray:
+    s, b = parts[1].astype(mx.float32), parts[2].astype(mx.float32)
+    deq = np.asarray(mx.dequantize(parts[0], s, b, group_size=g, bits=bits))
+    e = np.square(np.asarray(w.astype(mx.float32)) - deq) * (1 if imp is None else imp)
+    return e.reshape(w.shape[0], -1, g).sum(-1)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_pack_is_mlx_bit_layout(bits, g):
+    q, s, b = mx.quantize(_weight(), group_size=g, bits=bits)
+    codes = _codes(q, s, b, bits, g).astype(np.int64)
+    assert np.array_equal(rounding.pack(codes, bits), np.asarray(q))
+
+
+def test_pack_golden_bytes():
+    codes = np.arange(32, dtype=np.int64).reshape(1, 32) % 8
+    assert rounding.pack(codes, 3).tobytes().hex() == "88c6fa88c6fa88c6fa88c6fa"
+    assert rounding.pack(np.full((1, 8), 15), 4).tobytes().hex() == "ffffffff"
+
+
+def test_rtn_is_mx_quantize():
+    w = _weight()
+    for a, b in zip(
+        rounding.quantize(w, bits=4, group_size=64, method="rtn"), mx.quantize(w, 64, 4), strict=True
+    ):
+        assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_clip_never_worse_than_mx_quantize_per_group(bits):
+    w = _weight(seed=bits)
+    imp = np.exp(np.random.default_rng(1).standard_normal(256)).astype(np.float32)
+    for importance in (None, imp):
+        mine = rounding.quantize(w, bits=bits, group_size=64, importance=importance)
+        ref = mx.quantize(w, group_size=64, bits=bits)
+        assert [a.shape for a in mine] == [a.shape for a in ref]
+        assert [a.dtype for a in mine] == [a.dtype for a in ref]
+        e_mine, e_ref = _group_err(w, mine, bits, 64, importance), _group_err(w, ref, bits, 64, importance)
+        assert (e_mine <= e_ref * (1 + 1e-6) + 1e-12).all()
+        if bits <= 4:
+            assert e_mine.sum() < 0.95 * e_ref.sum()  # the search finds real gains at low bits
+
+
+def test_clip_is_deterministic_and_blocking_does_not_change_bytes(monkeypatch):
+    w = _weight(rows=96)
+    one = [_bytes(a) for a in rounding.quantize(w, bits=3, group_size=32)]
+    monkeypatch.setattr(rounding, "BLOCK_ELEMENTS", 256 * 7)  # 7 rows per block
+    two = [_bytes(a) for a in rounding.quantize(w, bits=3, group_size=32)]
+    assert one == two
+
+
+def test_bad_method_is_refused(tmp_path):
+    with pytest.raises(InputError, match="quant.method='gptq' is not allowed; choose one of rtn, clip"):
+        rounding.check_method("gptq")
+    with pytest.raises(InputError, match="needs mode affine"):
+        rounding.check_method("clip", mode="mxfp4")
+    src = make_hf_model(tmp_path / "src", "llama")
+    with pytest.raises(InputError, match="quant.method"):
+        quantize_model_dir(src, tmp_path / "out", bits=4, group_size=64, method="nope")
+    assert not (tmp_path / "out").exists()
+
+
+def _digest(d: Path) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(d.glob("model*.safetensors")))).hexdigest()
+
+
+def _weight_error(src: Path, out: Path) -> float:
+    """Summed squared error of every quantized Linear weight against the source."""
+    from mlx_lm.utils import load
+
+    ref, _ = load(str(src))
+    cur, _ = load(str(out))
+    ref_w = dict(_linears(ref))
+    total = 0.0
+    for path, mod in _linears(cur):
+        if hasattr(mod, "scales"):
+            deq = mx.dequantize(mod.weight, mod.scales, mod.biases, group_size=mod.group_size, bits=mod.bits)
+            total += float(mx.sum(mx.square(deq.astype(mx.float32) - ref_w[path].weight.astype(mx.float32))))
+    return total
+
+
+def _linears(model):
+    import mlx.nn as nn
+
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+
+
+def test_clip_model_loads_in_mlx_lm_generates_and_is_closer(tmp_path):
+    from mlx_lm import generate, load
+
+    src = make_hf_model(tmp_path / "src", "llama", intermediate_size=256)
+    rtn = quantize_model_dir(src, tmp_path / "rtn", bits=3, group_size=64).out
+    clip = quantize_model_dir(src, tmp_path / "clip", bits=3, group_size=64, method="clip").out
+    again = quantize_model_dir(src, tmp_path / "again", bits=3, group_size=64, method="clip").out
+    assert _digest(clip) == _digest(again) != _digest(rtn)
+    assert (clip / "config.json").read_text() == (rtn / "config.json").read_text()
+    model, tok = load(str(clip))
+    assert isinstance(generate(model, tok, prompt="w3 w4 w5 w6", max_tokens=8), str)
+    assert _weight_error(src, clip) < 0.95 * _weight_error(src, rtn)
+    tokens = mx.array(np.random.default_rng(0).integers(3, 64, (4, 32)))
+    ref = load(str(src))[0](tokens).astype(mx.float32)
+    errs = [float(mx.mean(mx.square(load(str(d))[0](tokens).astype(mx.float32) - ref))) for d in (clip, rtn)]
+    assert np.isfinite(errs).all() and errs[0] < errs[1]
+
+
+def test_clip_in_row_blocks_matches_whole_modules(tmp_path, monkeypatch):
+    from mlxbun.quant import uniform
+
+    src = make_hf_model(tmp_path / "src", "llama", vocab_size=100)
+    whole = quantize_model_dir(src, tmp_path / "whole", bits=4, group_size=32, method="clip").out
+    monkeypatch.setattr(uniform, "BIG_TENSOR", 1000)
+    monkeypatch.setattr(uniform, "CHUNK_BYTES", 4096)
+    blocked = quantize_model_dir(src, tmp_path / "blocked", bits=4, group_size=32, method="clip").out
+    assert _digest(whole) == _digest(blocked)
