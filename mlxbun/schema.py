@@ -142,8 +142,10 @@ class QuantCfg:
     resume: bool = True
     # Modules read, cast and quantized in parallel.
     threads: int = 2
-    # How affine weights are rounded: rtn (mx.quantize) or clip (per-group range search).
+    # How affine weights are rounded: rtn (mx.quantize), clip (per-group range search) or gptq.
     method: str = "rtn"
+    # Input Hessians (mlxbun.quant.hessian file): gptq needs them; clip weights columns by them.
+    hessians: str | None = None
 
     def __post_init__(self) -> None:
         from mlxbun.quant.plan import spec_for

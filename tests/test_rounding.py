@@ -89,8 +89,8 @@ def test_clip_is_deterministic_and_blocking_does_not_change_bytes(monkeypatch):
 
 
 def test_bad_method_is_refused(tmp_path):
-    with pytest.raises(InputError, match="quant.method='gptq' is not allowed; choose one of rtn, clip"):
-        rounding.check_method("gptq")
+    with pytest.raises(InputError, match="quant.method='awq' is not allowed; choose one of rtn, clip, gptq"):
+        rounding.check_method("awq")
     with pytest.raises(InputError, match="needs mode affine"):
         rounding.check_method("clip", mode="mxfp4")
     src = make_hf_model(tmp_path / "src", "llama")
@@ -151,3 +151,102 @@ def test_clip_in_row_blocks_matches_whole_modules(tmp_path, monkeypatch):
     monkeypatch.setattr(uniform, "CHUNK_BYTES", 4096)
     blocked = quantize_model_dir(src, tmp_path / "blocked", bits=4, group_size=32, method="clip").out
     assert _digest(whole) == _digest(blocked)
+
+
+def _correlated_hessian(cols: int, seed: int = 0) -> mx.array:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2048, 16)) @ rng.standard_normal((16, cols)) + 0.3 * rng.standard_normal(
+        (2048, cols)
+    )
+    x *= np.exp(rng.standard_normal(cols))
+    return mx.array((x.T @ x).astype(np.float32))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_gptq_lowers_the_output_error_and_keeps_mlx_layout(bits):
+    from mlxbun.quant.hessian import output_error
+
+    w, h = _weight(rows=32), _correlated_hessian(256)
+    errs = {}
+    for method in ("rtn", "clip", "gptq"):
+        parts = rounding.quantize(w, bits=bits, group_size=64, method=method, hessian=h)
+        assert [a.dtype for a in parts] == [a.dtype for a in mx.quantize(w, 64, bits)]
+        deq = mx.dequantize(*parts, group_size=64, bits=bits)
+        errs[method] = output_error(deq.astype(mx.float32) - w.astype(mx.float32), h)
+    assert errs["gptq"] < 0.7 * errs["rtn"] and errs["clip"] <= errs["rtn"]
+    again = rounding.quantize(w, bits=bits, group_size=64, method="gptq", hessian=h)
+    assert [_bytes(a) for a in again] == [
+        _bytes(a) for a in rounding.quantize(w, bits=bits, group_size=64, method="gptq", hessian=h)
+    ]
+
+
+def test_hessian_of_the_head_is_its_inputs_gram_matrix(tmp_path):
+    from mlx_lm.utils import load
+
+    from mlxbun.quant import hessian
+
+    src = make_hf_model(tmp_path / "src", "llama")
+    model, _ = load(str(src))
+    model.set_dtype(mx.float32)
+    tokens = np.random.default_rng(0).integers(3, 64, (3, 16))
+    h = hessian.capture(model, tokens, batch_size=2)
+    x = model.model(mx.array(tokens)).reshape(-1, 128)
+    assert np.allclose(np.asarray(h["lm_head"]), np.asarray(x.T @ x), rtol=1e-4, atol=1e-3)
+    assert "model.layers.3.mlp.down_proj" in h and "model.embed_tokens" not in h  # untied
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear"  # hooks removed
+    hessian.save(h, tmp_path / "h.safetensors", tokens=tokens.size)
+    back = hessian.load(tmp_path / "h.safetensors")
+    assert sorted(back) == sorted(h) and mx.array_equal(back["lm_head"], h["lm_head"])
+
+
+def test_tied_embedding_gets_the_head_hessian(tmp_path):
+    from mlx_lm.utils import load
+
+    from mlxbun.quant import hessian
+
+    src = make_hf_model(tmp_path / "src", "qwen3")
+    model, _ = load(str(src))
+    model.set_dtype(mx.float32)
+    tokens = np.random.default_rng(0).integers(3, 64, (2, 16))
+    h = hessian.capture(model, tokens)
+    x = model.model(mx.array(tokens)).reshape(-1, 128)
+    assert np.allclose(np.asarray(h["model.embed_tokens"]), np.asarray(x.T @ x), rtol=1e-4, atol=1e-3)
+
+
+def test_gptq_model_loads_generates_and_is_closer_than_rtn(tmp_path):
+    from mlx_lm import generate, load
+
+    from mlxbun.quant import hessian
+
+    src = make_hf_model(tmp_path / "src", "llama", intermediate_size=256)
+    model, _ = load(str(src))
+    model.set_dtype(mx.float32)
+    tokens = np.random.default_rng(0).integers(3, 64, (8, 32))
+    hessian.save(hessian.capture(model, tokens), tmp_path / "h.safetensors", tokens=tokens.size)
+    with pytest.raises(InputError, match="needs quant.hessians"):
+        quantize_model_dir(src, tmp_path / "x", bits=3, group_size=64, method="gptq")
+    kw = dict(bits=3, group_size=64, method="gptq", hessians=tmp_path / "h.safetensors")
+    gptq = quantize_model_dir(src, tmp_path / "gptq", **kw).out
+    assert _digest(gptq) == _digest(quantize_model_dir(src, tmp_path / "again", **kw).out)
+    rtn = quantize_model_dir(src, tmp_path / "rtn", bits=3, group_size=64).out
+    m, tok = load(str(gptq))
+    assert isinstance(generate(m, tok, prompt="w3 w4 w5 w6", max_tokens=8), str)
+    ref = model(mx.array(tokens))
+    errs = [
+        float(mx.mean(mx.square(load(str(d))[0](mx.array(tokens)).astype(mx.float32) - ref)))
+        for d in (gptq, rtn)
+    ]
+    assert errs[0] < 0.8 * errs[1]
+
+
+def test_a_file_that_is_not_hessians_is_refused(tmp_path):
+    from mlxbun.quant import hessian
+
+    mx.save_safetensors(str(tmp_path / "x.safetensors"), {"a": mx.zeros((2, 2))})
+    with pytest.raises(InputError, match="is not an mlxbun hessians file"):
+        hessian.load(tmp_path / "x.safetensors")
+    mx.save_safetensors(
+        str(tmp_path / "y.safetensors"), {"a": mx.zeros((2, 3))}, {"format": "mlxbun-hessians"}
+    )
+    with pytest.raises(InputError, match=r"'a' has shape \(2, 3\); expected \(n, n\)"):
+        hessian.load(tmp_path / "y.safetensors")

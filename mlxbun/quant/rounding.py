@@ -1,11 +1,15 @@
-"""Quantizer variants that write mlx's plain affine format: per-group range (clip) search.
+"""Quantizer variants that write mlx's plain affine format: range (clip) search and GPTQ rounding.
 
 ``mx.quantize`` takes each group's min and max as its range. ``method="clip"`` instead tries
 shrunken ranges (a fixed grid of ratios), then refits scale and bias by least squares to the
 codes they give, and keeps per group whichever candidate has the smallest squared error,
 optionally weighted per input column (e.g. by the mean squared activation E[x_j^2], which makes
 it the layer's output error for independent inputs). ``mx.quantize``'s own result is always
-one of the candidates, so the error is never above it. The output is ``(packed, scales,
+one of the candidates, so the error is never above it. ``method="gptq"`` (Frantar et al. 2022)
+rounds column by column and spreads each column's rounding error over the columns not yet
+rounded, through the inverse of the layer's input Hessian H (:mod:`mlxbun.quant.hessian`);
+each group's scale and bias come from the range search on the group as it stands when reached.
+A module without H falls back to the range search. The output is ``(packed, scales,
 biases)`` exactly as ``mx.quantize`` lays them out (codes packed as one little-endian bit stream
 per row), so stock ``mlx_lm.load`` reads it; the same input gives the same bytes.
 
@@ -20,7 +24,8 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("rtn", "clip")
+METHODS = ("rtn", "clip", "gptq")
+DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
 REFITS = 2
@@ -109,6 +114,42 @@ def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -
     return best_q.reshape(rows, cols), best_s[..., 0], best_b[..., 0]
 
 
+def _gptq(w: Any, h: Any, *, bits: int, group_size: int) -> tuple[np.ndarray, Any, Any]:
+    """GPTQ codes, scales and biases of ``w`` (rows, cols) for the input Hessian ``h``."""
+    import mlx.core as mx
+
+    n = (1 << bits) - 1
+    W = np.asarray(w.astype(mx.float32), dtype=np.float64).copy()
+    H = np.asarray(h, dtype=np.float64).copy()
+    diag = np.diag(H).copy()
+    dead = np.flatnonzero(diag <= 0)
+    H[dead, dead] = 1.0
+    H[np.diag_indices_from(H)] += DAMP * max(float(diag.mean()), 1e-12)
+    U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: H^-1 = U^T U
+    imp = np.maximum(diag, 0).astype(np.float32)
+    rows, cols = W.shape
+    codes = np.empty((rows, cols), dtype=np.uint8)
+    scales, biases = [], []
+    for i in range(0, cols, group_size):
+        j = i + group_size
+        _, s, b = _search_block(
+            mx.array(W[:, i:j].astype(np.float32)), mx.array(imp[i:j]), bits=bits, group_size=group_size,
+            dtype=w.dtype,
+        )  # fmt: skip
+        scales.append(s)
+        biases.append(b)
+        s, b = np.asarray(s, np.float64), np.asarray(b, np.float64)  # (rows, 1)
+        err = np.zeros((rows, group_size))
+        for k in range(i, j):
+            q = np.clip(np.round((W[:, k : k + 1] - b) / s), 0, n)
+            codes[:, k] = q[:, 0]
+            e = (W[:, k : k + 1] - (s * q + b)) / U[k, k]
+            W[:, k + 1 : j] -= e @ U[k : k + 1, k + 1 : j]
+            err[:, k - i] = e[:, 0]
+        W[:, j:] -= err @ U[i:j, j:]
+    return codes, mx.concatenate(scales, axis=-1), mx.concatenate(biases, axis=-1)
+
+
 def quantize(
     w: Any,
     *,
@@ -116,21 +157,29 @@ def quantize(
     group_size: int,
     method: str = "clip",
     importance: Any = None,
+    hessian: Any = None,
 ) -> tuple[Any, Any, Any]:
-    """``mx.quantize(w, group_size, bits)`` (affine) with the range chosen by ``method``.
+    """``mx.quantize(w, group_size, bits)`` (affine) with the rounding chosen by ``method``.
 
     Args:
         w: 2-D weight (out, in); scales and biases come back in its dtype.
         bits, group_size: as in ``mx.quantize``.
-        method: "rtn" (``mx.quantize`` itself) or "clip" (range search, module docstring).
-        importance: optional non-negative weight per input column (length ``in``).
+        method: "rtn" (``mx.quantize`` itself), "clip" or "gptq" (module docstring).
+        importance: optional non-negative weight per input column (length ``in``) for "clip";
+            default: diag(``hessian``) when given, else uniform.
+        hessian: the layer's input Hessian (in, in); "gptq" without it does "clip".
     """
     import mlx.core as mx
 
     check_method(method)
     if method == "rtn":
         return tuple(mx.quantize(w, group_size=group_size, bits=bits))
+    if method == "gptq" and hessian is not None:
+        codes, s, b = _gptq(w, hessian, bits=bits, group_size=group_size)
+        return mx.array(pack(codes, bits)), s.astype(w.dtype), b.astype(w.dtype)
     rows, cols = w.shape
+    if importance is None and hessian is not None:
+        importance = np.maximum(np.diag(np.asarray(hessian, dtype=np.float32)), 0)
     imp = mx.ones((cols,), mx.float32) if importance is None else mx.array(importance).astype(mx.float32)
     step = max(1, BLOCK_ELEMENTS // cols)
     packed, scales, biases = [], [], []

@@ -151,10 +151,12 @@ def plan_units(sk: Skeleton) -> list[Unit]:
 class Converter:
     """Reads, casts and quantizes units; safe to call from several threads (one unit each)."""
 
-    def __init__(self, sk: Skeleton, src_dir: Any, dtype: str | None, method: str = "rtn") -> None:
+    def __init__(
+        self, sk: Skeleton, src_dir: Any, dtype: str | None, method: str = "rtn", hessians: dict | None = None
+    ) -> None:
         import mlx.core as mx
 
-        self.sk, self.src, self.method = sk, src_dir, method
+        self.sk, self.src, self.method, self.hessians = sk, src_dir, method, hessians or {}
         self.dtype = getattr(mx, dtype) if dtype else None
         self.cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)
 
@@ -226,7 +228,7 @@ class Converter:
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             chunk = self.cast(name, self.read_rows(name, r0, r1))
-            w, *rest = self.quantize_weight(chunk, q)
+            w, *rest = self.quantize_weight(chunk, q, unit.path)
             mx.eval(w, *rest)
             if packed is None:
                 packed = np.empty((rows, w.shape[1]), dtype=np.uint32)
@@ -256,7 +258,7 @@ class Converter:
                 module.update(tree_unflatten([(n[len(prefix) :], a) for n, a in arrays.items()]))
                 qm = module.to_quantized(**unit.quant)
             if self.varies(unit.quant) and (w := arrays.get(prefix + "weight")) is not None:
-                qm.weight, qm.scales, qm.biases = self.quantize_weight(w, unit.quant)
+                qm.weight, qm.scales, qm.biases = self.quantize_weight(w, unit.quant, unit.path)
             out = {prefix + k: v for k, v in tree_flatten(qm.parameters())}
             del module, qm
         del arrays
@@ -265,7 +267,7 @@ class Converter:
     def varies(self, q: dict[str, Any]) -> bool:
         return self.method != "rtn" and q.get("mode", "affine") == "affine"
 
-    def quantize_weight(self, w: Any, q: dict[str, Any]) -> tuple[Any, ...]:
+    def quantize_weight(self, w: Any, q: dict[str, Any], path: str) -> tuple[Any, ...]:
         """The hook where a quantizer variant (``mlxbun.quant.rounding``) replaces mx.quantize."""
         import mlx.core as mx
 
@@ -273,7 +275,8 @@ class Converter:
             return tuple(mx.quantize(w, q["group_size"], q["bits"], mode=q.get("mode", "affine")))
         from mlxbun.quant.rounding import quantize
 
-        return quantize(w, bits=q["bits"], group_size=q["group_size"], method=self.method)
+        h = self.hessians.get(path)
+        return quantize(w, bits=q["bits"], group_size=q["group_size"], method=self.method, hessian=h)
 
     def finish(self, unit: Unit, out: dict[str, Any]) -> list[tuple[str, Any]]:
         import mlx.core as mx
@@ -401,7 +404,15 @@ def _claim(partial: Path, fp: str, settings: dict[str, Any], *, resume: bool) ->
 
 
 def _write_shards(
-    sk: Skeleton, src: Path, partial: Path, *, dtype: str | None, shard_bytes: int, threads: int, method: str
+    sk: Skeleton,
+    src: Path,
+    partial: Path,
+    *,
+    dtype: str | None,
+    shard_bytes: int,
+    threads: int,
+    method: str,
+    hessians: dict | None,
 ) -> tuple[int, int]:
     """Stream every unit into the ShardedWriter in ``partial``; return (source, output) bytes."""
     import mlx.core as mx
@@ -426,7 +437,7 @@ def _write_shards(
             )
         progress = Progress(total=total, unit="B", desc="quantize")
         progress.update(total - sum(u.nbytes for u in todo))
-        for unit, tensors in stream(todo, Converter(sk, model_dir, dtype, method), threads=threads):
+        for unit, tensors in stream(todo, Converter(sk, model_dir, dtype, method, hessians), threads=threads):
             for name, arr in tensors:
                 written += arr.nbytes
                 writer.add(name, arr)
@@ -455,6 +466,7 @@ def quantize_model_dir(
     threads: int = 2,
     partial_root: str | Path | None = None,
     method: str = "rtn",
+    hessians: str | Path | None = None,
 ) -> QuantizeResult:
     """Quantize the HF model in ``src`` into an mlx-lm-loadable directory ``out``.
 
@@ -470,6 +482,7 @@ def quantize_model_dir(
         threads: modules converted in parallel.
         partial_root: where the hidden partial directory lives (default: beside ``out``).
         method: how affine weights are rounded (:mod:`mlxbun.quant.rounding`); "rtn" is mx.quantize.
+        hessians: a :mod:`mlxbun.quant.hessian` file; "gptq" needs it, "clip" weights columns by it.
 
     Example:
         >>> r = quantize_model_dir("hf/llama", "llama-4bit", bits=4, group_size=64)
@@ -485,6 +498,8 @@ def quantize_model_dir(
     from mlxbun.quant.rounding import check_method
 
     check_method(method)
+    if method == "gptq" and hessians is None:
+        raise InputError("quant.method='gptq' needs quant.hessians (a hessians.safetensors file)")
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     sk, spec = prepare(src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed)
@@ -492,6 +507,8 @@ def quantize_model_dir(
     settings = _settings(spec, plan, mixed, dtype, shard_bytes, src)
     if method != "rtn":  # absent by default, so existing fingerprints stay as they were
         settings["method"] = method
+    if hessians is not None:
+        settings["hessians"] = hashlib.sha256(Path(hessians).read_bytes()).hexdigest()
     fp = fingerprint(src, settings)
     partial = Path(partial_root or out.parent).expanduser().resolve() / f".{out.name}.partial-{fp[:16]}"
     if (done := _boundary(out, fp, partial)) is not None:
@@ -503,8 +520,9 @@ def quantize_model_dir(
         _sweep_stale(partial)
         state = _claim(partial, fp, settings, resume=resume)
         src_bytes, out_bytes = _convert(
-            sk, src, partial, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads, method=method
-        )
+            sk, src, partial, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads, method=method,
+            hessians=hessians,
+        )  # fmt: skip
         _finish_files(sk, src, partial)
         out.parent.mkdir(parents=True, exist_ok=True)
         publish_dir(partial, out)
@@ -523,17 +541,23 @@ def _convert(
     shard_bytes: int,
     threads: int,
     method: str = "rtn",
+    hessians: str | Path | None = None,
 ) -> tuple[int, int]:
     """Write the shards (unless a killed run already did) and mark the partial dir complete."""
     import mlx.core as mx
+    import numpy as np
 
     if state == "complete":
         src_bytes = sum(v.nbytes for v in sk.weights.values())
         return src_bytes, sum(p.stat().st_size for p in partial.glob("model*.safetensors"))
     previous = mx.set_cache_limit(128 << 20)  # freed buffers go back to the OS, not a cache
     try:
+        from mlxbun.quant import hessian
+
+        # numpy, read here: MLX arrays cannot be evaluated on the worker threads that use them
+        h = {k: np.asarray(v) for k, v in hessian.load(hessians).items()} if hessians is not None else None
         sizes = _write_shards(
-            sk, src, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads, method=method
+            sk, src, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads, method=method, hessians=h
         )
     finally:
         mx.set_cache_limit(previous)
@@ -584,6 +608,7 @@ def run(cfg: Any) -> Any:
         threads=q.threads,
         partial_root=partial_root,
         method=q.method,
+        hessians=q.hessians,
     )
     _register(cfg, res.out, res.quantization)
     rate = res.source_bytes / res.seconds / 1e9 if res.seconds else 0.0
