@@ -55,16 +55,17 @@ ANCHORS = {
     "mlx-lm dynamic_quant 3/4 @ 4.0 bpw": "dq:3:4:4.0",
     "mlx-lm dynamic_quant 4/5 @ 5.0 bpw": "dq:4:5:5.0",
 }
-# mlxbun's sensitivity runs: (method, group size, bits); families combine them.
-SENS = {
-    f"{method}-g{group}": (method, group, bits)
-    for method in ("rtn", "clip")
-    for group, bits in ((64, [2, 3, 4, 5, 6, 8]), (32, [2, 3, 4]), (128, [3, 4, 6]))
-}
-FAMILIES = {
-    "mlxbun RTN, g64": ("rtn", ["rtn-g64"]),
-    "mlxbun RTN, g32/64/128": ("rtn", ["rtn-g64", "rtn-g32", "rtn-g128"]),
-    "mlxbun clip, g32/64/128": ("clip", ["clip-g64", "clip-g32", "clip-g128"]),
+# Exact KL is measured for RTN at g64 only; every other (bits, group, method) of a module gets
+# KL(RTN, bits, g64) x its output error / RTN's output error at (bits, g64), the error being
+# trace(dW H dW^T) on the calibration inputs (KL grows linearly with a layer's output error).
+EXACT_BITS = [2, 3, 4, 5, 6, 8]
+SETTINGS = [(b, 64) for b in EXACT_BITS] + [(b, 32) for b in (2, 3, 4, 5)] + [(b, 128) for b in (3, 4, 6, 8)]
+METHODS = ("rtn", "clip", "gptq")
+FAMILIES = {  # label -> (quantize method, group sizes offered to the knapsack)
+    "mlxbun RTN g64": ("rtn", (64,)),
+    "mlxbun RTN g32/64/128": ("rtn", (32, 64, 128)),
+    "mlxbun clip g32/64/128": ("clip", (32, 64, 128)),
+    "mlxbun GPTQ g32/64/128": ("gptq", (32, 64, 128)),
 }
 PARALLEL = 2  # child stages at once
 
@@ -140,21 +141,48 @@ def stage_dq(args: argparse.Namespace, low: str, high: str, target: str) -> None
     save(str(args.dest), str(args.model), model, tok, config)
 
 
-def stage_sens(args: argparse.Namespace, name: str) -> None:
-    from mlxbun.quant import sensitivity as sens_mod
+def stage_sens(args: argparse.Namespace) -> None:
+    from mlxbun.quant.sensitivity import sensitivity
 
-    method, group, bits = SENS[name]
-    if method != "rtn":
-        from mlxbun.quant import rounding
-
-        sens_mod.fake_quant = rounding.fake_quant_with(method)
-    sens_mod.sensitivity(
-        model_dir=args.model, out_dir=args.dest, work_dir=args.dest / "cache", bits=bits, group_size=group,
+    sensitivity(
+        model_dir=args.model, out_dir=args.dest, work_dir=args.dest / "cache", bits=EXACT_BITS, group_size=64,
         samples=args.samples, seq_len=args.seq_len, batch_size=8,
     )  # fmt: skip
 
 
-STAGES = {"convert": stage_convert, "gptq": stage_gptq, "awq": stage_awq, "dq": stage_dq, "sens": stage_sens}
+def stage_errors(args: argparse.Namespace) -> None:
+    """Input Hessians on the calibration tokens, then every module's output error per candidate."""
+    import mlx.core as mx
+
+    from mlxbun.quant import hessian, rounding
+    from mlxbun.quant.sensitivity import load_model, source_dtypes
+
+    model, _, _ = load_model(args.model)
+    h = hessian.capture(model, _calibration(args.model, args.samples, args.seq_len).tokens)
+    args.dest.mkdir(parents=True, exist_ok=True)
+    hessian.save(h, args.dest / "hessians.safetensors", tokens=args.samples * args.seq_len)
+    dtypes = source_dtypes(args.model)
+    errors: dict[str, dict[str, float]] = {}
+    for path, mod in model.named_modules():
+        if not hasattr(mod, "to_quantized") or "weight" not in mod:
+            continue
+        w = mod.weight.astype(getattr(mx, dtypes.get(path, "bfloat16")))
+        ref, hm = w.astype(mx.float32), h.get(path)
+        for bits, group in SETTINGS:
+            if w.shape[-1] % group:
+                continue
+            for method in METHODS:
+                parts = rounding.quantize(w, bits=bits, group_size=group, method=method, hessian=hm)
+                dw = mx.dequantize(*parts, group_size=group, bits=bits).astype(mx.float32) - ref
+                err = hessian.output_error(dw, hm) if hm is not None else float(mx.sum(dw * dw))
+                errors.setdefault(path, {})[f"{method}:{bits}:{group}"] = err
+    (args.dest / "errors.json").write_text(json.dumps(errors, indent=1, sort_keys=True))
+
+
+STAGES = {
+    "convert": stage_convert, "gptq": stage_gptq, "awq": stage_awq, "dq": stage_dq, "sens": stage_sens,
+    "errors": stage_errors,
+}  # fmt: skip
 
 
 def child(spec: str, model: Path, dest: Path, args: argparse.Namespace) -> dict:
@@ -232,7 +260,11 @@ class Fixture:
         tok = load_tokenizer(model)
         calib = load_calibration(tokenizer=tok, samples=args.samples, seq_len=args.seq_len, seed=0)
         held = load_calibration(
-            tokenizer=tok, path=held_out_text(self.work), samples=args.samples, seq_len=args.seq_len, seed=1
+            tokenizer=tok,
+            path=held_out_text(self.work),
+            samples=args.eval_samples,
+            seq_len=args.seq_len,
+            seed=1,
         )
         self.eval = Evaluator(model, {"calib": calib.tokens, "held_out": held.tokens})
         self.n = 0
@@ -256,37 +288,53 @@ class Fixture:
     def sensitivities(self) -> dict:
         from mlxbun.quant.allocate import load_sensitivity
 
-        names = sorted({n for _, parts in FAMILIES.values() for n in parts})
-        with ThreadPoolExecutor(PARALLEL) as pool:
-            done = dict(
-                zip(names, pool.map(lambda n: self.stage(f"sens:{n}", "sens-" + n), names), strict=True)
-            )
-        self.sens = {n: load_sensitivity(d / "sensitivity.json") for n, (d, _) in done.items()}
-        self.sens_seconds = {n: stats["seconds"] for n, (_, stats) in done.items()}
-        return self.sens_seconds
+        sens_dir, sens_stats = self.stage("sens", "sens")
+        err_dir, err_stats = self.stage("errors", "errors")
+        self.exact = load_sensitivity(sens_dir / "sensitivity.json")
+        self.errors = json.loads((err_dir / "errors.json").read_text())
+        self.hessians = err_dir / "hessians.safetensors"
+        self.seconds = {"sens": sens_stats["seconds"], "errors": err_stats["seconds"]}
+        return self.seconds
+
+    def estimated(self, method: str, groups: tuple[int, ...]):
+        """Per-module KL of (bits, group) under ``method``: exact RTN g64 KL x output-error ratio."""
+        from mlxbun.quant.allocate import LayerSensitivity, Sensitivity
+        from mlxbun.quant.budget import Setting
+
+        layers = {}
+        for path, layer in self.exact.layers.items():
+            err, kl = self.errors[path], {}
+            for bits, group in SETTINGS:
+                key, base = f"{method}:{bits}:{group}", f"rtn:{bits}:64"
+                exact = layer.kl.get(Setting(bits, 64))
+                if group in groups and key in err and exact is not None:
+                    kl[Setting(bits, group)] = exact * err[key] / err[base] if err[base] > 0 else exact
+            layers[path] = LayerSensitivity(path, layer.params, kl)
+        e = self.exact
+        return Sensitivity(layers, e.model_fingerprint, e.calibration_fingerprint, e.path, e.calibration)
 
     def plan(self, family: str, limit: int) -> dict:
         """mlxbun's knapsack for one family at ``limit`` bytes, quantized and measured."""
         from mlxbun.io.atomic import atomic_write_json
-        from mlxbun.quant.allocate import allocate, merge_sensitivities
+        from mlxbun.quant.allocate import allocate
         from mlxbun.quant.uniform import quantize_model_dir
 
-        method, parts = FAMILIES[family]
+        method, groups = FAMILIES[family]
         t0 = time.perf_counter()
-        plan = allocate(
-            merge_sensitivities([self.sens[p] for p in parts]), model_dir=self.model, budget_bytes=limit
-        )
+        exact = groups == (64,) and method == "rtn"
+        sens = self.exact if exact else self.estimated(method, groups)
+        plan = allocate(sens, model_dir=self.model, budget_bytes=limit)
         self.n += 1
         path = self.work / "plans" / f"{self.n:03d}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, plan.to_json())
         out = self.work / "models" / f"{self.n:03d}"
         shutil.rmtree(out, ignore_errors=True)
-        kw = {} if method == "rtn" else {"method": method}
+        kw = {} if method == "rtn" else {"method": method, "hessians": self.hessians}
         res = quantize_model_dir(
             self.model, out, dtype="bfloat16", partial_root=self.work / "partial", plan=path, **kw
         )
-        seconds = time.perf_counter() - t0 + sum(self.sens_seconds[p] for p in parts)
+        seconds = time.perf_counter() - t0 + self.seconds["sens"] + (0 if exact else self.seconds["errors"])
         row = {"label": family, "seconds": seconds, **_size(res.out, self.source.parameters)}
         assert row["file_bytes"] == plan.size.file_bytes, "predicted size != written size"
         return row | self.eval.kl(res.out) | {"predicted_kl_sum": plan.kl_sum}
@@ -294,12 +342,12 @@ class Fixture:
 
 def run_fixture(model: Path, args: argparse.Namespace) -> dict:
     fx = Fixture(model, args)
-    specs = {f"sens:{n}": "sens-" + n for _, parts in FAMILIES.values() for n in parts}
+    specs = {"sens": "sens", "errors": "errors"}
     specs |= {spec: "anchor-" + spec.replace(":", "_") for spec in ANCHORS.values()}
     with ThreadPoolExecutor(PARALLEL) as pool:  # every child stage, PARALLEL at a time
         list(pool.map(lambda kv: fx.stage(*kv), specs.items()))
-    sens_secs = fx.sensitivities()
-    print(f"{model.name}: sensitivities {sens_secs}", flush=True)
+    stage_secs = fx.sensitivities()
+    print(f"{model.name}: stages {stage_secs}", flush=True)
     groups = []
     for label, spec in ANCHORS.items():
         anchor = fx.anchor(label, spec)
@@ -309,7 +357,7 @@ def run_fixture(model: Path, args: argparse.Namespace) -> dict:
     return {
         "model": str(model),
         "parameters": fx.source.parameters,
-        "sens_seconds": sens_secs,
+        "stage_seconds": stage_secs,
         "groups": groups,
     }
 
@@ -325,8 +373,12 @@ def _rel(p: str) -> str:
 def _fixture_lines(res: dict) -> list[str]:
     fams = list(FAMILIES)
     lines = [f"## {_rel(res['model'])} ({res['parameters'] / 1e6:.2f}M parameters)", ""]
-    lines += ["mlxbun exact sensitivity runs (wall s): " + ", ".join(
-        f"{k} {v:.0f}" for k, v in res["sens_seconds"].items()) + ".", ""]  # fmt: skip
+    secs = res["stage_seconds"]
+    lines += [
+        f"mlxbun stages (wall s): exact sensitivity (RTN g64, bits {EXACT_BITS}) {secs['sens']:.0f};"
+        f" Hessians + output errors of {len(SETTINGS)} settings x {len(METHODS)} methods {secs['errors']:.0f}.",
+        "",
+    ]
     head = "| anchor (size of) | bytes | anchor s | anchor KL held-out | " + " | ".join(
         f"{f}: KL held-out (ratio)" for f in fams
     )
@@ -360,14 +412,14 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
         "# Quality at equal bytes (bench/allocation_quality.py)",
         "",
         f"Command: `.venv/bin/python bench/allocation_quality.py {models} --samples {args.samples}"
-        f" --seq-len {args.seq_len}`  ",
+        f" --seq-len {args.seq_len} --eval-samples {args.eval_samples}`  ",
         f"Machine: 2-core x86_64 Linux, mlx {mx.__version__} CPU, shared with other jobs (times are noisy)."
         f" Total {seconds:.0f} s.",
         "",
         "KL = KL(reference || quantized) of next-token distributions, mean over tokens; `calib` = the"
         f" {args.samples} x {args.seq_len} calibration tokens (mlxbun's built-in set) that mlxbun's"
         " sensitivity and mlx-lm's GPTQ/AWQ/dynamic_quant all saw; `held_out` ="
-        f" {args.samples} x {args.seq_len} tokens of CPython modules outside the fixtures' training"
+        f" {args.eval_samples} x {args.seq_len} tokens of CPython modules outside the fixtures' training"
         " text. Bytes = the `.safetensors` files on disk. Each mlxbun plan is solved at the anchor's"
         " bytes (never above); ratio = mlxbun held-out KL / anchor held-out KL (below 1: mlxbun"
         " better). Anchor seconds = its whole child process; mlxbun seconds = its sensitivity runs +"
@@ -384,6 +436,7 @@ def main() -> None:
     ap.add_argument("--model", type=Path, action="append", default=None)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--eval-samples", type=int, default=16, help="held-out windows of --seq-len tokens")
     ap.add_argument("--work", type=Path, default=Path("/tmp/mlxbun-bench-allocate"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "allocate.md")
     ap.add_argument("--stage", default=None, help="(internal) run one child stage")
