@@ -223,6 +223,10 @@ def test_gptq_model_loads_generates_and_is_closer_than_rtn(tmp_path):
     model.set_dtype(mx.float32)
     tokens = np.random.default_rng(0).integers(3, 64, (8, 32))
     hessian.save(hessian.capture(model, tokens), tmp_path / "h.safetensors", tokens=tokens.size)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"w{t}" for t in tokens.ravel()))
+    hessian.capture_model_dir(src, tmp_path / "c.safetensors", calib_path=calib, samples=2, seq_len=16)
+    assert "model.layers.0.self_attn.q_proj" in hessian.load(tmp_path / "c.safetensors")
     with pytest.raises(InputError, match="needs quant.hessians"):
         quantize_model_dir(src, tmp_path / "x", bits=3, group_size=64, method="gptq")
     kw = dict(bits=3, group_size=64, method="gptq", hessians=tmp_path / "h.safetensors")

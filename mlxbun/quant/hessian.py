@@ -68,6 +68,32 @@ def capture(model: Any, tokens: np.ndarray, *, batch_size: int = 8) -> dict[str,
     return store
 
 
+def capture_model_dir(
+    model_dir: str | Path,
+    out: str | Path,
+    *,
+    calib_path: str | Path | None = None,
+    samples: int = 16,
+    seq_len: int = 512,
+    seed: int = 0,
+) -> Path:
+    """Capture the Hessians of ``model_dir`` on calibration text (:mod:`mlxbun.quant.calib`) into ``out``.
+
+    Example:
+        >>> capture_model_dir("hf/llama", "llama.hessians.safetensors")
+        >>> quantize_model_dir("hf/llama", "llama-3bit", bits=3, method="gptq", hessians="llama.hessians.safetensors")
+    """
+    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.sensitivity import load_model
+
+    model, tokenizer, _ = load_model(model_dir)
+    calib = load_calibration(
+        tokenizer=tokenizer, path=calib_path, samples=samples, seq_len=seq_len, seed=seed
+    )
+    save(capture(model, calib.tokens), out, tokens=calib.tokens.size)
+    return Path(out)
+
+
 def save(hessians: dict[str, Any], path: str | Path, *, tokens: int) -> None:
     """Write ``hessians`` atomically as one safetensors file."""
     import mlx.core as mx
