@@ -254,3 +254,19 @@ def test_a_file_that_is_not_hessians_is_refused(tmp_path):
     )
     with pytest.raises(InputError, match=r"'a' has shape \(2, 3\); expected \(n, n\)"):
         hessian.load(tmp_path / "y.safetensors")
+
+
+def test_cli_quantize_with_clip_and_bad_method(tmp_path):
+    from cli_util import run_cli
+
+    src = make_hf_model(tmp_path / "src", "llama")
+    common = [f"model.name={src}", "blas=off", "command=quantize", "quant.bits=3"]
+    ok = run_cli(*common, "quant.method=clip", f"quant.out={tmp_path / 'clip'}", tmp=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert _digest(tmp_path / "clip") == _digest(
+        quantize_model_dir(src, tmp_path / "lib", bits=3, group_size=64, method="clip").out
+    )
+    bad = run_cli(*common, "quant.method=clip", "quant.mode=mxfp4", "quant.bits=4", tmp=tmp_path)
+    assert bad.returncode == 2 and "needs mode affine" in bad.stderr and "Traceback" not in bad.stderr
+    no_h = run_cli(*common, "quant.method=gptq", f"quant.out={tmp_path / 'g'}", tmp=tmp_path)
+    assert no_h.returncode == 2 and "needs quant.hessians" in no_h.stderr and not (tmp_path / "g").exists()
