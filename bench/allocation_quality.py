@@ -343,13 +343,14 @@ class Fixture:
 def run_fixture(model: Path, args: argparse.Namespace) -> dict:
     fx = Fixture(model, args)
     specs = {"sens": "sens", "errors": "errors"}
-    specs |= {spec: "anchor-" + spec.replace(":", "_") for spec in ANCHORS.values()}
+    anchors = {k: v for k, v in ANCHORS.items() if not args.only or v.split(":")[0] in args.only.split(",")}
+    specs |= {spec: "anchor-" + spec.replace(":", "_") for spec in anchors.values()}
     with ThreadPoolExecutor(PARALLEL) as pool:  # every child stage, PARALLEL at a time
         list(pool.map(lambda kv: fx.stage(*kv), specs.items()))
     stage_secs = fx.sensitivities()
     print(f"{model.name}: stages {stage_secs}", flush=True)
     groups = []
-    for label, spec in ANCHORS.items():
+    for label, spec in anchors.items():
         anchor = fx.anchor(label, spec)
         rows = [anchor] + [fx.plan(f, anchor["file_bytes"]) for f in FAMILIES]
         groups.append(rows)
@@ -431,6 +432,18 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
     return "\n".join(lines)
 
 
+def _combine(runs: list[list[dict]]) -> list[dict]:
+    order = {label: i for i, label in enumerate(ANCHORS)}
+    merged: dict[str, dict] = {}
+    for run in runs:
+        for res in run:
+            into = merged.setdefault(res["model"], {**res, "groups": []})
+            into["groups"] += res["groups"]
+    for res in merged.values():
+        res["groups"].sort(key=lambda rows: order[rows[0]["label"]])
+    return list(merged.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, action="append", default=None)
@@ -441,6 +454,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "allocate.md")
     ap.add_argument("--stage", default=None, help="(internal) run one child stage")
     ap.add_argument("--dest", type=Path, default=None, help="(internal) the child stage's output")
+    ap.add_argument("--only", default="", help="anchor kinds to run, e.g. convert,gptq (default: all)")
+    ap.add_argument("--combine", nargs="*", type=Path, help="report from these results.json files only")
     ap.add_argument("--reuse", action="store_true", help="keep --work: finished stages are reused")
     args = ap.parse_args()
     models = [m.resolve() for m in (args.model or [REPO / "tests" / "fixtures" / "llama-text-3m"])]
@@ -460,7 +475,10 @@ def main() -> None:
     if not args.reuse:
         shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True, exist_ok=True)
-    results = [run_fixture(m, args) for m in models]
+    if args.combine:  # one report from the results.json of runs over parts of the anchors
+        results = _combine([json.loads(Path(p).read_text()) for p in args.combine])
+    else:
+        results = [run_fixture(m, args) for m in models]
     (args.work / "results.json").write_text(json.dumps(results, indent=1))
     text = report(args, results, time.perf_counter() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
