@@ -1,10 +1,11 @@
-# make run: set up .venv and run the main job (+recipe=quickstart); make test: set up and test.
+# make run: set up .venv and run the main job (+recipe=quickstart); make test: the full suite;
+# make test-fast: the inner loop, without tests marked slow (pytest -m 'not slow').
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 EXTRAS ?= dev,joblib,slurm,postgres
 
-.PHONY: run test lint bench clean
+.PHONY: run test test-fast lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,6 +18,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
 
 lint: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/pre-commit run --all-files

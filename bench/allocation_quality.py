@@ -207,7 +207,8 @@ class Evaluator:
     def __init__(self, model_dir: Path, token_sets: dict) -> None:
         import mlx.core as mx
 
-        from mlxbun.quant.sensitivity import load_model, log_probs
+        from mlxbun.kl import log_probs
+        from mlxbun.quant.sensitivity import load_model
 
         ref, _, _ = load_model(model_dir)
         self.sets = {}
@@ -217,7 +218,8 @@ class Evaluator:
             self.sets[name] = (batches, refs, len(tokens))
 
     def kl(self, model_dir: Path) -> dict[str, float]:
-        from mlxbun.quant.sensitivity import kl_rows, load_model
+        from mlxbun.kl import kl_rows
+        from mlxbun.quant.sensitivity import load_model
 
         cur, _, _ = load_model(model_dir)
         out = {}
@@ -299,16 +301,18 @@ class Fixture:
     def estimated(self, method: str, groups: tuple[int, ...]):
         """Per-module KL of (bits, group) under ``method``: exact RTN g64 KL x output-error ratio."""
         from mlxbun.quant.allocate import LayerSensitivity, Sensitivity
-        from mlxbun.quant.budget import Setting
+        from mlxbun.quant.spec import QuantSpec
 
         layers = {}
         for path, layer in self.exact.layers.items():
             err, kl = self.errors[path], {}
             for bits, group in SETTINGS:
                 key, base = f"{method}:{bits}:{group}", f"rtn:{bits}:64"
-                exact = layer.kl.get(Setting(bits, 64))
+                exact = layer.kl.get(QuantSpec(bits=bits, group_size=64))
                 if group in groups and key in err and exact is not None:
-                    kl[Setting(bits, group)] = exact * err[key] / err[base] if err[base] > 0 else exact
+                    kl[QuantSpec(bits=bits, group_size=group)] = (
+                        exact * err[key] / err[base] if err[base] > 0 else exact
+                    )
             layers[path] = LayerSensitivity(path, layer.params, kl)
         e = self.exact
         return Sensitivity(layers, e.model_fingerprint, e.calibration_fingerprint, e.path, e.calibration)

@@ -47,6 +47,8 @@ import numpy as np
 from mlxbun.errors import DriftError, InputError
 from mlxbun.hadamard import HadamardSpec, apply_rows, plan
 from mlxbun.io.atomic import atomic_write_json, fsync_dir, publish_dir
+from mlxbun.io.dtypes import OUTPUT_CODES as OUT_DTYPES
+from mlxbun.kl import kl as _kl
 
 log = logging.getLogger("mlxbun")
 
@@ -54,7 +56,6 @@ RECORD = "turboquant_fold.json"
 FORMAT_VERSION = 2  # version 1 records have no final_gain
 SIGNS = "shake256(b'mlxbun-r1:<seed>'), bit i (LSB first) -> s_i = 1 - 2*bit"
 WEIGHT_DTYPES = ("BF16", "F16", "F32")
-OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 CHUNK_ELEMS = 1 << 22  # float64 elements per transform chunk (32 MiB)
 TOKENIZER_GLOBS = (
     "tokenizer*",
@@ -784,17 +785,6 @@ def _jitter(model: Any, jitter: float) -> None:
             v = v * (1 + mx.random.uniform(-jitter, jitter, v.shape).astype(v.dtype))
         params.append((name, v))
     model.update(tree_unflatten(params))
-
-
-def _kl(ref: np.ndarray, cur: np.ndarray) -> float:
-    """Mean over tokens of KL(softmax(ref) ‖ softmax(cur))."""
-
-    def log_softmax(x: np.ndarray) -> np.ndarray:
-        x = x - x.max(axis=-1, keepdims=True)
-        return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-    lp, lq = log_softmax(ref), log_softmax(cur)
-    return float(np.mean(np.sum(np.exp(lp) * (lp - lq), axis=-1)))
 
 
 def _forward_dtype(params: int) -> str | None:

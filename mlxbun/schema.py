@@ -14,12 +14,9 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from mlxbun.errors import InputError
+from mlxbun.io.dtypes import OUTPUT_DTYPES
+from mlxbun.quant.spec import ALL_BITS, ALL_GROUPS, MODES, Rule, check_budget, check_mixed, spec_for
 
-QUANT_MODES = ("affine", "mxfp4", "nvfp4", "mxfp8")
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-GROUP_SIZES = (16, 32, 64, 128)
-MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
-DTYPES = ("bfloat16", "float16", "float32")
 # Model dimensions a synth spec may set explicitly (each overrides the preset's value).
 SYNTH_DIMS = (
     "hidden_size",
@@ -110,7 +107,7 @@ class SynthCfg:
 
     def __post_init__(self) -> None:
         choose("synth.arch", self.arch, ARCHS)
-        choose("synth.dtype", self.dtype, DTYPES)
+        choose("synth.dtype", self.dtype, OUTPUT_DTYPES)
         for k in SYNTH_DIMS:
             positive(f"synth.{k}", getattr(self, k))
         positive("synth.outlier_channels", self.outlier_channels, allow_zero=True)
@@ -148,21 +145,14 @@ class QuantCfg:
     hessians: str | None = None
 
     def __post_init__(self) -> None:
-        from mlxbun.quant.plan import spec_for
-
-        choose("quant.mode", self.mode, QUANT_MODES)
+        spec_for(self.mode, self.bits, self.group_size, key="quant")
         if self.dtype is not None:
-            choose("quant.dtype", self.dtype, DTYPES)
-        if self.mixed is not None:
-            choose("quant.mixed", self.mixed, MIXED_RULES)
-            if self.mode != "affine":
-                raise InputError(f"quant.mixed={self.mixed!r} needs quant.mode=affine; got {self.mode!r}")
-        if self.group_size is not None:
-            choose("quant.group_size", self.group_size, GROUP_SIZES)
-        if self.bits is not None and self.mode == "affine":
-            choose("quant.bits", self.bits, AFFINE_BITS)
-        spec_for(self.mode, self.bits, self.group_size)
+            choose("quant.dtype", self.dtype, OUTPUT_DTYPES)
+        check_mixed(self.mixed, mode=self.mode, plan=self.plan)
         positive("quant.threads", self.threads)
+        from mlxbun.quant.rounding import check_method
+
+        check_method(self.method, mode=self.mode)
         from mlxbun.quant.rounding import check_method
 
         check_method(self.method, mode=self.mode)
@@ -203,15 +193,11 @@ class SensitivityCfg:
     inputs: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        choose("sensitivity.mode", self.mode, QUANT_MODES)
         choose("sensitivity.method", self.method, ("fast", "reference"))
-        if self.group_size is not None:
-            choose("sensitivity.group_size", self.group_size, GROUP_SIZES)
         if not self.bits:
             raise InputError("sensitivity.bits=[] is empty; give at least one bit width, e.g. [4, 8]")
-        if self.mode == "affine":
-            for b in self.bits:
-                choose("sensitivity.bits", b, AFFINE_BITS)
+        for b in self.bits:
+            spec_for(self.mode, b, self.group_size, key="sensitivity")
         positive("sensitivity.batch_size", self.batch_size)
         positive("sensitivity.ref_cache_mb", self.ref_cache_mb, allow_zero=True)
         positive("sensitivity.num_shards", self.num_shards)
@@ -249,28 +235,18 @@ class AllocateCfg:
     def __post_init__(self) -> None:
         positive("allocate.budget_bpw", self.budget_bpw)
         positive("allocate.budget_bytes", self.budget_bytes)
-        if self.budget_bpw is not None and self.budget_bytes is not None:
-            raise InputError(
-                f"allocate.budget_bpw={self.budget_bpw} and allocate.budget_bytes={self.budget_bytes}"
-                " are both set; choose one"
-            )
+        check_budget(self.budget_bpw, self.budget_bytes, required=False)
+        # Candidate filters may name any mode's bits and group sizes.
         for b in self.bits:
-            choose("allocate.bits", b, AFFINE_BITS)
+            choose("allocate.bits", b, ALL_BITS)
         for g in self.group_sizes:
-            choose("allocate.group_sizes", g, GROUP_SIZES)
+            choose("allocate.group_sizes", g, ALL_GROUPS)
         for m in self.modes:
-            choose("allocate.modes", m, QUANT_MODES)
-        choose("allocate.default_mode", self.default_mode, QUANT_MODES)
-        choose("allocate.default_group_size", self.default_group_size, GROUP_SIZES)
-        positive("allocate.default_bits", self.default_bits)
+            choose("allocate.modes", m, MODES)
+        spec_for(self.default_mode, self.default_bits, self.default_group_size, key="allocate.default")
         positive("allocate.max_states", self.max_states)
         for rule in self.protect:
-            pattern, sep, bits = str(rule).rpartition(":")
-            if not sep or not pattern or not bits.isdigit():
-                raise InputError(
-                    f"allocate.protect entry {rule!r} is not PATTERN:BITS; e.g. lm_head:6 or"
-                    " layers.first.mlp.down_proj:6"
-                )
+            Rule.parse(rule)
 
 
 @dataclass
@@ -281,7 +257,7 @@ class FoldCfg:
 
     def __post_init__(self) -> None:
         if self.dtype is not None:
-            choose("fold.dtype", self.dtype, DTYPES)
+            choose("fold.dtype", self.dtype, OUTPUT_DTYPES)
 
 
 @dataclass

@@ -68,7 +68,8 @@ import numpy as np
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, fsync_dir, publish_dir
-from mlxbun.schema import ARCHS, DTYPES, SYNTH_DIMS
+from mlxbun.io.dtypes import OUTPUT_DTYPES as DTYPES
+from mlxbun.schema import ARCHS, SYNTH_DIMS
 
 log = logging.getLogger("mlxbun")
 

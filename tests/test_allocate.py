@@ -10,10 +10,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxbun.io.dtypes import CODES
 from mlxbun.io.shards import write_sharded
 from mlxbun.quant import budget
-from mlxbun.quant.budget import Setting, TensorSpec
+from mlxbun.quant.budget import TensorSpec
 from mlxbun.quant.knapsack import lp_lower_bound, solve
+from mlxbun.quant.spec import QuantSpec
 
 
 def brute_force(items, capacity):
@@ -80,15 +82,15 @@ def test_lp_bound_is_tight_on_convex_items():
 # ---------------------------------------------------------------- byte accounting
 
 SETTINGS = [
-    Setting(2, 64),
-    Setting(3, 32),
-    Setting(4, 64),
-    Setting(5, 128),
-    Setting(6, 64),
-    Setting(8, 32),
-    Setting(4, 32, "mxfp4"),
-    Setting(4, 16, "nvfp4"),
-    Setting(8, 32, "mxfp8"),
+    QuantSpec(bits=2, group_size=64),
+    QuantSpec(bits=3, group_size=32),
+    QuantSpec(bits=4, group_size=64),
+    QuantSpec(bits=5, group_size=128),
+    QuantSpec(bits=6, group_size=64),
+    QuantSpec(bits=8, group_size=32),
+    QuantSpec(bits=4, group_size=32, mode="mxfp4"),
+    QuantSpec(bits=4, group_size=16, mode="nvfp4"),
+    QuantSpec(bits=8, group_size=32, mode="mxfp8"),
 ]
 
 
@@ -97,7 +99,7 @@ SETTINGS = [
 def test_quantized_specs_match_mx_quantize(setting, dtype):
     w = mx.random.normal((48, 256)).astype(getattr(mx, dtype))
     out = mx.quantize(w, bits=setting.bits, group_size=setting.group_size, mode=setting.mode)
-    code = budget.DTYPE_CODES[dtype]
+    code = CODES[dtype]
     specs = budget.quantized_specs("m", (48, 256), setting, code)
     assert len(specs) == len(out)
     for spec, arr in zip(specs, out, strict=True):
@@ -149,17 +151,17 @@ def quantize_by_hand(tensors, *, default, layers, out_dtype):
 def test_predicted_size_equals_written_size(tmp_path, out_dtype, shard_bytes):
     src, tensors = tiny_source(tmp_path)
     layers = {
-        "model.layers.0.self_attn.q_proj": Setting(8, 32),
-        "model.layers.0.mlp.down_proj": Setting(4, 32, "mxfp4"),
+        "model.layers.0.self_attn.q_proj": QuantSpec(bits=8, group_size=32),
+        "model.layers.0.mlp.down_proj": QuantSpec(bits=4, group_size=32, mode="mxfp4"),
         "model.layers.0.self_attn.o_proj": None,
-        "lm_head": Setting(6, 64),
+        "lm_head": QuantSpec(bits=6, group_size=64),
     }
-    default = Setting(3, 64)
+    default = QuantSpec(bits=3, group_size=64)
     source = budget.Source.from_specs(budget.read_specs(src))
-    code = budget.DTYPE_CODES[out_dtype]
+    code = CODES[out_dtype]
     pred = budget.predict(source, default=default, layers=layers, out_dtype=code, shard_bytes=shard_bytes)
     q = quantize_by_hand(tensors, default=default, layers=layers, out_dtype=getattr(mx, out_dtype))
-    block = {**default.to_json(), **{p: s.to_json() if s else False for p, s in layers.items()}}
+    block = {**default.to_dict(), **{p: s.to_dict() if s else False for p, s in layers.items()}}
     written = write_sharded(tmp_path / "out", q, shard_bytes=shard_bytes, quantization=block)
     got = budget.measure(tmp_path / "out", parameters=pred.parameters)
     assert got == pred
@@ -170,10 +172,12 @@ def test_predicted_size_equals_written_size(tmp_path, out_dtype, shard_bytes):
 
 def test_resolve_follows_the_plan_and_group_divisibility():
     shape = (64, 48)
-    assert budget.resolve("a", shape, Setting(4, 64), {}) is None  # 48 % 64 != 0
-    assert budget.resolve("a", shape, Setting(4, 64), {"a": Setting(4, 16)}) == Setting(4, 16)
-    assert budget.resolve("a", (64, 64), Setting(4, 64), {"a": None}) is None
-    assert budget.resolve("a", (64,), Setting(4, 64), {}) is None
+    assert budget.resolve("a", shape, QuantSpec(bits=4, group_size=64), {}) is None  # 48 % 64 != 0
+    assert budget.resolve(
+        "a", shape, QuantSpec(bits=4, group_size=64), {"a": QuantSpec(bits=4, group_size=16)}
+    ) == QuantSpec(bits=4, group_size=16)
+    assert budget.resolve("a", (64, 64), QuantSpec(bits=4, group_size=64), {"a": None}) is None
+    assert budget.resolve("a", (64,), QuantSpec(bits=4, group_size=64), {}) is None
     assert TensorSpec("x", "BF16", (3, 5)).nbytes == 30
 
 
@@ -206,7 +210,10 @@ def fake_sensitivity(paths, *, seed=0, bits=BITS, group_size=64):
     layers = {}
     for p in paths:
         scale = rng.uniform(0.1, 10)
-        kl = {Setting(b, group_size): scale * 2.0 ** (-b) * rng.uniform(0.8, 1.2) for b in bits}
+        kl = {
+            QuantSpec(bits=b, group_size=group_size): scale * 2.0 ** (-b) * rng.uniform(0.8, 1.2)
+            for b in bits
+        }
         layers[p] = al.LayerSensitivity(p, 0, kl)
     return al.Sensitivity(layers)
 
@@ -242,7 +249,9 @@ def test_allocate_bytes_budget_is_optimal_and_counts_headers(model):
     sens = fake_sensitivity(MEASURED, seed=3)
     source = budget.read_source(model)
     lo, hi = (
-        budget.predict(source, default=al.DEFAULT, layers={p: Setting(b, 64) for p in MEASURED})
+        budget.predict(
+            source, default=al.DEFAULT, layers={p: QuantSpec(bits=b, group_size=64) for p in MEASURED}
+        )
         for b in (2, 8)
     )
     for frac in (0.3, 0.6):
@@ -277,7 +286,7 @@ def test_protection_rules(model):
     plan = al.allocate(sens, model_dir=model, budget_bpw=6.0, protect=rules)
     assert plan.layers["lm_head"].bits == 8
     assert plan.layers["model.layers.1.mlp.down_proj"].bits >= 4
-    assert plan.layers["model.embed_tokens"] == Setting(6, 64)  # unmeasured: default raised
+    assert plan.layers["model.embed_tokens"] == QuantSpec(bits=6, group_size=64)  # unmeasured: default raised
     # Optimal among the settings the rules leave, with the protected embedding counted.
     need = {"lm_head": 8, "model.layers.1.mlp.down_proj": 4}
     allowed = al.Sensitivity(
@@ -290,7 +299,7 @@ def test_protection_rules(model):
         model,
         allowed,
         fits=lambda s: s.tensor_bytes * 8 <= 6.0 * s.parameters,
-        fixed={"model.embed_tokens": Setting(6, 64)},
+        fixed={"model.embed_tokens": QuantSpec(bits=6, group_size=64)},
     )
     assert plan.kl_sum == pytest.approx(best, rel=1e-12)
     with pytest.raises(InputError, match="no candidate setting is left for 'lm_head'"):
@@ -314,13 +323,14 @@ def test_rule_matching():
 
 def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
     """The project's quantize writes exactly the predicted bytes (headers and all)."""
-    from mlxbun.quant.plan import load_plan
+    from mlxbun.quant.spec import load_plan
     from mlxbun.quant.uniform import quantize_model_dir
 
     sens = fake_sensitivity(sorted(budget.read_source(model).shapes), seed=9, bits=(2, 3, 4, 6, 8))
     plan = al.allocate(sens, model_dir=model, budget_bpw=4.25, protect=["lm_head:6"])
     atomic_write_json(tmp_path / "plan.json", plan.to_json())
     assert load_plan(tmp_path / "plan.json").layers.keys() == plan.layers.keys()
+    assert load_plan(tmp_path / "plan.json") == plan.plan  # the writer's and the reader's Plan are one
     res = quantize_model_dir(model, tmp_path / "out", plan=tmp_path / "plan.json", dtype="bfloat16")
     assert budget.measure(res.out, parameters=plan.size.parameters) == plan.size
     index = json.loads((res.out / "model.safetensors.index.json").read_text())

@@ -208,10 +208,14 @@ def test_plan_file_matches_mlx_lm_with_the_same_predicate(tmp_path):
     assert mine_q == {**ref_q, "model.layers.3.mlp.up_proj": False}
     # The layout the allocator predicts from is what was written.
     written = tensors(res.out)
-    for m in qplan.module_layout(src, plan=plan_path):
-        assert (f"{m.path}.scales" in written) == m.quantized, m.path
-        if m.quantized:
-            assert written[f"{m.path}.weight"].shape[-1] * 32 // m.bits == m.in_features
+    sk, _ = qplan.prepare(src, plan=plan_path)
+    for path, m in sk.originals.items():
+        if not hasattr(m, "to_quantized") or "weight" not in m:
+            continue
+        d = sk.decisions.get(path)
+        assert (f"{path}.scales" in written) == (d is not None), path
+        if d is not None:
+            assert written[f"{path}.weight"].shape[-1] * 32 // d["bits"] == m.weight.shape[-1]
 
 
 def test_mlx_lm_generates_the_same_tokens(tmp_path):

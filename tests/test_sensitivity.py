@@ -17,10 +17,12 @@ blas.load()
 import mlx.core as mx  # noqa: E402
 
 from mlxbun.errors import InputError  # noqa: E402
+from mlxbun.kl import kl_rows, log_probs  # noqa: E402
 from mlxbun.quant import calib as calib_mod  # noqa: E402
 from mlxbun.quant import sensitivity as sens  # noqa: E402
 from mlxbun.quant.sensitivity_merge import merge  # noqa: E402
 from mlxbun.quant.sensitivity_ref import reference_kl  # noqa: E402
+from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURE = REPO / "tests" / "fixtures" / "llama-text-3m"
@@ -140,19 +142,20 @@ def test_kl_rows_matches_float64_numpy():
         )
 
     want = (np.exp(logp(ref)) * (logp(ref) - logp(cur))).sum(-1).mean(-1)
-    got = sens.kl_rows(sens.log_probs(mx.array(ref)), mx.array(cur))
+    got = kl_rows(log_probs(mx.array(ref)), mx.array(cur))
     np.testing.assert_allclose(got, want, rtol=1e-9)
-    assert np.all(sens.kl_rows(sens.log_probs(mx.array(ref)), mx.array(ref)) == 0)
+    assert np.all(kl_rows(log_probs(mx.array(ref)), mx.array(ref)) == 0)
 
 
 def test_fake_quant_equals_mx_quantize_roundtrip():
     w = mx.random.normal((64, 128), key=mx.random.key(0))
-    cand = sens.Candidate(4, 64, "affine")
+    cand = QuantSpec(bits=4, group_size=64, mode="affine")
     q = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
     want = mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32)
     assert mx.array_equal(sens.fake_quant(w, cand, dtype="bfloat16"), want)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["fixture", "qwen3"])
 def test_fast_equals_reference(which, tmp_path):
     model_dir = FIXTURE if which == "fixture" else tiny_qwen3(tmp_path / "qwen3")
@@ -172,6 +175,7 @@ def test_fast_equals_reference(which, tmp_path):
     assert max(kl4) / min(kl4) > 10  # layers differ: the fixture has structure
 
 
+@pytest.mark.slow
 def test_sharded_merged_equals_single_job(tmp_path):
     single = run_sens(FIXTURE, tmp_path / "single", tmp_path / "w1", **CHEAP)
     for i in range(2):
@@ -200,6 +204,7 @@ def test_resume_after_interrupt(tmp_path):
     assert again["_stats"]["groups_computed"] == 0
 
 
+@pytest.mark.slow
 def test_quantized_source(tmp_path):
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load, quantize_model, save_config

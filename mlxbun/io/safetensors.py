@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from mlxbun.errors import InputError
+from mlxbun.io.dtypes import ITEMSIZE
 
 HEADER_CAP = 100 << 20  # bytes; real headers are < 10 MiB even for 100k-tensor checkpoints
 INDEX_FILE = "model.safetensors.index.json"
@@ -66,7 +67,6 @@ NP_DTYPES: dict[str, np.dtype] = {
     "F8_E4M3": np.dtype("<u1"),
     "F8_E5M2": np.dtype("<u1"),
 }
-ITEMSIZE = {k: v.itemsize for k, v in NP_DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -43,30 +43,15 @@ import numpy as np
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import TMP_MARK, atomic_write_json, fsync_dir, tmp_sibling
-from mlxbun.io.safetensors import INDEX_FILE, ITEMSIZE, SafetensorsFile, count_parameters
+from mlxbun.io.dtypes import CODES as NP_TO_ST
+from mlxbun.io.dtypes import ITEMSIZE
+from mlxbun.io.safetensors import INDEX_FILE, SafetensorsFile, count_parameters
 
 JOURNAL = ".mlxbun-shards.json"
 PART_PREFIX = ".mlxbun-shard-"
 JOURNAL_VERSION = 1
 DEFAULT_SHARD_BYTES = 5 << 30
 HASH_CHUNK = 16 << 20
-
-NP_TO_ST = {
-    "bool": "BOOL",
-    "uint8": "U8",
-    "int8": "I8",
-    "uint16": "U16",
-    "int16": "I16",
-    "uint32": "U32",
-    "int32": "I32",
-    "uint64": "U64",
-    "int64": "I64",
-    "float16": "F16",
-    "float32": "F32",
-    "float64": "F64",
-    "complex64": "C64",
-    "bfloat16": "BF16",
-}
 
 
 class WriterStateError(RuntimeError):

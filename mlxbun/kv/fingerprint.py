@@ -64,17 +64,3 @@ def tokenizer_fingerprint(model_dir: str | Path) -> str:
     for p in found:
         h.update(p.name.encode() + b"\0" + p.read_bytes())
     return h.hexdigest()
-
-
-def weights_fingerprint(model: Any) -> str:
-    """sha256 of an in-memory model's parameters (names, dtypes, shapes, bytes), for tests/library use."""
-    import mlx.core as mx
-    import numpy as np
-    from mlx.utils import tree_flatten
-
-    h = hashlib.sha256(b"mlxbun.kv.weights/1\0")
-    for name, p in sorted(tree_flatten(model.parameters())):
-        src = p.view(mx.uint16) if p.dtype == mx.bfloat16 else p
-        h.update(f"{name}\0{p.dtype}\0{tuple(p.shape)}\0".encode())
-        h.update(np.array(src).tobytes())
-    return h.hexdigest()

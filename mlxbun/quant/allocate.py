@@ -20,7 +20,6 @@ choice is a multiple-choice knapsack solved exactly or with a stated bound
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import re
@@ -30,14 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
+from mlxbun.io.dtypes import CODES
 from mlxbun.quant import budget
-from mlxbun.quant.budget import Setting, SizeReport, Source
+from mlxbun.quant.budget import SizeReport, Source
 from mlxbun.quant.knapsack import Solution, solve
+from mlxbun.quant.spec import AFFINE_BITS, Plan, QuantSpec, Rule, check_budget
 
 PLAN_FILE = "plan.json"
 SENSITIVITY_FILE = "sensitivity.json"
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-DEFAULT = Setting(4, 64, "affine")
+DEFAULT = QuantSpec(bits=4, group_size=64, mode="affine")
 
 
 # ------------------------------------------------------------------------------- sensitivity
@@ -49,7 +49,7 @@ class LayerSensitivity:
 
     path: str
     params: int
-    kl: Mapping[Setting, float]
+    kl: Mapping[QuantSpec, float]
 
 
 @dataclass(frozen=True)
@@ -63,13 +63,13 @@ class Sensitivity:
     calibration: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _setting_keys(entry: Mapping[str, Any], top: Mapping[str, Any]) -> dict[Setting, float]:
+def _setting_keys(entry: Mapping[str, Any], top: Mapping[str, Any]) -> dict[QuantSpec, float]:
     """KL per setting from a layer entry: {"kl": {"4": x}} at the file's group size and mode."""
     group, mode = int(top.get("group_size", 64)), str(top.get("mode", "affine"))
     out = {}
     for bits, value in dict(entry.get("kl") or {}).items():
         if value is not None:
-            out[Setting(int(bits), group, mode)] = float(value)
+            out[QuantSpec(bits=int(bits), group_size=group, mode=mode)] = float(value)
     return out
 
 
@@ -78,7 +78,7 @@ def load_sensitivity(path: str | Path, *, key: str = "allocate.sensitivity") -> 
 
     Example:
         >>> sens = load_sensitivity("outputs/sensitivity/2026-12-02_10-00-00/sensitivity.json")
-        >>> sens.layers["model.layers.0.mlp.down_proj"].kl[Setting(4, 64)]
+        >>> sens.layers["model.layers.0.mlp.down_proj"].kl[QuantSpec(bits=4, group_size=64)]
     """
     p = Path(path).expanduser()
     if p.is_dir():
@@ -140,35 +140,6 @@ def merge_sensitivities(parts: Sequence[Sensitivity]) -> Sensitivity:
 LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
 
 
-@dataclass(frozen=True)
-class Rule:
-    """``pattern:min_bits``: matching modules get at least ``min_bits``.
-
-    ``pattern`` is a glob over the module path when it has ``*?[``, else a run of whole dotted
-    components (``lm_head``, ``down_proj``, ``layers.0.mlp``); the components ``first`` and
-    ``last`` stand for the first and last block index.
-    """
-
-    pattern: str
-    min_bits: int
-
-    @classmethod
-    def parse(cls, text: str) -> Rule:
-        pattern, sep, bits = str(text).rpartition(":")
-        if not sep or not pattern or not bits.strip().isdigit():
-            raise InputError(
-                f"allocate.protect entry {text!r} is not PATTERN:BITS; e.g. lm_head:6 or layers.first.mlp.down_proj:6"
-            )
-        return cls(pattern.strip(), int(bits))
-
-    def matches(self, path: str, *, n_blocks: int) -> bool:
-        parts = [{"first": "0", "last": str(max(n_blocks - 1, 0))}.get(c, c) for c in self.pattern.split(".")]
-        pattern = ".".join(parts)
-        if any(ch in pattern for ch in "*?["):
-            return fnmatch.fnmatchcase(path, pattern)
-        return f".{pattern}." in f".{path}."
-
-
 def min_bits(path: str, rules: Sequence[Rule], *, n_blocks: int) -> int:
     return max((r.min_bits for r in rules if r.matches(path, n_blocks=n_blocks)), default=0)
 
@@ -184,20 +155,20 @@ def count_blocks(paths: Collection[str]) -> int:
 class Choice:
     """The setting one module gets (None: unquantized), its KL (None: not measured) and bytes."""
 
-    setting: Setting | None
+    setting: QuantSpec | None
     kl: float | None
     nbytes: int
 
     def to_json(self) -> dict[str, Any]:
-        head = self.setting.to_json() if self.setting else {"bits": None, "group_size": None, "mode": None}
+        head = self.setting.to_dict() if self.setting else {"bits": None, "group_size": None, "mode": None}
         return {**head, "kl": self.kl, "bytes": self.nbytes, "measured": self.kl is not None}
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A per-layer plan with its predicted size and KL, as written to plan.json."""
+class Allocation:
+    """A per-layer plan with its predicted size and KL: plan.json is its :meth:`to_json`."""
 
-    default: Setting
+    default: QuantSpec
     choices: Mapping[str, Choice]
     size: SizeReport
     kl_sum: float
@@ -206,16 +177,18 @@ class Plan:
     source: Mapping[str, Any] = field(default_factory=dict)
 
     @property
-    def layers(self) -> dict[str, Setting | None]:
+    def layers(self) -> dict[str, QuantSpec | None]:
         return {p: c.setting for p, c in self.choices.items()}
 
+    @property
+    def plan(self) -> Allocation:
+        """What ``quantize`` reads (:class:`mlxbun.quant.spec.Plan`)."""
+        return Plan(default=self.default, layers=self.layers)
+
     def to_json(self) -> dict[str, Any]:
+        """plan.json: the plan's keys, and the report beside them (which plan readers ignore)."""
         return {
-            "version": 1,
-            "default": self.default.to_json(),
-            "layers": {
-                p: (c.setting.to_json() if c.setting else False) for p, c in sorted(self.choices.items())
-            },
+            **self.plan.to_dict(),
             "predicted_bytes": self.size.file_bytes,
             "predicted_bpw": self.size.bpw,
             "predicted_kl_sum": self.kl_sum,
@@ -235,11 +208,11 @@ class _Problem:
     """The knapsack items (measured modules) and what is fixed around them."""
 
     paths: list[str]
-    options: list[list[tuple[Setting, int, float]]]
-    fixed: dict[str, Setting | None]
+    options: list[list[tuple[QuantSpec, int, float]]]
+    fixed: dict[str, QuantSpec | None]
 
 
-def _fixed_setting(path: str, shape: tuple[int, ...], default: Setting, need: int) -> Setting | None:
+def _fixed_setting(path: str, shape: tuple[int, ...], default: QuantSpec, need: int) -> QuantSpec | None:
     """An unmeasured module's setting: the default, raised to ``need`` bits by a protection rule."""
     if need <= default.bits:
         return default
@@ -248,16 +221,18 @@ def _fixed_setting(path: str, shape: tuple[int, ...], default: Setting, need: in
             f"allocate.protect asks {path!r} for >= {need} bits, which the default "
             f"{default.mode} {default.bits}-bit setting cannot give; probe {path!r} in sensitivity"
         )
-    return Setting(min(b for b in AFFINE_BITS if b >= need), default.group_size, default.mode)
+    return QuantSpec(
+        bits=min(b for b in AFFINE_BITS if b >= need), group_size=default.group_size, mode=default.mode
+    )
 
 
 def _problem(
     sens: Sensitivity,
     source: Source,
     *,
-    candidates: Collection[Setting] | None,
+    candidates: Collection[QuantSpec] | None,
     rules: Sequence[Rule],
-    default: Setting,
+    default: QuantSpec,
     out_dtype: str | None,
 ) -> _Problem:
     shapes, dtypes = source.shapes, source.weight_dtypes(out_dtype)
@@ -290,7 +265,9 @@ def _problem(
     return _Problem(paths, options, fixed)
 
 
-def _predict(source: Source, default: Setting, layers: Mapping[str, Setting | None], **kw: Any) -> SizeReport:
+def _predict(
+    source: Source, default: QuantSpec, layers: Mapping[str, QuantSpec | None], **kw: Any
+) -> SizeReport:
     return budget.predict(source, default=default, layers=layers, **kw)
 
 
@@ -306,15 +283,15 @@ def allocate(
     sens: Sensitivity,
     *,
     model_dir: str | Path,
-    candidates: Collection[Setting] | None = None,
+    candidates: Collection[QuantSpec] | None = None,
     budget_bpw: float | None = None,
     budget_bytes: int | None = None,
     protect: Sequence[str | Rule] = (),
-    default: Setting = DEFAULT,
+    default: QuantSpec = DEFAULT,
     out_dtype: str | None = "bfloat16",
     shard_bytes: int = 5 << 30,
     max_states: int = 1 << 16,
-) -> Plan:
+) -> Allocation:
     """Choose one setting per measured module, minimising summed KL within the budget.
 
     Modules absent from ``sens`` (embeddings, an unprobed lm_head) take ``default`` (raised by
@@ -337,8 +314,7 @@ def allocate(
         >>> plan = allocate(load_sensitivity(run), model_dir=src, budget_bpw=4.5, protect=["lm_head:6"])
         >>> plan.size.bpw <= 4.5, plan.kl_sum
     """
-    if (budget_bpw is None) == (budget_bytes is None):
-        raise InputError("set exactly one of allocate.budget_bpw and allocate.budget_bytes")
+    check_budget(budget_bpw, budget_bytes)
     code = _dtype_code(out_dtype, Path(model_dir))
     source = budget.read_source(Path(model_dir))
     rules = [r if isinstance(r, Rule) else Rule.parse(r) for r in protect]
@@ -366,10 +342,10 @@ def _dtype_code(dtype: str | None, model_dir: Path) -> str | None:
 
     cfg = model_dir / "config.json"
     resolved = resolve_dtype(dtype, json.loads(cfg.read_text()) if cfg.is_file() else {})
-    return budget.DTYPE_CODES[resolved] if resolved else None
+    return CODES[resolved] if resolved else None
 
 
-def _pick(prob: _Problem, by: Any) -> dict[str, Setting]:
+def _pick(prob: _Problem, by: Any) -> dict[str, QuantSpec]:
     """Each item's cheapest (min) or largest (max) option by bytes."""
     return {
         p: by(opts, key=lambda o: (o[1], -o[2]))[0] for p, opts in zip(prob.paths, prob.options, strict=True)
@@ -383,7 +359,7 @@ def _items(prob: _Problem) -> list[tuple[list[int], list[float]]]:
 def _solve_file_budget(
     prob: _Problem,
     source: Source,
-    default: Setting,
+    default: QuantSpec,
     budget_bytes: int,
     fixed_bytes: int,
     lo: SizeReport,
@@ -405,7 +381,7 @@ def _solve_file_budget(
     return None
 
 
-def _chosen(prob: _Problem, sol: Solution) -> dict[str, Setting]:
+def _chosen(prob: _Problem, sol: Solution) -> dict[str, QuantSpec]:
     return {p: prob.options[i][j][0] for i, (p, j) in enumerate(zip(prob.paths, sol.choice, strict=True))}
 
 
@@ -413,12 +389,12 @@ def _plan(
     prob: _Problem,
     sol: Solution,
     source: Source,
-    default: Setting,
+    default: QuantSpec,
     kw: dict[str, Any],
     sens: Sensitivity,
     *,
     limits: Mapping[str, Any],
-) -> Plan:
+) -> Allocation:
     shapes, dtypes = source.shapes, source.weight_dtypes(kw["out_dtype"])
     choices: dict[str, Choice] = {}
     for i, (path, j) in enumerate(zip(prob.paths, sol.choice, strict=True)):
@@ -442,7 +418,7 @@ def _plan(
         "out_dtype": kw["out_dtype"],
         "shard_bytes": kw["shard_bytes"],
     }
-    return Plan(default, choices, size, sol.cost, dict(limits), solver, src)
+    return Allocation(default, choices, size, sol.cost, dict(limits), solver, src)
 
 
 # ------------------------------------------------------------------------------- check
@@ -486,7 +462,8 @@ def measured_kl(ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batc
     import mlx.core as mx
     import numpy as np
 
-    from mlxbun.quant.sensitivity import kl_rows, load_model, log_probs
+    from mlxbun.kl import kl_rows, log_probs
+    from mlxbun.quant.sensitivity import load_model
 
     ref, _, _ = load_model(ref_dir)
     cur, _, _ = load_model(model_dir)
@@ -498,7 +475,7 @@ def measured_kl(ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batc
 
 
 def check_plan(
-    plan: Plan,
+    plan: Allocation,
     plan_path: str | Path,
     *,
     model_dir: str | Path,
@@ -543,7 +520,7 @@ def check_plan(
 
 def candidate_filter(
     sens: Sensitivity, *, bits: Collection[int], group_sizes: Collection[int], modes: Collection[str]
-) -> set[Setting]:
+) -> set[QuantSpec]:
     """Measured settings allowed by the config lists (an empty list allows any)."""
     measured = {s for layer in sens.layers.values() for s in layer.kl}
     return {
@@ -555,16 +532,13 @@ def candidate_filter(
     }
 
 
-def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, Setting]:
+def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
     """Everything that can be wrong with the input, before anything is written."""
-    from mlxbun.quant.plan import spec_for
     from mlxbun.quant.sensitivity import model_fingerprint
 
     a = cfg.allocate
     if not a.sensitivity:
         raise InputError("allocate.sensitivity is not set; pass a sensitivity.json or the run dir holding it")
-    if a.budget_bpw is None and a.budget_bytes is None:
-        raise InputError("allocate.budget_bpw and allocate.budget_bytes are both unset; set one (e.g. 4.5)")
     sens = load_sensitivity(a.sensitivity)
     if a.extra_sensitivity:
         extra = [load_sensitivity(x, key="allocate.extra_sensitivity") for x in a.extra_sensitivity]
@@ -574,11 +548,10 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, Setting]:
             f"allocate.sensitivity={a.sensitivity!r} was measured on another model than {str(src)!r}"
             " (model fingerprints differ); pass the model it was measured on"
         )
-    spec = spec_for(a.default_mode, a.default_bits, a.default_group_size, key="allocate.default")
-    return sens, Setting(spec.bits, spec.group_size, spec.mode)
+    return sens, QuantSpec(bits=a.default_bits, group_size=a.default_group_size, mode=a.default_mode)
 
 
-def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: Setting) -> Plan:
+def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -> Allocation:
     a = cfg.allocate
     return allocate(
         sens,
@@ -594,7 +567,7 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: Setting) -> 
     )
 
 
-def _summary(plan: Plan, plan_path: Path) -> tuple[dict[str, Any], str]:
+def _summary(plan: Allocation, plan_path: Path) -> tuple[dict[str, Any], str]:
     metrics = {
         "predicted_bytes": plan.size.file_bytes,
         "predicted_bpw": plan.size.bpw,
@@ -610,7 +583,7 @@ def _summary(plan: Plan, plan_path: Path) -> tuple[dict[str, Any], str]:
     return metrics, msg
 
 
-def _check_from_cfg(cfg: Any, plan: Plan, plan_path: Path, src: Path, sens: Sensitivity) -> CheckResult:
+def _check_from_cfg(cfg: Any, plan: Allocation, plan_path: Path, src: Path, sens: Sensitivity) -> CheckResult:
     """Quantize with the plan into ``<run_dir>/model``; check.json; DriftError if sizes differ."""
     from mlxbun.errors import DriftError
     from mlxbun.io.atomic import atomic_write_json

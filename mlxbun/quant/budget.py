@@ -29,50 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mlxbun.io.dtypes import CODES, FLOAT_CODES, ITEMSIZE
 from mlxbun.io.shards import opens_shard
-
-DTYPE_BYTES = {
-    "BOOL": 1,
-    "U8": 1,
-    "I8": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "U16": 2,
-    "I16": 2,
-    "F16": 2,
-    "BF16": 2,
-    "U32": 4,
-    "I32": 4,
-    "F32": 4,
-    "U64": 8,
-    "I64": 8,
-    "F64": 8,
-}
-FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
-# Config dtype names (schema.DTYPES) -> safetensors dtype codes.
-DTYPE_CODES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-# Scales are 8-bit exponents (mx) or fp8 (nv) in the microscaling modes; affine adds biases.
-UINT8_SCALE_MODES = {"mxfp4", "mxfp8", "nvfp4"}
-
-
-@dataclass(frozen=True, order=True)
-class Setting:
-    """One way to store a linear layer: ``mode`` at ``bits`` with ``group_size``."""
-
-    bits: int
-    group_size: int
-    mode: str = "affine"
-
-    def to_json(self) -> dict[str, Any]:
-        return {"bits": self.bits, "group_size": self.group_size, "mode": self.mode}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> Setting:
-        return cls(bits=int(d["bits"]), group_size=int(d["group_size"]), mode=str(d.get("mode", "affine")))
-
-    def fits(self, shape: tuple[int, ...]) -> bool:
-        """Whether a weight of ``shape`` can be stored this way (rows split into whole groups)."""
-        return len(shape) >= 2 and shape[-1] % self.group_size == 0
+from mlxbun.quant.spec import UINT8_SCALE_MODES, QuantSpec
 
 
 @dataclass(frozen=True)
@@ -89,15 +48,17 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * DTYPE_BYTES[self.dtype]
+        return self.numel * ITEMSIZE[self.dtype]
 
 
 def store_dtype(dtype: str, out_dtype: str | None) -> str:
     """The dtype a tensor is written in: floating tensors take the output dtype (None: their own)."""
-    return out_dtype if out_dtype and dtype in FLOAT_DTYPES else dtype
+    return out_dtype if out_dtype and dtype in FLOAT_CODES else dtype
 
 
-def quantized_specs(path: str, shape: tuple[int, ...], setting: Setting, out_dtype: str) -> list[TensorSpec]:
+def quantized_specs(
+    path: str, shape: tuple[int, ...], setting: QuantSpec, out_dtype: str
+) -> list[TensorSpec]:
     """The tensors ``mx.quantize`` yields for the weight of module ``path`` (see the module doc)."""
     *lead, cols = shape
     groups = (*lead, cols // setting.group_size)
@@ -111,10 +72,10 @@ def quantized_specs(path: str, shape: tuple[int, ...], setting: Setting, out_dty
     return specs
 
 
-def weight_bytes(shape: tuple[int, ...], setting: Setting | None, out_dtype: str) -> int:
+def weight_bytes(shape: tuple[int, ...], setting: QuantSpec | None, out_dtype: str) -> int:
     """Bytes of one module's weight stored with ``setting`` (None: unquantized)."""
     if setting is None:
-        return math.prod(shape) * DTYPE_BYTES[out_dtype]
+        return math.prod(shape) * ITEMSIZE[out_dtype]
     return sum(s.nbytes for s in quantized_specs("w", shape, setting, out_dtype))
 
 
@@ -167,8 +128,8 @@ class Source:
 
 
 def resolve(
-    path: str, shape: tuple[int, ...], default: Setting | None, layers: Mapping[str, Setting | None]
-) -> Setting | None:
+    path: str, shape: tuple[int, ...], default: QuantSpec | None, layers: Mapping[str, QuantSpec | None]
+) -> QuantSpec | None:
     """The setting module ``path`` gets from a plan, or None when it stays unquantized.
 
     As in mlx-lm, a weight whose last dimension the group size does not divide stays as it is.
@@ -180,8 +141,8 @@ def resolve(
 def output_specs(
     source: Source,
     *,
-    default: Setting | None,
-    layers: Mapping[str, Setting | None],
+    default: QuantSpec | None,
+    layers: Mapping[str, QuantSpec | None],
     out_dtype: str | None,
 ) -> list[TensorSpec]:
     """Every tensor of the quantized model, in writing order."""
@@ -245,8 +206,8 @@ class SizeReport:
 def predict(
     source: Source,
     *,
-    default: Setting | None,
-    layers: Mapping[str, Setting | None],
+    default: QuantSpec | None,
+    layers: Mapping[str, QuantSpec | None],
     out_dtype: str | None = "BF16",
     shard_bytes: int = 5 << 30,
     metadata: Mapping[str, str] | None = None,
@@ -257,13 +218,13 @@ def predict(
         source: the source model (see :func:`read_source`).
         default: setting of modules not in ``layers`` (None: leave them unquantized).
         layers: per-module settings; None leaves that module unquantized.
-        out_dtype: safetensors code of the output dtype (``DTYPE_CODES["bfloat16"]``); None keeps
+        out_dtype: safetensors code of the output dtype (``mlxbun.io.dtypes.CODES["bfloat16"]``); None keeps
             each tensor's own dtype.
         shard_bytes: the writer's shard limit.
         metadata: the safetensors ``__metadata__`` the writer stores.
 
     Example:
-        >>> predict(read_source(src), default=Setting(4, 64), layers={}).bpw
+        >>> predict(read_source(src), default=QuantSpec(bits=4, group_size=64), layers={}).bpw
         4.52...
     """
     metadata = {"format": "mlx"} if metadata is None else metadata
@@ -294,7 +255,6 @@ def read_source(model_dir: Path) -> Source:
     import mlx.nn as nn
     from mlx.utils import tree_flatten
 
-    from mlxbun.io.shards import NP_TO_ST
     from mlxbun.quant.plan import build_skeleton
 
     if not (Path(model_dir) / "config.json").is_file():
@@ -302,7 +262,7 @@ def read_source(model_dir: Path) -> Source:
     sk = build_skeleton(model_dir)
     order = [k for k, _ in tree_flatten(sk.model.parameters())]
     specs = tuple(
-        TensorSpec(k, NP_TO_ST[str(sk.weights[k].dtype).rpartition(".")[2]], tuple(sk.weights[k].shape))
+        TensorSpec(k, CODES[str(sk.weights[k].dtype).rpartition(".")[2]], tuple(sk.weights[k].shape))
         for k in order
     )
     cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)

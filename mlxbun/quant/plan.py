@@ -1,4 +1,4 @@
-"""Which module gets quantized how: plan.json, mlx-lm's mixed rules, and the model skeleton.
+"""Which module gets quantized how: the model skeleton, quantized lazily by a setting, plan or mixed rule.
 
 The structure comes from mlx-lm's own model class for the source's ``model_type``, built from
 ``config.json`` without materializing a weight: parameters are lazy MLX arrays that are never
@@ -9,136 +9,22 @@ the same predicate as ``mlx_lm.utils.quantize_model``, which gives the output te
 order (``tree_flatten`` of the parameters, as ``mlx_lm.utils.save_model`` writes them) and the
 config ``quantization`` block, all before any weight is read.
 
-plan.json (from ``allocate`` or hand-written)::
-
-    {"version": 1,
-     "default": {"bits": 4, "group_size": 64, "mode": "affine"},
-     "layers": {"model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 64, "mode": "affine"},
-                "lm_head": false},              false = leave unquantized
-     ...}                                       other keys are ignored
+The setting type, the tables of what MLX supports and plan.json live in ``mlxbun.quant.spec``.
 
 Example:
-    >>> for m in module_layout("path/to/hf_model", mode="affine", bits=4):
-    ...     print(m.path, m.in_features, m.out_features, m.quantized, m.bits)
+    >>> sk, spec = prepare("path/to/hf_model", mode="affine", bits=4)
+    >>> sorted(sk.decisions)[:2], sk.quantization["bits"]
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-
-# mlx-lm's defaults_for_mode: (group_size, bits).
-MODE_DEFAULTS = {"affine": (64, 4), "mxfp4": (32, 4), "nvfp4": (16, 4), "mxfp8": (32, 8)}
-AFFINE_BITS = (2, 3, 4, 5, 6, 8)
-AFFINE_GROUPS = (32, 64, 128)
-MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
-CONVERSION_DTYPES = ("float16", "bfloat16", "float32")
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """One quantization setting; ``to_dict`` uses mlx-lm's key order (group_size, bits, mode)."""
-
-    bits: int
-    group_size: int
-    mode: str = "affine"
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"group_size": self.group_size, "bits": self.bits, "mode": self.mode}
-
-
-def spec_for(
-    mode: str, bits: int | None = None, group_size: int | None = None, *, key: str = "quant"
-) -> QuantSpec:
-    """The setting for ``mode`` with mlx-lm's per-mode defaults, checked against what MLX supports.
-
-    Example:
-        >>> spec_for("mxfp4")
-        QuantSpec(bits=4, group_size=32, mode='mxfp4')
-    """
-    if mode not in MODE_DEFAULTS:
-        raise InputError(f"{key}.mode={mode!r} is not allowed; choose one of {', '.join(MODE_DEFAULTS)}")
-    g0, b0 = MODE_DEFAULTS[mode]
-    bits, group_size = bits or b0, group_size or g0
-    if mode == "affine":
-        if bits not in AFFINE_BITS:
-            raise InputError(
-                f"{key}.bits={bits!r} is not allowed for mode=affine; choose one of 2, 3, 4, 5, 6, 8"
-            )
-        if group_size not in AFFINE_GROUPS:
-            raise InputError(
-                f"{key}.group_size={group_size!r} is not allowed for mode=affine; choose one of 32, 64, 128"
-            )
-    elif (group_size, bits) != (g0, b0):
-        name, value = ("bits", bits) if bits != b0 else ("group_size", group_size)
-        raise InputError(
-            f"{key}.{name}={value!r} is not allowed for mode={mode}; it supports only bits={b0} with"
-            f" group_size={g0}"
-        )
-    return QuantSpec(bits=int(bits), group_size=int(group_size), mode=mode)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A per-layer plan: ``layers[path]`` is a QuantSpec or None (leave unquantized)."""
-
-    default: QuantSpec
-    layers: dict[str, QuantSpec | None] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
-        if not isinstance(data, dict) or not isinstance(data.get("default"), dict):
-            raise InputError(
-                f"{source}: a plan is an object with a 'default' setting; see mlxbun/quant/plan.py"
-            )
-        if data.get("version", 1) != 1:
-            raise InputError(
-                f"{source}: plan version {data.get('version')!r} is not supported; use version 1"
-            )
-        layers = data.get("layers") or {}
-        if not isinstance(layers, dict):
-            raise InputError(f"{source}: 'layers' must map module paths to a setting or false")
-        return cls(
-            default=_spec_from(data["default"], f"{source}: default"), layers=_layers_from(layers, source)
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        layers = {p: (s.to_dict() if s else False) for p, s in sorted(self.layers.items())}
-        return {"version": 1, "default": self.default.to_dict(), "layers": layers}
-
-
-def _spec_from(d: Any, where: str) -> QuantSpec:
-    if not isinstance(d, dict):
-        raise InputError(f"{where}: expected {{bits, group_size, mode}} or false, got {d!r}")
-    return spec_for(d.get("mode", "affine"), d.get("bits"), d.get("group_size"), key=where)
-
-
-def _layers_from(layers: dict[str, Any], source: str) -> dict[str, QuantSpec | None]:
-    out: dict[str, QuantSpec | None] = {}
-    for path, entry in layers.items():
-        if entry is False:
-            out[path] = None
-        else:
-            out[path] = _spec_from(entry, f"{source}: layers[{path!r}]")
-    return out
-
-
-def load_plan(path: str | Path) -> Plan:
-    """Read and validate a plan.json; errors name the file and the entry."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise InputError(f"quant.plan={str(path)!r} does not exist; pass a plan.json from `allocate`")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"quant.plan={str(path)!r} is not valid JSON ({e})") from None
-    return Plan.from_dict(data, source=f"quant.plan={str(path)!r}")
-
+from mlxbun.quant.spec import Plan, QuantSpec, check_mixed, load_plan, spec_for
 
 # ------------------------------------------------------------------------------- skeleton
 
@@ -264,8 +150,6 @@ def mixed_predicate(rule: str, model: Any, group_size: int) -> Callable[[str, An
     """mlx-lm's own mixed-bit rule (``mlx_lm.convert.mixed_quant_predicate_builder``)."""
     from mlx_lm.convert import mixed_quant_predicate_builder
 
-    if rule not in MIXED_RULES:
-        raise InputError(f"quant.mixed={rule!r} is not allowed; choose one of {', '.join(MIXED_RULES)}")
     try:
         return mixed_quant_predicate_builder(rule, model, group_size)
     except ValueError as e:
@@ -325,10 +209,7 @@ def prepare(
     mixed: str | None = None,
 ) -> tuple[Skeleton, QuantSpec]:
     """Build the skeleton of ``src`` and quantize it lazily by a uniform setting, a plan or a rule."""
-    if plan is not None and mixed is not None:
-        raise InputError("quant.plan and quant.mixed are both set; choose one")
-    if mixed is not None and mode != "affine":
-        raise InputError(f"quant.mixed={mixed!r} needs quant.mode=affine (mlx-lm's rule); got {mode!r}")
+    check_mixed(mixed, mode=mode, plan=plan)
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     spec = plan.default if plan is not None else spec_for(mode, bits, group_size)
@@ -365,66 +246,3 @@ def _check_plan_paths(plan: Plan, sk: Skeleton, src: str | Path) -> None:
             f"quant.plan names {len(unknown)} module(s) that {src} does not have or cannot quantize"
             f" (e.g. {unknown[0]!r}); a plan's layers are module paths like 'model.layers.0.mlp.down_proj'"
         )
-
-
-# ------------------------------------------------------------------------------- layout
-
-
-@dataclass(frozen=True)
-class ModuleQuant:
-    """How one quantizable module (one with ``to_quantized``) is stored."""
-
-    path: str
-    kind: str
-    in_features: int
-    out_features: int
-    quantized: bool
-    bits: int | None = None
-    group_size: int | None = None
-    mode: str | None = None
-
-
-def module_layout(
-    src: str | Path,
-    *,
-    mode: str = "affine",
-    bits: int | None = None,
-    group_size: int | None = None,
-    plan: Plan | str | Path | None = None,
-    mixed: str | None = None,
-) -> list[ModuleQuant]:
-    """Every quantizable module of ``src`` in output order, with its quantization (or none).
-
-    Reads only config.json and the safetensors headers. ``in_features`` is the weight's last
-    dimension, ``out_features`` the product of the others (experts included).
-
-    Example:
-        >>> sum(m.out_features * m.in_features for m in module_layout(src, bits=4) if m.quantized)
-    """
-    sk, _ = prepare(src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed)
-    out = []
-    for path, m in sk.originals.items():
-        if not hasattr(m, "to_quantized") or "weight" not in m:
-            continue
-        *lead, width = m.weight.shape
-        d = sk.decisions.get(path)
-        out.append(
-            ModuleQuant(
-                path=path,
-                kind=type(m).__name__,
-                in_features=int(width),
-                out_features=int(_prod(lead)),
-                quantized=d is not None,
-                bits=d["bits"] if d else None,
-                group_size=d["group_size"] if d else None,
-                mode=d.get("mode", "affine") if d else None,
-            )
-        )
-    return out
-
-
-def _prod(xs: list[int]) -> int:
-    n = 1
-    for x in xs:
-        n *= int(x)
-    return n

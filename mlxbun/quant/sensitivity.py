@@ -55,27 +55,15 @@ import numpy as np
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, dumps_json
+from mlxbun.io.dtypes import OUTPUT_NAMES
+from mlxbun.kl import kl_from_stats, ref_stats
+from mlxbun.quant.spec import QuantSpec, spec_for
 
 log = logging.getLogger("mlxbun.sensitivity")
 
 SCHEMA_VERSION = 1
 KIND = "mlxbun.sensitivity"
 METRIC = "kl(ref||cur) of float32 logits (float64 softmax), mean over tokens, then over samples"
-MODE_DEFAULT_GROUP = {"affine": 64, "mxfp4": 32, "nvfp4": 16, "mxfp8": 32}
-
-
-@dataclass(frozen=True)
-class Candidate:
-    bits: int
-    group_size: int
-    mode: str
-
-    def same(self, current: dict | None) -> bool:
-        return current is not None and (current["bits"], current["group_size"], current["mode"]) == (
-            self.bits,
-            self.group_size,
-            self.mode,
-        )
 
 
 @dataclass(frozen=True)
@@ -103,15 +91,9 @@ class Target:
 # ---------------------------------------------------------------- model
 
 
-def candidates(bits: list[int], *, group_size: int | None, mode: str) -> list[Candidate]:
+def candidates(bits: list[int], *, group_size: int | None, mode: str) -> list[QuantSpec]:
     """The candidate settings, checked against what MLX's quantize supports for ``mode``."""
-    from mlxbun.quant.plan import spec_for
-
-    out = []
-    for b in sorted(set(bits)):
-        spec = spec_for(mode, b, group_size, key="sensitivity")
-        out.append(Candidate(spec.bits, spec.group_size, spec.mode))
-    return out
+    return [spec_for(mode, b, group_size, key="sensitivity") for b in sorted(set(bits))]
 
 
 def find_blocks(model: Any) -> tuple[Any, str]:
@@ -198,15 +180,11 @@ def source_dtypes(model_dir: str | Path) -> dict[str, str]:
     out = {}
     for name in md.names():
         if name.endswith(".weight"):
-            out[name[: -len(".weight")]] = _mx_dtype_name(md.info(name).dtype)
+            out[name[: -len(".weight")]] = OUTPUT_NAMES.get(md.info(name).dtype, "bfloat16")
     return out
 
 
-def _mx_dtype_name(st: str) -> str:
-    return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(st, "bfloat16")
-
-
-def fake_quant(weight: Any, cand: Candidate, *, dtype: str) -> Any:
+def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str) -> Any:
     """quantize -> dequantize of ``weight`` cast to its source dtype, returned as float32."""
     import mlx.core as mx
 
@@ -294,51 +272,6 @@ class Stack:
             self.owner["layers"] = self.blocks
 
 
-def log_probs(logits: Any) -> Any:
-    """log-softmax of float32 logits, in float64 numpy.
-
-    The forward runs in float32; the KL of an 8-bit probe can be ~1e-7, below the float32 rounding
-    of log-probs near -log(vocab), so softmax and sums run in float64 (numpy: MLX's float64 exp is
-    only float32-accurate on CPU).
-    """
-    import mlx.core as mx
-    import numpy as np
-
-    z = np.array(logits.astype(mx.float32), dtype=np.float64)
-    z -= z.max(axis=-1, keepdims=True)
-    z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
-    return z
-
-
-def kl_rows(ref_logp: Any, logits: Any) -> Any:
-    """Per-sample KL(ref || cur), mean over tokens: numpy float64, shape (batch,)."""
-    import numpy as np
-
-    cur = log_probs(logits)
-    return (np.exp(ref_logp) * (ref_logp - cur)).sum(axis=-1).mean(axis=-1)
-
-
-def ref_stats(logits: Any) -> tuple[Any, Any]:
-    """(p_ref, sum_v p_ref log p_ref) of float32 logits, float64 numpy: what every probe reuses."""
-    logp = log_probs(logits)
-    p = np.exp(logp)
-    return p, (p * logp).sum(axis=-1)
-
-
-def kl_from_stats(stats: tuple[Any, Any], logits: Any) -> Any:
-    """Per-sample KL(ref || cur), mean over tokens, as sum p log p - sum p z_cur + logsumexp(z_cur).
-
-    The same quantity as :func:`kl_rows` with one exp per element instead of two (float64).
-    """
-    import mlx.core as mx
-
-    p, neg_entropy = stats
-    z = np.array(logits.astype(mx.float32), dtype=np.float64)
-    top = z.max(axis=-1)
-    lse = top + np.log(np.exp(z - top[..., None]).sum(axis=-1))
-    return (neg_entropy - np.einsum("btv,btv->bt", p, z) + lse).mean(axis=-1)
-
-
 # ---------------------------------------------------------------- fast sweep
 
 
@@ -391,7 +324,7 @@ class Sweep:
             for j, b in enumerate(self.batches)
         ]
 
-    def probe_graphs(self, g: int, target: Target, cand: Candidate, hs: list | None):
+    def probe_graphs(self, g: int, target: Target, cand: QuantSpec, hs: list | None):
         """Lazy (logits, ref logits or None) per batch with ``target`` fake-quantized; weight restored."""
         import mlx.core as mx
 
@@ -408,14 +341,14 @@ class Sweep:
             mx.async_eval(logits if ref is None else [logits, ref])
             yield j, logits, ref
 
-    def jobs(self, groups: dict[int, list[Target]], cands: list[Candidate]):
+    def jobs(self, groups: dict[int, list[Target]], cands: list[QuantSpec]):
         """Every probe in order, then ("done", g) after the last probe of group g."""
         hs, at = None, 0
         for g in sorted(groups):
             hs, at = self.advance(hs, at, g), g
             for t in groups[g]:
                 for c in cands:
-                    if c.same(t.current):
+                    if c.matches(t.current):
                         yield "zero", g, t, c, None
                         continue
                     for job in self.probe_graphs(g, t, c, hs):
@@ -423,7 +356,7 @@ class Sweep:
             yield "done", g, None, None, None
 
     def run(
-        self, groups: dict[int, list[Target]], cands: list[Candidate], *, on_group, progress=None
+        self, groups: dict[int, list[Target]], cands: list[QuantSpec], *, on_group, progress=None
     ) -> None:
         self.cache_refs()
         totals: dict[int, dict[str, dict[str, float]]] = {}
@@ -574,7 +507,6 @@ def heatmap_png(doc: dict[str, Any]) -> bytes:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     rows = doc["layers"]
     data = np.array([[r["kl"][str(b)] for b in doc["bits"]] for r in rows], dtype=np.float64).reshape(
@@ -602,7 +534,7 @@ class Setup:
     model: Any
     tokens: Any
     targets: list[Target]
-    cands: list[Candidate]
+    cands: list[QuantSpec]
     settings: dict[str, Any]
 
 

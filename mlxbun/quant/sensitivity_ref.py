@@ -20,19 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-
-def _kl(ref_logits: Any, cur_logits: Any) -> float:
-    """KL(ref || cur) of one sample, mean over tokens, from float32 logits (float64 numpy sums)."""
-    import mlx.core as mx
-    import numpy as np
-
-    def logp(x: Any) -> Any:
-        z = np.array(x.astype(mx.float32), dtype=np.float64)[0]
-        m = z.max(axis=-1, keepdims=True)
-        return z - m - np.log(np.exp(z - m).sum(axis=-1, keepdims=True))
-
-    ref, cur = logp(ref_logits), logp(cur_logits)
-    return float((np.exp(ref) * (ref - cur)).sum(axis=-1).mean())
+from mlxbun.kl import kl
 
 
 def _score(model: Any, samples: list, ref: list, target: Any, cand: Any) -> float:
@@ -40,7 +28,7 @@ def _score(model: Any, samples: list, ref: list, target: Any, cand: Any) -> floa
 
     from mlxbun.quant.sensitivity import fake_quant, module_at
 
-    if cand.same(target.current):
+    if cand.matches(target.current):
         return 0.0
     mod = module_at(model, target.path)
     original = mod.weight
@@ -50,7 +38,7 @@ def _score(model: Any, samples: list, ref: list, target: Any, cand: Any) -> floa
         for x, r in zip(samples, ref, strict=True):
             logits = model(x)
             mx.eval(logits)
-            kls.append(_kl(r, logits))
+            kls.append(kl(r, logits))
     finally:
         mod.weight = original
     return sum(kls) / len(kls)

@@ -38,8 +38,10 @@ from typing import Any
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, file_lock, fsync_dir, publish_dir
+from mlxbun.io.dtypes import OUTPUT_DTYPES as CONVERSION_DTYPES
 from mlxbun.progress import Progress
-from mlxbun.quant.plan import CONVERSION_DTYPES, Plan, QuantSpec, Skeleton, load_plan, prepare
+from mlxbun.quant.plan import Skeleton, prepare
+from mlxbun.quant.spec import Plan, QuantSpec, load_plan
 
 log = logging.getLogger("mlxbun")
 

@@ -1,0 +1,68 @@
+"""KL(ref || cur) of next-token distributions from logits: the one log-softmax and KL of the project.
+
+Softmax and sums run in float64 numpy: the KL of an 8-bit probe can be ~1e-7, below the float32
+rounding of log-probs near -log(vocab), and MLX's float64 exp is only float32-accurate on CPU.
+MLX logits are cast to float32 first (the precision the forwards run in); numpy logits are taken
+as they are (float64 stays float64). Shapes: ``[..., tokens, vocab]``.
+
+Example:
+    >>> ref = log_probs(model(batch))                # [batch, tokens, vocab], float64
+    >>> kl_rows(ref, quantized_model(batch))         # [batch]: mean over tokens of each row
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def as_float64(logits: Any) -> np.ndarray:
+    """Logits as a fresh float64 numpy array (MLX arrays pass through float32)."""
+    if not isinstance(logits, np.ndarray):
+        import mlx.core as mx
+
+        logits = logits.astype(mx.float32)
+    return np.array(logits, dtype=np.float64)
+
+
+def log_softmax(z: np.ndarray) -> np.ndarray:
+    """log-softmax over the last axis, in place on a float64 array (returned)."""
+    z -= z.max(axis=-1, keepdims=True)
+    z -= np.log(np.exp(z).sum(axis=-1, keepdims=True))
+    return z
+
+
+def log_probs(logits: Any) -> np.ndarray:
+    """Log-probabilities of ``logits`` (MLX or numpy), float64 numpy."""
+    return log_softmax(as_float64(logits))
+
+
+def kl_rows(ref_logp: np.ndarray, logits: Any) -> np.ndarray:
+    """KL(ref || cur) per token, then the mean over tokens: shape ``ref_logp.shape[:-2]``."""
+    cur = log_probs(logits)
+    return (np.exp(ref_logp) * (ref_logp - cur)).sum(axis=-1).mean(axis=-1)
+
+
+def kl(ref_logits: Any, cur_logits: Any) -> float:
+    """Mean over every token of KL(softmax(ref) || softmax(cur))."""
+    return float(np.mean(kl_rows(log_probs(ref_logits), cur_logits)))
+
+
+def ref_stats(logits: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(p_ref, sum_v p_ref log p_ref) of the reference logits: what every probe against it reuses."""
+    logp = log_probs(logits)
+    p = np.exp(logp)
+    return p, (p * logp).sum(axis=-1)
+
+
+def kl_from_stats(stats: tuple[np.ndarray, np.ndarray], logits: Any) -> np.ndarray:
+    """:func:`kl_rows` as sum p log p - sum p z_cur + logsumexp(z_cur): one exp per element, not two.
+
+    For ``[batch, tokens, vocab]`` logits; returns ``[batch]``.
+    """
+    p, neg_entropy = stats
+    z = as_float64(logits)
+    top = z.max(axis=-1)
+    lse = top + np.log(np.exp(z - top[..., None]).sum(axis=-1))
+    return (neg_entropy - np.einsum("btv,btv->bt", p, z) + lse).mean(axis=-1)
