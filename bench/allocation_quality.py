@@ -347,7 +347,8 @@ class Fixture:
 def run_fixture(model: Path, args: argparse.Namespace) -> dict:
     fx = Fixture(model, args)
     specs = {"sens": "sens", "errors": "errors"}
-    anchors = {k: v for k, v in ANCHORS.items() if not args.only or v.split(":")[0] in args.only.split(",")}
+    wanted = [w for w in args.only.split(",") if w]
+    anchors = {k: v for k, v in ANCHORS.items() if not wanted or any(v.startswith(w) for w in wanted)}
     specs |= {spec: "anchor-" + spec.replace(":", "_") for spec in anchors.values()}
     with ThreadPoolExecutor(PARALLEL) as pool:  # every child stage, PARALLEL at a time
         list(pool.map(lambda kv: fx.stage(*kv), specs.items()))
@@ -458,7 +459,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "allocate.md")
     ap.add_argument("--stage", default=None, help="(internal) run one child stage")
     ap.add_argument("--dest", type=Path, default=None, help="(internal) the child stage's output")
-    ap.add_argument("--only", default="", help="anchor kinds to run, e.g. convert,gptq (default: all)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="anchors whose spec starts with one of these, e.g. convert:3,gptq (default: all)",
+    )
     ap.add_argument("--combine", nargs="*", type=Path, help="report from these results.json files only")
     ap.add_argument("--reuse", action="store_true", help="keep --work: finished stages are reused")
     args = ap.parse_args()
