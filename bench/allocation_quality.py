@@ -39,6 +39,17 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 HELD_OUT = ["ast", "configparser", "optparse", "gettext", "pprint", "locale", "tokenize", "zipfile"]
+HELD_OUT_MORE = [
+    "calendar",
+    "difflib",
+    "shlex",
+    "smtplib",
+    "tarfile",
+    "imaplib",
+    "mailbox",
+    "ftplib",
+    "plistlib",
+]
 # Anchors: name -> child-stage spec.
 ANCHORS = {
     "mlx-lm q3": "convert:3:64:",
@@ -231,9 +242,16 @@ class Evaluator:
         return out
 
 
-def held_out_text(work: Path) -> Path:
-    """CPython modules outside the fixture's training list, as one plain-text calibration file."""
-    parts = [Path(f"/usr/lib/python3.11/{m}.py").read_text(errors="replace") for m in HELD_OUT]
+def held_out_text(work: Path, model: Path) -> Path:
+    """Eight CPython modules outside the model's training corpus (its FIXTURE.json), as one text file."""
+    record = model / "FIXTURE.json"
+    seen = (
+        {Path(c["file"]).stem for c in json.loads(record.read_text())["corpus"]}
+        if record.is_file()
+        else set()
+    )
+    names = [m for m in HELD_OUT + HELD_OUT_MORE if m not in seen][:8]
+    parts = [Path(f"/usr/lib/python3.11/{m}.py").read_text(errors="replace") for m in names]
     path = work / "held_out.txt"
     path.write_text("\n\n".join(parts))
     return path
@@ -263,7 +281,7 @@ class Fixture:
         calib = load_calibration(tokenizer=tok, samples=args.samples, seq_len=args.seq_len, seed=0)
         held = load_calibration(
             tokenizer=tok,
-            path=held_out_text(self.work),
+            path=held_out_text(self.work, model),
             samples=args.eval_samples,
             seq_len=args.seq_len,
             seed=1,
