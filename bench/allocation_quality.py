@@ -61,6 +61,8 @@ ANCHORS = {
     "mlx-lm q6": "convert:6:64:",
     "mlx-lm gptq 4-bit (fallback 6)": "gptq:4:6",
     "mlx-lm gptq 4-bit (fallback 4)": "gptq:4:4",
+    "mlx-lm gptq 4-bit (fallback 6), float32 Hessians": "gptq:4:6:f32",
+    "mlx-lm gptq 4-bit (fallback 4), float32 Hessians": "gptq:4:4:f32",
     "mlx-lm awq 3-bit": "awq:3",
     "mlx-lm awq 4-bit": "awq:4",
     "mlx-lm dynamic_quant 3/4 @ 4.0 bpw": "dq:3:4:4.0",
@@ -116,12 +118,19 @@ def _load_for_learned(args: argparse.Namespace):
     return model, tok, config, data
 
 
-def stage_gptq(args: argparse.Namespace, bits: str, fallback: str) -> None:
+def stage_gptq(args: argparse.Namespace, bits: str, fallback: str, dtype: str = "") -> None:
+    """mlx-lm's GPTQ as its command runs it; ``f32``: on a float32 copy (its Hessians accumulate in
+    the model's dtype, and in bf16 some came out not positive definite: NaN scales), saved in bf16."""
+    import mlx.core as mx
     from mlx_lm.quant.gptq import gptq_quantize
     from mlx_lm.utils import save
 
     model, tok, config, data = _load_for_learned(args)
+    if dtype == "f32":
+        model.set_dtype(mx.float32)
     model, config["quantization"] = gptq_quantize(model, data, int(bits), 64, int(fallback), 64)
+    if dtype == "f32":
+        model.set_dtype(mx.bfloat16)
     save(str(args.dest), str(args.model), model, tok, config)
 
 
@@ -190,9 +199,18 @@ def stage_errors(args: argparse.Namespace) -> None:
     (args.dest / "errors.json").write_text(json.dumps(errors, indent=1, sort_keys=True))
 
 
+def stage_hessians(args: argparse.Namespace) -> None:
+    from mlxbun.quant.hessian import capture_model_dir
+
+    args.dest.mkdir(parents=True, exist_ok=True)
+    capture_model_dir(
+        args.model, args.dest / "hessians.safetensors", samples=args.samples, seq_len=args.seq_len
+    )
+
+
 STAGES = {
     "convert": stage_convert, "gptq": stage_gptq, "awq": stage_awq, "dq": stage_dq, "sens": stage_sens,
-    "errors": stage_errors,
+    "errors": stage_errors, "hessians": stage_hessians,
 }  # fmt: skip
 
 
@@ -386,6 +404,41 @@ def run_fixture(model: Path, args: argparse.Namespace) -> dict:
     }
 
 
+def run_uniform(model: Path, args: argparse.Namespace) -> list[str]:
+    """Same bits, same bytes: mlx-lm convert q3/q4 against mlxbun's quantize with each method."""
+    from mlxbun.quant.uniform import quantize_model_dir
+
+    fx = Fixture(model, args)
+    hdir, hstats = fx.stage("hessians", "hessians")
+    lines = [f"## {_rel(str(model))}: uniform bits, each method (held-out KL, ratio to mlx-lm)", ""]
+    lines += [
+        f"Hessians: {hstats['seconds']:.0f} s.",
+        "",
+        "| bits | mlx-lm | rtn | clip | gptq |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for bits in (3, 4):
+        anchor = fx.anchor(f"mlx-lm q{bits}", f"convert:{bits}:64:")
+        cells = []
+        for method in ("rtn", "clip", "gptq"):
+            kw = {} if method == "rtn" else {"method": method, "hessians": hdir / "hessians.safetensors"}
+            out = fx.work / "uniform" / f"{bits}-{method}"
+            shutil.rmtree(out, ignore_errors=True)
+            t0 = time.perf_counter()
+            res = quantize_model_dir(
+                model, out, bits=bits, group_size=64, partial_root=fx.work / "partial", **kw
+            )
+            kl = fx.eval.kl(res.out)["held_out"]
+            size = _size(res.out, fx.source.parameters)["file_bytes"]
+            cells.append(
+                f"{kl:.5f} ({kl / anchor['held_out']:.2f}; {time.perf_counter() - t0:.0f} s; {size} B)"
+            )
+        lines.append(
+            f"| {bits} | {anchor['held_out']:.5f} ({anchor['file_bytes']} B) | " + " | ".join(cells) + " |"
+        )
+    return lines + [""]
+
+
 # ------------------------------------------------------------------------------- report
 
 
@@ -483,6 +536,7 @@ def main() -> None:
         help="anchors whose spec starts with one of these, e.g. convert:3,gptq (default: all)",
     )
     ap.add_argument("--combine", nargs="*", type=Path, help="report from these results.json files only")
+    ap.add_argument("--uniform", action="store_true", help="only uniform q3/q4 per method (no allocation)")
     ap.add_argument("--reuse", action="store_true", help="keep --work: finished stages are reused")
     args = ap.parse_args()
     models = [m.resolve() for m in (args.model or [REPO / "tests" / "fixtures" / "llama-text-3m"])]
@@ -502,6 +556,11 @@ def main() -> None:
     if not args.reuse:
         shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.uniform:
+        text = "\n".join(line for m in models for line in run_uniform(m, args))
+        args.out.write_text(text)
+        print(text)
+        return
     if args.combine:  # one report from the results.json of runs over parts of the anchors
         results = _combine([json.loads(Path(p).read_text()) for p in args.combine])
     else:
