@@ -43,6 +43,8 @@ import mlx.core as mx  # noqa: E402
 import mlx.nn as nn  # noqa: E402
 import numpy as np  # noqa: E402
 
+from mlxbun.kl import kl_logp, log_probs  # noqa: E402
+
 GROUP = 64
 BITS = (4, 3)
 PARTS = {
@@ -91,16 +93,12 @@ def build(config: dict, w: dict[str, np.ndarray], dtype=mx.bfloat16) -> nn.Modul
 
 
 def logprobs(model: nn.Module, tokens) -> list:
-    out = []
-    for row in tokens:
-        logits = model(mx.array(row)[None])[0].astype(mx.float32)
-        out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        mx.eval(out[-1])
-    return out
+    return [log_probs(model(mx.array(row)[None])[0]) for row in tokens]
 
 
 def kl(ref: list, cur: list) -> float:
-    total = sum(mx.sum(mx.exp(p) * (p - q)).item() for p, q in zip(ref, cur, strict=True))
+    """Mean over tokens of KL(ref ‖ cur) (float64, mlxbun.kl)."""
+    total = sum(float(kl_logp(p, q)) * p.shape[0] for p, q in zip(ref, cur, strict=True))
     return total / sum(p.shape[0] for p in ref)
 
 

@@ -87,24 +87,21 @@ def calibration_tokens(model: Path, samples: int, seq_len: int):
 
 
 def logprobs(model_dir: Path, tokens) -> list:
-    """float32 log-probabilities per sample (the model computes in its own dtype; logits cast to f32)."""
+    """Log-probabilities per sample (the model computes in its own dtype; see mlxbun.kl)."""
     import mlx.core as mx
     from mlx_lm import load
 
+    from mlxbun.kl import log_probs
+
     model, _ = load(str(model_dir))
-    out = []
-    for row in tokens:
-        logits = model(mx.array(row)[None])[0].astype(mx.float32)
-        out.append(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-        mx.eval(out[-1])
-    return out
+    return [log_probs(model(mx.array(row)[None])[0]) for row in tokens]
 
 
 def kl(ref: list, cur: list) -> float:
-    """Mean over tokens of KL(ref ‖ cur), in float32."""
-    import mlx.core as mx
+    """Mean over tokens of KL(ref ‖ cur) (float64, mlxbun.kl)."""
+    from mlxbun.kl import kl_logp
 
-    total = sum(mx.sum(mx.exp(p) * (p - q)).item() for p, q in zip(ref, cur, strict=True))
+    total = sum(float(kl_logp(p, q)) * p.shape[0] for p, q in zip(ref, cur, strict=True))
     return total / sum(p.shape[0] for p in ref)
 
 

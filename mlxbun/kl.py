@@ -38,10 +38,14 @@ def log_probs(logits: Any) -> np.ndarray:
     return log_softmax(as_float64(logits))
 
 
+def kl_logp(ref_logp: np.ndarray, cur_logp: np.ndarray) -> np.ndarray:
+    """KL(ref || cur) per token from log-probabilities, then the mean over tokens (``[..., tokens]``)."""
+    return (np.exp(ref_logp) * (ref_logp - cur_logp)).sum(axis=-1).mean(axis=-1)
+
+
 def kl_rows(ref_logp: np.ndarray, logits: Any) -> np.ndarray:
-    """KL(ref || cur) per token, then the mean over tokens: shape ``ref_logp.shape[:-2]``."""
-    cur = log_probs(logits)
-    return (np.exp(ref_logp) * (ref_logp - cur)).sum(axis=-1).mean(axis=-1)
+    """:func:`kl_logp` against the log-probabilities of ``logits``: shape ``ref_logp.shape[:-2]``."""
+    return kl_logp(ref_logp, log_probs(logits))
 
 
 def kl(ref_logits: Any, cur_logits: Any) -> float:

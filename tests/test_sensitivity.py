@@ -189,6 +189,7 @@ def test_sharded_merged_equals_single_job(tmp_path):
         assert (tmp_path / "m" / name).read_bytes() == (tmp_path / "single" / name).read_bytes(), name
 
 
+@pytest.mark.slow
 def test_resume_after_interrupt(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_sens(FIXTURE, tmp_path / "a", tmp_path / "w", stop_after_groups=2, **CHEAP)

@@ -28,12 +28,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlxbun.errors import InputError
+from mlxbun.errors import DriftError, InputError
+from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES
+from mlxbun.kl import kl_rows, log_probs
+from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport, Source
+from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.knapsack import Solution, solve
+from mlxbun.quant.sensitivity import load_model, model_fingerprint
 from mlxbun.quant.spec import AFFINE_BITS, Plan, QuantSpec, Rule, check_budget
+from mlxbun.quant.uniform import quantize_model_dir, resolve_dtype
 
 PLAN_FILE = "plan.json"
 SENSITIVITY_FILE = "sensitivity.json"
@@ -181,7 +187,7 @@ class Allocation:
         return {p: c.setting for p, c in self.choices.items()}
 
     @property
-    def plan(self) -> Allocation:
+    def plan(self) -> Plan:
         """What ``quantize`` reads (:class:`mlxbun.quant.spec.Plan`)."""
         return Plan(default=self.default, layers=self.layers)
 
@@ -338,8 +344,6 @@ def allocate(
 
 def _dtype_code(dtype: str | None, model_dir: Path) -> str | None:
     """The safetensors code of the dtype ``quantize`` will write, by its own rule."""
-    from mlxbun.quant.uniform import resolve_dtype
-
     cfg = model_dir / "config.json"
     resolved = resolve_dtype(dtype, json.loads(cfg.read_text()) if cfg.is_file() else {})
     return CODES[resolved] if resolved else None
@@ -463,9 +467,6 @@ def measured_kl(ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batc
     import mlx.core as mx
     import numpy as np
 
-    from mlxbun.kl import kl_rows, log_probs
-    from mlxbun.quant.sensitivity import load_model
-
     ref, _, _ = load_model(ref_dir)
     cur, _, _ = load_model(model_dir)
     total = 0.0
@@ -496,9 +497,6 @@ def check_plan(
         >>> r.predicted == r.measured, r.measured_kl, r.predicted_kl_sum
     """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    from mlxbun.quant.calib import load_calibration
-    from mlxbun.quant.uniform import quantize_model_dir
 
     res = quantize_model_dir(model_dir, out, plan=plan_path, dtype=out_dtype, shard_bytes=shard_bytes)
     measured = budget.measure(res.out, parameters=plan.size.parameters)
@@ -535,8 +533,6 @@ def candidate_filter(
 
 def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
     """Everything that can be wrong with the input, before anything is written."""
-    from mlxbun.quant.sensitivity import model_fingerprint
-
     a = cfg.allocate
     if not a.sensitivity:
         raise InputError("allocate.sensitivity is not set; pass a sensitivity.json or the run dir holding it")
@@ -586,9 +582,6 @@ def _summary(plan: Allocation, plan_path: Path) -> tuple[dict[str, Any], str]:
 
 def _check_from_cfg(cfg: Any, plan: Allocation, plan_path: Path, src: Path, sens: Sensitivity) -> CheckResult:
     """Quantize with the plan into ``<run_dir>/model``; check.json; DriftError if sizes differ."""
-    from mlxbun.errors import DriftError
-    from mlxbun.io.atomic import atomic_write_json
-
     c, run_dir = cfg.sensitivity.calib, plan_path.parent
     check = check_plan(
         plan, plan_path, model_dir=src, out=run_dir / "model", calib_path=c.path, samples=c.samples,
@@ -603,9 +596,7 @@ def _check_from_cfg(cfg: Any, plan: Allocation, plan_path: Path, src: Path, sens
 
 def run(cfg: Any) -> Any:
     """command=allocate: plan.json for ``model.name`` from ``allocate.sensitivity`` and the budget."""
-    from mlxbun.io.atomic import atomic_write_json
-    from mlxbun.provenance import RunResult
-    from mlxbun.source import model_dir
+    from mlxbun.source import model_dir  # here: the name is a parameter of the library functions
 
     src = model_dir(cfg)
     sens, default = _check_boundary(cfg, src)

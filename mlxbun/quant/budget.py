@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.io.dtypes import CODES, FLOAT_CODES, ITEMSIZE
-from mlxbun.io.shards import opens_shard
+from mlxbun.io.safetensors import open_model
+from mlxbun.io.shards import header_bytes, opens_shard
+from mlxbun.quant.plan import build_skeleton
 from mlxbun.quant.spec import UINT8_SCALE_MODES, QuantSpec
 
 
@@ -161,8 +163,6 @@ def output_specs(
 
 def file_size(specs: list[TensorSpec], metadata: Mapping[str, str] | None) -> int:
     """Bytes of one safetensors file holding ``specs``, as ``mlxbun.io.shards`` writes it."""
-    from mlxbun.io.shards import header_bytes
-
     entries = [(s.name, s.dtype, s.shape, s.nbytes) for s in sorted(specs, key=lambda s: s.name)]
     return len(header_bytes(entries, dict(metadata or {}))) + sum(s.nbytes for s in specs)
 
@@ -240,8 +240,6 @@ def predict(
 
 def read_specs(model_dir: Path) -> list[TensorSpec]:
     """The tensors of a model directory (any layout ``open_model`` reads), sorted by name."""
-    from mlxbun.io.safetensors import open_model
-
     with open_model(model_dir) as m:
         return [TensorSpec(i.name, i.dtype, tuple(i.shape)) for i in m.infos().values()]
 
@@ -254,8 +252,6 @@ def read_source(model_dir: Path) -> Source:
     """
     import mlx.nn as nn
     from mlx.utils import tree_flatten
-
-    from mlxbun.quant.plan import build_skeleton
 
     if not (Path(model_dir) / "config.json").is_file():
         return Source.from_specs(read_specs(model_dir))
@@ -278,8 +274,6 @@ def read_source(model_dir: Path) -> Source:
 
 def measure(model_dir: Path, *, parameters: int) -> SizeReport:
     """The size of a written model directory (``parameters``: the source's logical count)."""
-    from mlxbun.io.safetensors import open_model
-
     with open_model(model_dir) as m:
         files = m.files
         tensor_bytes = m.total_bytes

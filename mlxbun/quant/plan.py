@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
+from mlxbun.io.safetensors import open_model
+from mlxbun.quant.mlxlm import load_config, model_classes
 from mlxbun.quant.spec import Plan, QuantSpec, check_mixed, load_plan, spec_for
 
 # ------------------------------------------------------------------------------- skeleton
@@ -55,8 +57,6 @@ class Skeleton:
 
 def check_source(src: Path) -> dict[str, Any]:
     """The source's config (mlx-lm's ``load_config``); errors for what cannot be converted."""
-    from mlxbun.quant.mlxlm import load_config
-
     if not (src / "config.json").is_file():
         raise InputError(f"model {src} has no config.json; pass a Hugging Face model directory")
     config = load_config(src)
@@ -73,8 +73,6 @@ def check_source(src: Path) -> dict[str, Any]:
 def _lazy_source(src: Path) -> dict[str, Any]:
     import mlx.core as mx
 
-    from mlxbun.io.safetensors import open_model
-
     files = sorted(src.glob("model*.safetensors"))
     if not files:
         raise InputError(f"model {src} has no model*.safetensors files")
@@ -89,8 +87,6 @@ def _lazy_source(src: Path) -> dict[str, Any]:
 def build_skeleton(src: str | Path) -> Skeleton:
     """Instantiate the model class for ``src`` and sanitize lazy views of its tensors."""
     from mlx.utils import tree_flatten
-
-    from mlxbun.quant.mlxlm import model_classes
 
     src = Path(src)
     config = check_source(src)
