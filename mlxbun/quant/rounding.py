@@ -186,21 +186,7 @@ def quantize(
     for r0 in range(0, rows, step):
         block = w[r0 : r0 + step].astype(mx.float32)
         q, s, b = _search_block(block, imp, bits=bits, group_size=group_size, dtype=w.dtype)
-        packed.append(pack(np.asarray(q.astype(mx.uint8 if bits <= 8 else mx.uint32)), bits))
+        packed.append(pack(np.asarray(q.astype(mx.uint8)), bits))
         scales.append(s.astype(w.dtype))
         biases.append(b.astype(w.dtype))
     return mx.array(np.concatenate(packed)), mx.concatenate(scales), mx.concatenate(biases)
-
-
-def fake_quant_with(method: str):
-    """A drop-in for ``sensitivity.fake_quant`` that quantizes with ``method``."""
-
-    def fake_quant(weight: Any, cand: Any, *, dtype: str) -> Any:
-        import mlx.core as mx
-
-        src = weight.astype(getattr(mx, dtype))
-        parts = quantize(src, bits=cand.bits, group_size=cand.group_size, method=method)
-        out = mx.dequantize(*parts, group_size=cand.group_size, bits=cand.bits)
-        return out.astype(mx.float32)
-
-    return fake_quant
