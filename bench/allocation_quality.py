@@ -1,25 +1,24 @@
-"""Allocation quality at equal size: mlxbun's plan vs uniform bits, mlx-lm's mixed rules and dynamic_quant.
+"""Quality at equal bytes: mlxbun's plans against mlx-lm's convert options, GPTQ, AWQ and dynamic_quant.
 
-Run: .venv/bin/python bench/allocation_quality.py [--model tests/fixtures/llama-text-3m]
+Run: .venv/bin/python bench/allocation_quality.py [--model tests/fixtures/llama-text-3m ...]
          [--samples 16] [--seq-len 256] [--out bench/results/allocate.md]
 
-1. sensitivity (child process): mlxbun's exact per-layer KL at 2, 3, 4, 5, 6, 8 bits (affine g64)
-   on the built-in calibration set.
-2. dynamic_quant (child process): mlx-lm's first-order estimate
-   (``mlx_lm.quant.dynamic_quant.estimate_sensitivities``) on the same calibration tokens, for
-   each (low, high) pair of bits it is compared with.
-3. For each reference size (uniform 3/4/5-bit g64, mlx-lm ``mixed_3_6``/``mixed_4_6``): quantize
-   the baseline with mlxbun's quantize, read its size on disk; plan mlxbun's allocation with that
-   size as ``budget_bytes``; plan dynamic_quant's two tiers (every pair whose all-low and all-high
-   sizes bracket the target, as mlx-lm requires) at that size (its own threshold rule:
-   the highest-scoring modules get the high bits, as many as fit), also with its scores fed to
-   mlxbun's knapsack, and beside them mlxbun's exact KLs restricted to the same two tiers (which
-   separates the estimate's quality from the richer choice of bits); quantize every plan; measure
-   KL(reference || quantized) on the calibration tokens and on held-out text (CPython modules
-   the fixture was not trained on).
+For each model (several ``--model`` give one section each):
 
-Every model is written by the project's quantize and its size read from disk, so "same size"
-means at most the baseline's bytes on disk. Writes ``bench/results/allocate.md``.
+1. Anchors, each in its own child process (wall time of the whole method, load and save included):
+   ``mlx_lm.convert`` at q3, mixed_3_4, mixed_3_6, q4, mixed_4_6, q4 g32, q6;
+   ``mlx_lm.quant.gptq.gptq_quantize`` (4-bit g64; its default 6-bit fallback and a 4-bit one);
+   ``mlx_lm.quant.awq.awq_quantize`` (3 and 4-bit g64, its default 4-bit g32 embedding);
+   ``mlx_lm.quant.dynamic_quant`` (3/4 and 4/5 tiers at their default-style bpw targets).
+   The learned quantizers get mlxbun's calibration token matrix directly (offline, same tokens
+   as mlxbun's sensitivity).
+2. mlxbun's exact sensitivity (child processes) per quantizer method and group size.
+3. At the byte size of every anchor (its ``.safetensors`` files on disk): mlxbun's knapsack
+   plan for each candidate family, quantized by mlxbun's quantize, size read from disk.
+4. KL(reference || quantized) of every model on the calibration tokens and on held-out text
+   (CPython modules the fixture was not trained on).
+
+Writes ``bench/results/allocate.md``.
 """
 
 from __future__ import annotations
@@ -27,9 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -37,9 +38,49 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-BITS = [2, 3, 4, 5, 6, 8]
-PAIRS = [(2, 3), (3, 4), (3, 6), (4, 5), (4, 6), (4, 8), (5, 6), (5, 8)]
 HELD_OUT = ["ast", "configparser", "optparse", "gettext", "pprint", "locale", "tokenize", "zipfile"]
+HELD_OUT_MORE = [
+    "calendar",
+    "difflib",
+    "shlex",
+    "smtplib",
+    "tarfile",
+    "imaplib",
+    "mailbox",
+    "ftplib",
+    "plistlib",
+]
+# Anchors: name -> child-stage spec.
+ANCHORS = {
+    "mlx-lm q3": "convert:3:64:",
+    "mlx-lm mixed_3_4": "convert:3:64:mixed_3_4",
+    "mlx-lm mixed_3_6": "convert:3:64:mixed_3_6",
+    "mlx-lm q4": "convert:4:64:",
+    "mlx-lm mixed_4_6": "convert:4:64:mixed_4_6",
+    "mlx-lm q4 g32": "convert:4:32:",
+    "mlx-lm q6": "convert:6:64:",
+    "mlx-lm gptq 4-bit (fallback 6)": "gptq:4:6",
+    "mlx-lm gptq 4-bit (fallback 4)": "gptq:4:4",
+    "mlx-lm gptq 4-bit (fallback 6), float32 Hessians": "gptq:4:6:f32",
+    "mlx-lm gptq 4-bit (fallback 4), float32 Hessians": "gptq:4:4:f32",
+    "mlx-lm awq 3-bit": "awq:3",
+    "mlx-lm awq 4-bit": "awq:4",
+    "mlx-lm dynamic_quant 3/4 @ 4.0 bpw": "dq:3:4:4.0",
+    "mlx-lm dynamic_quant 4/5 @ 5.0 bpw": "dq:4:5:5.0",
+}
+# Exact KL is measured for RTN at g64 only; every other (bits, group, method) of a module gets
+# KL(RTN, bits, g64) x its output error / RTN's output error at (bits, g64), the error being
+# trace(dW H dW^T) on the calibration inputs (KL grows linearly with a layer's output error).
+EXACT_BITS = [2, 3, 4, 5, 6, 8]
+SETTINGS = [(b, 64) for b in EXACT_BITS] + [(b, 32) for b in (2, 3, 4, 5)] + [(b, 128) for b in (3, 4, 6, 8)]
+METHODS = ("rtn", "clip", "gptq")
+FAMILIES = {  # label -> (quantize method, group sizes offered to the knapsack)
+    "mlxbun RTN g64": ("rtn", (64,)),
+    "mlxbun RTN g32/64/128": ("rtn", (32, 64, 128)),
+    "mlxbun clip g32/64/128": ("clip", (32, 64, 128)),
+    "mlxbun GPTQ g32/64/128": ("gptq", (32, 64, 128)),
+}
+PARALLEL = 2  # child stages at once
 
 
 def peak_rss_mb() -> float:
@@ -49,49 +90,141 @@ def peak_rss_mb() -> float:
 # ------------------------------------------------------------------------------- child stages
 
 
-def stage_sensitivity(args: argparse.Namespace) -> dict:
-    from mlxbun import blas
-
-    blas.load()
-    from mlxbun.quant.sensitivity import sensitivity
-
-    t0 = time.perf_counter()
-    doc = sensitivity(
-        model_dir=args.model, out_dir=args.work / "sens", work_dir=args.work / "sens-cache", bits=BITS,
-        samples=args.samples, seq_len=args.seq_len, batch_size=8,
-    )  # fmt: skip
-    return {"seconds": time.perf_counter() - t0, "layers": len(doc["layers"]), "peak_rss_mb": peak_rss_mb()}
-
-
-def stage_dynamic_quant(args: argparse.Namespace) -> dict:
-    from mlxbun import blas
-
-    blas.load()
-    import mlx.core as mx
-    from mlx_lm import load
-    from mlx_lm.quant.dynamic_quant import estimate_sensitivities
+def _calibration(model_dir: Path, samples: int, seq_len: int):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from mlxbun.quant.calib import load_calibration
 
-    model, tok = load(str(args.model))
-    calib = load_calibration(tokenizer=tok, samples=args.samples, seq_len=args.seq_len, seed=0)
-    data = mx.array(calib.tokens)
-    scores, t0 = {}, time.perf_counter()
-    for low, high in PAIRS:
-        est = estimate_sensitivities(model, data, low, 64, high, 64, batch_size=4)
-        scores[f"{low}_{high}"] = dict(est)
-    (args.work / "dynamic_quant.json").write_text(json.dumps(scores, indent=1, sort_keys=True))
-    return {"seconds": time.perf_counter() - t0, "pairs": len(PAIRS), "peak_rss_mb": peak_rss_mb()}
+    tok = load_tokenizer(model_dir)
+    return load_calibration(tokenizer=tok, samples=samples, seq_len=seq_len, seed=0)
 
 
-def child(stage: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, __file__, "--stage", stage, "--model", str(args.model), "--work", str(args.work)]
+def stage_convert(args: argparse.Namespace, bits: str, group: str, rule: str) -> None:
+    from mlx_lm import convert
+
+    convert(
+        str(args.model), str(args.dest), quantize=True, q_bits=int(bits), q_group_size=int(group),
+        quant_predicate=rule or None,
+    )  # fmt: skip
+
+
+def _load_for_learned(args: argparse.Namespace):
+    import mlx.core as mx
+    from mlx_lm.utils import load
+
+    model, tok, config = load(str(args.model), return_config=True)
+    data = mx.array(_calibration(args.model, args.samples, args.seq_len).tokens)
+    mx.random.seed(123)
+    return model, tok, config, data
+
+
+def stage_gptq(args: argparse.Namespace, bits: str, fallback: str, dtype: str = "") -> None:
+    """mlx-lm's GPTQ as its command runs it; ``f32``: on a float32 copy (its Hessians accumulate in
+    the model's dtype, and in bf16 some came out not positive definite: NaN scales), saved in bf16."""
+    import mlx.core as mx
+    from mlx_lm.quant.gptq import gptq_quantize
+    from mlx_lm.utils import save
+
+    model, tok, config, data = _load_for_learned(args)
+    if dtype == "f32":
+        model.set_dtype(mx.float32)
+    model, config["quantization"] = gptq_quantize(model, data, int(bits), 64, int(fallback), 64)
+    if dtype == "f32":
+        model.set_dtype(mx.bfloat16)
+    save(str(args.dest), str(args.model), model, tok, config)
+
+
+def stage_awq(args: argparse.Namespace, bits: str) -> None:
+    from mlx_lm.quant.awq import AWQ_MODEL_CONFIGS, awq_quantize, update_config
+    from mlx_lm.utils import save
+
+    model, tok, config, data = _load_for_learned(args)
+    awq_quantize(model, data, AWQ_MODEL_CONFIGS[config["model_type"]], bits=int(bits), group_size=64)
+    save(str(args.dest), str(args.model), model, tok, update_config(model, config))
+
+
+def stage_dq(args: argparse.Namespace, low: str, high: str, target: str) -> None:
+    from mlx_lm.quant.dynamic_quant import estimate_sensitivities, estimate_threshold
+    from mlx_lm.utils import quantize_model, save
+
+    model, tok, config, data = _load_for_learned(args)
+    lo, hi = int(low), int(high)
+    sens = dict(estimate_sensitivities(model, data, lo, 64, hi, 64))
+    thr = estimate_threshold(model, sens, float(target), lo, 64, hi, 64)
+
+    def predicate(p, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        return {"bits": hi, "group_size": 64} if sens[p] > thr else True
+
+    model, config = quantize_model(model, config, group_size=64, bits=lo, quant_predicate=predicate)
+    save(str(args.dest), str(args.model), model, tok, config)
+
+
+def stage_sens(args: argparse.Namespace) -> None:
+    from mlxbun.quant.sensitivity import sensitivity
+
+    sensitivity(
+        model_dir=args.model, out_dir=args.dest, work_dir=args.dest / "cache", bits=EXACT_BITS, group_size=64,
+        samples=args.samples, seq_len=args.seq_len, batch_size=8,
+    )  # fmt: skip
+
+
+def stage_errors(args: argparse.Namespace) -> None:
+    """Input Hessians on the calibration tokens, then every module's output error per candidate."""
+    import mlx.core as mx
+
+    from mlxbun.quant import hessian, rounding
+    from mlxbun.quant.sensitivity import load_model, source_dtypes
+
+    model, _, _ = load_model(args.model)
+    h = hessian.capture(model, _calibration(args.model, args.samples, args.seq_len).tokens)
+    args.dest.mkdir(parents=True, exist_ok=True)
+    hessian.save(h, args.dest / "hessians.safetensors", tokens=args.samples * args.seq_len)
+    dtypes = source_dtypes(args.model)
+    errors: dict[str, dict[str, float]] = {}
+    for path, mod in model.named_modules():
+        if not hasattr(mod, "to_quantized") or "weight" not in mod:
+            continue
+        w = mod.weight.astype(getattr(mx, dtypes.get(path, "bfloat16")))
+        ref, hm = w.astype(mx.float32), h.get(path)
+        for bits, group in SETTINGS:
+            if w.shape[-1] % group:
+                continue
+            for method in METHODS:
+                parts = rounding.quantize(w, bits=bits, group_size=group, method=method, hessian=hm)
+                dw = mx.dequantize(*parts, group_size=group, bits=bits).astype(mx.float32) - ref
+                err = hessian.output_error(dw, hm) if hm is not None else float(mx.sum(dw * dw))
+                errors.setdefault(path, {})[f"{method}:{bits}:{group}"] = err
+    (args.dest / "errors.json").write_text(json.dumps(errors, indent=1, sort_keys=True))
+
+
+def stage_hessians(args: argparse.Namespace) -> None:
+    from mlxbun.quant.hessian import capture_model_dir
+
+    args.dest.mkdir(parents=True, exist_ok=True)
+    capture_model_dir(
+        args.model, args.dest / "hessians.safetensors", samples=args.samples, seq_len=args.seq_len
+    )
+
+
+STAGES = {
+    "convert": stage_convert, "gptq": stage_gptq, "awq": stage_awq, "dq": stage_dq, "sens": stage_sens,
+    "errors": stage_errors, "hessians": stage_hessians,
+}  # fmt: skip
+
+
+def child(spec: str, model: Path, dest: Path, args: argparse.Namespace) -> dict:
+    """Run one stage in a fresh process; its wall time and peak RSS."""
+    cmd = [sys.executable, __file__, "--stage", spec, "--model", str(model), "--dest", str(dest)]
     cmd += ["--samples", str(args.samples), "--seq-len", str(args.seq_len)]
+    t0 = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
     if out.returncode:
-        sys.stderr.write(out.stderr)
-        raise SystemExit(f"stage {stage} failed")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+        sys.stderr.write(out.stderr[-4000:])
+        raise SystemExit(f"stage {spec} failed")
+    return {"seconds": seconds, **json.loads(out.stdout.strip().splitlines()[-1])}
 
 
 # ------------------------------------------------------------------------------- evaluation
@@ -127,296 +260,313 @@ class Evaluator:
         return out
 
 
-def held_out_text(work: Path) -> Path:
-    """CPython modules outside the fixture's training list, as one plain-text calibration file."""
-    parts = [Path(f"/usr/lib/python3.11/{m}.py").read_text(errors="replace") for m in HELD_OUT]
+def held_out_text(work: Path, model: Path) -> Path:
+    """Eight CPython modules outside the model's training corpus (its FIXTURE.json), as one text file."""
+    record = model / "FIXTURE.json"
+    seen = (
+        {Path(c["file"]).stem for c in json.loads(record.read_text())["corpus"]}
+        if record.is_file()
+        else set()
+    )
+    names = [m for m in HELD_OUT + HELD_OUT_MORE if m not in seen][:8]
+    parts = [Path(f"/usr/lib/python3.11/{m}.py").read_text(errors="replace") for m in names]
     path = work / "held_out.txt"
     path.write_text("\n\n".join(parts))
     return path
 
 
-class Bench:
-    def __init__(self, args: argparse.Namespace) -> None:
+def _size(model_dir: Path, parameters: int) -> dict:
+    from mlxbun.quant import budget
+
+    size = budget.measure(model_dir, parameters=parameters)
+    return {"file_bytes": size.file_bytes, "bpw": size.bpw}
+
+
+class Fixture:
+    """One model: its anchors, sensitivities, evaluator and mlxbun plans."""
+
+    def __init__(self, model: Path, args: argparse.Namespace) -> None:
         from mlx_lm.tokenizer_utils import load as load_tokenizer
 
         from mlxbun.quant import budget
-        from mlxbun.quant.allocate import load_sensitivity
         from mlxbun.quant.calib import load_calibration
 
-        self.args, self.work = args, args.work
-        self.source = budget.read_source(args.model)
-        self.sens = load_sensitivity(args.work / "sens" / "sensitivity.json")
-        self.dq = json.loads((args.work / "dynamic_quant.json").read_text())
-        tok = load_tokenizer(args.model)
+        self.model, self.args = model, args
+        self.work = args.work / model.name
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.source = budget.read_source(model)
+        tok = load_tokenizer(model)
         calib = load_calibration(tokenizer=tok, samples=args.samples, seq_len=args.seq_len, seed=0)
         held = load_calibration(
-            tokenizer=tok, path=held_out_text(args.work), samples=args.samples, seq_len=args.seq_len, seed=1
+            tokenizer=tok,
+            path=held_out_text(self.work, model),
+            samples=args.eval_samples,
+            seq_len=args.seq_len,
+            seed=1,
         )
-        self.eval = Evaluator(args.model, {"calib": calib.tokens, "held_out": held.tokens})
+        self.eval = Evaluator(model, {"calib": calib.tokens, "held_out": held.tokens})
         self.n = 0
 
-    def quantize(self, label: str, **kw) -> dict:
-        """Quantize with the project's quantize; size on disk and measured KL."""
-        from mlxbun.quant import budget
-        from mlxbun.quant.uniform import quantize_model_dir
+    def stage(self, spec: str, name: str) -> tuple[Path, dict]:
+        """Run one child stage writing into work/<name> (reused when it finished before)."""
+        dest = self.work / name
+        record = dest.with_suffix(".stage.json")
+        if record.is_file():
+            return dest, json.loads(record.read_text())
+        shutil.rmtree(dest, ignore_errors=True)
+        stats = child(spec, self.model, dest, self.args)
+        record.write_text(json.dumps(stats))
+        return dest, stats
 
-        self.n += 1
-        out = self.work / "models" / f"{self.n:02d}"
-        res = quantize_model_dir(
-            self.args.model, out, dtype="bfloat16", partial_root=self.work / "partial", **kw
-        )
-        size = budget.measure(res.out, parameters=self.source.parameters)
-        return {"label": label, "file_bytes": size.file_bytes, "bpw": size.bpw, **self.eval.kl(res.out)}
+    def anchor(self, label: str, spec: str) -> dict:
+        dest, stats = self.stage(spec, "anchor-" + spec.replace(":", "_"))
+        row = {"label": label, "seconds": stats["seconds"], **_size(dest, self.source.parameters)}
+        return row | self.eval.kl(dest)
 
-    def write_plan(self, layers: dict, name: str) -> Path:
-        from mlxbun.io.atomic import atomic_write_json
+    def sensitivities(self) -> dict:
+        from mlxbun.quant.allocate import load_sensitivity
 
-        path = self.work / "plans" / f"{name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        body = {p: (s.to_dict() if s else False) for p, s in layers.items()}
-        atomic_write_json(
-            path, {"version": 1, "default": {"bits": 4, "group_size": 64, "mode": "affine"}, "layers": body}
-        )
-        return path
+        sens_dir, sens_stats = self.stage("sens", "sens")
+        err_dir, err_stats = self.stage("errors", "errors")
+        self.exact = load_sensitivity(sens_dir / "sensitivity.json")
+        self.errors = json.loads((err_dir / "errors.json").read_text())
+        self.hessians = err_dir / "hessians.safetensors"
+        self.seconds = {"sens": sens_stats["seconds"], "errors": err_stats["seconds"]}
+        return self.seconds
 
-    def ours(self, limit: int, name: str, tiers: tuple[int, int] | None = None) -> dict:
+    def estimated(self, method: str, groups: tuple[int, ...]):
+        """Per-module KL of (bits, group) under ``method``: exact RTN g64 KL x output-error ratio."""
+        from mlxbun.quant.allocate import LayerSensitivity, Sensitivity
+        from mlxbun.quant.spec import QuantSpec
+
+        layers = {}
+        for path, layer in self.exact.layers.items():
+            err, kl = self.errors[path], {}
+            for bits, group in SETTINGS:
+                key, base = f"{method}:{bits}:{group}", f"rtn:{bits}:64"
+                exact = layer.kl.get(QuantSpec(bits=bits, group_size=64))
+                if group in groups and key in err and exact is not None:
+                    kl[QuantSpec(bits=bits, group_size=group)] = (
+                        exact * err[key] / err[base] if err[base] > 0 else exact
+                    )
+            layers[path] = LayerSensitivity(path, layer.params, kl)
+        e = self.exact
+        return Sensitivity(layers, e.model_fingerprint, e.calibration_fingerprint, e.path, e.calibration)
+
+    def plan(self, family: str, limit: int) -> dict:
+        """mlxbun's knapsack for one family at ``limit`` bytes, quantized and measured."""
         from mlxbun.io.atomic import atomic_write_json
         from mlxbun.quant.allocate import allocate
-        from mlxbun.quant.spec import QuantSpec
+        from mlxbun.quant.uniform import quantize_model_dir
 
-        cands = None if tiers is None else {QuantSpec(bits=b, group_size=64) for b in tiers}
-        plan = allocate(self.sens, model_dir=self.args.model, budget_bytes=limit, candidates=cands)
-        path = self.work / "plans" / f"{name}.json"
+        method, groups = FAMILIES[family]
+        t0 = time.perf_counter()
+        exact = groups == (64,) and method == "rtn"
+        sens = self.exact if exact else self.estimated(method, groups)
+        plan = allocate(sens, model_dir=self.model, budget_bytes=limit)
+        self.n += 1
+        path = self.work / "plans" / f"{self.n:03d}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_json(path, plan.to_json())
-        label = (
-            "mlxbun knapsack (exact KL, 2-8 bits)"
-            if tiers is None
-            else f"mlxbun exact KL, {tiers[0]}/{tiers[1]} only"
+        out = self.work / "models" / f"{self.n:03d}"
+        shutil.rmtree(out, ignore_errors=True)
+        kw = {} if method == "rtn" else {"method": method, "hessians": self.hessians}
+        res = quantize_model_dir(
+            self.model, out, dtype="bfloat16", partial_root=self.work / "partial", plan=path, **kw
         )
-        row = self.quantize(label, plan=path)
+        seconds = time.perf_counter() - t0 + self.seconds["sens"] + (0 if exact else self.seconds["errors"])
+        row = {"label": family, "seconds": seconds, **_size(res.out, self.source.parameters)}
         assert row["file_bytes"] == plan.size.file_bytes, "predicted size != written size"
-        return row | {"predicted_kl_sum": plan.kl_sum, "exact": plan.solver["exact"]}
+        return row | self.eval.kl(res.out) | {"predicted_kl_sum": plan.kl_sum}
 
-    def dq_threshold(self, limit: int, low: int, high: int) -> dict | None:
-        """mlx-lm's rule: modules above a score threshold get ``high`` bits; the largest set that fits."""
-        from mlxbun.quant.spec import QuantSpec
 
-        scores = self.dq[f"{low}_{high}"]
-        order = sorted(scores, key=lambda p: -scores[p])
-        layers = {p: QuantSpec(bits=low, group_size=64) for p in scores}
-        if self._size(layers) > limit:
-            return None
-        for p in order:
-            trial = {**layers, p: QuantSpec(bits=high, group_size=64)}
-            if self._size(trial) > limit:
-                break
-            layers = trial
-        path = self.write_plan(layers, f"dq_{low}_{high}_{limit}")
-        return self.quantize(f"dynamic_quant {low}/{high} (threshold)", plan=path)
+def run_fixture(model: Path, args: argparse.Namespace) -> dict:
+    fx = Fixture(model, args)
+    specs = {"sens": "sens", "errors": "errors"}
+    wanted = [w for w in args.only.split(",") if w]
+    anchors = {k: v for k, v in ANCHORS.items() if not wanted or any(v.startswith(w) for w in wanted)}
+    specs |= {spec: "anchor-" + spec.replace(":", "_") for spec in anchors.values()}
+    with ThreadPoolExecutor(PARALLEL) as pool:  # every child stage, PARALLEL at a time
+        list(pool.map(lambda kv: fx.stage(*kv), specs.items()))
+    stage_secs = fx.sensitivities()
+    print(f"{model.name}: stages {stage_secs}", flush=True)
+    groups = []
+    for label, spec in anchors.items():
+        anchor = fx.anchor(label, spec)
+        rows = [anchor] + [fx.plan(f, anchor["file_bytes"]) for f in FAMILIES]
+        groups.append(rows)
+        print(f"{model.name}: {label} {json.dumps(rows)}", flush=True)
+    return {
+        "model": str(model),
+        "parameters": fx.source.parameters,
+        "stage_seconds": stage_secs,
+        "groups": groups,
+    }
 
-    def dq_knapsack(self, limit: int, low: int, high: int) -> dict | None:
-        """dynamic_quant's scores as the cost of staying low, solved by mlxbun's knapsack."""
-        from mlxbun.quant.allocate import LayerSensitivity, Sensitivity, allocate
-        from mlxbun.quant.spec import QuantSpec
 
-        scores = self.dq[f"{low}_{high}"]
-        sens = Sensitivity(
-            {
-                p: LayerSensitivity(
-                    p,
-                    0,
-                    {QuantSpec(bits=low, group_size=64): float(s), QuantSpec(bits=high, group_size=64): 0.0},
-                )
-                for p, s in scores.items()
-            }
+def run_uniform(model: Path, args: argparse.Namespace) -> list[str]:
+    """Same bits, same bytes: mlx-lm convert q3/q4 against mlxbun's quantize with each method."""
+    from mlxbun.quant.uniform import quantize_model_dir
+
+    fx = Fixture(model, args)
+    hdir, hstats = fx.stage("hessians", "hessians")
+    lines = [f"## {_rel(str(model))}: uniform bits, each method (held-out KL, ratio to mlx-lm)", ""]
+    lines += [
+        f"Hessians: {hstats['seconds']:.0f} s.",
+        "",
+        "| bits | mlx-lm | rtn | clip | gptq |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for bits in (3, 4):
+        anchor = fx.anchor(f"mlx-lm q{bits}", f"convert:{bits}:64:")
+        cells = []
+        for method in ("rtn", "clip", "gptq"):
+            kw = {} if method == "rtn" else {"method": method, "hessians": hdir / "hessians.safetensors"}
+            out = fx.work / "uniform" / f"{bits}-{method}"
+            shutil.rmtree(out, ignore_errors=True)
+            t0 = time.perf_counter()
+            res = quantize_model_dir(
+                model, out, bits=bits, group_size=64, partial_root=fx.work / "partial", **kw
+            )
+            kl = fx.eval.kl(res.out)["held_out"]
+            size = _size(res.out, fx.source.parameters)["file_bytes"]
+            cells.append(
+                f"{kl:.5f} ({kl / anchor['held_out']:.2f}; {time.perf_counter() - t0:.0f} s; {size} B)"
+            )
+        lines.append(
+            f"| {bits} | {anchor['held_out']:.5f} ({anchor['file_bytes']} B) | " + " | ".join(cells) + " |"
         )
-        try:
-            plan = allocate(sens, model_dir=self.args.model, budget_bytes=limit)
-        except Exception:
-            return None
-        path = self.write_plan(plan.layers, f"dqk_{low}_{high}_{limit}")
-        return self.quantize(f"dynamic_quant {low}/{high} (knapsack)", plan=path)
-
-    def reaches(self, limit: int, low: int, high: int) -> bool:
-        from mlxbun.quant.spec import QuantSpec
-
-        paths = self.dq[f"{low}_{high}"]
-        lo = self._size({p: QuantSpec(bits=low, group_size=64) for p in paths})
-        hi = self._size({p: QuantSpec(bits=high, group_size=64) for p in paths})
-        return lo <= limit <= hi
-
-    def _size(self, layers: dict) -> int:
-        from mlxbun.quant import budget
-        from mlxbun.quant.spec import QuantSpec
-
-        return budget.predict(self.source, default=QuantSpec(bits=4, group_size=64), layers=layers).file_bytes
-
-
-def compare(bench: Bench, label: str, baseline: dict) -> list[dict]:
-    limit = baseline["file_bytes"]
-    rows = [baseline | {"label": label}, bench.ours(limit, f"ours_{limit}")]
-    for low, high in PAIRS:
-        if not bench.reaches(limit, low, high):
-            continue  # as in mlx-lm, the target must lie between all-low and all-high
-        for fn in (bench.dq_threshold, bench.dq_knapsack):
-            row = fn(limit, low, high)
-            if row is not None:
-                rows.append(row)
-        rows.append(bench.ours(limit, f"ours_{low}_{high}_{limit}", tiers=(low, high)))
-    return rows
+    return lines + [""]
 
 
 # ------------------------------------------------------------------------------- report
 
 
-def _header(args: argparse.Namespace, stats: dict, seconds: float) -> list[str]:
+def _rel(p: str) -> str:
+    path = Path(p)
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
+
+
+def _fixture_lines(res: dict) -> list[str]:
+    fams = list(FAMILIES)
+    lines = [f"## {_rel(res['model'])} ({res['parameters'] / 1e6:.2f}M parameters)", ""]
+    secs = res["stage_seconds"]
+    lines += [
+        f"mlxbun stages (wall s): exact sensitivity (RTN g64, bits {EXACT_BITS}) {secs['sens']:.0f};"
+        f" Hessians + output errors of {len(SETTINGS)} settings x {len(METHODS)} methods {secs['errors']:.0f}.",
+        "",
+    ]
+    head = "| anchor (size of) | bytes | anchor s | anchor KL held-out | " + " | ".join(
+        f"{f}: KL held-out (ratio)" for f in fams
+    )
+    lines += [head + " |", "|---|---:|---:|---:|" + "---:|" * len(fams)]
+    for rows in res["groups"]:
+        a = rows[0]
+        cells = [f"{r['held_out']:.5f} ({r['held_out'] / a['held_out']:.2f})" for r in rows[1:]]
+        lines.append(
+            f"| {a['label']} | {a['file_bytes']} | {a['seconds']:.0f} | {a['held_out']:.5f} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    lines += ["", "Every row in full (KL on calibration / held-out tokens):", ""]
+    lines += ["| at size of | method | bytes | bpw | s | KL calib | KL held-out | predicted KL sum |"]
+    lines += ["|---|---|---:|---:|---:|---:|---:|---:|"]
+    for rows in res["groups"]:
+        for r in rows:
+            pred = f"{r['predicted_kl_sum']:.5f}" if "predicted_kl_sum" in r else ""
+            lines.append(
+                f"| {rows[0]['label']} | {r['label']} | {r['file_bytes']} | {r['bpw']:.3f} | {r['seconds']:.0f} |"
+                f" {r['calib']:.5f} | {r['held_out']:.5f} | {pred} |"
+            )
+    return lines + [""]
+
+
+def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str:
     import mlx.core as mx
 
-    sens, dq = stats["sens"], stats["dq"]
-    model = args.model.relative_to(REPO) if args.model.is_relative_to(REPO) else args.model
-    return [
-        "# Allocation quality at equal size (bench/allocation_quality.py)",
+    models = " ".join(f"--model {_rel(r['model'])}" for r in results)
+    lines = [
+        "# Quality at equal bytes (bench/allocation_quality.py)",
         "",
-        f"Command: `.venv/bin/python bench/allocation_quality.py --model {model} --samples {args.samples}"
-        f" --seq-len {args.seq_len}`  ",
+        f"Command: `.venv/bin/python bench/allocation_quality.py {models} --samples {args.samples}"
+        f" --seq-len {args.seq_len} --eval-samples {args.eval_samples}`  ",
         f"Machine: 2-core x86_64 Linux, mlx {mx.__version__} CPU, shared with other jobs (times are noisy)."
         f" Total {seconds:.0f} s.",
         "",
-        "KL = KL(reference || quantized) of the next-token distributions, mean over tokens and samples;"
-        f" `calib` = the {args.samples} x {args.seq_len} calibration tokens the sensitivities were measured on,"
-        f" `held_out` = {args.samples} x {args.seq_len} tokens of CPython modules outside the fixture's"
-        " training text. Sizes are the `.safetensors` files on disk, headers included; bpw = tensor bits /"
-        " logical parameters. Every model was written by mlxbun's quantize and measured on disk.",
-        "",
-        "| stage | seconds | peak RSS (child) |",
-        "|---|---:|---:|",
-        f"| mlxbun sensitivity, exact, {sens['layers']} modules x {len(BITS)} bits | {sens['seconds']:.1f} |"
-        f" {sens['peak_rss_mb']:.0f} MB |",
-        f"| mlx-lm dynamic_quant estimate, {dq['pairs']} (low, high) pairs | {dq['seconds']:.1f} |"
-        f" {dq['peak_rss_mb']:.0f} MB |",
+        "KL = KL(reference || quantized) of next-token distributions, mean over tokens; `calib` = the"
+        f" {args.samples} x {args.seq_len} calibration tokens (mlxbun's built-in set) that mlxbun's"
+        " sensitivity and mlx-lm's GPTQ/AWQ/dynamic_quant all saw; `held_out` ="
+        f" {args.eval_samples} x {args.seq_len} tokens of CPython modules outside the fixtures' training"
+        " text. Bytes = the `.safetensors` files on disk. Each mlxbun plan is solved at the anchor's"
+        " bytes (never above); ratio = mlxbun held-out KL / anchor held-out KL (below 1: mlxbun"
+        " better). Anchor seconds = its whole child process; mlxbun seconds = its sensitivity runs +"
+        " allocate + quantize.",
         "",
     ]
+    for res in results:
+        lines += _fixture_lines(res)
+    return "\n".join(lines)
 
 
-def _best(rows: list[dict], word: str) -> dict | None:
-    return min((r for r in rows[2:] if word in r["label"]), key=lambda r: r["held_out"], default=None)
-
-
-def _summary(groups: list[tuple[str, list[dict]]]) -> list[str]:
-    lines = [
-        "## Summary (held-out KL; lower is better)",
-        "",
-        "| size of | bytes | baseline | best dynamic_quant | best mlxbun, same two tiers | mlxbun, 2-8 bits |"
-        " baseline / mlxbun | best dynamic_quant / mlxbun |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for title, rows in groups:
-        base, ours, dq, tiers = rows[0], rows[1], _best(rows, "dynamic_quant"), _best(rows, "only")
-        dq_kl = dq["held_out"] if dq else float("nan")
-        tier_kl = tiers["held_out"] if tiers else float("nan")
-        lines.append(
-            f"| {title} | {base['file_bytes']} | {base['held_out']:.5f} | {dq_kl:.5f} | {tier_kl:.5f} |"
-            f" {ours['held_out']:.5f} | {base['held_out'] / ours['held_out']:.2f} | {dq_kl / ours['held_out']:.2f} |"
-        )
-    return lines + [""]
-
-
-def _table(title: str, rows: list[dict]) -> list[str]:
-    ours = rows[1]
-    lines = [f"## At the size of {title}: {rows[0]['file_bytes']} bytes", ""]
-    lines += ["| method | bytes on disk | bpw | KL calib | KL held-out | held-out KL / ours |"]
-    lines += ["|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(
-            f"| {r['label']} | {r['file_bytes']} | {r['bpw']:.3f} | {r['calib']:.5f} | {r['held_out']:.5f} |"
-            f" {r['held_out'] / ours['held_out']:.2f} |"
-        )
-    note = f"mlxbun plan: predicted summed KL {ours['predicted_kl_sum']:.5f}, exact optimum: {ours['exact']}."
-    return lines + ["", note, ""]
-
-
-def _verdicts(groups: list[tuple[str, list[dict]]]) -> list[str]:
-    lines = ["## Is the mixed plan's KL below the alternative at the same size?", ""]
-    for title, rows in groups:
-        ours = rows[1]
-        for name, other in (("baseline", rows[0]), ("best dynamic_quant", _best(rows, "dynamic_quant"))):
-            for split in ("calib", "held_out") if other else ():
-                ok = ours[split] < other[split]
-                lines.append(
-                    f"- {title}, {split}: mlxbun {ours[split]:.5f} {'<' if ok else '>='} {name}"
-                    f" ({other['label']}) {other[split]:.5f}: {'yes' if ok else 'NO'}"
-                )
-    return lines + [""]
-
-
-def report(
-    args: argparse.Namespace, stats: dict, groups: list[tuple[str, list[dict]]], seconds: float
-) -> str:
-    lines = _header(args, stats, seconds) + _summary(groups)
-    lines += [
-        "Rows `mlxbun exact KL, a/b only` use dynamic_quant's two tiers with mlxbun's measured KLs: they"
-        " separate the quality of the sensitivity estimate from the richer choice of bits.",
-        "",
-    ]
-    for title, rows in groups:
-        lines += _table(title, rows)
-    return "\n".join(lines + _verdicts(groups))
+def _combine(runs: list[list[dict]]) -> list[dict]:
+    order = {label: i for i, label in enumerate(ANCHORS)}
+    merged: dict[str, dict] = {}
+    for run in runs:
+        for res in run:
+            into = merged.setdefault(res["model"], {**res, "groups": []})
+            into["groups"] += res["groups"]
+    for res in merged.values():
+        res["groups"].sort(key=lambda rows: order[rows[0]["label"]])
+    return list(merged.values())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", type=Path, default=REPO / "tests" / "fixtures" / "llama-text-3m")
+    ap.add_argument("--model", type=Path, action="append", default=None)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--eval-samples", type=int, default=16, help="held-out windows of --seq-len tokens")
     ap.add_argument("--work", type=Path, default=Path("/tmp/mlxbun-bench-allocate"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "allocate.md")
-    ap.add_argument("--stage", choices=["sens", "dq"], default=None)
+    ap.add_argument("--stage", default=None, help="(internal) run one child stage")
+    ap.add_argument("--dest", type=Path, default=None, help="(internal) the child stage's output")
     ap.add_argument(
-        "--reuse", action="store_true", help="reuse the sensitivities in --work from a previous run"
+        "--only",
+        default="",
+        help="anchors whose spec starts with one of these, e.g. convert:3,gptq (default: all)",
     )
+    ap.add_argument("--combine", nargs="*", type=Path, help="report from these results.json files only")
+    ap.add_argument("--uniform", action="store_true", help="only uniform q3/q4 per method (no allocation)")
+    ap.add_argument("--reuse", action="store_true", help="keep --work: finished stages are reused")
     args = ap.parse_args()
-    args.model = args.model.resolve()
+    models = [m.resolve() for m in (args.model or [REPO / "tests" / "fixtures" / "llama-text-3m"])]
     if args.stage:
-        fn = stage_sensitivity if args.stage == "sens" else stage_dynamic_quant
-        print(json.dumps(fn(args)))
-        return
-    import shutil
+        args.model = models[0]
+        from mlxbun import blas
 
-    t0 = time.perf_counter()
-    stats_file = args.work / "stages.json"
-    if args.reuse and stats_file.is_file():
-        stats = json.loads(stats_file.read_text())  # sensitivities from an earlier run of this script
-        shutil.rmtree(args.work / "models", ignore_errors=True)
-    else:
-        shutil.rmtree(args.work, ignore_errors=True)
-        args.work.mkdir(parents=True)
-        stats = {"sens": child("sens", args), "dq": child("dq", args)}
-        stats_file.write_text(json.dumps(stats))
-    print(json.dumps(stats), flush=True)
+        blas.load()  # every method's f32 matmuls go through the same BLAS
+        kind, *rest = args.stage.split(":")
+        STAGES[kind](args, *rest)
+        print(json.dumps({"peak_rss_mb": peak_rss_mb()}))
+        return
     from mlxbun import blas
 
     blas.load()
-    bench = Bench(args)
-    groups = []
-    for bits in (3, 4, 5):
-        groups.append(
-            (
-                f"uniform {bits}-bit g64",
-                compare(bench, f"uniform {bits}-bit g64", bench.quantize("", bits=bits, group_size=64)),
-            )
-        )
-        print(groups[-1][0], flush=True)
-    for rule in ("mixed_3_6", "mixed_4_6"):
-        groups.append(
-            (
-                f"mlx-lm {rule}",
-                compare(bench, f"mlx-lm {rule}", bench.quantize("", mixed=rule, group_size=64)),
-            )
-        )
-        print(groups[-1][0], flush=True)
-    (args.work / "rows.json").write_text(json.dumps(groups, indent=1))
-    text = report(args, stats, groups, time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    if not args.reuse:
+        shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.uniform:
+        text = "\n".join(line for m in models for line in run_uniform(m, args))
+        args.out.write_text(text)
+        print(text)
+        return
+    if args.combine:  # one report from the results.json of runs over parts of the anchors
+        results = _combine([json.loads(Path(p).read_text()) for p in args.combine])
+    else:
+        results = [run_fixture(m, args) for m in models]
+    (args.work / "results.json").write_text(json.dumps(results, indent=1))
+    text = report(args, results, time.perf_counter() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)

@@ -194,6 +194,10 @@ class QuantCfg:
     resume: bool = True
     # Modules read, cast and quantized in parallel; None: one per core this process may use.
     threads: int | None = None
+    # How affine weights are rounded: rtn (mx.quantize), clip (per-group range search) or gptq.
+    method: str = "rtn"
+    # Input Hessians (mlxbun.quant.hessian file): gptq needs them; clip weights columns by them.
+    hessians: str | None = None
 
     def __post_init__(self) -> None:
         spec_for(self.mode, self.bits, self.group_size, key="quant")
@@ -201,6 +205,12 @@ class QuantCfg:
             choose("quant.dtype", self.dtype, OUTPUT_DTYPES)
         check_mixed(self.mixed, mode=self.mode, plan=self.plan)
         positive("quant.threads", self.threads)
+        from mlxbun.quant.rounding import check_method
+
+        check_method(self.method, mode=self.mode)
+        from mlxbun.quant.rounding import check_method
+
+        check_method(self.method, mode=self.mode)
 
 
 @dataclass

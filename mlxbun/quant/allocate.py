@@ -371,9 +371,8 @@ def _solve_file_budget(
     kw: dict[str, Any],
 ) -> Solution | None:
     """Headers depend (by a few bytes) on the choice: solve, measure the overshoot, tighten, repeat."""
-    headers = lo.file_bytes - lo.tensor_bytes
+    capacity = budget_bytes - fixed_bytes - (lo.file_bytes - lo.tensor_bytes)
     for _ in range(16):
-        capacity = budget_bytes - fixed_bytes - headers
         sol = solve(_items(prob), capacity, max_states=max_states) if capacity >= 0 else None
         if sol is None:
             return None
@@ -381,7 +380,9 @@ def _solve_file_budget(
         over = _predict(source, default, layers, **kw).file_bytes - budget_bytes
         if over <= 0:
             return sol
-        headers += over
+        # Below this choice's own bytes: a cut smaller than the slack under capacity would
+        # return the same choice again.
+        capacity = min(capacity, sol.nbytes) - over
     return None
 
 

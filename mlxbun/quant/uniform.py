@@ -200,11 +200,13 @@ def plan_units(sk: Skeleton) -> list[Unit]:
 class Converter:
     """Reads, casts and quantizes units; safe to call from several threads (one unit each)."""
 
-    def __init__(self, sk: Skeleton, tensors: Any, dtype: str | None) -> None:
+    def __init__(
+        self, sk: Skeleton, tensors: Any, dtype: str | None, method: str = "rtn", hessians: dict | None = None
+    ) -> None:
         """``tensors``: the source's tensor reader (``mlxbun.source``)."""
         import mlx.core as mx
 
-        self.sk, self.src = sk, tensors
+        self.sk, self.src, self.method, self.hessians = sk, tensors, method, hessians or {}
         self.dtype = getattr(mx, dtype) if dtype else None
         self.cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)
 
@@ -267,7 +269,7 @@ class Converter:
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             chunk = self.cast(name, self.src.rows(src, r0, r1))
-            w, *rest = mx.quantize(chunk, q["group_size"], q["bits"], mode=q.get("mode", "affine"))
+            w, *rest = self.quantize_weight(chunk, q, unit.path)
             mx.eval(w, *rest)
             if packed is None:
                 packed = np.empty((rows, w.shape[1]), dtype=np.uint32)
@@ -296,10 +298,26 @@ class Converter:
             with _build_lock:
                 module.update(tree_unflatten([(n[len(prefix) :], a) for n, a in arrays.items()]))
                 qm = module.to_quantized(**unit.quant)
+            if self.varies(unit.quant) and (w := arrays.get(prefix + "weight")) is not None:
+                qm.weight, qm.scales, qm.biases = self.quantize_weight(w, unit.quant, unit.path)
             out = {prefix + k: v for k, v in tree_flatten(qm.parameters())}
             del module, qm
         del arrays
         return self.finish(unit, out)
+
+    def varies(self, q: dict[str, Any]) -> bool:
+        return self.method != "rtn" and q.get("mode", "affine") == "affine"
+
+    def quantize_weight(self, w: Any, q: dict[str, Any], path: str) -> tuple[Any, ...]:
+        """The hook where a quantizer variant (``mlxbun.quant.rounding``) replaces mx.quantize."""
+        import mlx.core as mx
+
+        if not self.varies(q):
+            return tuple(mx.quantize(w, q["group_size"], q["bits"], mode=q.get("mode", "affine")))
+        from mlxbun.quant.rounding import quantize
+
+        h = self.hessians.get(path)
+        return quantize(w, bits=q["bits"], group_size=q["group_size"], method=self.method, hessian=h)
 
     def finish(self, unit: Unit, out: dict[str, Any]) -> list[tuple[str, Any]]:
         import mlx.core as mx
@@ -392,7 +410,15 @@ def _write_record(d: Path, identity: dict[str, Any], quantization: dict[str, Any
 
 
 def _write_shards(
-    sk: Skeleton, source: Any, partial: Path, *, dtype: str | None, shard_bytes: int, threads: int
+    sk: Skeleton,
+    source: Any,
+    partial: Path,
+    *,
+    dtype: str | None,
+    shard_bytes: int,
+    threads: int,
+    method: str = "rtn",
+    hessians: dict | None = None,
 ) -> tuple[int, int, dict[str, str]]:
     """Stream every unit into the ShardedWriter in ``partial``; return (source, output) bytes and
     each shard's sha256 (hashed as the writer streamed it out)."""
@@ -421,7 +447,7 @@ def _write_shards(
             )
         progress = Progress(total=total, unit="B", desc="quantize")
         progress.update(total - sum(u.nbytes for u in todo))
-        for unit, results in stream(todo, Converter(sk, tensors, dtype), threads=threads):
+        for unit, results in stream(todo, Converter(sk, tensors, dtype, method, hessians), threads=threads):
             for name, arr in results:
                 written += arr.nbytes
                 writer.add(name, arr)
@@ -449,6 +475,8 @@ def quantize_model_dir(
     resume: bool = True,
     threads: int | None = None,
     partial_root: str | Path | None = None,
+    method: str = "rtn",
+    hessians: str | Path | None = None,
 ) -> QuantizeResult:
     """Quantize the HF model in ``src`` into an mlx-lm-loadable directory ``out``.
 
@@ -464,6 +492,8 @@ def quantize_model_dir(
         resume: continue a killed run of the same conversion from its last complete shard.
         threads: modules converted in parallel (None: one per core this process may use).
         partial_root: where the hidden partial directory lives (default: beside ``out``).
+        method: how affine weights are rounded (:mod:`mlxbun.quant.rounding`); "rtn" is mx.quantize.
+        hessians: a :mod:`mlxbun.quant.hessian` file; "gptq" needs it, "clip" weights columns by it.
 
     Example:
         >>> r = quantize_model_dir("hf/llama", "llama-4bit", bits=4, group_size=64)
@@ -479,6 +509,11 @@ def quantize_model_dir(
         raise InputError(
             f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}"
         )
+    from mlxbun.quant.rounding import check_method
+
+    check_method(method)
+    if method == "gptq" and hessians is None:
+        raise InputError("quant.method='gptq' needs quant.hessians (a hessians.safetensors file)")
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     source, src = src, source_dir(src)
@@ -489,6 +524,10 @@ def quantize_model_dir(
     settings = _settings(spec, plan, mixed, dtype, shard_bytes)
     tensors = None if isinstance(source, (str, Path)) else identity(source)
     identity_doc = {"format": FORMAT_VERSION, "settings": settings, "source": source_identity(src, tensors)}
+    if method != "rtn":  # absent by default, so existing fingerprints stay as they were
+        settings["method"] = method
+    if hessians is not None:
+        settings["hessians"] = hashlib.sha256(Path(hessians).read_bytes()).hexdigest()
     key = fingerprint(src, settings, tensors=tensors)
     # Two runs of the same conversion: the second waits, then reuses the first one's output.
     with Stage.locked(out, kind="quantize", key=key, root=partial_root) as stage:
@@ -497,8 +536,9 @@ def quantize_model_dir(
         stage.claim(resume=resume)
         state = "complete" if weights_written(stage.dir) else "writing"
         src_bytes, out_bytes, digests = _convert(
-            sk, source, stage.dir, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads
-        )
+            sk, source, stage.dir, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads, method=method,
+            hessians=hessians,
+        )  # fmt: skip
         reached("weights")
         _finish_files(sk, src, stage.dir)
         _write_record(stage.dir, identity_doc, sk.quantization)
@@ -517,16 +557,32 @@ def _convert(
     dtype: str | None,
     shard_bytes: int,
     threads: int,
+    method: str = "rtn",
+    hessians: str | Path | None = None,
 ) -> tuple[int, int, dict[str, str]]:
     """Write the shards unless a killed run already did (``state="complete"``)."""
     import mlx.core as mx
+    import numpy as np
 
     if state == "complete":
         src_bytes = sum(v.nbytes for v in sk.weights.values())
         return src_bytes, sum(p.stat().st_size for p in partial.glob("model*.safetensors")), {}
     previous = mx.set_cache_limit(128 << 20)  # freed buffers go back to the OS, not a cache
     try:
-        sizes = _write_shards(sk, source, partial, dtype=dtype, shard_bytes=shard_bytes, threads=threads)
+        from mlxbun.quant import hessian
+
+        # numpy, read here: MLX arrays cannot be evaluated on the worker threads that use them
+        h = {k: np.asarray(v) for k, v in hessian.load(hessians).items()} if hessians is not None else None
+        sizes = _write_shards(
+            sk,
+            source,
+            partial,
+            dtype=dtype,
+            shard_bytes=shard_bytes,
+            threads=threads,
+            method=method,
+            hessians=h,
+        )
     finally:
         mx.set_cache_limit(previous)
     return sizes
@@ -576,6 +632,8 @@ def run(cfg: Any) -> Any:
         resume=q.resume,
         threads=q.threads,
         partial_root=partial_root,
+        method=q.method,
+        hessians=q.hessians,
     )
     _register(cfg, res.out, res.quantization)
     rate = res.source_bytes / res.seconds / 1e9 if res.seconds else 0.0

@@ -1,0 +1,192 @@
+"""Quantizer variants that write mlx's plain affine format: range (clip) search and GPTQ rounding.
+
+``mx.quantize`` takes each group's min and max as its range. ``method="clip"`` instead tries
+shrunken ranges (a fixed grid of ratios), then refits scale and bias by least squares to the
+codes they give, and keeps per group whichever candidate has the smallest squared error,
+optionally weighted per input column (e.g. by the mean squared activation E[x_j^2], which makes
+it the layer's output error for independent inputs). ``mx.quantize``'s own result is always
+one of the candidates, so the error is never above it. ``method="gptq"`` (Frantar et al. 2022)
+rounds column by column and spreads each column's rounding error over the columns not yet
+rounded, through the inverse of the layer's input Hessian H (:mod:`mlxbun.quant.hessian`);
+each group's scale and bias come from the range search on the group as it stands when reached.
+A module without H falls back to the range search. The output is ``(packed, scales,
+biases)`` exactly as ``mx.quantize`` lays them out (codes packed as one little-endian bit stream
+per row), so stock ``mlx_lm.load`` reads it; the same input gives the same bytes.
+
+Example:
+    >>> wq, scales, biases = quantize(w, bits=3, group_size=64, method="clip")
+    >>> mx.dequantize(wq, scales, biases, group_size=64, bits=3)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+METHODS = ("rtn", "clip", "gptq")
+DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
+# Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
+RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
+REFITS = 2
+BLOCK_ELEMENTS = 1 << 22  # rows are searched in blocks of about this many weights
+
+
+def check_method(method: str, *, mode: str = "affine", key: str = "quant.method") -> None:
+    """Reject an unknown method, or a non-default one for a mode other than affine."""
+    from mlxbun.errors import InputError
+
+    if method not in METHODS:
+        raise InputError(f"{key}={method!r} is not allowed; choose one of {', '.join(METHODS)}")
+    if method != "rtn" and mode != "affine":
+        raise InputError(f"{key}={method!r} needs mode affine, got mode={mode!r}; use method rtn")
+
+
+def pack(codes: np.ndarray, bits: int) -> np.ndarray:
+    """Codes (rows, cols) in [0, 2**bits) -> uint32 (rows, cols*bits/32), mlx's bit order."""
+    rows, cols = codes.shape
+    planes = (codes[..., None].astype(np.uint32) >> np.arange(bits, dtype=np.uint32)) & 1
+    stream = np.packbits(planes.astype(np.uint8).reshape(rows, cols * bits), axis=-1, bitorder="little")
+    return np.ascontiguousarray(stream).view("<u4").astype(np.uint32)
+
+
+def _codes(w: Any, s: Any, b: Any, n: int) -> Any:
+    import mlx.core as mx
+
+    return mx.clip(mx.round((w - b) / s), 0, n)
+
+
+def _err(w: Any, q: Any, s: Any, b: Any, imp: Any) -> Any:
+    import mlx.core as mx
+
+    return mx.sum(imp * mx.square(w - (s * q + b)), axis=-1, keepdims=True)
+
+
+def _stored(x: Any, dtype: Any) -> Any:
+    """The value a scale or bias has once written in ``dtype``; zero scales become tiny."""
+    import mlx.core as mx
+
+    x = x.astype(dtype).astype(mx.float32)
+    return mx.where(x == 0, mx.array(1e-8, mx.float32).astype(dtype).astype(mx.float32), x)
+
+
+def _refit(w: Any, q: Any, imp: Any, s: Any, b: Any) -> tuple[Any, Any]:
+    """Weighted least-squares scale and bias for fixed codes (unchanged where degenerate)."""
+    import mlx.core as mx
+
+    sw, sq = mx.sum(imp, -1, keepdims=True), mx.sum(imp * q, -1, keepdims=True)
+    sqq, swx = mx.sum(imp * q * q, -1, keepdims=True), mx.sum(imp * w, -1, keepdims=True)
+    sqx = mx.sum(imp * q * w, -1, keepdims=True)
+    det = sw * sqq - sq * sq
+    ok = det > 1e-12 * mx.maximum(sw * sqq, 1e-30)
+    s_new = (sw * sqx - sq * swx) / mx.where(ok, det, 1.0)
+    b_new = (swx - s_new * sq) / mx.maximum(sw, 1e-30)
+    return mx.where(ok, s_new, s), mx.where(ok, b_new, b)
+
+
+def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -> tuple[Any, Any, Any]:
+    """Best (codes, scale, bias) per group of a float32 block (rows, cols)."""
+    import mlx.core as mx
+
+    n = (1 << bits) - 1
+    rows, cols = w.shape
+    wg = w.reshape(rows, cols // group_size, group_size)
+    ig = imp.reshape(1, cols // group_size, group_size)
+    _, s0, b0 = mx.quantize(w.astype(dtype), group_size=group_size, bits=bits)
+    best_s, best_b = _stored(s0[..., None], dtype), _stored(b0[..., None], dtype)
+    best_q = _codes(wg, best_s, best_b, n)
+    best_e = _err(wg, best_q, best_s, best_b, ig)
+    lo, hi = mx.min(wg, -1, keepdims=True), mx.max(wg, -1, keepdims=True)
+    for ratio in (1.0, *RATIOS):
+        s = _stored(mx.maximum((hi - lo) * ratio / n, 1e-8), dtype)
+        b = _stored(lo * ratio, dtype)
+        for step in range(REFITS + 1):
+            q = _codes(wg, s, b, n)
+            e = _err(wg, q, s, b, ig)
+            better = e < best_e
+            best_e = mx.where(better, e, best_e)
+            best_s, best_b = mx.where(better, s, best_s), mx.where(better, b, best_b)
+            best_q = mx.where(better, q, best_q)
+            if step < REFITS:
+                s, b = _refit(wg, q, ig, s, b)
+                s, b = _stored(s, dtype), _stored(b, dtype)
+        mx.eval(best_e, best_s, best_b, best_q)
+    return best_q.reshape(rows, cols), best_s[..., 0], best_b[..., 0]
+
+
+def _gptq(w: Any, h: Any, *, bits: int, group_size: int) -> tuple[np.ndarray, Any, Any]:
+    """GPTQ codes, scales and biases of ``w`` (rows, cols) for the input Hessian ``h``."""
+    import mlx.core as mx
+
+    n = (1 << bits) - 1
+    W = np.asarray(w.astype(mx.float32), dtype=np.float64).copy()
+    H = np.asarray(h, dtype=np.float64).copy()
+    diag = np.diag(H).copy()
+    dead = np.flatnonzero(diag <= 0)
+    H[dead, dead] = 1.0
+    H[np.diag_indices_from(H)] += DAMP * max(float(diag.mean()), 1e-12)
+    U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: H^-1 = U^T U
+    imp = np.maximum(diag, 0).astype(np.float32)
+    rows, cols = W.shape
+    codes = np.empty((rows, cols), dtype=np.uint8)
+    scales, biases = [], []
+    for i in range(0, cols, group_size):
+        j = i + group_size
+        _, s, b = _search_block(
+            mx.array(W[:, i:j].astype(np.float32)), mx.array(imp[i:j]), bits=bits, group_size=group_size,
+            dtype=w.dtype,
+        )  # fmt: skip
+        scales.append(s)
+        biases.append(b)
+        s, b = np.asarray(s, np.float64), np.asarray(b, np.float64)  # (rows, 1)
+        err = np.zeros((rows, group_size))
+        for k in range(i, j):
+            q = np.clip(np.round((W[:, k : k + 1] - b) / s), 0, n)
+            codes[:, k] = q[:, 0]
+            e = (W[:, k : k + 1] - (s * q + b)) / U[k, k]
+            W[:, k + 1 : j] -= e @ U[k : k + 1, k + 1 : j]
+            err[:, k - i] = e[:, 0]
+        W[:, j:] -= err @ U[i:j, j:]
+    return codes, mx.concatenate(scales, axis=-1), mx.concatenate(biases, axis=-1)
+
+
+def quantize(
+    w: Any,
+    *,
+    bits: int,
+    group_size: int,
+    method: str = "clip",
+    importance: Any = None,
+    hessian: Any = None,
+) -> tuple[Any, Any, Any]:
+    """``mx.quantize(w, group_size, bits)`` (affine) with the rounding chosen by ``method``.
+
+    Args:
+        w: 2-D weight (out, in); scales and biases come back in its dtype.
+        bits, group_size: as in ``mx.quantize``.
+        method: "rtn" (``mx.quantize`` itself), "clip" or "gptq" (module docstring).
+        importance: optional non-negative weight per input column (length ``in``) for "clip";
+            default: diag(``hessian``) when given, else uniform.
+        hessian: the layer's input Hessian (in, in); "gptq" without it does "clip".
+    """
+    import mlx.core as mx
+
+    check_method(method)
+    if method == "rtn":
+        return tuple(mx.quantize(w, group_size=group_size, bits=bits))
+    if method == "gptq" and hessian is not None:
+        codes, s, b = _gptq(w, hessian, bits=bits, group_size=group_size)
+        return mx.array(pack(codes, bits)), s.astype(w.dtype), b.astype(w.dtype)
+    rows, cols = w.shape
+    if importance is None and hessian is not None:
+        importance = np.maximum(np.diag(np.asarray(hessian, dtype=np.float32)), 0)
+    imp = mx.ones((cols,), mx.float32) if importance is None else mx.array(importance).astype(mx.float32)
+    step = max(1, BLOCK_ELEMENTS // cols)
+    packed, scales, biases = [], [], []
+    for r0 in range(0, rows, step):
+        block = w[r0 : r0 + step].astype(mx.float32)
+        q, s, b = _search_block(block, imp, bits=bits, group_size=group_size, dtype=w.dtype)
+        packed.append(pack(np.asarray(q.astype(mx.uint8)), bits))
+        scales.append(s.astype(w.dtype))
+        biases.append(b.astype(w.dtype))
+    return mx.array(np.concatenate(packed)), mx.concatenate(scales), mx.concatenate(biases)

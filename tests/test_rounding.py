@@ -1,0 +1,272 @@
+"""rounding: range-searched affine quantization in mlx's own layout, checked against mx.quantize."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_quantize import make_hf_model
+
+from mlxbun.errors import InputError
+from mlxbun.quant import rounding
+from mlxbun.quant.uniform import quantize_model_dir
+
+BITS = (2, 3, 4, 5, 6, 8)
+
+
+def _weight(rows: int = 64, cols: int = 256, seed: int = 0) -> mx.array:
+    """Gaussian weights with per-column scale spread and a few outliers, like trained linears."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)) * np.exp(0.5 * rng.standard_normal(cols))
+    w[rng.integers(0, rows, 8), rng.integers(0, cols, 8)] *= 8
+    return mx.array(w.astype(np.float32)).astype(mx.bfloat16)
+
+
+def _codes(q, s, b, bits: int, g: int) -> np.ndarray:
+    deq = mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=g, bits=bits)
+    return np.asarray(
+        mx.round((deq - mx.repeat(b.astype(mx.float32), g, -1)) / mx.repeat(s.astype(mx.float32), g, -1))
+    )
+
+
+def _bytes(a: mx.array) -> bytes:
+    return np.asarray(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes()
+
+
+def _group_err(w: mx.array, parts, bits: int, g: int, imp: np.ndarray | None = None) -> np.ndarray:
+    s, b = parts[1].astype(mx.float32), parts[2].astype(mx.float32)
+    deq = np.asarray(mx.dequantize(parts[0], s, b, group_size=g, bits=bits))
+    e = np.square(np.asarray(w.astype(mx.float32)) - deq) * (1 if imp is None else imp)
+    return e.reshape(w.shape[0], -1, g).sum(-1)
+
+
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("g", [32, 64, 128])
+def test_pack_is_mlx_bit_layout(bits, g):
+    q, s, b = mx.quantize(_weight(), group_size=g, bits=bits)
+    codes = _codes(q, s, b, bits, g).astype(np.int64)
+    assert np.array_equal(rounding.pack(codes, bits), np.asarray(q))
+
+
+def test_pack_golden_bytes():
+    codes = np.arange(32, dtype=np.int64).reshape(1, 32) % 8
+    assert rounding.pack(codes, 3).tobytes().hex() == "88c6fa88c6fa88c6fa88c6fa"
+    assert rounding.pack(np.full((1, 8), 15), 4).tobytes().hex() == "ffffffff"
+
+
+def test_rtn_is_mx_quantize():
+    w = _weight()
+    for a, b in zip(
+        rounding.quantize(w, bits=4, group_size=64, method="rtn"), mx.quantize(w, 64, 4), strict=True
+    ):
+        assert mx.array_equal(a, b)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_clip_never_worse_than_mx_quantize_per_group(bits):
+    w = _weight(seed=bits)
+    imp = np.exp(np.random.default_rng(1).standard_normal(256)).astype(np.float32)
+    for importance in (None, imp):
+        mine = rounding.quantize(w, bits=bits, group_size=64, importance=importance)
+        ref = mx.quantize(w, group_size=64, bits=bits)
+        assert [a.shape for a in mine] == [a.shape for a in ref]
+        assert [a.dtype for a in mine] == [a.dtype for a in ref]
+        e_mine, e_ref = _group_err(w, mine, bits, 64, importance), _group_err(w, ref, bits, 64, importance)
+        assert (e_mine <= e_ref * (1 + 1e-6) + 1e-12).all()
+        if bits <= 4:
+            assert e_mine.sum() < 0.95 * e_ref.sum()  # the search finds real gains at low bits
+
+
+def test_clip_is_deterministic_and_blocking_does_not_change_bytes(monkeypatch):
+    w = _weight(rows=96)
+    one = [_bytes(a) for a in rounding.quantize(w, bits=3, group_size=32)]
+    monkeypatch.setattr(rounding, "BLOCK_ELEMENTS", 256 * 7)  # 7 rows per block
+    two = [_bytes(a) for a in rounding.quantize(w, bits=3, group_size=32)]
+    assert one == two
+
+
+def test_bad_method_is_refused(tmp_path):
+    with pytest.raises(InputError, match="quant.method='awq' is not allowed; choose one of rtn, clip, gptq"):
+        rounding.check_method("awq")
+    with pytest.raises(InputError, match="needs mode affine"):
+        rounding.check_method("clip", mode="mxfp4")
+    src = make_hf_model(tmp_path / "src", "llama")
+    with pytest.raises(InputError, match="quant.method"):
+        quantize_model_dir(src, tmp_path / "out", bits=4, group_size=64, method="nope")
+    assert not (tmp_path / "out").exists()
+
+
+def _digest(d: Path) -> str:
+    return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(d.glob("model*.safetensors")))).hexdigest()
+
+
+def _weight_error(src: Path, out: Path) -> float:
+    """Summed squared error of every quantized Linear weight against the source."""
+    from mlx_lm.utils import load
+
+    ref, _ = load(str(src))
+    cur, _ = load(str(out))
+    ref_w = dict(_linears(ref))
+    total = 0.0
+    for path, mod in _linears(cur):
+        if hasattr(mod, "scales"):
+            deq = mx.dequantize(mod.weight, mod.scales, mod.biases, group_size=mod.group_size, bits=mod.bits)
+            total += float(mx.sum(mx.square(deq.astype(mx.float32) - ref_w[path].weight.astype(mx.float32))))
+    return total
+
+
+def _linears(model):
+    import mlx.nn as nn
+
+    return [(p, m) for p, m in model.named_modules() if isinstance(m, (nn.Linear, nn.QuantizedLinear))]
+
+
+def test_clip_model_loads_in_mlx_lm_generates_and_is_closer(tmp_path):
+    from mlx_lm import generate, load
+
+    src = make_hf_model(tmp_path / "src", "llama", intermediate_size=256)
+    rtn = quantize_model_dir(src, tmp_path / "rtn", bits=3, group_size=64).out
+    clip = quantize_model_dir(src, tmp_path / "clip", bits=3, group_size=64, method="clip").out
+    again = quantize_model_dir(src, tmp_path / "again", bits=3, group_size=64, method="clip").out
+    assert _digest(clip) == _digest(again) != _digest(rtn)
+    assert (clip / "config.json").read_text() == (rtn / "config.json").read_text()
+    model, tok = load(str(clip))
+    assert isinstance(generate(model, tok, prompt="w3 w4 w5 w6", max_tokens=8), str)
+    assert _weight_error(src, clip) < 0.95 * _weight_error(src, rtn)
+    tokens = mx.array(np.random.default_rng(0).integers(3, 64, (4, 32)))
+    ref = load(str(src))[0](tokens).astype(mx.float32)
+    errs = [float(mx.mean(mx.square(load(str(d))[0](tokens).astype(mx.float32) - ref))) for d in (clip, rtn)]
+    assert np.isfinite(errs).all() and errs[0] < errs[1]
+
+
+def test_clip_in_row_blocks_matches_whole_modules(tmp_path, monkeypatch):
+    from mlxbun.quant import uniform
+
+    src = make_hf_model(tmp_path / "src", "llama", vocab_size=100)
+    whole = quantize_model_dir(src, tmp_path / "whole", bits=4, group_size=32, method="clip").out
+    monkeypatch.setattr(uniform, "BIG_TENSOR", 1000)
+    monkeypatch.setattr(uniform, "CHUNK_BYTES", 4096)
+    blocked = quantize_model_dir(src, tmp_path / "blocked", bits=4, group_size=32, method="clip").out
+    assert _digest(whole) == _digest(blocked)
+
+
+def _correlated_hessian(cols: int, seed: int = 0) -> mx.array:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2048, 16)) @ rng.standard_normal((16, cols)) + 0.3 * rng.standard_normal(
+        (2048, cols)
+    )
+    x *= np.exp(rng.standard_normal(cols))
+    return mx.array((x.T @ x).astype(np.float32))
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_gptq_lowers_the_output_error_and_keeps_mlx_layout(bits):
+    from mlxbun.quant.hessian import output_error
+
+    w, h = _weight(rows=32), _correlated_hessian(256)
+    errs = {}
+    for method in ("rtn", "clip", "gptq"):
+        parts = rounding.quantize(w, bits=bits, group_size=64, method=method, hessian=h)
+        assert [a.dtype for a in parts] == [a.dtype for a in mx.quantize(w, 64, bits)]
+        deq = mx.dequantize(*parts, group_size=64, bits=bits)
+        errs[method] = output_error(deq.astype(mx.float32) - w.astype(mx.float32), h)
+    assert errs["gptq"] < 0.7 * errs["rtn"] and errs["clip"] <= errs["rtn"]
+    again = rounding.quantize(w, bits=bits, group_size=64, method="gptq", hessian=h)
+    assert [_bytes(a) for a in again] == [
+        _bytes(a) for a in rounding.quantize(w, bits=bits, group_size=64, method="gptq", hessian=h)
+    ]
+
+
+def test_hessian_of_the_head_is_its_inputs_gram_matrix(tmp_path):
+    from mlx_lm.utils import load
+
+    from mlxbun.quant import hessian
+
+    src = make_hf_model(tmp_path / "src", "llama")
+    model, _ = load(str(src))
+    model.set_dtype(mx.float32)
+    tokens = np.random.default_rng(0).integers(3, 64, (3, 16))
+    h = hessian.capture(model, tokens, batch_size=2)
+    x = model.model(mx.array(tokens)).reshape(-1, 128)
+    assert np.allclose(np.asarray(h["lm_head"]), np.asarray(x.T @ x), rtol=1e-4, atol=1e-3)
+    assert "model.layers.3.mlp.down_proj" in h and "model.embed_tokens" not in h  # untied
+    assert type(model.model.layers[0].self_attn.q_proj).__name__ == "Linear"  # hooks removed
+    hessian.save(h, tmp_path / "h.safetensors", tokens=tokens.size)
+    back = hessian.load(tmp_path / "h.safetensors")
+    assert sorted(back) == sorted(h) and mx.array_equal(back["lm_head"], h["lm_head"])
+
+
+def test_tied_embedding_gets_the_head_hessian(tmp_path):
+    from mlx_lm.utils import load
+
+    from mlxbun.quant import hessian
+
+    src = make_hf_model(tmp_path / "src", "qwen3")
+    model, _ = load(str(src))
+    model.set_dtype(mx.float32)
+    tokens = np.random.default_rng(0).integers(3, 64, (2, 16))
+    h = hessian.capture(model, tokens)
+    x = model.model(mx.array(tokens)).reshape(-1, 128)
+    assert np.allclose(np.asarray(h["model.embed_tokens"]), np.asarray(x.T @ x), rtol=1e-4, atol=1e-3)
+
+
+def test_gptq_model_loads_generates_and_is_closer_than_rtn(tmp_path):
+    from mlx_lm import generate, load
+
+    from mlxbun.quant import hessian
+
+    src = make_hf_model(tmp_path / "src", "llama", intermediate_size=256)
+    model, _ = load(str(src))
+    model.set_dtype(mx.float32)
+    tokens = np.random.default_rng(0).integers(3, 64, (8, 32))
+    hessian.save(hessian.capture(model, tokens), tmp_path / "h.safetensors", tokens=tokens.size)
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"w{t}" for t in tokens.ravel()))
+    hessian.capture_model_dir(src, tmp_path / "c.safetensors", calib_path=calib, samples=2, seq_len=16)
+    assert "model.layers.0.self_attn.q_proj" in hessian.load(tmp_path / "c.safetensors")
+    with pytest.raises(InputError, match="needs quant.hessians"):
+        quantize_model_dir(src, tmp_path / "x", bits=3, group_size=64, method="gptq")
+    kw = dict(bits=3, group_size=64, method="gptq", hessians=tmp_path / "h.safetensors")
+    gptq = quantize_model_dir(src, tmp_path / "gptq", **kw).out
+    assert _digest(gptq) == _digest(quantize_model_dir(src, tmp_path / "again", **kw).out)
+    rtn = quantize_model_dir(src, tmp_path / "rtn", bits=3, group_size=64).out
+    m, tok = load(str(gptq))
+    assert isinstance(generate(m, tok, prompt="w3 w4 w5 w6", max_tokens=8), str)
+    ref = model(mx.array(tokens))
+    errs = [
+        float(mx.mean(mx.square(load(str(d))[0](mx.array(tokens)).astype(mx.float32) - ref)))
+        for d in (gptq, rtn)
+    ]
+    assert errs[0] < 0.8 * errs[1]
+
+
+def test_a_file_that_is_not_hessians_is_refused(tmp_path):
+    from mlxbun.quant import hessian
+
+    mx.save_safetensors(str(tmp_path / "x.safetensors"), {"a": mx.zeros((2, 2))})
+    with pytest.raises(InputError, match="is not an mlxbun hessians file"):
+        hessian.load(tmp_path / "x.safetensors")
+    mx.save_safetensors(
+        str(tmp_path / "y.safetensors"), {"a": mx.zeros((2, 3))}, {"format": "mlxbun-hessians"}
+    )
+    with pytest.raises(InputError, match=r"'a' has shape \(2, 3\); expected \(n, n\)"):
+        hessian.load(tmp_path / "y.safetensors")
+
+
+def test_cli_quantize_with_clip_and_bad_method(tmp_path):
+    from cli_util import run_cli
+
+    src = make_hf_model(tmp_path / "src", "llama")
+    common = [f"model.name={src}", "blas=off", "command=quantize", "quant.bits=3"]
+    ok = run_cli(*common, "quant.method=clip", f"quant.out={tmp_path / 'clip'}", tmp=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert _digest(tmp_path / "clip") == _digest(
+        quantize_model_dir(src, tmp_path / "lib", bits=3, group_size=64, method="clip").out
+    )
+    bad = run_cli(*common, "quant.method=clip", "quant.mode=mxfp4", "quant.bits=4", tmp=tmp_path)
+    assert bad.returncode == 2 and "needs mode affine" in bad.stderr and "Traceback" not in bad.stderr
+    no_h = run_cli(*common, "quant.method=gptq", f"quant.out={tmp_path / 'g'}", tmp=tmp_path)
+    assert no_h.returncode == 2 and "needs quant.hessians" in no_h.stderr and not (tmp_path / "g").exists()
