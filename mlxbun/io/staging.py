@@ -117,13 +117,18 @@ def _open_locked(path: Path, *, wait: bool) -> IO[str] | None:
         f.close()
 
 
-def read_marker(d: Path) -> dict[str, Any] | None:
-    """The stage marker of staging dir ``d``, or None when missing or unreadable."""
+def read_json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``, or None when it is missing, unreadable or not an object."""
     try:
-        data = json.loads((d / STAGE_MARKER).read_text())
+        data = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def read_marker(d: Path) -> dict[str, Any] | None:
+    """The stage marker of staging dir ``d``, or None when missing or unreadable."""
+    return read_json_object(d / STAGE_MARKER)
 
 
 # ---------------------------------------------------------------------------- digests

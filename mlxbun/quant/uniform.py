@@ -51,6 +51,7 @@ from mlxbun.io.staging import (
     digest_files,
     discard_dir,
     reached,
+    read_json_object,
     stable_root,
     weights_written,
 )
@@ -159,11 +160,7 @@ def fingerprint(src: Path, settings: dict[str, Any], *, tensors: str | None = No
 
 
 def _read_record(d: Path) -> dict[str, Any] | None:
-    try:
-        record = json.loads((d / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
-    return record if isinstance(record, dict) else None
+    return read_json_object(d / MARKER)
 
 
 def default_threads() -> int:
