@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import random
 
 import mlx.core as mx
@@ -263,7 +264,7 @@ def test_allocate_bytes_budget_is_optimal_and_counts_headers(model):
         assert plan.kl_sum == pytest.approx(best, rel=1e-12)
 
 
-def test_infeasible_budget_names_the_range(model):
+def test_infeasible_budget_names_the_range(model, caplog):
     sens = fake_sensitivity(MEASURED)
     with pytest.raises(
         InputError, match=r"allocate.budget_bpw=1.0 cannot be met.*between [0-9.]+ and [0-9.]+ bpw"
@@ -273,9 +274,11 @@ def test_infeasible_budget_names_the_range(model):
         al.allocate(sens, model_dir=model, budget_bytes=1000)
     with pytest.raises(InputError, match="exactly one"):
         al.allocate(sens, model_dir=model)
-    # A generous budget is not an error: every module takes its lowest-KL setting.
-    plan = al.allocate(sens, model_dir=model, budget_bpw=16)
+    # A generous budget is not an error: every module takes its lowest-KL setting, and says so.
+    with caplog.at_level(logging.WARNING, logger="mlxbun"):
+        plan = al.allocate(sens, model_dir=model, budget_bpw=16)
     assert all(plan.layers[p].bits == 8 for p in MEASURED)
+    assert "allocate.budget_bpw=16 is more than the largest plan needs" in caplog.text
 
 
 def test_protection_rules(model):

@@ -21,6 +21,7 @@ choice is a multiple-choice knapsack solved exactly or with a stated bound
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 from collections.abc import Collection, Mapping, Sequence
@@ -40,6 +41,8 @@ from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.sensitivity import load_model, model_fingerprint
 from mlxbun.quant.spec import AFFINE_BITS, Plan, QuantSpec, Rule, check_budget
 from mlxbun.quant.uniform import quantize_model_dir, resolve_dtype
+
+log = logging.getLogger("mlxbun")
 
 PLAN_FILE = "plan.json"
 SENSITIVITY_FILE = "sensitivity.json"
@@ -338,6 +341,11 @@ def allocate(
         sol = _solve_file_budget(prob, source, default, budget_bytes, fixed_bytes, lo, max_states, kw)
     if sol is None:
         raise _range_error(key, value, lo, hi)
+    if (hi.tensor_bytes if budget_bpw is not None else hi.file_bytes) < limit:
+        log.warning(
+            "%s=%s is more than the largest plan needs (%.4f bpw, %d bytes on disk): every module takes"
+            " its lowest-KL candidate and the plan is smaller than the budget", key, value, hi.bpw, hi.file_bytes,
+        )  # fmt: skip
     limits = {"key": key, "value": value, "limit_bytes": limit, "unit": "tensor" if budget_bpw else "file"}
     return _plan(prob, sol, source, default, kw, sens, limits=limits)
 
