@@ -34,7 +34,7 @@ from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes, atomic_write_json
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# A run that ended well: "completed" ("ok" in manifests written before that name).
+# A run that ended well: "ok" (what runrecord writes); "completed" is accepted too.
 COMPLETED = ("completed", "ok")
 OUTSIDE = "outside the run directory; not read"
 

@@ -121,7 +121,7 @@ def test_cli_gc_and_bad_input(tmp_path):
     r = _cli(tmp_path, "command=kv_gc")
     assert r.returncode == 0 and "1 blocks" in r.stdout and "kv.execute=true" in r.stdout
     r = _cli(tmp_path, "command=kv_gc", "json=true")
-    plan = json.loads(r.stdout.split("\noutputs:")[0])
+    plan = json.loads(r.stdout)["result"]
     assert r.returncode == 0 and len(plan["plan"]["blocks"]) == 1 and plan["done"] is None
     r = _cli(tmp_path, "command=kv_gc", "kv.execute=true")
     assert r.returncode == 0 and "freed" in r.stdout

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -409,11 +410,12 @@ def verify(cfg: Any) -> Any:
     n = len(names or store.names())
     if cfg.json:
         report = {"store": str(store.root), "snapshots": n, "bytes": checked, "problems": problems}
-        print(json.dumps(report | {"ok": not problems}, indent=2, sort_keys=True))
-    if problems:
-        raise DriftError(
-            f"kv_verify found {len(problems)} problem(s) in {store.root}: " + "; ".join(problems)
-        )
+        text = json.dumps(report | {"ok": not problems}, indent=2, sort_keys=True)
+    summary = f"kv_verify found {len(problems)} problem(s) in {store.root}: " + "; ".join(problems)
     if cfg.json:
-        return RunResult()
+        if problems:
+            print(f"error: {summary}", file=sys.stderr)
+        return RunResult(message=text, exit_code=1 if problems else 0)
+    if problems:
+        raise DriftError(summary)
     return RunResult(message=f"ok: {n} snapshot(s), {checked / 1e6:.1f} MB re-hashed in {store.root}")
