@@ -357,7 +357,7 @@ class Fixture:
         """mlxbun's knapsack for one family at ``limit`` bytes, quantized and measured."""
         from mlxbun.io.atomic import atomic_write_json
         from mlxbun.quant.allocate import allocate
-        from mlxbun.quant.uniform import quantize_model_dir
+        from mlxbun.quantize import quantize_model_dir
 
         method, groups = FAMILIES[family]
         t0 = time.perf_counter()
@@ -406,7 +406,7 @@ def run_fixture(model: Path, args: argparse.Namespace) -> dict:
 
 def run_uniform(model: Path, args: argparse.Namespace) -> list[str]:
     """Same bits, same bytes: mlx-lm convert q3/q4 against mlxbun's quantize with each method."""
-    from mlxbun.quant.uniform import quantize_model_dir
+    from mlxbun.quantize import quantize_model_dir
 
     fx = Fixture(model, args)
     hdir, hstats = fx.stage("hessians", "hessians")

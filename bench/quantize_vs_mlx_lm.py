@@ -74,7 +74,7 @@ def same_tensors(a: Path, b: Path) -> bool:
 
 
 LIB = (
-    "import sys; from mlxbun.quant.uniform import quantize_model_dir\n"
+    "import sys; from mlxbun.quantize import quantize_model_dir\n"
     "r = quantize_model_dir(sys.argv[1], sys.argv[2], bits=4, group_size=64, shard_bytes=int(sys.argv[3]) << 30)\n"
     "print('seconds', r.seconds)\n"
 )

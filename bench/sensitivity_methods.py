@@ -141,7 +141,7 @@ class Plans:
 
     def quantize(self, **kw) -> dict:
         from mlxbun.quant import budget
-        from mlxbun.quant.uniform import quantize_model_dir
+        from mlxbun.quantize import quantize_model_dir
 
         self.n += 1
         out = self.args.work / "models" / f"{self.n:02d}"

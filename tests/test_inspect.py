@@ -12,7 +12,7 @@ from cli_util import run_cli
 from test_shards import LLAMA, tiny_llama
 
 from mlxbun.errors import InputError
-from mlxbun.io.inspect import format_report, inspect_model, run
+from mlxbun.inspect import format_report, inspect_model, run
 from mlxbun.schema import Config
 
 

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 from mlxbun.errors import InputError
 from mlxbun.quant import plan as qplan
-from mlxbun.quant.uniform import MARKER, quantize_model_dir
+from mlxbun.quantize import MARKER, quantize_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
@@ -235,7 +235,7 @@ KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 from mlxbun.io import shards
-from mlxbun.quant.uniform import quantize_model_dir
+from mlxbun.quantize import quantize_model_dir
 real = shards.ShardedWriter._write_shard
 def write_then_die(self, k, items):
     real(self, k, items)
@@ -376,14 +376,14 @@ def test_cli_quantize_writes_a_model_and_exits_2_on_bad_input(tmp_path):
 
 
 def test_big_weights_quantized_in_row_blocks_are_bit_identical(tmp_path, monkeypatch):
-    from mlxbun.quant import uniform
+    from mlxbun import quantize
 
-    monkeypatch.setattr(uniform, "BIG_TENSOR", 1000)
-    monkeypatch.setattr(uniform, "CHUNK_BYTES", 4096)  # 8 rows of 128 f32 per block
+    monkeypatch.setattr(quantize, "BIG_TENSOR", 1000)
+    monkeypatch.setattr(quantize, "CHUNK_BYTES", 4096)  # 8 rows of 128 f32 per block
     blocked = []
-    real = uniform.Converter.quantize_rows
+    real = quantize.Converter.quantize_rows
     monkeypatch.setattr(
-        uniform.Converter, "quantize_rows", lambda self, u: blocked.append(u.path) or real(self, u)
+        quantize.Converter, "quantize_rows", lambda self, u: blocked.append(u.path) or real(self, u)
     )
     src = make_hf_model(tmp_path / "src", "llama", vocab_size=100)
     ref = mlx_lm_convert(src, tmp_path / "ref", q_bits=5, q_group_size=32, dtype="float32")
@@ -397,7 +397,7 @@ def test_quantize_skips_transformers_and_mlx_lm_still_imports_normally(tmp_path)
     script = (
         "import sys\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
-        "from mlxbun.quant.uniform import quantize_model_dir\n"
+        "from mlxbun.quantize import quantize_model_dir\n"
         f"out = quantize_model_dir({str(src)!r}, {str(tmp_path / 'q')!r}, bits=4).out\n"
         "assert 'transformers' not in sys.modules\n"
         "import mlx_lm\n"

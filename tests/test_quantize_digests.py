@@ -9,7 +9,7 @@ import pytest
 
 from mlxbun import provenance
 from mlxbun.provenance import Manifest, RunResult, hash_paths, named_sha256
-from mlxbun.quant.uniform import quantize_model_dir
+from mlxbun.quantize import quantize_model_dir
 
 
 def _sha(path: Path) -> str:

@@ -40,7 +40,7 @@ from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.sensitivity import load_model, model_fingerprint
 from mlxbun.quant.spec import AFFINE_BITS, Plan, QuantSpec, Rule, check_budget
-from mlxbun.quant.uniform import quantize_model_dir, resolve_dtype
+from mlxbun.quantize import quantize_model_dir, resolve_dtype
 
 log = logging.getLogger("mlxbun")
 
