@@ -118,13 +118,13 @@ def generator_rates(n: int = 1 << 25) -> dict[str, float]:
     import mlx.core as mx
     import numpy as np
 
-    from mlxbun import synth
+    from mlxbun import synth, synth_arch, synth_values
 
-    t = synth.TensorPlan("bench.weight", (n // 4096, 4096), "bfloat16", 0.02)
+    t = synth_arch.TensorPlan("bench.weight", (n // 4096, 4096), "bfloat16", 0.02)
     spec = synth.resolve_spec()
     rates = {}
-    for threads in (1, synth.THREADS):
-        synth.THREADS = threads
+    for threads in (1, synth_values.THREADS):
+        synth_values.THREADS = threads
         start = time.perf_counter()
         mx.eval(synth.tensor_array(t, spec=spec, channels=[]))
         rates[f"mlxbun table lookup, {threads} thread(s)"] = n / (time.perf_counter() - start) / 1e6

@@ -16,346 +16,49 @@ writing any weights, :class:`SyntheticSource` generates each tensor when a reade
         tokenizer.json                      byte-level BPE with exactly vocab_size tokens
         tokenizer_config.json               special tokens and a chat template
 
-What the weights are (every value is a function of the spec; chunk ``i`` of tensor ``name``
-draws raw PCG64 output seeded with sha256(seed, name, i): bytes do not depend on order or threads):
-
-- linear weights ~ N(0, 1/fan_in) (activations keep unit scale through the layers);
-  ``embed_tokens`` and an untied ``lm_head`` ~ N(0, 9/hidden) so logits have std ≈ 3;
-  qwen2's q/k/v biases ~ N(0, 0.02²).
-- RMSNorm gains are 1; gemma stores ``w`` and applies ``1 + w``, so its stored gains are 0.
-  ``norm_jitter=s`` adds N(0, s²) to every gain (input/post-attention/pre/post-feedforward,
-  q_norm/k_norm, final norm).
-- gemma3_text scales embeddings by sqrt(hidden) on input, so its ``embed_tokens`` is
-  N(0, 9/hidden²) (else the residual stays a copy of the input token and the output is one-hot)
-  and, with tied embeddings, its final norm gain is sqrt(hidden) (stored sqrt(hidden) - 1) to
-  give the tied head its logit scale back.
-- Normal values come from a 65536-entry table of exact N(0, 1) quantiles indexed by random
-  uint16 (tails end at ±4.3σ); in bf16 this is indistinguishable from sampling and several
-  times faster than numpy's normal sampler plus a bf16 cast.
-
-Planted outliers, ``outlier_channels=k`` > 0: k hidden channels C are drawn from the seed
-(``synth.json`` lists them). ``outlier_target`` picks what is multiplied by ``outlier_scale``:
-
-- ``weights``: input columns C of every q/k/v/gate/up projection and of an untied lm_head (the
-  groups of input weights that hold them get large quantization scales);
-- ``activations``: columns C of ``embed_tokens`` and output rows C of every o_proj and
-  down_proj, so the residual stream carries large values in channels C at every layer; the
-  final norm's gains at C are divided by ``outlier_scale`` (as real LLMs damp their massive
-  activations) so the logits stay spread out;
-- ``both`` (default): all of the above.
-
-Measured (``preset=small``: 8 layers, hidden 512; KL(bf16 ‖ every linear 4-bit g64 RTN) in nats
-on one 40-token prompt; llama / qwen3 / gemma3_text): no outliers 0.59 / 0.66 / 0.54;
-k=4 scale 20 ``weights`` 4.49 / 2.30 / 0.71, ``activations`` 0.16 / 0.16 / 0.30, ``both``
-1.16 / 0.75 / 0.52. Output entropy stays 4-5 nats (vocab 8192) in every case.
+The tensors and their values are :mod:`mlxbun.synth_values`; the architectures, presets, config
+files and tokenizer are :mod:`mlxbun.synth_arch`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import itertools
 import json
 import logging
-import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from functools import cached_property
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, publish_dir
+from mlxbun.io.atomic import atomic_write_json, file_lock, publish_dir
 from mlxbun.io.dtypes import OUTPUT_DTYPES as DTYPES
+from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, reached, stable_root, staging_dir, weights_written
-from mlxbun.schema import ARCHS, SYNTH_DIMS
+from mlxbun.progress import Progress, human_bytes
+from mlxbun.provenance import RunResult
+from mlxbun.schema import ARCHS
+from mlxbun.synth_arch import (
+    ARCH_VOCAB,
+    DIMS,
+    MIN_VOCAB,
+    PRESETS,
+    SPECIALS,
+    Shape,
+    Spec,
+    build_tokenizer,
+    generation_config,
+    hf_config,
+)
+from mlxbun.synth_values import SyntheticSource, plan, planted_channels, tensor_array
 
 log = logging.getLogger("mlxbun")
 
-FORMAT_VERSION = 2  # bump when the bytes for a given spec change
 SPEC_FILE = "synth.json"
 OUTLIER_TARGETS = ("weights", "activations", "both")
-CHUNK = 1 << 22  # elements drawn per RNG stream
-THREADS = max(1, min(2, os.cpu_count() or 1))
-TABLE_BITS = 16
 SAFETENSORS_METADATA = {"format": "pt"}  # what Hugging Face checkpoints carry
-
-SPECIALS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
-PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIALS))
-MIN_VOCAB = len(SPECIALS) + 256
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-# Byte-level characters merged into longer tokens, roughly by English frequency; no '<', '>'
-# or '|', so a merged token can never spell a special token.
-MERGE_CHARS = "Ġetaoinshrdlcumwfgypbvkjxqz" + "ETAOINSHRDLCUMWFGYPBVKJXQZ" + "0123456789" + ".,'-:Ċ"
-
-# Per architecture: HF config fields that are not dims, and the vocabulary of presets >= 1b.
-ARCH_CONFIG: dict[str, dict[str, Any]] = {
-    "llama": {
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 131072,
-    },
-    "mistral": {
-        "architectures": ["MistralForCausalLM"],
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 32768,
-        "sliding_window": None,
-    },
-    "qwen2": {
-        "architectures": ["Qwen2ForCausalLM"],
-        "hidden_act": "silu",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 32768,
-        "use_sliding_window": False,
-        "sliding_window": 32768,
-    },
-    "qwen3": {
-        "architectures": ["Qwen3ForCausalLM"],
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960,
-    },
-    "gemma3_text": {
-        "architectures": ["Gemma3ForCausalLM"],
-        "hidden_activation": "gelu_pytorch_tanh",
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "rope_local_base_freq": 10000.0,
-        "max_position_embeddings": 32768,
-        "sliding_window": 512,
-        "attn_logit_softcapping": None,
-        "final_logit_softcapping": None,
-    },
-}
-ARCH_VOCAB = {"llama": 128256, "mistral": 32768, "qwen2": 151936, "qwen3": 151936, "gemma3_text": 262144}
-
-_GEMMA_LONG = {"rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "max_position_embeddings": 131072}
-# preset -> {"*": dims for every arch, arch: that arch's real model}; "config" holds extra HF keys.
-PRESETS: dict[str, dict[str, dict[str, Any]]] = {
-    "tiny": {
-        "*": dict(
-            hidden_size=64,
-            intermediate_size=128,
-            num_layers=2,
-            num_heads=4,
-            num_kv_heads=2,
-            head_dim=16,
-            vocab_size=512,
-            tie_embeddings=True,
-        )
-    },
-    "small": {
-        "*": dict(
-            hidden_size=512,
-            intermediate_size=1536,
-            num_layers=8,
-            num_heads=8,
-            num_kv_heads=2,
-            head_dim=64,
-            vocab_size=8192,
-            tie_embeddings=True,
-        )
-    },
-    "1b": {  # Llama 3.2 1B, Qwen2.5 1.5B, Qwen3 1.7B, Gemma 3 1B
-        "*": dict(
-            hidden_size=2048,
-            intermediate_size=8192,
-            num_layers=16,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=64,
-            tie_embeddings=True,
-        ),
-        "qwen2": dict(
-            hidden_size=1536,
-            intermediate_size=8960,
-            num_layers=28,
-            num_heads=12,
-            num_kv_heads=2,
-            head_dim=128,
-        ),
-        "qwen3": dict(
-            hidden_size=2048,
-            intermediate_size=6144,
-            num_layers=28,
-            num_heads=16,
-            num_kv_heads=8,
-            head_dim=128,
-        ),
-        "gemma3_text": dict(
-            hidden_size=1152,
-            intermediate_size=6912,
-            num_layers=26,
-            num_heads=4,
-            num_kv_heads=1,
-            head_dim=256,
-            config={"query_pre_attn_scalar": 256, "sliding_window": 512},
-        ),
-    },
-    "4b": {  # Llama 3.2 3B, Qwen2.5 3B, Qwen3 4B, Gemma 3 4B (text)
-        "*": dict(
-            hidden_size=3072,
-            intermediate_size=8192,
-            num_layers=28,
-            num_heads=24,
-            num_kv_heads=8,
-            head_dim=128,
-            tie_embeddings=True,
-        ),
-        "qwen2": dict(
-            hidden_size=2048,
-            intermediate_size=11008,
-            num_layers=36,
-            num_heads=16,
-            num_kv_heads=2,
-            head_dim=128,
-        ),
-        "qwen3": dict(
-            hidden_size=2560,
-            intermediate_size=9728,
-            num_layers=36,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-        ),
-        "gemma3_text": dict(
-            hidden_size=2560,
-            intermediate_size=10240,
-            num_layers=34,
-            num_heads=8,
-            num_kv_heads=4,
-            head_dim=256,
-            vocab_size=262208,
-            config={"query_pre_attn_scalar": 256, "sliding_window": 1024, **_GEMMA_LONG},
-        ),
-    },
-    "8b": {  # Llama 3.1 8B, Mistral 7B v0.3, Qwen2.5 7B, Qwen3 8B; gemma3: the generic shape
-        "*": dict(
-            hidden_size=4096,
-            intermediate_size=14336,
-            num_layers=32,
-            num_heads=32,
-            num_kv_heads=8,
-            head_dim=128,
-            tie_embeddings=False,
-        ),
-        "qwen2": dict(
-            hidden_size=3584,
-            intermediate_size=18944,
-            num_layers=28,
-            num_heads=28,
-            num_kv_heads=4,
-            head_dim=128,
-            vocab_size=152064,
-        ),
-        "qwen3": dict(intermediate_size=12288, num_layers=36),
-        "gemma3_text": dict(
-            vocab_size=262208, config={"query_pre_attn_scalar": 128, "sliding_window": 1024, **_GEMMA_LONG}
-        ),
-    },
-    "27b": {  # Gemma 3 27B; the other archs get its dims
-        "*": dict(
-            hidden_size=5376,
-            intermediate_size=21504,
-            num_layers=62,
-            num_heads=32,
-            num_kv_heads=16,
-            head_dim=128,
-            tie_embeddings=False,
-        ),
-        "qwen2": dict(head_dim=168),  # qwen2 derives head_dim = hidden / heads
-        "gemma3_text": dict(
-            vocab_size=262208,
-            tie_embeddings=True,
-            config={"query_pre_attn_scalar": 168, "sliding_window": 1024, **_GEMMA_LONG},
-        ),
-    },
-}
-PRESETS["1.5b"] = PRESETS["1b"]
-DIMS = SYNTH_DIMS
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The dimensions of a decoder-only transformer."""
-
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_embeddings: bool
-
-
-@dataclass(frozen=True)
-class Spec:
-    """Everything that determines a synthetic checkpoint's bytes (hashed for the cache)."""
-
-    arch: str
-    shape: Shape
-    dtype: str = "bfloat16"
-    seed: int = 0
-    outlier_channels: int = 0
-    outlier_scale: float = 20.0
-    outlier_target: str = "both"
-    norm_jitter: float = 0.0
-    config: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"format_version": FORMAT_VERSION, **asdict(self)}
-
-    @property
-    def hash(self) -> str:
-        return hashlib.sha256(dumps_json(self.to_dict()).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """One tensor to generate: stored values ``f * (base + std * z) - offset``, z ~ N(0, 1).
-
-    ``f`` is ``outlier_factor`` on the planted channels (input columns when ``outlier_axis``
-    is 1, output rows when 0; a 1-D tensor is one row) and 1 elsewhere; ``offset`` is 1 for
-    gemma's norms, which store ``w`` and apply ``1 + w``.
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-    std: float
-    base: float = 0.0
-    offset: float = 0.0
-    outlier_axis: int | None = None
-    outlier_factor: float = 1.0
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * (4 if self.dtype == "float32" else 2)
-
 
 # ---------------------------------------------------------------------------- spec
 
@@ -490,353 +193,6 @@ def resolve_spec(
     )
 
 
-# ---------------------------------------------------------------------------- config files
-
-
-def _sliding_pattern(num_layers: int) -> int:
-    # mlx-lm's gemma3 indexes cache[pattern - 1]: the pattern cannot exceed the layer count.
-    return min(6, num_layers)
-
-
-def hf_config(spec: Spec) -> dict[str, Any]:
-    """The ``config.json`` Hugging Face (and mlx-lm's model class for ``spec.arch``) reads."""
-    s = spec.shape
-    cfg: dict[str, Any] = {
-        "model_type": spec.arch,
-        **ARCH_CONFIG[spec.arch],
-        "hidden_size": s.hidden_size,
-        "intermediate_size": s.intermediate_size,
-        "num_hidden_layers": s.num_layers,
-        "num_attention_heads": s.num_heads,
-        "num_key_value_heads": s.num_kv_heads,
-        "head_dim": s.head_dim,
-        "vocab_size": s.vocab_size,
-        "tie_word_embeddings": s.tie_embeddings,
-        "torch_dtype": spec.dtype,
-        "bos_token_id": BOS_ID,
-        "eos_token_id": [EOS_ID, IM_END_ID],
-        "pad_token_id": PAD_ID,
-        **spec.config,
-    }
-    if spec.arch == "qwen2":
-        cfg["max_window_layers"] = s.num_layers
-    if spec.arch == "gemma3_text":
-        pattern = _sliding_pattern(s.num_layers)
-        cfg.setdefault("query_pre_attn_scalar", s.head_dim)
-        cfg["sliding_window_pattern"] = pattern
-        cfg["layer_types"] = [
-            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(s.num_layers)
-        ]
-    return dict(sorted(cfg.items()))
-
-
-def generation_config() -> dict[str, Any]:
-    return {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID, IM_END_ID], "pad_token_id": PAD_ID}
-
-
-# ---------------------------------------------------------------------------- tensor plan
-
-
-def planted_channels(spec: Spec) -> list[int]:
-    """The hidden channels that carry planted outliers (sorted; empty when none are asked)."""
-    if spec.outlier_channels == 0:
-        return []
-    keys = np.random.PCG64(_stream_seed(spec.seed, "outlier_channels", 0)).random_raw(spec.shape.hidden_size)
-    return sorted(int(c) for c in np.argsort(keys, kind="stable")[: spec.outlier_channels])
-
-
-def plan(spec: Spec) -> list[TensorPlan]:
-    """Every tensor of the checkpoint, in model order (the order shards are filled).
-
-    Example:
-        >>> [t.name for t in plan(resolve_spec(arch="llama"))][:2]
-        ['model.embed_tokens.weight', 'model.layers.0.input_layernorm.weight']
-    """
-    s, dt = spec.shape, spec.dtype
-    acts = spec.outlier_target in ("activations", "both")
-    weights = spec.outlier_target in ("weights", "both")
-    head_std = 3.0 / math.sqrt(s.hidden_size)
-    emb = (s.vocab_size, s.hidden_size)
-    scale = spec.outlier_scale
-    out = [TensorPlan("model.embed_tokens.weight", emb, dt, _embed_std(spec), **_planted(acts, 1, scale))]
-    for i in range(s.num_layers):
-        out += _layer_plan(spec, i, acts=acts, weights=weights)
-    out.append(_final_norm(spec, acts=acts))
-    if not s.tie_embeddings:
-        out.append(TensorPlan("lm_head.weight", emb, dt, head_std, **_planted(weights, 1, scale)))
-    return out
-
-
-def _embed_std(spec: Spec) -> float:
-    # Gemma multiplies embeddings by sqrt(hidden) on input: divide it out so the input scale
-    # matches the other archs (else the residual stream stays a copy of the input token).
-    std = 3.0 / math.sqrt(spec.shape.hidden_size)
-    return std / math.sqrt(spec.shape.hidden_size) if spec.arch == "gemma3_text" else std
-
-
-def _final_norm(spec: Spec, *, acts: bool) -> TensorPlan:
-    h = spec.shape.hidden_size
-    # Gemma with a tied head: the logit scale comes back through the final gain (sqrt(hidden)).
-    base = math.sqrt(h) if spec.arch == "gemma3_text" and spec.shape.tie_embeddings else 1.0
-    # Massive activations are damped by the final norm in real LLMs, so logits stay spread out.
-    planted = _planted(acts, 1, 1.0 / spec.outlier_scale)
-    return TensorPlan("model.norm.weight", (h,), spec.dtype, spec.norm_jitter, base, _offset(spec), **planted)
-
-
-def _planted(planted: bool, axis: int, factor: float) -> dict[str, Any]:
-    return {"outlier_axis": axis, "outlier_factor": factor} if planted else {}
-
-
-def _offset(spec: Spec) -> float:
-    return 1.0 if spec.arch == "gemma3_text" else 0.0
-
-
-def _gain(spec: Spec, name: str, n: int) -> TensorPlan:
-    return TensorPlan(name, (n,), spec.dtype, spec.norm_jitter, 1.0, _offset(spec))
-
-
-def _linear(spec: Spec, name: str, out_f: int, in_f: int, axis: int | None) -> TensorPlan:
-    planted = _planted(axis is not None, axis or 0, spec.outlier_scale)
-    return TensorPlan(name, (out_f, in_f), spec.dtype, 1.0 / math.sqrt(in_f), **planted)
-
-
-def _layer_plan(spec: Spec, i: int, *, acts: bool, weights: bool) -> list[TensorPlan]:
-    s, p = spec.shape, f"model.layers.{i}."
-    h, q, kv = s.hidden_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    cols, rows = (1 if weights else None), (0 if acts else None)
-    out = [_gain(spec, p + "input_layernorm.weight", h)]
-    out += [
-        _linear(spec, p + "self_attn.q_proj.weight", q, h, cols),
-        _linear(spec, p + "self_attn.k_proj.weight", kv, h, cols),
-        _linear(spec, p + "self_attn.v_proj.weight", kv, h, cols),
-    ]
-    if spec.arch == "qwen2":
-        out += [TensorPlan(p + f"self_attn.{m}.bias", (n,), spec.dtype, 0.02) for m, n in _qkv(q, kv)]
-    out.append(_linear(spec, p + "self_attn.o_proj.weight", h, q, rows))
-    if spec.arch in ("qwen3", "gemma3_text"):
-        out += [_gain(spec, p + f"self_attn.{m}.weight", s.head_dim) for m in ("q_norm", "k_norm")]
-    out.append(_gain(spec, p + "post_attention_layernorm.weight", h))
-    if spec.arch == "gemma3_text":
-        out += [
-            _gain(spec, p + f"{m}.weight", h)
-            for m in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
-        ]
-    return out + [
-        _linear(spec, p + "mlp.gate_proj.weight", s.intermediate_size, h, cols),
-        _linear(spec, p + "mlp.up_proj.weight", s.intermediate_size, h, cols),
-        _linear(spec, p + "mlp.down_proj.weight", h, s.intermediate_size, rows),
-    ]
-
-
-def _qkv(q: int, kv: int) -> list[tuple[str, int]]:
-    return [("q_proj", q), ("k_proj", kv), ("v_proj", kv)]
-
-
-# ---------------------------------------------------------------------------- values
-
-
-def _stream_seed(seed: int, name: str, chunk: int) -> int:
-    digest = hashlib.sha256(f"mlxbun-synth\0{seed}\0{name}\0{chunk}".encode()).digest()
-    return int.from_bytes(digest[:16], "little")
-
-
-_QUANTILES: np.ndarray | None = None
-
-
-def _quantiles() -> np.ndarray:
-    """N(0, 1) quantiles at the midpoints of 2**16 equal-probability bins (float64)."""
-    global _QUANTILES
-    if _QUANTILES is None:
-        from statistics import NormalDist
-
-        n, inv = 1 << TABLE_BITS, NormalDist().inv_cdf
-        _QUANTILES = np.array([inv((k + 0.5) / n) for k in range(n)], dtype=np.float64)
-    return _QUANTILES
-
-
-def _mx_dtype(dtype: str) -> Any:
-    import mlx.core as mx
-
-    return getattr(mx, dtype)
-
-
-def _bits_dtype(dtype: str) -> Any:
-    import mlx.core as mx
-
-    return mx.uint32 if dtype == "float32" else mx.uint16
-
-
-def _table(t: TensorPlan, factor: float) -> np.ndarray:
-    """The 2**16 possible stored values (raw bits) of ``t`` with factor ``f``, z a quantile."""
-    import mlx.core as mx
-
-    vals = factor * (t.base + t.std * _quantiles()) - t.offset
-    return np.array(mx.array(vals.astype(np.float32)).astype(_mx_dtype(t.dtype)).view(_bits_dtype(t.dtype)))
-
-
-def tensor_array(t: TensorPlan, *, spec: Spec, channels: list[int]) -> Any:
-    """Generate one planned tensor as an ``mx.array`` of ``t.dtype`` (memory: the tensor once).
-
-    Example:
-        >>> spec = resolve_spec(arch="llama")
-        >>> tensor_array(plan(spec)[0], spec=spec, channels=planted_channels(spec)).shape
-        (512, 64)
-    """
-    import mlx.core as mx
-
-    if _constant(t, channels):
-        return mx.full(t.shape, t.base - t.offset, dtype=_mx_dtype(t.dtype))
-    rows = t.shape[0] if len(t.shape) > 1 else 1
-    return tensor_rows(t, 0, rows, spec=spec, channels=channels).reshape(t.shape)
-
-
-def row_step(t: TensorPlan) -> int:
-    """Rows per RNG stream of ``t``: :func:`tensor_rows` is cheapest on multiples of this."""
-    rows = t.shape[0] if len(t.shape) > 1 else 1
-    return max(1, CHUNK // (t.numel // rows))
-
-
-def tensor_rows(t: TensorPlan, r0: int, r1: int, *, spec: Spec, channels: list[int]) -> Any:
-    """Rows [r0, r1) of a planned tensor (a 1-D tensor is one row): the same bytes as
-    ``tensor_array(t)[r0:r1]``, generating only the RNG streams that cover them.
-
-    Example:
-        >>> t = plan(spec)[0]
-        >>> tensor_rows(t, 8, 16, spec=spec, channels=[]).shape
-        (8, 64)
-    """
-    import mlx.core as mx
-
-    rows = t.shape[0] if len(t.shape) > 1 else 1
-    if not 0 <= r0 < r1 <= rows:
-        raise ValueError(f"rows [{r0}, {r1}) are outside {t.name!r} of {rows} rows")
-    cols = t.numel // rows
-    if _constant(t, channels):
-        return mx.full((r1 - r0, cols), t.base - t.offset, dtype=_mx_dtype(t.dtype))
-    out = mx.zeros((r1 - r0, cols), dtype=_bits_dtype(t.dtype))
-    mx.eval(out)
-    buf = np.array(out, copy=False)  # writable view of the mx buffer: no second copy
-    planted = bool(channels) and t.outlier_axis is not None
-    normal = _table(t, 1.0)
-    scaled = _table(t, t.outlier_factor) if planted else None
-    fill = _Filler(t, spec.seed, normal, scaled, np.asarray(channels, dtype=np.int64))
-    step = row_step(t)
-    chunks = range(r0 // step, (r1 - 1) // step + 1)
-    with ThreadPoolExecutor(THREADS) as pool:
-        list(pool.map(lambda k: fill.rows(buf, r0, r1, k, step), chunks))
-    return out.view(_mx_dtype(t.dtype))
-
-
-def _constant(t: TensorPlan, channels: list[int]) -> bool:
-    return t.std == 0 and not (channels and t.outlier_axis is not None)
-
-
-@dataclass(frozen=True)
-class _Filler:
-    """Fills the rows of one chunk (RNG stream) of a tensor."""
-
-    t: TensorPlan
-    seed: int
-    normal: np.ndarray
-    scaled: np.ndarray | None
-    channels: np.ndarray
-
-    def rows(self, buf: np.ndarray, r0: int, r1: int, k: int, step: int) -> None:
-        """Write the rows of chunk ``k`` (rows [k*step, (k+1)*step)) that lie in [r0, r1) into
-        ``buf``, whose first row is row ``r0``. A stream's prefix does not depend on its length,
-        so a chunk starting in range is filled in place, and only its first rows are drawn."""
-        c0 = k * step
-        lo, hi = max(c0, r0), min(c0 + step, r1)
-        if lo == c0:
-            self(buf[lo - r0 : hi - r0], k, c0)
-            return
-        block = np.empty((hi - c0, buf.shape[1]), dtype=buf.dtype)
-        self(block, k, c0)
-        buf[lo - r0 : hi - r0] = block[lo - c0 :]
-
-    def __call__(self, block: np.ndarray, k: int, r0: int) -> None:
-        """Fill ``block``, the first rows of chunk ``k``, which starts at row ``r0``."""
-        # Raw PCG64 output (a fixed algorithm, unlike Generator methods), 4 indices per draw.
-        raw = np.random.PCG64(_stream_seed(self.seed, self.t.name, k)).random_raw((block.size + 3) // 4)
-        idx = raw.view("<u2")[: block.size].reshape(block.shape)
-        block[...] = self.normal[idx]
-        if self.scaled is None:
-            return
-        if self.t.outlier_axis == 1:
-            block[:, self.channels] = self.scaled[idx[:, self.channels]]
-        else:
-            local = self.channels[(self.channels >= r0) & (self.channels < r0 + block.shape[0])] - r0
-            block[local] = self.scaled[idx[local]]
-
-
-# ---------------------------------------------------------------------------- tokenizer
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map used by byte-level BPE."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    keep += list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return chars
-
-
-def _merges() -> Iterator[tuple[str, str]]:
-    """BPE merges: token + character, level by level, cheapest rank sum first (diagonals)."""
-    chars = list(MERGE_CHARS)
-    prev = chars
-    while True:
-        level = []
-        for d in range(len(prev) + len(chars) - 1):
-            for i in range(max(0, d - len(chars) + 1), min(d + 1, len(prev))):
-                pair = (prev[i], chars[d - i])
-                level.append(pair[0] + pair[1])
-                yield pair
-        prev = level
-
-
-def build_tokenizer(vocab_size: int) -> Any:
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens.
-
-    Ids 0-4 are ``<pad> <s> </s> <|im_start|> <|im_end|>``, then the 256 byte tokens, then
-    merges; ``<s>`` is prepended on encode and the chat template uses the im markers.
-
-    Example:
-        >>> len(build_tokenizer(512))
-        512
-    """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch in bytes_to_unicode().values():
-        vocab[ch] = len(vocab)
-    merges = list(itertools.islice(_merges(), vocab_size - len(vocab)))
-    for a, b in merges:
-        vocab[a + b] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(
-        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
-    )
-    tok.add_special_tokens(list(SPECIALS))
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        additional_special_tokens=list(SPECIALS[3:]),
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=1 << 20,
-    )
-
-
 # ---------------------------------------------------------------------------- writing
 
 
@@ -845,8 +201,6 @@ def _spec_record(spec: Spec) -> dict[str, Any]:
 
 
 def _write_weights(spec: Spec, partial: Path, *, shard_bytes: int, overlap: bool) -> None:
-    from mlxbun.io.shards import ShardedWriter
-    from mlxbun.progress import Progress
 
     if weights_written(partial):
         return
@@ -918,50 +272,25 @@ def write_spec(
 def synthesize(
     out_dir: str | Path,
     *,
-    arch: str = "llama",
-    preset: str = "tiny",
-    seed: int = 0,
-    dtype: str = "bfloat16",
-    outlier_channels: int = 0,
-    outlier_scale: float = 20.0,
-    outlier_target: str = "both",
-    norm_jitter: float = 0.0,
     shard_bytes: int = 5 << 30,
     overlap: bool = False,
-    **dims: Any,
+    **fields: Any,
 ) -> Path:
     """Write a random-weight checkpoint of ``arch`` at ``preset`` size into ``out_dir``.
 
     Args:
         out_dir: the model directory to create (must not exist; built under a hidden name).
-        arch: llama, mistral, qwen2, qwen3 or gemma3_text.
-        preset: tiny, small, 1b (= 1.5b), 4b, 8b or 27b (see PRESETS).
-        seed: the seed every tensor's values derive from.
-        dtype: bfloat16, float16 or float32.
-        outlier_channels, outlier_scale, outlier_target: planted outliers (module docstring).
-        norm_jitter: std of the noise added to RMSNorm gains.
         shard_bytes: shard ceiling (mlx-lm's default 5 GiB).
         overlap: write a full shard on a background thread while the next is generated
             (faster; peak memory two shards instead of one).
-        dims: hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim,
-            vocab_size, tie_embeddings overriding the preset (None keeps it).
+        fields: the keyword arguments of :func:`resolve_spec` (arch, preset, seed, dtype,
+            outliers, norm_jitter and dims overriding the preset).
 
     Example:
         >>> synthesize(tmp / "m", arch="gemma3_text", preset="tiny", outlier_channels=4)
         >>> mlx_lm.load(str(tmp / "m"))
     """
-    spec = resolve_spec(
-        arch=arch,
-        preset=preset,
-        seed=seed,
-        dtype=dtype,
-        outlier_channels=outlier_channels,
-        outlier_scale=outlier_scale,
-        outlier_target=outlier_target,
-        norm_jitter=norm_jitter,
-        **dims,
-    )
-    return write_spec(spec, Path(out_dir), shard_bytes=shard_bytes, overlap=overlap)
+    return write_spec(resolve_spec(**fields), Path(out_dir), shard_bytes=shard_bytes, overlap=overlap)
 
 
 def ensure_synthetic(*, cache_dir: str | Path, shard_bytes: int = 5 << 30, **fields: Any) -> Path:
@@ -1010,7 +339,6 @@ def check_room(spec: Spec, *, out: Path, partial_root: Path | None, shard_bytes:
     Disk: every tensor, less what a killed build of the same spec already wrote. Memory: one
     shard (two with ``overlap``) plus the largest tensor, generated whole.
     """
-    from mlxbun.progress import human_bytes
 
     tensors = plan(spec)
     total, largest = sum(t.nbytes for t in tensors), max(t.nbytes for t in tensors)
@@ -1033,57 +361,6 @@ def check_room(spec: Spec, *, out: Path, partial_root: Path | None, shard_bytes:
             f" tensor, {human_bytes(largest)}), {human_bytes(avail)} is available; lower io.shard_gb or"
             " the synth.* dimensions"
         )
-
-
-@dataclass(frozen=True)
-class SyntheticSource:
-    """A synthetic checkpoint read without its weight files: ``path`` holds config.json, the
-    tokenizer and synth.json; every tensor is generated when it is asked for, with the bytes
-    :func:`write_spec` would have written (so a conversion of it equals one of the files).
-
-    Example:
-        >>> src = ensure_synthetic_source(cache_dir=tmp, arch="gemma3_text", preset="27b")
-        >>> src.rows("model.embed_tokens.weight", 0, 780).shape
-        (780, 5376)
-    """
-
-    spec: Spec
-    path: Path
-
-    def __enter__(self) -> SyntheticSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    @cached_property
-    def tensors(self) -> dict[str, TensorPlan]:
-        return {t.name: t for t in plan(self.spec)}
-
-    @cached_property
-    def channels(self) -> list[int]:
-        return planted_channels(self.spec)
-
-    def lazy(self) -> dict[str, Any]:
-        """name -> an unevaluated array of the tensor's shape and dtype (a placeholder that holds
-        no memory; the converter reads values through :meth:`array` and :meth:`rows`)."""
-        import mlx.core as mx
-
-        return {n: mx.zeros(t.shape, dtype=_mx_dtype(t.dtype)) for n, t in self.tensors.items()}
-
-    def array(self, name: str) -> Any:
-        return tensor_array(self.tensors[name], spec=self.spec, channels=self.channels)
-
-    def rows(self, name: str, r0: int, r1: int) -> Any:
-        t = self.tensors[name]
-        shape = (r1 - r0, *t.shape[1:]) if len(t.shape) > 1 else t.shape  # 1-D: one row
-        return tensor_rows(t, r0, r1, spec=self.spec, channels=self.channels).reshape(shape)
-
-    def row_step(self, name: str) -> int:
-        return row_step(self.tensors[name])
-
-    def identity(self) -> str:
-        return f"synthetic:{self.spec.hash}"
 
 
 def ensure_synthetic_source(*, cache_dir: str | Path, **fields: Any) -> SyntheticSource:
@@ -1112,7 +389,6 @@ def ensure_synthetic_source(*, cache_dir: str | Path, **fields: Any) -> Syntheti
 
 def run(cfg: Any) -> Any:
     """command=synth: write the model into ``synth.out`` or ``<run_dir>/model``."""
-    from mlxbun.provenance import RunResult
 
     fields = {k: v for k, v in asdict(cfg.synth).items() if k != "out"}
     spec = resolve_spec(**fields)
@@ -1131,7 +407,7 @@ def run(cfg: Any) -> Any:
         metrics={"params": params, "bytes": nbytes, "seconds": round(seconds, 3), "spec_hash": spec.hash},
         message=(
             f"synth {spec.arch} {s.num_layers}x{s.hidden_size} vocab {s.vocab_size}: {params / 1e6:,.1f}M params,"
-            f" {nbytes / 1e6:,.1f} MB in {seconds:.1f}s -> {path}"
+            f" {human_bytes(nbytes)} in {seconds:.1f}s -> {path}"
         ),
         provides={"model.name": str(path)},
     )

@@ -15,7 +15,7 @@ import pytest
 from cli_util import KILL_AFTER_SECOND_SHARD, REPO, run_cli
 from mlx.utils import tree_flatten
 
-from mlxbun import synth
+from mlxbun import synth, synth_arch, synth_values
 from mlxbun.errors import InputError
 from mlxbun.schema import ARCHS
 
@@ -132,10 +132,10 @@ def test_values_do_not_depend_on_threads_or_order(monkeypatch):
     spec = synth.resolve_spec(arch="llama", outlier_channels=4)
     t = next(t for t in synth.plan(spec) if t.name.endswith("o_proj.weight"))
     ch = synth.planted_channels(spec)
-    monkeypatch.setattr(synth, "CHUNK", 100)  # many chunks: rows are spread over streams
-    monkeypatch.setattr(synth, "THREADS", 1)
+    monkeypatch.setattr(synth_values, "CHUNK", 100)  # many chunks: rows are spread over streams
+    monkeypatch.setattr(synth_values, "THREADS", 1)
     one = np.array(synth.tensor_array(t, spec=spec, channels=ch).astype(mx.float32))
-    monkeypatch.setattr(synth, "THREADS", 3)
+    monkeypatch.setattr(synth_values, "THREADS", 3)
     three = np.array(synth.tensor_array(t, spec=spec, channels=ch).astype(mx.float32))
     np.testing.assert_array_equal(one, three)
 
@@ -222,7 +222,7 @@ def test_tokenizer_has_vocab_size_tokens_and_round_trips(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
     text = "Größe: 42 tokens, naïve café — ok?\n"
     ids = tok.encode(text)
-    assert ids[0] == synth.BOS_ID and max(ids) < 600
+    assert ids[0] == synth_arch.BOS_ID and max(ids) < 600
     assert tok.decode(ids, skip_special_tokens=True) == text
     chat = tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
