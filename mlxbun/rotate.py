@@ -34,29 +34,40 @@ import hashlib
 import json
 import logging
 import math
-import os
-import re
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from mlxbun.errors import DriftError, InputError
-from mlxbun.hadamard import HadamardSpec, apply_rows, plan
-from mlxbun.io.atomic import atomic_write_json
+from mlxbun.hadamard import HadamardSpec, plan
+from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
 from mlxbun.io.dtypes import OUTPUT_CODES as OUT_DTYPES
+from mlxbun.io.safetensors import INDEX_FILE, open_model
+from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, reached, stable_root, weights_written
-from mlxbun.kl import kl as _kl
+from mlxbun.progress import Progress
+from mlxbun.provenance import RunResult
+from mlxbun.rotate_fold import (
+    CHUNK_ELEMS,
+    SIGNS,
+    WEIGHT_DTYPES,
+    FoldPlan,
+    Rotation,
+    check_source,
+    fold_tensor,
+    to_f64,
+    to_stored,
+)
+from mlxbun.rotate_verify import BASELINE_FACTOR, VerifyReport, verify_rotation
+from mlxbun.source import model_dir
 
 log = logging.getLogger("mlxbun")
 
 RECORD = "turboquant_fold.json"
 FORMAT_VERSION = 2  # version 1 records have no final_gain
-SIGNS = "shake256(b'mlxbun-r1:<seed>'), bit i (LSB first) -> s_i = 1 - 2*bit"
-WEIGHT_DTYPES = ("BF16", "F16", "F32")
-CHUNK_ELEMS = 1 << 22  # float64 elements per transform chunk (32 MiB)
 TOKENIZER_GLOBS = (
     "tokenizer*",
     "special_tokens_map.json",
@@ -66,80 +77,6 @@ TOKENIZER_GLOBS = (
     "generation_config.json",
     "chat_template.*",
 )
-# Per-layer tensors (after "model.layers.<i>."): (role, norm feeding it). Roles: "in" (input
-# side, gain folded), "out"/"out_bias" (output side), "norm" (folded, set to unit), "uniform"
-# (gemma post-norms: must be uniform), "keep" (not on the residual stream: q/k/v and gate/up
-# biases, per-head q/k norms on head_dim, rope tables).
-_COMMON = {
-    "self_attn.o_proj.weight": ("out", None),
-    "self_attn.o_proj.bias": ("out_bias", None),
-    "mlp.down_proj.weight": ("out", None),
-    "mlp.down_proj.bias": ("out_bias", None),
-    "input_layernorm.weight": ("norm", None),
-    **{f"self_attn.{p}_proj.weight": ("in", "input_layernorm") for p in "qkv"},
-    **{f"self_attn.{p}_proj.bias": ("keep", None) for p in "qkv"},
-    **{f"mlp.{p}_proj.bias": ("keep", None) for p in ("gate", "up")},
-    "self_attn.q_norm.weight": ("keep", None),
-    "self_attn.k_norm.weight": ("keep", None),
-    "self_attn.rotary_emb.inv_freq": ("keep", None),
-}
-_LLAMA = {
-    **_COMMON,
-    "post_attention_layernorm.weight": ("norm", None),
-    **{f"mlp.{p}_proj.weight": ("in", "post_attention_layernorm") for p in ("gate", "up")},
-}
-_GEMMA3 = {
-    **_COMMON,
-    "pre_feedforward_layernorm.weight": ("norm", None),
-    **{f"mlp.{p}_proj.weight": ("in", "pre_feedforward_layernorm") for p in ("gate", "up")},
-    "post_attention_layernorm.weight": ("uniform", None),
-    "post_feedforward_layernorm.weight": ("uniform", None),
-}
-FAMILIES = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "gemma3_text": _GEMMA3}
-TOP = {
-    "model.embed_tokens.weight": ("embed", None),
-    "model.norm.weight": ("norm", None),
-    "lm_head.weight": ("in", "model.norm"),
-}
-_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-
-
-# ---------------------------------------------------------------------------- the rotation
-
-
-def signs(seed: int, n: int) -> np.ndarray:
-    """The ±1 sign vector s of R1 (float64), from SHAKE-256 so it never depends on numpy's RNG."""
-    raw = hashlib.shake_256(f"mlxbun-r1:{seed}".encode()).digest((n + 7) // 8)
-    bits = np.unpackbits(np.frombuffer(raw, dtype=np.uint8), bitorder="little")[:n]
-    return 1.0 - 2.0 * bits.astype(np.float64)
-
-
-@dataclass(frozen=True, eq=False)
-class Rotation:
-    """R1 = diag(s)·H/√n applied to row vectors.
-
-    Example:
-        >>> r = Rotation.build(seed=0, n=64)
-        >>> np.allclose(r.rows_t(r.rows(np.eye(64))), np.eye(64))
-        True
-    """
-
-    seed: int
-    spec: HadamardSpec
-    s: np.ndarray
-
-    @classmethod
-    def build(cls, *, seed: int, n: int, spec: HadamardSpec | None = None) -> Rotation:
-        return cls(seed=seed, spec=spec or plan(n), s=signs(seed, n))
-
-    def rows(self, x: np.ndarray) -> np.ndarray:
-        """x @ R1 for float64 rows x [r, n]."""
-        return apply_rows(x * self.s, self.spec) / math.sqrt(self.spec.n)
-
-    def rows_t(self, x: np.ndarray) -> np.ndarray:
-        """x @ R1ᵀ for float64 rows x [r, n]."""
-        return apply_rows(x, self.spec, transpose=True) * self.s / math.sqrt(self.spec.n)
-
 
 # ---------------------------------------------------------------------------- the record
 
@@ -260,7 +197,6 @@ def read_fold_record(path: str | Path, *, model_dir: str | Path | None = None) -
 
 def recover_final_gain(model_dir: Path, record: FoldRecord, *, max_residual: float = 0.02) -> np.ndarray:
     """g with ``lm_head·R1ᵀ ≈ (embedding·R1ᵀ)·diag(g)`` by per-column least squares, or refuse."""
-    from mlxbun.io.safetensors import open_model
 
     head, emb = "lm_head.weight", "model.embed_tokens.weight"
     why = f"{RECORD} in {model_dir} is version {record.version} without final_gain, and"
@@ -292,221 +228,12 @@ def _column_fit(head: Any, emb: Any, rot: Rotation) -> tuple[np.ndarray, np.ndar
     num, den, aa = np.zeros(n), np.zeros(n), 0.0
     step = max(1, CHUNK_ELEMS // n)
     for r0 in range(0, head.shape[0], step):
-        a = rot.rows_t(_f64(head[r0 : r0 + step]))
-        b = rot.rows_t(_f64(emb[r0 : r0 + step]))
+        a = rot.rows_t(to_f64(head[r0 : r0 + step]))
+        b = rot.rows_t(to_f64(emb[r0 : r0 + step]))
         num += np.einsum("ij,ij->j", a, b)
         den += np.einsum("ij,ij->j", b, b)
         aa += float(np.einsum("ij,ij->", a, a))
     return num, den, aa
-
-
-# ---------------------------------------------------------------------------- dtype helpers
-
-
-def _f64(a: Any) -> np.ndarray:
-    """An mx.array (any float dtype) as a float64 numpy array."""
-    import mlx.core as mx
-
-    return np.asarray(a.astype(mx.float32), dtype=np.float64)
-
-
-def _store(x: np.ndarray, dtype: str) -> np.ndarray:
-    """float64 -> the storage array of safetensors ``dtype`` (BF16 as uint16 bits, round to nearest even)."""
-    if dtype == "F32":
-        return x.astype(np.float32)
-    if dtype == "F16":
-        return x.astype(np.float16)
-    u = x.astype(np.float32).view(np.uint32)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def _wrap(x: np.ndarray, dtype: str) -> Any:
-    """A storage array as something ShardedWriter stores with the right dtype."""
-    import mlx.core as mx
-
-    return mx.array(x).view(mx.bfloat16) if dtype == "BF16" else x
-
-
-_STORE_NP = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}
-
-
-# ---------------------------------------------------------------------------- checking the source
-
-
-@dataclass(frozen=True, eq=False)
-class FoldPlan:
-    """Everything checked about a source before anything is written.
-
-    Args:
-        model_type: the family (a key of FAMILIES).
-        hidden_size: n.
-        roles: output tensor name -> (role, norm feeding it, source tensor name), sorted by name.
-        gains: norm prefix (e.g. "model.layers.0.input_layernorm") -> float64 gain.
-        untie: the source head is the embedding and the fold writes a separate lm_head.
-        config: the config.json to write.
-    """
-
-    model_type: str
-    hidden_size: int
-    roles: dict[str, tuple[str, str | None, str]]
-    gains: dict[str, np.ndarray]
-    untie: bool
-    config: dict[str, Any]
-
-    @property
-    def gemma(self) -> bool:
-        return self.model_type.startswith("gemma")
-
-    @property
-    def final_gain(self) -> np.ndarray:
-        return self.gains["model.norm"]
-
-
-def _role(name: str, table: dict[str, tuple[str, str | None]]) -> tuple[str, str | None] | None:
-    if name in TOP:
-        return TOP[name]
-    match = _LAYER.fullmatch(name)
-    if match is None or match.group(2) not in table:
-        return None
-    role, feeder = table[match.group(2)]
-    return role, None if feeder is None else f"model.layers.{match.group(1)}.{feeder}"
-
-
-def _check_family(m: Any) -> tuple[str, int]:
-    model_type = m.config.get("model_type")
-    if model_type not in FAMILIES:
-        raise InputError(
-            f"{m.path}: model_type={model_type!r} is not supported by rotate; choose one of {', '.join(FAMILIES)}"
-        )
-    if "quantization" in m.config or any(n.endswith(".scales") for n in m.names()):
-        raise InputError(f"{m.path} is quantized; rotate needs an unquantized (bf16/f16/f32) checkpoint")
-    hidden = int(m.config.get("hidden_size", 0))
-    try:
-        plan(hidden)
-    except InputError as e:
-        raise InputError(f"{m.path}: {e}") from None
-    return model_type, hidden
-
-
-def _check_tensors(m: Any, table: dict[str, tuple[str, str | None]], hidden: int) -> None:
-    for name in m.names():
-        info, role = m.info(name), _role(name, table)
-        if role is None:
-            raise InputError(
-                f"{m.path}: tensor {name!r} is not part of a {m.config['model_type']} checkpoint as rotate knows it;"
-                " rotating around it would change the model's function"
-            )
-        if info.dtype not in WEIGHT_DTYPES:
-            raise InputError(
-                f"{m.path}: tensor {name!r} is {info.dtype}; rotate reads {', '.join(WEIGHT_DTYPES)}"
-            )
-        axis = {"embed": -1, "in": -1, "out": 0, "out_bias": 0, "norm": 0, "uniform": 0}.get(role[0])
-        if axis is not None and info.shape[axis] != hidden:
-            raise InputError(
-                f"{m.path}: tensor {name!r} has shape {list(info.shape)}; expected hidden_size={hidden} on axis {axis}"
-            )
-
-
-def _gains(m: Any, table: dict[str, tuple[str, str | None]], gemma: bool) -> dict[str, np.ndarray]:
-    """float64 gain of every folded norm (gemma stores w and applies 1 + w)."""
-    gains = {}
-    for name in m.names():
-        role = _role(name, table)[0]
-        if role in ("norm", "uniform"):
-            w = _f64(m.array(name))
-            gain = 1.0 + w if gemma else w
-            if role == "uniform" and not np.all(gain == gain[0]):
-                raise InputError(_post_norm_reason(m.path, name, gain))
-            gains[name.removesuffix(".weight")] = gain
-    if "model.norm" not in gains:
-        raise InputError(f"{m.path}: no model.norm.weight; rotate needs the final norm to fold into lm_head")
-    return gains
-
-
-def _post_norm_reason(path: Path, name: str, gain: np.ndarray) -> str:
-    return (
-        f"{path}: {name} has a non-uniform gain (min {gain.min():.4g}, max {gain.max():.4g}); gemma3_text applies "
-        "this norm to the attention/MLP output before the residual add, where no linear layer follows to absorb "
-        "it, and an RMSNorm commutes with R1 only when its gain is uniform; rotate refuses this model rather "
-        "than change its function"
-    )
-
-
-def _is_tied(m: Any, model_type: str) -> bool:
-    """Whether the head mlx-lm uses is the embedding (mlx-lm's own rule per family)."""
-    if "lm_head.weight" not in m:
-        return True
-    return model_type != "gemma3_text" and bool(m.config.get("tie_word_embeddings", True))
-
-
-def check_source(m: Any) -> FoldPlan:
-    """Validate an open source model (``mlxbun.io.safetensors.ModelDir``) and plan the fold."""
-    model_type, hidden = _check_family(m)
-    table = FAMILIES[model_type]
-    _check_tensors(m, table, hidden)
-    gains = _gains(m, table, model_type.startswith("gemma"))
-    tied = _is_tied(m, model_type)
-    # A tied head with unit final gain stays tied: lm_head = embedding·R1 exactly.
-    untie = tied and not np.all(gains["model.norm"] == 1.0)
-    names = [n for n in m.names() if not (tied and n == "lm_head.weight")]
-    roles = {n: (*_role(n, table), n) for n in names}
-    if untie:
-        roles["lm_head.weight"] = ("in", "model.norm", "model.embed_tokens.weight")
-    config = dict(m.config)
-    if untie:
-        config["tie_word_embeddings"] = False
-    return FoldPlan(model_type, hidden, dict(sorted(roles.items())), gains, untie, config)
-
-
-# ---------------------------------------------------------------------------- folding tensors
-
-
-def _rotate_rows(a: Any, fn: Any, gain: np.ndarray | None, dtype: str) -> np.ndarray:
-    """fn(a · diag(gain)) row chunk by row chunk, for a [rows, n] tensor."""
-    rows, n = a.shape
-    out = np.empty((rows, n), dtype=_STORE_NP[dtype])
-    step = max(1, CHUNK_ELEMS // n)
-    for r0 in range(0, rows, step):
-        x = _f64(a[r0 : r0 + step])
-        out[r0 : r0 + step] = _store(fn(x if gain is None else x * gain), dtype)
-    return out
-
-
-def _rotate_cols(a: Any, rot: Rotation, dtype: str) -> np.ndarray:
-    """R1ᵀ · a for an [n, cols] tensor, column chunk by column chunk: (R1ᵀ a)ᵀ = aᵀ R1."""
-    n, cols = a.shape
-    out = np.empty((n, cols), dtype=_STORE_NP[dtype])
-    step = max(1, CHUNK_ELEMS // n)
-    for c0 in range(0, cols, step):
-        out[:, c0 : c0 + step] = _store(rot.rows(_f64(a[:, c0 : c0 + step]).T).T, dtype)
-    return out
-
-
-def fold_tensor(
-    a: Any, role: str, gain: np.ndarray | None, rot: Rotation, *, dtype: str, gemma: bool
-) -> np.ndarray:
-    """One tensor of the rotated model from its source tensor ``a`` (an mx.array).
-
-    Returns the storage array (float32/float16, or the uint16 bits of bfloat16); wrap it with
-    ``_wrap`` after dropping ``a`` so that at most two tensors are alive at once.
-
-    Args:
-        a: the source tensor.
-        role: "embed", "in", "out", "out_bias", "norm", "uniform" or "keep" (see FAMILIES).
-        gain: the gain of the norm feeding an "in" tensor (None otherwise).
-        rot: R1.
-        dtype: safetensors dtype of the result ("BF16", "F16", "F32").
-        gemma: norms store w and apply 1 + w (a unit gain is then w = 0).
-    """
-    if role == "norm":
-        return _store(np.full(a.shape, 0.0 if gemma else 1.0), dtype)
-    if role in ("uniform", "keep"):
-        return _store(_f64(a), dtype)
-    if role == "out":
-        return _rotate_cols(a, rot, dtype)
-    if role == "out_bias":
-        return _store(rot.rows(_f64(a)[None, :])[0], dtype)
-    return _rotate_rows(a, rot.rows, gain, dtype)
 
 
 # ---------------------------------------------------------------------------- the model directory
@@ -559,8 +286,6 @@ def _stream(
     m: Any, fp: FoldPlan, rot: Rotation, tmp: Path, *, dtype: str | None, shard_bytes: int
 ) -> dict[str, Any]:
     """Fold every tensor into shards in ``tmp`` (resuming its shards); returns the source fingerprint."""
-    from mlxbun.io.shards import ShardedWriter
-    from mlxbun.progress import Progress
 
     hashes: dict[str, tuple[str, list[int], str]] = {}
     progress = Progress(total=sum(m.info(s).nbytes for _, _, s in fp.roles.values()), unit="B", desc="rotate")
@@ -579,7 +304,7 @@ def _stream(
             if name not in writer.done_names:
                 gain, out_dtype = fp.gains[feeder] if feeder else None, dtype or info.dtype
                 store = fold_tensor(m.array(source), role, gain, rot, dtype=out_dtype, gemma=fp.gemma)
-                writer.add(name, _wrap(store, out_dtype))
+                writer.add(name, to_stored(store, out_dtype))
                 del store
             progress.update(info.nbytes)
         writer.finish()
@@ -592,7 +317,6 @@ def _stream(
 
 def _copy_side_files(src: Path, tmp: Path, config: dict[str, Any]) -> list[Path]:
     """config.json (as planned) and the tokenizer files, each written atomically."""
-    from mlxbun.io.atomic import atomic_write_bytes
 
     atomic_write_json(tmp / "config.json", config)
     copied = [tmp / "config.json"]
@@ -649,7 +373,6 @@ def rotate_model_dir(
         >>> res = rotate_model_dir("models/llama", "models/llama-r1", seed=0)
         >>> res.record.final_gain[:2], res.verify.rel
     """
-    from mlxbun.io.safetensors import open_model
 
     src, out = Path(src), Path(out).absolute()
     _check_paths(src, out, dtype)
@@ -681,7 +404,6 @@ def rotate_model_dir(
 
 def _written_names(d: Path) -> list[str]:
     """The files of the rotated model in ``d``: shards, index, config and tokenizer, the record."""
-    from mlxbun.io.safetensors import INDEX_FILE
 
     weights = sorted(p.name for p in d.glob("model*.safetensors"))
     weights += [INDEX_FILE] if (d / INDEX_FILE).is_file() else []
@@ -692,7 +414,6 @@ def _written_names(d: Path) -> list[str]:
 
 
 def _total_bytes(d: Path) -> int:
-    from mlxbun.io.safetensors import open_model
 
     with open_model(d) as m:
         return m.total_bytes
@@ -727,152 +448,11 @@ def _verify_partial(src: Path, tmp: Path, *, verify: bool, tokens: int, seed: in
     return report
 
 
-# ---------------------------------------------------------------------------- verification
-
-# Allowed mean KL(source ‖ rotated) by the rotated weights' dtype. Storing rotated weights
-# re-rounds them: ~1e-12 in float32, ~1e-4..3e-3 in bfloat16 on tiny random models; a fold
-# mistake in one layer gives KL ~ 1 or more. Models whose function is very sensitive to rounding
-# (large planted outliers) are judged against the source with its own weights jittered by the
-# dtype's unit roundoff instead: KL within BASELINE_FACTOR of that is rounding, not a bad fold.
-KL_TOLERANCE = {"F32": 1e-6, "F16": 1e-3, "BF16": 1e-2}
-UNIT_ROUNDOFF = {"F32": 2.0**-24, "F16": 2.0**-11, "BF16": 2.0**-8}
-BASELINE_FACTOR = 10.0
-
-
-@dataclass(frozen=True)
-class VerifyReport:
-    """Logits of a rotated model against its source on the same random tokens.
-
-    Args:
-        max_abs: max |Δlogit| over tokens and vocabulary.
-        logit_scale: std of the source logits.
-        kl: mean over tokens of KL(source ‖ rotated).
-        tokens: number of random tokens.
-        kl_tolerance: the KL allowed for the rotated weights' dtype.
-        forward: dtype of both forwards ("float64" when it fits in memory, else "float32").
-        baseline_kl: KL(source ‖ source with weights jittered by the unit roundoff), computed
-            only when ``kl`` exceeds ``kl_tolerance``.
-    """
-
-    max_abs: float
-    logit_scale: float
-    kl: float
-    tokens: int
-    kl_tolerance: float
-    forward: str
-    baseline_kl: float | None = None
-
-    @property
-    def rel(self) -> float:
-        return self.max_abs / max(self.logit_scale, 1e-30)
-
-    @property
-    def ok(self) -> bool:
-        if self.kl <= self.kl_tolerance:
-            return True
-        return self.baseline_kl is not None and self.kl <= BASELINE_FACTOR * self.baseline_kl
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "max_abs_dlogit": self.max_abs,
-            "logit_scale": self.logit_scale,
-            "rel": self.rel,
-            "kl": self.kl,
-            "kl_tolerance": self.kl_tolerance,
-            "tokens": self.tokens,
-            "forward": self.forward,
-            "baseline_kl": self.baseline_kl,
-            "ok": self.ok,
-        }
-
-
-def _logits(path: Path, tokens: np.ndarray, forward: str, *, jitter: float = 0.0) -> np.ndarray:
-    """Logits of the model in ``path`` (loaded by mlx-lm, cast to ``forward``) on the CPU.
-
-    ``jitter`` > 0 first multiplies every matrix by (1 + δ), δ ~ U(-jitter, jitter), seeded.
-    """
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
-
-    model, _ = load_model(Path(path), lazy=True)
-    model.set_dtype(getattr(mx, forward))
-    with mx.stream(mx.cpu):  # float64 runs on the CPU only
-        if jitter:
-            _jitter(model, jitter)
-        logits = model(mx.array(tokens)[None])[0].astype(mx.float64)
-        mx.eval(logits)
-    return np.asarray(logits)
-
-
-def _jitter(model: Any, jitter: float) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
-
-    mx.random.seed(0)  # parameters come in a fixed order, so the noise is reproducible
-    params = []
-    for name, v in tree_flatten(model.parameters()):
-        if v.ndim > 1:
-            v = v * (1 + mx.random.uniform(-jitter, jitter, v.shape).astype(v.dtype))
-        params.append((name, v))
-    model.update(tree_unflatten(params))
-
-
-def _forward_dtype(params: int) -> str | None:
-    """float64 when a copy fits in 25% of memory, float32 within 40%, else None (skip)."""
-    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if 8 * params <= 0.25 * physical:
-        return "float64"
-    return "float32" if 4 * params <= 0.4 * physical else None
-
-
-def verify_rotation(
-    src: str | Path, rotated: str | Path, *, n_tokens: int = 64, seed: int = 0
-) -> VerifyReport | None:
-    """Compare the logits of ``rotated`` and ``src`` on ``n_tokens`` seeded random tokens.
-
-    Both load through mlx-lm's own loader (no custom code) and run one at a time in float64
-    (float32 for models too large for that), so the difference is what storing the rotated
-    weights cost. Returns None (and logs why) when even a float32 copy would not fit in memory.
-
-    Example:
-        >>> rep = verify_rotation("models/llama", "models/llama-r1", n_tokens=64)
-        >>> rep.ok, rep.rel, rep.kl
-    """
-    from mlxbun.io.safetensors import open_model
-
-    src, rotated = Path(src), Path(rotated)
-    with open_model(rotated) as m:
-        params = sum(math.prod(i.shape) for i in m.infos().values())
-        dtypes = {i.dtype for i in m.infos().values()} & set(KL_TOLERANCE)
-        vocab = int(m.config["vocab_size"])
-    forward = _forward_dtype(params)
-    if forward is None:
-        log.warning("rotate: verification skipped: a float32 copy of %s would not fit in memory", src)
-        return None
-    tokens = np.random.default_rng(seed).integers(0, vocab, size=n_tokens)
-    ref, cur = _logits(src, tokens, forward), _logits(rotated, tokens, forward)
-    worst = max(dtypes, key=KL_TOLERANCE.__getitem__)
-    report = VerifyReport(
-        float(np.max(np.abs(ref - cur))),
-        float(np.std(ref)),
-        _kl(ref, cur),
-        n_tokens,
-        KL_TOLERANCE[worst],
-        forward,
-    )
-    if report.kl <= report.kl_tolerance:
-        return report
-    baseline = _kl(ref, _logits(src, tokens, forward, jitter=UNIT_ROUNDOFF[worst]))
-    return replace(report, baseline_kl=baseline)
-
-
 # ---------------------------------------------------------------------------- command
 
 
 def run(cfg: Any) -> Any:
     """command=rotate: rotate ``model.*`` into ``<run_dir>/model`` with ``fold.*`` settings."""
-    from mlxbun.provenance import RunResult
-    from mlxbun.source import model_dir
 
     src = model_dir(cfg)
     out = Path(cfg.paths.run_dir) / "model"

@@ -12,9 +12,11 @@ import pytest
 from cli_util import run_cli
 from safetensors.numpy import load_file, save_file
 
-from mlxbun import hadamard, rotate
+from mlxbun import hadamard, rotate, rotate_fold
 from mlxbun.errors import DriftError, InputError
-from mlxbun.rotate import FoldRecord, Rotation, read_fold_record, rotate_model_dir
+from mlxbun.kl import kl
+from mlxbun.rotate import FoldRecord, read_fold_record, rotate_model_dir
+from mlxbun.rotate_fold import Rotation
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
 
@@ -95,7 +97,7 @@ def test_rotation_is_orthogonal_and_signs_are_pinned():
     np.testing.assert_allclose(r.rows(eye) @ r.rows(eye).T, eye, atol=1e-12)
 
     def pattern(seed):
-        return "".join("+" if v > 0 else "-" for v in rotate.signs(seed, 32))
+        return "".join("+" if v > 0 else "-" for v in rotate_fold.signs(seed, 32))
 
     # SHAKE-256 signs do not depend on numpy's RNG: same seed, same signs, on any machine.
     assert pattern(0) == "--++-+-++++--+++++++++-----+-+-+"
@@ -203,7 +205,7 @@ def test_tied_head_with_a_final_gain_is_untied(tiny_model, tmp_path):
     np.testing.assert_allclose(res.record.final_gain, gain.astype(np.float64))
     # lm_head = embedding · diag(g) · R1, computed independently with the dense matrix.
     emb = load_file(src / "model.safetensors")["model.embed_tokens.weight"].astype(np.float64)
-    r1 = np.diag(rotate.signs(0, 64)) @ hadamard.dense(hadamard.plan(64)) / 8.0
+    r1 = np.diag(rotate_fold.signs(0, 64)) @ hadamard.dense(hadamard.plan(64)) / 8.0
     np.testing.assert_allclose(weights["lm_head.weight"], emb @ np.diag(gain) @ r1, atol=1e-5)
 
 
@@ -422,8 +424,8 @@ def test_rotated_then_quantized_loads_in_mlx_lm_and_quantizes_better(tiny_model,
     assert tokenizer.encode("hello world")
     ref = logits(src, tokens())
     kl_plain, kl_rot = (
-        rotate._kl(ref, logits(plain.out, tokens())),
-        rotate._kl(ref, logits(rotated.out, tokens())),
+        kl(ref, logits(plain.out, tokens())),
+        kl(ref, logits(rotated.out, tokens())),
     )
     assert kl_rot < kl_plain
 
