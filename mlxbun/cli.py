@@ -20,7 +20,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import mlxbun
+from mlxbun import blas, schema
 from mlxbun.errors import EnvironmentFailure, InputError
+from mlxbun.provenance import RunResult
 from mlxbun.runrecord import RunRecorder, describe, registry_label, remove_empty_dirs, signals_raise
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
@@ -119,14 +122,11 @@ def resolve_command(name: str):
 
 
 def _version() -> str:
-    import mlxbun
-
     return mlxbun.__version__
 
 
 def run_runs(cfg: Any) -> Any:
-    from mlxbun import registry
-    from mlxbun.provenance import RunResult
+    from mlxbun import registry  # deferred: peewee and the hub scanner only for this command
 
     registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
     rows = registry.list_runs(
@@ -149,8 +149,6 @@ LAUNCHER_EXTRAS = {"ray": "ray", "joblib": "joblib", "submitit_slurm": "slurm", 
 
 def _config_error(e: Exception) -> str:
     """One line from a Hydra/OmegaConf compose error: key, value, and what is allowed."""
-    from mlxbun import schema
-
     cause = e.__cause__ if e.__cause__ is not None else e
     msg = getattr(cause, "msg", None) or str(cause)
     key = getattr(cause, "full_key", None)
@@ -187,8 +185,6 @@ def _report(func: Any) -> Any:
 
 def _task(dcfg: Any) -> None:
     from omegaconf import OmegaConf
-
-    from mlxbun import schema
 
     verbose = bool(dcfg.get("verbose", False))
     try:
@@ -234,8 +230,6 @@ def _remove_if_empty(dcfg: Any) -> None:
 
 def execute(cfg: Any, resolved: dict[str, Any]) -> int:
     """Run ``cfg.command.name`` with a manifest and a RunRecord around it."""
-    from mlxbun import blas
-
     blas_info = blas.load(cfg.blas)
     name = cfg.command.name
     fn = resolve_command(name)
@@ -325,8 +319,6 @@ def main() -> None:
     import hydra
     from hydra._internal import utils as hydra_utils
 
-    from mlxbun import schema
-
     # transformers (imported by mlx-lm for tokenizers) advises installing PyTorch on every run.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     argv = sys.argv[1:]
@@ -337,7 +329,7 @@ def main() -> None:
     try:
         check_argv(argv)
         if (_argv_value(argv, "help") or "").lower() in ("true", "1", "yes"):
-            from mlxbun.help import command_help
+            from mlxbun.help import command_help  # deferred: mlxbun.help imports this module
 
             _print_or_quit(command_help(argv))
             return

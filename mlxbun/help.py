@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from mlxbun import schema
 from mlxbun.cli import COMMANDS, CONF_DIR, available_recipes, recipe_summary
 from mlxbun.provenance import RunResult
 
@@ -43,8 +44,6 @@ def command_help(argv: list[str]) -> str:
     """The chosen command's keys: type, value after the overrides and recipe, schema comment."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-
-    from mlxbun import schema
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         raw = OmegaConf.to_container(compose("config", overrides=_help_overrides(argv)), resolve=False)

@@ -1,4 +1,5 @@
 """What a model directory holds, read from metadata only (never tensor bytes), and where HF caches it.
+One module (not split): the cache walk and the model-dir reader share the bounded, regular-file-only reads that make a hostile cache safe to scan.
 
 The Hugging Face hub cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
 ``~/.cache/huggingface/hub``)::
@@ -36,26 +37,24 @@ import operator
 import os
 import re
 import stat
-import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from mlxbun.io.safetensors import count_parameters, quantization_block
+from mlxbun.errors import InputError
+from mlxbun.io.dtypes import FLOAT_ITEMSIZE
+from mlxbun.io.safetensors import count_parameters, open_regular, quantization_block, read_header
 
 INDEX = "model.safetensors.index.json"
 VISION_SIDECAR = "optiq_vision.safetensors"
 NOT_WEIGHTS = {VISION_SIDECAR, "adapters.safetensors"}
-MAX_HEADER = 100 << 20  # a safetensors header larger than this is hostile, not a model
 MAX_JSON = 100 << 20  # a metadata JSON file (config, index, tokenizer config) larger than this too
-HEADER_GUESS = 64 << 10
 README_HEAD = 64 << 10
 VISION_PREFIXES = ("vision_tower.", "vision_model.", "visual.", "model.vision_tower.", "model.visual.")
 # Speculative-decoding drafters: matched as whole tokens of model_type / architectures / repo name.
 DRAFTER_TOKENS = {"drafter", "draft", "eagle", "eagle3", "medusa", "mtp", "dflash"}
 DRAFTER_CONFIG_KEYS = ("medusa_num_heads", "medusa_num_layers")
-DTYPE_BYTES = {"float32": 4, "float64": 8, "float16": 2, "bfloat16": 2}
 LICENSE_RE = re.compile(r"^license:[ \t]*(?:[\"']?([^\"'#\n]+?)[\"']?)?[ \t]*(?:#.*)?$", re.M)
 DRAFTER_HINT_RE = re.compile(r"draft|eagle|medusa|mtp|dflash", re.I)
 NON_WORD_RE = re.compile(r"[^a-z0-9]+")
@@ -207,36 +206,6 @@ def fingerprint(files: list[FileStat]) -> str:
     return ";".join(f"{f.name}:{f.size}:{f.mtime_ns}:{f.ino}" for f in files)
 
 
-def read_safetensors_header(path: str | os.PathLike, *, size: int | None = None) -> dict[str, Any]:
-    """The JSON header of a safetensors file (u64 LE length + JSON), without touching tensor bytes.
-
-    One read covers most headers; a larger one is completed with a second. ``size`` (the file
-    size, when already known) bounds the declared length; a hostile length is rejected before
-    anything is allocated for it.
-
-    Example:
-        >>> header = read_safetensors_header(Path("model.safetensors"))
-        >>> header["model.embed_tokens.weight"]["shape"]
-    """
-    fd = open_regular(path)
-    try:
-        buf = os.read(fd, HEADER_GUESS)
-        if len(buf) < 8:
-            raise ValueError(f"{os.path.basename(path)}: shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", buf[:8])
-        size = os.fstat(fd).st_size if size is None else size
-        if n > MAX_HEADER or n > size - 8:
-            raise ValueError(f"{os.path.basename(path)}: header length {n} exceeds the file ({size} bytes)")
-        while len(buf) < n + 8 and (more := os.read(fd, n + 8 - len(buf))):
-            buf += more
-    finally:
-        os.close(fd)
-    header = json.loads(buf[8 : 8 + n])
-    if not isinstance(header, dict):
-        raise ValueError(f"{os.path.basename(path)}: header is not a JSON object")
-    return header
-
-
 @dataclass(frozen=True)
 class ModelInfo:
     """Everything the registry records about one model directory (disk state, read-only)."""
@@ -267,21 +236,6 @@ class ModelInfo:
     license: str | None = None
     is_drafter: bool = False
     warnings: tuple[str, ...] = field(default_factory=tuple)
-
-
-def open_regular(path: str | os.PathLike) -> int:
-    """A read-only descriptor of ``path``, or OSError when it is not a regular file (symlinks followed).
-
-    Checked before opening (opening a FIFO would block until a writer came) and again on the
-    descriptor, opened non-blocking, in case the entry was swapped in between.
-    """
-    if not stat.S_ISREG(os.stat(path).st_mode):
-        raise OSError(f"not a regular file: {os.fspath(path)}")
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"not a regular file: {os.fspath(path)}")
-    return fd
 
 
 def read_bytes(path: str | os.PathLike, limit: int | None = None) -> bytes:
@@ -422,7 +376,7 @@ def config_fields(config: dict[str, Any]) -> dict[str, Any]:
         "vocab_size": _int(get("vocab_size")),
         "num_kv_heads": _int(get("num_key_value_heads", "n_kv_heads", "num_kv_heads")) or heads,
         "head_dim": head_dim,
-        "kv_dtype_bytes": DTYPE_BYTES.get(str(get("torch_dtype", "dtype")), 2),
+        "kv_dtype_bytes": FLOAT_ITEMSIZE.get(str(get("torch_dtype", "dtype")), 2),
         "num_experts": _int(get("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")),
         "experts_per_tok": _int(get("num_experts_per_tok", "num_experts_per_token", "moe_topk")),
     }
@@ -490,9 +444,9 @@ def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: li
             continue
         out["weight_bytes"] += f.size
         try:
-            header = read_safetensors_header(os.path.join(path, name), size=f.size)
-        except (OSError, ValueError) as e:
-            warnings.append(f"{name}: unreadable header ({str(e)[:80]})")
+            header = read_header(file := os.path.join(path, name))
+        except (OSError, InputError) as e:
+            warnings.append(f"{name}: unreadable header ({str(e).removeprefix(f'{file}: ')[:80]})")
             continue
         try:
             experts, shapes, vis = _header_stats(header)

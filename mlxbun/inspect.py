@@ -17,8 +17,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from mlxbun import registry
 from mlxbun.errors import InputError
 from mlxbun.io.safetensors import ModelDir, TensorInfo, open_model, quant_params, quantization_block
+from mlxbun.progress import human_bytes
+from mlxbun.provenance import RunResult
+from mlxbun.source import model_dir
 
 
 def _quantized_modules(model: ModelDir, block: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -118,14 +122,6 @@ def _tensor_row(info: TensorInfo) -> dict[str, Any]:
     }
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1000
-    return f"{n:.2f} TB"
-
-
 def human_count(n: int) -> str:
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= scale:
@@ -205,7 +201,6 @@ def _target(cfg: Any) -> Path:
         p = Path(cfg.inspect.path).expanduser()
         if p.exists():
             return p
-        from mlxbun import registry
 
         registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
         return registry.resolve(
@@ -214,13 +209,11 @@ def _target(cfg: Any) -> Path:
     name = cfg.model.name
     if name and not cfg.model.synthetic and Path(name).expanduser().is_file():
         return Path(name).expanduser()
-    from mlxbun.source import model_dir
 
     return model_dir(cfg)
 
 
 def run(cfg: Any) -> Any:
-    from mlxbun.provenance import RunResult
 
     path = _target(cfg)
     if path.is_file() and path.suffix != ".safetensors":

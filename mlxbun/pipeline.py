@@ -17,6 +17,7 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from mlxbun import cli, synth
 from mlxbun.errors import InputError
 from mlxbun.provenance import RunResult
 
@@ -66,15 +67,14 @@ def get_key(cfg: Any, dotted: str) -> Any:
 
 def check_steps(cfg: Any, steps: list[str]) -> None:
     """Refuse the pipeline before anything runs: unknown steps, or a step missing a setting."""
-    from mlxbun.cli import COMMANDS
 
     if not steps:
         raise InputError(
             "pipeline.steps=[] is empty; list the commands to run, e.g. pipeline.steps=[synth,quantize]"
         )
     for step in steps:
-        if step not in COMMANDS or step in ("pipeline", "help"):
-            allowed = ", ".join(n for n in COMMANDS if n not in ("pipeline", "help"))
+        if step not in cli.COMMANDS or step in ("pipeline", "help"):
+            allowed = ", ".join(n for n in cli.COMMANDS if n not in ("pipeline", "help"))
             raise InputError(f"pipeline.steps has {step!r}; choose from {allowed}")
     provided: set[str] = set()
     for i, step in enumerate(steps, 1):
@@ -93,15 +93,12 @@ def _check_synth_room(cfg: Any) -> None:
     """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth.check_room)."""
     from dataclasses import asdict
 
-    from mlxbun import synth
-
     spec = synth.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "synth" / "model"
     synth.check_room(spec, out=out, partial_root=None, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap)
 
 
 def run_steps(cfg: Any, steps: list[str]) -> RunResult:
-    from mlxbun.cli import resolve_command
 
     check_steps(cfg, steps)
     total = RunResult()
@@ -113,7 +110,7 @@ def run_steps(cfg: Any, steps: list[str]) -> RunResult:
             set_key(copy.deepcopy(cfg), "paths.run_dir", str(run_dir / sub)), "command.name", step
         )
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
-        result = resolve_command(step)(step_cfg)
+        result = cli.resolve_command(step)(step_cfg)  # looked up at call time: tests replace it
         for key, value in result.provides.items():
             cfg = set_key(cfg, key, value)
         total.outputs += result.outputs

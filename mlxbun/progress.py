@@ -11,13 +11,17 @@ from typing import TextIO
 log = logging.getLogger("mlxbun")
 
 
-def human_bytes(n: float) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1: 512 B, 3.4 MiB, 1.2 PiB."""
+def human_bytes(n: float, *, digits: int = 1) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1: 512 B, 3.4 MiB, 1.2 PiB.
+
+    The project's one byte formatter (binary units everywhere); ``digits`` is the number of
+    decimals after a unit larger than a byte (the registry's tables show two).
+    """
     for suffix in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024:
-            return f"{n:.0f} {suffix}" if suffix == "B" else f"{n:.1f} {suffix}"
+            return f"{n:.0f} {suffix}" if suffix == "B" else f"{n:.{digits}f} {suffix}"
         n /= 1024
-    return f"{n:.1f} PiB"
+    return f"{n:.{digits}f} PiB"
 
 
 def human_seconds(s: float) -> str:

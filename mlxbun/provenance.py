@@ -28,6 +28,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import mlxbun
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes, atomic_write_json
 
@@ -198,8 +199,6 @@ def git_blob_hash(path: Path) -> str:
 
 def versions() -> dict[str, str | None]:
     from importlib import metadata
-
-    import mlxbun
 
     def ver(pkg: str) -> str | None:
         try:

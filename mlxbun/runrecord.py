@@ -18,6 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import DriftError, EnvironmentFailure, InputError, Interrupted
+from mlxbun.provenance import Manifest
+
+
+def _registry_module() -> Any:
+    # deferred: the registry pulls in peewee, the hub scanner and numpy, which `command=help` never needs
+    from mlxbun import registry
+
+    return registry
 
 
 def one_line(e: BaseException) -> str:
@@ -123,8 +131,6 @@ class RunRecorder:
         recipe: str | None,
         blas_info: dict[str, Any],
     ) -> None:
-        from mlxbun.provenance import Manifest
-
         self.cfg, self.run_id = cfg, None
         self.run_dir = Path(cfg.paths.run_dir).resolve()
         self.overrides, self.recipe = overrides, recipe
@@ -143,7 +149,7 @@ class RunRecorder:
 
     def start(self) -> None:
         """Write the ``running`` manifest and row; an environment failure ends the run failed."""
-        from mlxbun import registry
+        registry = _registry_module()
 
         problem = self._registry(
             lambda: registry.open_db(url=self.cfg.registry.url, path=self.cfg.registry.path)
@@ -159,7 +165,7 @@ class RunRecorder:
             raise EnvironmentFailure(problem)
 
     def _insert_row(self) -> None:
-        from mlxbun import registry
+        registry = _registry_module()
 
         self.run_id = registry.record_run_start(
             command=self.cfg.command.name,
@@ -170,7 +176,7 @@ class RunRecorder:
         )
 
     def _delete_row(self) -> None:
-        from mlxbun import registry
+        registry = _registry_module()
 
         with registry.write_txn():
             registry.RunRecord.delete_by_id(self.run_id)
@@ -198,7 +204,7 @@ class RunRecorder:
         return problem or row_problem
 
     def _end_row(self, status: str, *, metrics: Any, error: str | None) -> str | None:
-        from mlxbun import registry
+        registry = _registry_module()
 
         if self.run_id is None:
             return None

@@ -1,4 +1,5 @@
 """Structured-config dataclasses: the types, choices and ranges of every command's arguments.
+One module (not split): Hydra registers one schema tree, and every command's arguments are read side by side in one visible place.
 
 Hydra composes YAML from ``conf/`` and ``recipes/`` against :class:`Config` (registered in the
 ConfigStore as ``mlxbun_schema``), so unknown keys and wrong types fail at compose time. Choices
@@ -24,6 +25,7 @@ from typing import Any
 
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
+from mlxbun.quant.rounding import check_method
 from mlxbun.quant.spec import ALL_BITS, ALL_GROUPS, MODES, Rule, check_budget, check_mixed, spec_for
 
 # Model dimensions a synth spec may set explicitly (each overrides the preset's value).
@@ -205,11 +207,6 @@ class QuantCfg:
             choose("quant.dtype", self.dtype, OUTPUT_DTYPES)
         check_mixed(self.mixed, mode=self.mode, plan=self.plan)
         positive("quant.threads", self.threads)
-        from mlxbun.quant.rounding import check_method
-
-        check_method(self.method, mode=self.mode)
-        from mlxbun.quant.rounding import check_method
-
         check_method(self.method, mode=self.mode)
 
 

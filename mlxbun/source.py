@@ -23,7 +23,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from mlxbun import registry, synth
 from mlxbun.errors import InputError
+from mlxbun.io.dtypes import NAMES
+from mlxbun.io.safetensors import open_model
 
 
 def expand(path: str) -> Path:
@@ -33,8 +36,6 @@ def expand(path: str) -> Path:
 def model_dir(cfg: Any) -> Path:
     """The model directory named by ``cfg.model`` (and ``cfg.synth`` when synthetic)."""
     if cfg.model.synthetic:
-        from mlxbun import synth
-
         spec = {k: v for k, v in asdict(cfg.synth).items() if k != "out"}
         return synth.ensure_synthetic(cache_dir=expand(cfg.paths.cache) / "synth", **spec)
     name = cfg.model.name
@@ -47,7 +48,6 @@ def model_dir(cfg: Any) -> Path:
         return path.resolve()
     if path.exists():
         raise InputError(f"model.name={name!r} is a file; pass the model directory that holds it")
-    from mlxbun import registry
 
     registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
     return registry.resolve(name, hub_cache=cfg.registry.hub_cache, paths=cfg.registry.paths)
@@ -57,7 +57,6 @@ def model_source(cfg: Any) -> Any:
     """A model directory (:class:`pathlib.Path`), or a synthetic source that writes no weights."""
     if not cfg.model.synthetic:
         return model_dir(cfg)
-    from mlxbun import synth
 
     spec = {k: v for k, v in asdict(cfg.synth).items() if k != "out"}
     return synth.ensure_synthetic_source(cache_dir=expand(cfg.paths.cache) / "synth", **spec)
@@ -65,18 +64,7 @@ def model_source(cfg: Any) -> Any:
 
 # safetensors dtype -> mx dtype name, for tensors read raw into mx buffers (the others, F64
 # and FP8, go through ModelDir.array)
-PREAD_DTYPES = {
-    "BF16": "bfloat16",
-    "F16": "float16",
-    "F32": "float32",
-    "I8": "int8",
-    "U8": "uint8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-}
+PREAD_DTYPES = {c: NAMES[c] for c in ("BF16", "F16", "F32", "I8", "U8", "I16", "U16", "I32", "U32", "I64")}
 
 
 class FileTensors:
@@ -88,7 +76,6 @@ class FileTensors:
     """
 
     def __init__(self, path: Path) -> None:
-        from mlxbun.io.safetensors import open_model
 
         self.path = path
         self.model = open_model(path)

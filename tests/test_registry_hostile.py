@@ -131,7 +131,7 @@ def test_metadata_reads_refuse_what_is_not_a_regular_file(tmp_path, kind):
     else:  # a writer holds the FIFO open with bytes waiting: a reader that opens it gets them
         os.mkfifo(path)
         writer = os.open(path, os.O_RDWR | os.O_NONBLOCK)
-    for read in (lambda p: hub.read_bytes(p, 1 << 20), hub.read_safetensors_header):
+    for read in (lambda p: hub.read_bytes(p, 1 << 20), hub.read_header):
         if kind == "fifo":
             os.write(writer, (2).to_bytes(8, "little") + b"{}")
         with pytest.raises(OSError, match="not a regular file"):

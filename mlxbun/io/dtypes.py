@@ -48,6 +48,10 @@ CODES = {
     "complex64": "C64",
     "bfloat16": "BF16",
 }
+# safetensors code -> numpy / MLX dtype name.
+NAMES = {code: name for name, code in CODES.items()}
+# The floating dtypes a config's ``torch_dtype`` names, by name -> bytes per element.
+FLOAT_ITEMSIZE = {NAMES[c]: ITEMSIZE[c] for c in sorted(FLOAT_CODES)}
 # The dtypes a conversion may write (quant.dtype, fold.dtype, synth.dtype), as config names.
 OUTPUT_DTYPES = ("bfloat16", "float16", "float32")
 OUTPUT_CODES = {n: CODES[n] for n in OUTPUT_DTYPES}

@@ -1,4 +1,5 @@
 """Validating mmap reader for safetensors files and model directories (one tensor at a time).
+One module (not split): the format's one reader and the facts read from its headers (quantization, parameter counts) share one validation.
 
 A safetensors file::
 
@@ -33,6 +34,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -110,6 +112,38 @@ def _read_header(path: Path, f: Any, file_size: int) -> tuple[dict[str, Any], in
     if not isinstance(header, dict):
         raise _bad(path, f"header is a JSON {type(header).__name__}, not an object")
     return header, 8 + n
+
+
+def read_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON header of one safetensors file, framed and parsed as at open; no tensor byte is read.
+
+    The one header reader for callers that want names, dtypes and shapes only (the registry's
+    scan). Raises OSError when ``path`` is not a regular file (a FIFO or device is never
+    opened) and InputError for a header that is not a safetensors header.
+
+    Example:
+        >>> read_header("model.safetensors")["model.embed_tokens.weight"]["shape"]
+        [32000, 4096]
+    """
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        header, _ = _read_header(Path(path), f, os.fstat(fd).st_size)
+    return header
+
+
+def open_regular(path: str | os.PathLike) -> int:
+    """A read-only descriptor of ``path``, or OSError when it is not a regular file (symlinks followed).
+
+    Checked before opening (opening a FIFO would block until a writer came) and again on the
+    descriptor, opened non-blocking, in case the entry was swapped in between.
+    """
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise OSError(f"not a regular file: {os.fspath(path)}")
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"not a regular file: {os.fspath(path)}")
+    return fd
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -20,8 +20,13 @@ from typing import Any
 
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import atomic_write_json
+from mlxbun.kv import format as fmt
 from mlxbun.kv.fingerprint import model_fingerprint, tokenizer_fingerprint
+from mlxbun.kv.state import cache_state
 from mlxbun.kv.store import MismatchError, Store, StoreBusy, check_snapshot_name, common_prefix
+from mlxbun.progress import Progress, human_bytes
+from mlxbun.provenance import RunResult
+from mlxbun.source import model_dir
 
 PREFILL_STEP = 512
 
@@ -93,9 +98,6 @@ def save_prompt(
     """Prefill ``text`` and save its cache as ``name``; returns (info, tokens, prefill seconds)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlxbun.kv.state import cache_state
-    from mlxbun.progress import Progress
-
     tokens = list(loaded.tokenizer.encode(text))
     if not tokens:
         raise InputError("kv.prompt encodes to zero tokens; give a non-empty prompt")
@@ -122,8 +124,6 @@ def save_prompt(
 
 def save(cfg: Any) -> Any:
     """command=kv_save: prefill kv.prompt (or kv.prompt_file) and store it as kv.name."""
-    from mlxbun.provenance import RunResult
-    from mlxbun.source import model_dir
 
     if not cfg.kv.name:
         raise InputError("kv.name is not set; pass kv.name=<snapshot name>")
@@ -142,8 +142,8 @@ def save(cfg: Any) -> Any:
     metrics |= {"prefill_s": round(prefill_s, 3), "save_s": round(seconds, 3), "layout": info.layout}
     metrics["store"] = str(store.root)  # in the manifest, not the artifact: artifacts stay path-free
     msg = (
-        f"saved {info.name!r}: {len(tokens)} tokens, {info.data_bytes / 1e6:.1f} MB of KV"
-        f" ({info.written_bytes / 1e6:.1f} MB newly written, layout={info.layout}) in {store.root}"
+        f"saved {info.name!r}: {len(tokens)} tokens, {human_bytes(info.data_bytes)} of KV"
+        f" ({human_bytes(info.written_bytes)} newly written, layout={info.layout}) in {store.root}"
     )
     if cfg.json:
         msg = json.dumps(_record(info) | metrics, indent=2, sort_keys=True)
@@ -230,7 +230,6 @@ def continue_from(
     A snapshot that is corrupt (or, named, missing) raises with ``strict``; otherwise its prefix
     is recomputed and saved over it atomically, and a note says so.
     """
-    from mlxbun.kv import format as fmt
 
     fp = dict(model=loaded.model_fp, tokenizer=loaded.tokenizer_fp)
     hit = name or (m.name if (m := store.lookup(tokens, **fp)) else None)
@@ -315,8 +314,6 @@ def greedy(loaded: Loaded, rest: list[int], cache: list[Any], *, max_tokens: int
 
 def generate(cfg: Any) -> Any:
     """command=kv_generate: restore the best cached prefix of the prompt and generate."""
-    from mlxbun.provenance import RunResult
-    from mlxbun.source import model_dir
 
     if cfg.kv.name:
         check_snapshot_name(cfg.kv.name)
@@ -366,7 +363,6 @@ def generate(cfg: Any) -> Any:
 
 def ls(cfg: Any) -> Any:
     """command=kv_ls: stored snapshots (json=true for machine-readable output)."""
-    from mlxbun.provenance import RunResult
 
     store = store_of(cfg)
     infos, bad = store.list()
@@ -387,9 +383,9 @@ def ls(cfg: Any) -> Any:
     ]
     if cfg.json:
         return RunResult(message=json.dumps({"snapshots": rows, "unreadable": bad}, indent=2, sort_keys=True))
-    lines = [f"{'name':<24} {'layout':<8} {'tokens':>8} {'MB':>10} {'blocks':>7}  {'last used':<19}  model"]
+    lines = [f"{'name':<24} {'layout':<8} {'tokens':>8} {'size':>10} {'blocks':>7}  {'last used':<19}  model"]
     lines += [
-        f"{r['name']:<24} {r['layout']:<8} {r['tokens']:>8} {r['data_bytes'] / 1e6:>10.1f} {r['blocks']:>7}"
+        f"{r['name']:<24} {r['layout']:<8} {r['tokens']:>8} {human_bytes(r['data_bytes']):>10} {r['blocks']:>7}"
         f"  {r['last_used']:<19}  {r['model'] or '(unnamed)'} [{r['model_fingerprint'][:12]}]"
         for r in rows
     ]
@@ -400,7 +396,6 @@ def ls(cfg: Any) -> Any:
 def verify(cfg: Any) -> Any:
     """command=kv_verify: re-hash kv.name (or every snapshot); DriftError (exit 1) on any problem.
     With json=true the report is JSON on stdout either way."""
-    from mlxbun.provenance import RunResult
 
     store = store_of(cfg)
     names = [check_snapshot_name(cfg.kv.name)] if cfg.kv.name else None
@@ -418,4 +413,4 @@ def verify(cfg: Any) -> Any:
         return RunResult(message=text, exit_code=1 if problems else 0)
     if problems:
         raise DriftError(summary)
-    return RunResult(message=f"ok: {n} snapshot(s), {checked / 1e6:.1f} MB re-hashed in {store.root}")
+    return RunResult(message=f"ok: {n} snapshot(s), {human_bytes(checked)} re-hashed in {store.root}")

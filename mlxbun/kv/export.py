@@ -21,6 +21,7 @@ from mlxbun.errors import InputError
 from mlxbun.io.atomic import fsync_dir, tmp_sibling
 from mlxbun.kv.commands import store_of
 from mlxbun.kv.store import check_snapshot_name
+from mlxbun.provenance import RunResult
 
 
 def export(store: Any, name: str, path: Path, *, model_name: str | None = None) -> dict[str, Any]:
@@ -48,7 +49,6 @@ def export(store: Any, name: str, path: Path, *, model_name: str | None = None) 
 
 def run(cfg: Any) -> Any:
     """command=kv_export: kv.name -> kv.file (a plain mlx-lm prompt-cache file)."""
-    from mlxbun.provenance import RunResult
 
     if not cfg.kv.name:
         raise InputError("kv.name is not set; pass kv.name=<snapshot name>")

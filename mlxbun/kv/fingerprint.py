@@ -15,6 +15,8 @@ import hashlib
 import re
 from pathlib import Path
 
+from mlxbun.provenance import cached_sha256
+
 SCHEME = b"mlxbun.kv.model/2\0"
 HEX64 = re.compile(r"[0-9a-f]{64}")
 TOKENIZER_FILES = (
@@ -30,7 +32,6 @@ TOKENIZER_FILES = (
 def shard_sha256(path: Path, *, cache_dir: Path | None) -> str:
     """Full-content sha256 of one shard: the HF blob name when ``path`` links to one of the
     right size, else the digest cached under the file's identity."""
-    from mlxbun.provenance import cached_sha256
 
     real = path.resolve()
     if path.is_symlink() and real.parent.name == "blobs" and HEX64.fullmatch(real.name):

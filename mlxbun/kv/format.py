@@ -70,6 +70,7 @@ import numpy as np
 import xxhash
 
 from mlxbun.errors import DriftError, InputError
+from mlxbun.io.dtypes import CODES
 from mlxbun.kv import state
 
 MAGIC = b"\x89MLXBKV\n"
@@ -94,7 +95,7 @@ KVS_VERSION = 2  # .kvs files written now: a safetensors container
 KVS_MAGIC = b'{"__metadata__":{"mlxbun.kvs":"'  # at offset 8
 _KVS_LEAD = KVS_MAGIC + str(KVS_VERSION).encode() + b'","header_sha256":"'
 KVS_HASH_AT = 8 + len(_KVS_LEAD)  # the 64 hex digits of header_sha256
-ST_DTYPES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32", "uint32": "U32"}
+ST_DTYPES = {n: CODES[n] for n in state.DTYPES}
 
 
 class CorruptError(DriftError):

@@ -27,6 +27,8 @@ from typing import Any
 from mlxbun.io.atomic import TMP_MARK, atomic_write_json, fsync_dir
 from mlxbun.kv import format as fmt
 from mlxbun.kv.store import FILES, SnapshotInfo, Store
+from mlxbun.progress import human_bytes
+from mlxbun.provenance import RunResult
 
 
 @dataclass(frozen=True)
@@ -175,13 +177,8 @@ def execute(store: Store, p: GcPlan, *, timeout: float | None = None) -> GcPlan:
     return GcPlan(tuple(evicted), tuple(gone), tuple(sorted(temps)), freed, p.bytes_before, tuple(bad))
 
 
-def _fmt_bytes(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
-
-
 def run(cfg: Any) -> Any:
     """command=kv_gc: write gc_plan.json; with kv.execute=true also free and write gc_done.json."""
-    from mlxbun.provenance import RunResult
 
     store = Store(cfg.kv.store, block_kib=cfg.kv.block_kib)
     cap = cfg.kv.cap_bytes
@@ -192,7 +189,7 @@ def run(cfg: Any) -> Any:
     atomic_write_json(outputs[0], p.to_dict())
     msg = (
         f"kv_gc plan: {len(p.blocks)} blocks, {len(p.evict)} LRU snapshots, {len(p.temp_files)} temp files;"
-        f" {_fmt_bytes(p.bytes_freed)} of {_fmt_bytes(p.bytes_before)}"
+        f" {human_bytes(p.bytes_freed)} of {human_bytes(p.bytes_before)}"
     )
     if p.unreadable:
         msg += f"\nwarning: {len(p.unreadable)} unreadable snapshot(s) keep every block: " + "; ".join(
@@ -203,9 +200,7 @@ def run(cfg: Any) -> Any:
         done = execute(store, p)
         outputs.append(run_dir / "gc_done.json")
         atomic_write_json(outputs[1], done.to_dict())
-        msg += (
-            f"\nfreed {_fmt_bytes(done.bytes_freed)} ({len(done.blocks)} blocks, {len(done.evict)} snapshots)"
-        )
+        msg += f"\nfreed {human_bytes(done.bytes_freed)} ({len(done.blocks)} blocks, {len(done.evict)} snapshots)"
     else:
         msg += "\npass kv.execute=true to free them"
     metrics = {"planned_bytes": p.bytes_freed, "freed_bytes": done.bytes_freed if cfg.kv.execute else 0}

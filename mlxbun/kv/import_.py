@@ -25,6 +25,9 @@ from mlxbun.errors import DriftError, InputError
 from mlxbun.kv import state
 from mlxbun.kv.commands import Loaded, digest_cache, load_model, prompt_text, store_of
 from mlxbun.kv.store import check_snapshot_name
+from mlxbun.progress import human_bytes
+from mlxbun.provenance import RunResult
+from mlxbun.source import model_dir
 
 # recomputed K/V of the last token may differ from the file's by float rounding only
 TOLERANCE = 0.02
@@ -159,8 +162,6 @@ def _last_token(cache: list[Any], n: int) -> dict[str, np.ndarray]:
 
 def run(cfg: Any) -> Any:
     """command=kv_import: verify kv.file against the model and prompt, store it as kv.name."""
-    from mlxbun.provenance import RunResult
-    from mlxbun.source import model_dir
 
     if not cfg.kv.name:
         raise InputError("kv.name is not set; pass kv.name=<snapshot name>")
@@ -187,7 +188,7 @@ def run(cfg: Any) -> Any:
     )
     store.remember_model(loaded.model_fp, loaded.name or str(loaded.path))
     how = "unchecked (kv.verify=false)" if checked is None else f"last token recomputed within {checked:.1e}"
-    msg = f"imported {str(path)!r} as {info.name!r}: {info.tokens} tokens, {info.data_bytes / 1e6:.1f} MB, {how}"
+    msg = f"imported {str(path)!r} as {info.name!r}: {info.tokens} tokens, {human_bytes(info.data_bytes)}, {how}"
     metrics = {"tokens": info.tokens, "data_bytes": info.data_bytes, "recompute_diff": checked}
     if cfg.json:
         msg = json.dumps(metrics | {"name": info.name, "file": str(path), "model": info.model_name}, indent=2)

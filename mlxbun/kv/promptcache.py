@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxbun.io.dtypes import CODES
 from mlxbun.kv import format as fmt
 from mlxbun.kv import state
 
@@ -50,7 +51,7 @@ _LEAD = MAGIC + str(VERSION).encode() + b'","0.mlxbun_sha256":"'
 HASH_AT = 8 + len(_LEAD)
 SKEW = fmt.SKEW
 TOKENIZER_CONFIG = "{}"  # what mlx_lm cache_prompt writes without --eos-token
-ST_DTYPES = fmt.ST_DTYPES | {"int32": "I32"}
+ST_DTYPES = fmt.ST_DTYPES | {"int32": CODES["int32"]}
 
 # (name below the layer, kind, payload): kind "tensor" (payload: mlxbun tensor name),
 # "scalar" (int), "string" (str) or "none"

@@ -19,15 +19,14 @@ import mlx.core as mx
 import numpy as np
 
 from mlxbun.errors import InputError
+from mlxbun.io.dtypes import CODES, ITEMSIZE
+from mlxbun.io.safetensors import NP_DTYPES
 
 CLASSES = ("KVCache", "RotatingKVCache", "QuantizedKVCache", "CacheList")
 LEAF_CLASSES = CLASSES[:3]
-# mlx dtype name -> (numpy dtype used to move the bytes, itemsize)
+# mlx dtype name -> (numpy dtype used to move the bytes, itemsize), for the dtypes a cache holds
 DTYPES: dict[str, tuple[Any, int]] = {
-    "float16": (np.float16, 2),
-    "bfloat16": (np.uint16, 2),
-    "float32": (np.float32, 4),
-    "uint32": (np.uint32, 4),
+    n: (NP_DTYPES[CODES[n]], ITEMSIZE[CODES[n]]) for n in ("float16", "bfloat16", "float32", "uint32")
 }
 QUANT_PARTS = ("weight", "scales", "biases")
 

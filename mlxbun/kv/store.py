@@ -1,4 +1,5 @@
 """A directory of persisted prompt KV caches: save, load, longest-prefix lookup, list, verify.
+One module (not split): one Store object owns the lock, both layouts' publish order and the recovery that reads them.
 
 Layout::
 
@@ -201,17 +202,15 @@ class Store:
         name: str,
         cache: list[Any],
         *,
-        tokens: list[int],
-        model: str,
-        tokenizer: str = "",
-        layout: str = "snapshot",
-        model_name: str = "",
         on_bytes: Callable[[int], None] | None = None,
         on_stage: Callable[[str], None] | None = None,
+        **fields: Any,
     ) -> SnapshotInfo:
         """Persist ``cache`` (mlx-lm cache objects) as snapshot ``name``, replacing it atomically.
 
         Args:
+            fields: tokens, model, tokenizer, layout, model_name as below (checked by one
+                function for :meth:`save` and :meth:`save_async`).
             tokens: the token ids the cache holds (checked against the cache's length).
             model, tokenizer: fingerprints (see mlxbun.kv.fingerprint); loads must match.
             layout: "snapshot" (one mlx-lm prompt-cache file) or "blocks" (deduplicated).
@@ -221,10 +220,7 @@ class Store:
                 starts (:data:`STEPS`); "data_written" once the data is durable (blocks layout:
                 before the manifest that publishes it is written).
         """
-        job = self._prepare(
-            name, cache, tokens=tokens, model=model, tokenizer=tokenizer, layout=layout, model_name=model_name
-        )
-        return self._persist(*job, on_bytes=on_bytes, on_stage=on_stage)
+        return self._persist(*self._prepare(name, cache, **fields), on_bytes=on_bytes, on_stage=on_stage)
 
     def save_async(self, name: str, cache: list[Any], **kw: Any) -> Future[SnapshotInfo]:
         """Like :meth:`save` on a background worker thread; returns a Future.

@@ -20,6 +20,7 @@ import peewee as pw
 
 from mlxbun import hub
 from mlxbun.errors import InputError
+from mlxbun.progress import Progress
 from mlxbun.registry.database import ModelRecord, column_max, db, log, require_db, utcnow, write_txn
 
 
@@ -264,7 +265,6 @@ def _known(roots: list[str], cands: list[Candidate]) -> dict[str, Known]:
 
 
 def _read_all(cands: list[Candidate], known: dict, warnings: list[str], progress: bool) -> tuple[list, list]:
-    from mlxbun.progress import Progress
 
     bar = Progress(total=len(cands), unit="models", desc="registry scan") if progress else None
     now, rows, moved = utcnow(), [], []

@@ -4,17 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxbun.registry.database import GB
+from mlxbun.progress import human_bytes
 from mlxbun.registry.memory import FitReport
 
 
 def _human(n: int | None) -> str:
-    if n is None:
-        return "?"
-    for unit, scale in (("GiB", GB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
+    """A size cell: two decimals in binary units, ``?`` when the size is unknown."""
+    return "?" if n is None else human_bytes(n, digits=2)
 
 
 def _count(n: int | None) -> str:
