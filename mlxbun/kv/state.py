@@ -143,8 +143,8 @@ def cache_state(cache: list[Any]) -> list[LayerState]:
 # ---------------------------------------------------------------- restore
 
 
-STORAGE = {"float16": mx.float16, "bfloat16": mx.uint16, "float32": mx.float32, "uint32": mx.uint32}
-MX_DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32, "uint32": mx.uint32}
+STORAGE = {n: getattr(mx, move.name) for n, (move, _) in DTYPES.items()}  # bfloat16 moves as uint16
+MX_DTYPES = {n: getattr(mx, n) for n in DTYPES}
 
 
 _STREAMS = threading.local()
