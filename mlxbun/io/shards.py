@@ -45,6 +45,7 @@ import xxhash
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import TMP_MARK, atomic_write_json, fsync_dir, tmp_sibling
+from mlxbun.io.direct import DirectFile
 from mlxbun.io.dtypes import CODES as NP_TO_ST
 from mlxbun.io.dtypes import ITEMSIZE
 from mlxbun.io.safetensors import INDEX_FILE, SafetensorsFile, count_parameters
@@ -394,7 +395,7 @@ class ShardedWriter:
         tmp = tmp_sibling(final)
         h = _Hashes((self.checksum, *self.extra_digests))
         try:
-            with open(tmp, "wb") as f:
+            with DirectFile(tmp) as f:  # past the page cache: the shard is not read back
                 self._write_hashed(f, memoryview(header_bytes(entries, self.metadata)), h)
                 for i, (_, (_, _, buf)) in enumerate(items):
                     self._write_hashed(f, buf, h)
@@ -402,9 +403,7 @@ class ShardedWriter:
                     if self.progress is not None:
                         self.progress.update(buf.nbytes)
                     del buf
-                f.flush()
-                os.fsync(f.fileno())
-                size, mtime = f.tell(), os.fstat(f.fileno()).st_mtime_ns
+            size, mtime = f.size, os.stat(tmp).st_mtime_ns
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
