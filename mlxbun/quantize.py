@@ -5,8 +5,10 @@ Output tensors, their order, shard packing and config.json match ``mlx_lm conver
 same settings (see :mod:`mlxbun.quant.plan` for how the structure is derived); memory stays at
 about one shard plus a few modules in flight, whatever the model size. Tensors come through
 :mod:`mlxbun.source`: files, or (``model.synthetic=true``) generated in memory as they are read.
-Each shard is hashed once, while it is written (sha256 for the manifest, XXH3-128 for the
-record, in one pass); a resume trusts the journal's digests of the shards it keeps.
+The stream of units and its thread pool are in :mod:`mlxbun.quant.units`; the output's other
+files and its record in :mod:`mlxbun.quant.outdir`. Each shard is hashed once, while it is
+written (sha256 for the manifest, XXH3-128 for the record, in one pass); a resume trusts the
+journal's digests of the shards it keeps.
 
 On disk (the staging protocol of :mod:`mlxbun.io.staging`, kind "quantize")::
 
@@ -32,9 +34,6 @@ import logging
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +64,7 @@ from mlxbun.quant.outdir import (
 )
 from mlxbun.quant.plan import Skeleton, prepare
 from mlxbun.quant.spec import Plan, QuantSpec, load_plan
+from mlxbun.quant.units import Unit, plan_units, stream
 from mlxbun.source import identity, lazy_weights, model_source, open_tensors, source_dir
 
 __all__ = ["MARKER", "QuantizeResult", "quantize_model_dir", "resolve_dtype", "run"]
@@ -76,17 +76,6 @@ log = logging.getLogger("mlxbun")
 BIG_TENSOR = 128 << 20
 CHUNK_BYTES = 32 << 20
 _build_lock = threading.Lock()  # to_quantized draws from MLX's global PRNG: build graphs one at a time
-
-
-@dataclass(frozen=True)
-class Unit:
-    """One step of the stream: a quantized module (its weight, bias...) or one plain tensor."""
-
-    path: str
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    quant: dict[str, Any] | None
-    nbytes: int
 
 
 @dataclass(frozen=True)
@@ -127,24 +116,6 @@ def default_threads() -> int:
 
 
 # ------------------------------------------------------------------------------- units
-
-
-def plan_units(sk: Skeleton) -> list[Unit]:
-    """The stream in mlx-lm's save order: the quantized skeleton's parameters, grouped by module."""
-    units: list[Unit] = []
-    for name, _ in tree_flatten(sk.model.parameters()):
-        owner = name.rpartition(".")[0]
-        if owner in sk.decisions:
-            if units and units[-1].path == owner:
-                last = units[-1]
-                units[-1] = Unit(last.path, last.inputs, (*last.outputs, name), last.quant, last.nbytes)
-                continue
-            inputs = tuple(f"{owner}.{k}" for k, _ in tree_flatten(sk.originals[owner].parameters()))
-            nbytes = sum(sk.weights[k].nbytes for k in inputs)
-            units.append(Unit(owner, inputs, (name,), sk.decisions[owner], nbytes))
-        else:
-            units.append(Unit(name, (name,), (name,), None, sk.weights[name].nbytes))
-    return units
 
 
 class Converter:
@@ -255,31 +226,6 @@ class Converter:
         if set(out) != set(unit.outputs):
             raise RuntimeError(f"{unit.path}: produced {sorted(out)}, expected {sorted(unit.outputs)}")
         return [(n, out[n]) for n in unit.outputs]
-
-
-def stream(
-    units: list[Unit], convert: Converter, *, threads: int
-) -> Iterator[tuple[Unit, list[tuple[str, Any]]]]:
-    """Convert units on ``threads`` workers, yielding results in order; at most threads+1 in flight."""
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="quantize") as pool:
-        todo = iter(units)
-        window: deque[tuple[Unit, Future]] = deque()
-        try:
-            for unit in todo:
-                convert.prefetch(unit)
-                window.append((unit, pool.submit(convert, unit)))
-                if len(window) > threads:
-                    break
-            while window:
-                unit, fut = window.popleft()
-                nxt = next(todo, None)
-                if nxt is not None:
-                    convert.prefetch(nxt)
-                    window.append((nxt, pool.submit(convert, nxt)))
-                yield unit, fut.result()
-        finally:
-            for _, fut in window:
-                fut.cancel()
 
 
 # ------------------------------------------------------------------------------- the command
