@@ -56,6 +56,7 @@ from typing import IO, Any
 import xxhash
 
 from mlxbun.io.atomic import atomic_write_json, fsync_dir, publish_dir
+from mlxbun.io.shards import JOURNAL
 
 log = logging.getLogger("mlxbun")
 
@@ -88,8 +89,6 @@ def staging_dir(out: Path, key: str, root: str | Path | None = None) -> Path:
 
 def weights_written(d: Path) -> bool:
     """Did a ShardedWriter finish in ``d``? It deletes its journal last, after the final names."""
-    from mlxbun.io.shards import JOURNAL
-
     return not (d / JOURNAL).exists() and any(d.glob("model*.safetensors"))
 
 
