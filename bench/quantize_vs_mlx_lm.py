@@ -1,6 +1,8 @@
 """Streaming quantize vs ``mlx_lm convert``: wall time, CPU time and peak RSS on the same models.
 
 Run: .venv/bin/python bench/quantize_vs_mlx_lm.py [--work DIR] [--keep] [--quick] [--reps N]
+     (or --profile DIR: each phase alone on one thread; --thread-profile DIR: each step of a
+     real conversion, wall and CPU of the thread that ran it)
 Builds two synthetic bf16 llama checkpoints (1.7B, then 3.6B; --quick: 0.2B and 0.4B) in child
 processes and lays each out as a Hugging Face cache entry (``blobs/<sha256>`` hard links,
 ``snapshots/<rev>/`` symlinks), then runs as child processes on a warm page cache, interleaved
@@ -266,6 +268,59 @@ with FileTensors(__import__('pathlib').Path(src)) as f:
 """
 
 
+# The library call with each step timed on the thread that runs it.
+THREADS = """
+import collections, resource, sys, threading, time
+t_start = time.perf_counter()
+from mlxbun import quantize as Q
+from mlxbun.io import shards
+t_import = time.perf_counter() - t_start
+stats, lock = collections.defaultdict(lambda: [0.0, 0.0, 0]), threading.Lock()
+def wrap(obj, name, label):
+    real = getattr(obj, name)
+    def timed(*a, **k):
+        w, c = time.perf_counter(), time.thread_time()
+        try:
+            return real(*a, **k)
+        finally:
+            with lock:
+                s = stats[label]; s[0] += time.perf_counter() - w; s[1] += time.thread_time() - c; s[2] += 1
+    setattr(obj, name, timed)
+wrap(Q.Converter, "read", "worker: read a source tensor (pread)")
+wrap(Q.Converter, "quantize_rows", "worker: a big tensor, read and quantized in row blocks")
+wrap(Q.Converter, "finish", "worker: mx.eval of a unit (waits for mx.quantize)")
+wrap(shards.ShardedWriter, "add", "main: writer.add")
+wrap(shards.ShardedWriter, "_write_shard", "main: write a shard (O_DIRECT, fsync)")
+wrap(shards._Hashes, "update", "hash thread: sha256 + xxh3 of the shard")
+wrap(Q, "prepare", "main: plan the skeleton")
+wrap(Q, "write_side_files", "main: config and side files")
+wrap(Q, "write_record", "main: record")
+wrap(Q.Stage, "publish", "main: publish (fsync, rename)")
+t0, c0 = time.perf_counter(), time.process_time()
+Q.quantize_model_dir(sys.argv[1], sys.argv[2], bits=4, group_size=64, shard_bytes=int(sys.argv[3]) << 30)
+wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+print(f"import {t_import:.2f} s; call: wall {wall:.2f} s, process CPU {cpu:.2f} s, peak RSS {rss:.2f} GB")
+for k, (w, c, n) in sorted(stats.items(), key=lambda kv: -kv[1][1]):
+    print(f"| {k} | {n} | {w:.2f} | {c:.2f} |")
+"""
+
+
+def thread_profile(src: Path, work: Path) -> str:
+    """Wall and thread CPU of each step of a real 4-bit conversion (2 workers, 5 GiB shards); the
+    remainder of the process CPU is mx.quantize, run on MLX's per-thread stream threads."""
+    out = work / "thread-profile"
+    shutil.rmtree(out, ignore_errors=True)
+    warm(src)
+    r = run_child([sys.executable, "-c", THREADS, str(src), str(out), "5"], cwd=work)
+    shutil.rmtree(out, ignore_errors=True)
+    lines = r["log"].splitlines()
+    head = ["| step | calls | wall s | thread CPU s |", "|---|---|---|---|"]
+    return "\n".join(
+        [*[x for x in lines if x.startswith("import")], "", *head, *[x for x in lines if x.startswith("| ")]]
+    )
+
+
 def profile(src: Path) -> str:
     """Where a 4-bit conversion's time goes: each phase alone, one thread, in a child."""
     warm(src)
@@ -289,9 +344,16 @@ def main() -> None:
         "--reps", type=int, default=2, help="interleaved runs of mlx-lm and mlxbun (best is kept)"
     )
     ap.add_argument("--profile", type=Path, help="only time the phases of a conversion of this model dir")
+    ap.add_argument(
+        "--thread-profile", type=Path, help="only time each step of a conversion of this model dir"
+    )
     args = ap.parse_args()
     if args.profile:
         print(profile(args.profile))
+        return
+    if args.thread_profile:
+        args.work.mkdir(parents=True, exist_ok=True)
+        print(thread_profile(args.thread_profile, args.work))
         return
     args.work.mkdir(parents=True, exist_ok=True)
     load0 = open("/proc/loadavg").read().split()[0]

@@ -3,6 +3,7 @@ mixed rules, resume after SIGKILL, and bad input refused before anything is writ
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+import xxhash
 from cli_util import KILL_AFTER_SECOND_SHARD
 from conftest import make_tokenizer_dir
 from mlx.utils import tree_flatten
@@ -246,7 +248,8 @@ quantize_model_dir({src!r}, {out!r}, bits=4, group_size=64, shard_bytes=40000)
 """
 
 
-def test_resume_after_sigkill_gives_identical_bytes(tmp_path):
+def _killed_after_three_shards(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """(source, out, staging dir) of a conversion SIGKILLed after its third shard."""
     src = make_hf_model(tmp_path / "src", "llama", files=2)
     out = tmp_path / "killed" / "model"
     script = KILL_SCRIPT.format(repo=str(REPO), src=str(src), out=str(out))
@@ -255,6 +258,11 @@ def test_resume_after_sigkill_gives_identical_bytes(tmp_path):
     assert not out.exists()  # nothing that looks finished
     (partial,) = [p for p in out.parent.iterdir() if p.is_dir() and p.name.startswith(".model.partial-")]
     assert len(list(partial.glob(".mlxbun-shard-*.safetensors"))) == 3
+    return src, out, partial
+
+
+def test_resume_after_sigkill_gives_identical_bytes(tmp_path):
+    src, out, partial = _killed_after_three_shards(tmp_path)
     resumed = quantize_model_dir(src, out, bits=4, group_size=64, shard_bytes=40000)
     clean = quantize_model_dir(src, tmp_path / "clean" / "model", bits=4, group_size=64, shard_bytes=40000)
     assert resumed.files == clean.files and len(clean.files) > 3
@@ -263,6 +271,49 @@ def test_resume_after_sigkill_gives_identical_bytes(tmp_path):
     assert not partial.exists()
     again = quantize_model_dir(src, out, bits=4, group_size=64, shard_bytes=40000)
     assert again.reused
+
+
+def test_resume_trusts_the_journal_and_reads_no_kept_shard(tmp_path, monkeypatch):
+    from mlxbun.io import shards, staging
+
+    src, out, partial = _killed_after_three_shards(tmp_path)
+    kept = sorted(p.name for p in partial.glob(".mlxbun-shard-*"))
+    read = []
+    for mod in (shards, staging):
+        real = mod.file_digest
+        monkeypatch.setattr(
+            mod, "file_digest", lambda p, *a, real=real, **k: read.append(p.name) or real(p, *a, **k)
+        )
+    resumed = quantize_model_dir(src, out, bits=4, group_size=64, shard_bytes=40000)
+    assert not [n for n in read if n in kept or n.endswith(".safetensors")], read  # only small side files
+    record = json.loads((out / MARKER).read_text())["files"]
+    for name in resumed.files:  # kept shards' digests come from the journal, new ones from the writer
+        assert resumed.digests[name] == hashlib.sha256((out / name).read_bytes()).hexdigest()
+        assert record[name]["xxh3_128"] == xxhash.xxh3_128((out / name).read_bytes()).hexdigest()
+
+
+def test_resume_redoes_a_kept_shard_changed_since_its_journal_entry(tmp_path):
+    src, out, partial = _killed_after_three_shards(tmp_path)
+    second = partial / ".mlxbun-shard-00002.safetensors"
+    data = bytearray(second.read_bytes())
+    data[-1] ^= 0xFF  # same size, same header: the mtime shows the change
+    second.write_bytes(bytes(data))
+    quantize_model_dir(src, out, bits=4, group_size=64, shard_bytes=40000)
+    clean = quantize_model_dir(src, tmp_path / "clean" / "model", bits=4, group_size=64, shard_bytes=40000)
+    for name in clean.files:
+        assert (out / name).read_bytes() == (clean.out / name).read_bytes(), name
+
+
+def test_progress_after_a_resume_counts_only_this_runs_bytes(tmp_path, monkeypatch):
+    from mlxbun import quantize
+
+    src, out, _ = _killed_after_three_shards(tmp_path)
+    bars = []
+    real = quantize.Progress
+    monkeypatch.setattr(quantize, "Progress", lambda **kw: bars.append(real(**kw)) or bars[-1])
+    res = quantize_model_dir(src, out, bits=4, group_size=64, shard_bytes=40000)
+    (bar,) = bars
+    assert 0 < bar.done == bar.total < res.source_bytes  # the kept shards' bytes are not in the rate
 
 
 def test_stale_partial_of_another_conversion_is_removed(tmp_path):

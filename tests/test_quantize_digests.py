@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from mlxbun import provenance
+from mlxbun.io import staging
 from mlxbun.provenance import Manifest, RunResult, hash_paths, named_sha256
+from mlxbun.quant.outdir import MARKER
 from mlxbun.quantize import quantize_model_dir
 
 
@@ -85,3 +89,23 @@ def test_prehash_fills_the_digest_cache(tmp_path):
     got = provenance.prehash([tmp_path / "src"], cache_dir=tmp_path / "cache").result(timeout=30)
     assert got == {tmp_path / "src" / "a.bin": _sha(tmp_path / "src" / "a.bin")}
     assert list((tmp_path / "cache").rglob("*")) != []
+
+
+def test_record_takes_the_writers_xxh3_without_reading_the_shards(tmp_path, tiny_model, monkeypatch):
+    src = tiny_model("llama")
+    real = staging.file_digest
+
+    def no_shards(path):
+        if Path(path).name.startswith((".mlxbun-shard-", "model")) and Path(path).suffix == ".safetensors":
+            pytest.fail(f"{path} was read again to hash it")
+        return real(path)
+
+    monkeypatch.setattr(staging, "file_digest", no_shards)
+    res = quantize_model_dir(src, tmp_path / "model", bits=4, shard_bytes=20000, threads=2)
+    record = json.loads((res.out / MARKER).read_text())["files"]
+    assert len(res.files) > 1 and "config.json" in record
+    for name, entry in record.items():
+        data = (res.out / name).read_bytes()
+        assert entry == {"xxh3_128": xxhash.xxh3_128(data).hexdigest(), "size": len(data)}, name
+    monkeypatch.setattr(staging, "file_digest", real)
+    assert quantize_model_dir(src, tmp_path / "model", bits=4, shard_bytes=20000, threads=2).reused

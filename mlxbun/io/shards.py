@@ -1,10 +1,14 @@
 """Streaming sharded safetensors writer in mlx-lm's layout: bounded memory, resumable, deterministic.
 
+One module (~600 lines): the shard format, the writer, its journal and its resume are one staged
+protocol over the same files; a split would spread one state machine over several modules.
+
 While a :class:`ShardedWriter` runs, ``out_dir`` holds only hidden names::
 
     out_dir/
         .mlxbun-shards.json                   journal: settings + one entry per completed shard
-                                              {file, nbytes, digest, tensors: {name: [dtype, shape]}}
+                                              {file, nbytes, digest, digests: {kind: hex},
+                                              mtime_ns, tensors: {name: [dtype, shape]}}
         .mlxbun-shard-00001.safetensors       completed shards (fsync'd, then journaled)
         ..mlxbun-shard-00003.safetensors.tmp-<pid>-<rand>
                                               the shard being written (removed on resume)
@@ -40,9 +44,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import TMP_MARK, atomic_write_json, fsync_dir, tmp_sibling
+from mlxbun.io.direct import DirectFile
 from mlxbun.io.dtypes import CODES as NP_TO_ST
 from mlxbun.io.dtypes import ITEMSIZE
 from mlxbun.io.safetensors import INDEX_FILE, SafetensorsFile, count_parameters
@@ -69,7 +75,9 @@ class ShardLayout:
         total_parameters: parameters by mlx-lm's count (packed weights at their logical size).
         index: the index dict (written only when there are several shards).
         digests: shard file name -> the writer's ``checksum`` of the whole file, computed
-            while its bytes were written (read back only for shards a resume kept).
+            while its bytes were written (a resume keeps the journal's, without a re-read).
+        extra_digests: shard file name -> {kind: hex} of the writer's ``extra_digests`` kinds,
+            computed in the same pass (absent for a kept shard of a journal that lacks them).
     """
 
     out_dir: Path
@@ -78,6 +86,7 @@ class ShardLayout:
     total_parameters: int
     index: dict[str, Any]
     digests: dict[str, str] = field(default_factory=dict)
+    extra_digests: dict[str, dict[str, str]] = field(default_factory=dict)
 
     @property
     def files(self) -> list[Path]:
@@ -96,9 +105,18 @@ class _Shard:
     nbytes: int
     digest: str
     tensors: dict[str, list[Any]] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)  # extra kinds; absent in older journals
+    mtime_ns: int | None = None  # at journaling: a later change of the file shows without a read
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "nbytes": self.nbytes, "digest": self.digest, "tensors": self.tensors}
+        return {
+            "file": self.file,
+            "nbytes": self.nbytes,
+            "digest": self.digest,
+            "digests": self.digests,
+            "mtime_ns": self.mtime_ns,
+            "tensors": self.tensors,
+        }
 
 
 class _Crc32:
@@ -122,11 +140,27 @@ class _NoHash:
         return ""
 
 
+class _Hashes:
+    """Several hashes fed in one pass over the bytes (each block hashed while still in cache)."""
+
+    def __init__(self, kinds: tuple[str, ...]) -> None:
+        self.hashes = {k: new_hash(k) for k in kinds}
+
+    def update(self, data: Any) -> None:
+        for h in self.hashes.values():
+            h.update(data)
+
+    def hexdigests(self) -> dict[str, str]:
+        return {k: h.hexdigest() for k, h in self.hashes.items()}
+
+
 CHECKSUMS = ("crc32", "sha256", "none")
+EXTRA_DIGESTS = ("sha256", "xxh3_128")
 
 
 def new_hash(kind: str) -> Any:
-    return {"crc32": _Crc32, "sha256": hashlib.sha256, "none": _NoHash}[kind]()
+    kinds = {"crc32": _Crc32, "sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128, "none": _NoHash}
+    return kinds[kind]()
 
 
 def file_digest(path: Path, kind: str, *, chunk: int = HASH_CHUNK) -> str:
@@ -222,9 +256,13 @@ class ShardedWriter:
             parameters exactly (see ``mlxbun.io.safetensors.count_parameters``).
         overlap: write full shards on a background thread (at most one at a time).
         progress: an object with ``update(nbytes)`` called as tensor bytes reach the disk.
-        verify: on resume, re-hash completed shards and drop any that do not match the journal.
+        verify: on resume, re-read and re-hash completed shards and drop any that do not match
+            the journal. False: trust a shard whose size, mtime and header match its entry (no
+            read of its data; for outputs whose digests are checked again later).
         checksum: digest of each shard in the journal: "crc32" (default), "sha256", or "none"
             (resume then checks sizes and headers only; fastest on a CPU-bound machine).
+        extra_digests: more digest kinds (of EXTRA_DIGESTS) computed in the same pass as
+            ``checksum``, e.g. ("xxh3_128",) for a record that verifies outputs fast.
 
     Example:
         >>> with ShardedWriter(out, shard_bytes=1 << 30, resume=True) as w:
@@ -246,6 +284,7 @@ class ShardedWriter:
         progress: Any = None,
         verify: bool = True,
         checksum: str = "crc32",
+        extra_digests: tuple[str, ...] = (),
     ) -> None:
         if not isinstance(shard_bytes, int) or shard_bytes <= 0:
             raise InputError(f"shard_bytes={shard_bytes!r} must be a positive integer")
@@ -257,6 +296,9 @@ class ShardedWriter:
         if checksum not in CHECKSUMS:
             raise InputError(f"checksum={checksum!r} is not allowed; choose one of {', '.join(CHECKSUMS)}")
         self.checksum = checksum
+        if bad := [k for k in extra_digests if k not in EXTRA_DIGESTS]:
+            raise InputError(f"extra_digests={bad!r} is not allowed; choose from {', '.join(EXTRA_DIGESTS)}")
+        self.extra_digests = tuple(extra_digests)
         self._state = "open"
         self._pending: list[tuple[str, Any]] = []
         self._pending_bytes = 0
@@ -354,9 +396,9 @@ class ShardedWriter:
         entries = [(n, d, s, b.nbytes) for n, (d, s, b) in items]
         final = self.out_dir / part_name(k)
         tmp = tmp_sibling(final)
-        h = new_hash(self.checksum)
+        h = _Hashes((self.checksum, *self.extra_digests))
         try:
-            with open(tmp, "wb") as f:
+            with DirectFile(tmp) as f:  # past the page cache: the shard is not read back
                 self._write_hashed(f, memoryview(header_bytes(entries, self.metadata)), h)
                 for i, (_, (_, _, buf)) in enumerate(items):
                     self._write_hashed(f, buf, h)
@@ -364,22 +406,24 @@ class ShardedWriter:
                     if self.progress is not None:
                         self.progress.update(buf.nbytes)
                     del buf
-                f.flush()
-                os.fsync(f.fileno())
-                size = f.tell()
+            size, mtime = f.size, os.stat(tmp).st_mtime_ns
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         fsync_dir(self.out_dir)
         tensors = {n: [d, list(s)] for n, d, s, _ in entries}
+        digests = h.hexdigests()
+        digest = digests.pop(self.checksum)
+        if self.checksum in self.extra_digests:
+            digests[self.checksum] = digest
         with self._lock:
-            self._shards.append(_Shard(final.name, size, h.hexdigest(), tensors))
+            self._shards.append(_Shard(final.name, size, digest, tensors, digests, mtime))
             self._write_journal()
 
     def _write_hashed(self, f: Any, buf: memoryview, h: Any) -> None:
         """Write ``buf`` while another thread hashes it (both release the GIL)."""
-        if self.checksum == "none":
+        if self.checksum == "none" and not self.extra_digests:
             f.write(buf)
             return
         for i in range(0, buf.nbytes, HASH_CHUNK):
@@ -445,7 +489,10 @@ class ShardedWriter:
         good = []
         for k, s in enumerate(shards, start=1):
             p = self.out_dir / s.file
-            if s.file != part_name(k) or not p.is_file() or p.stat().st_size != s.nbytes:
+            if s.file != part_name(k) or not p.is_file():
+                break
+            st = p.stat()
+            if st.st_size != s.nbytes or s.mtime_ns not in (None, st.st_mtime_ns):
                 break
             if not _header_matches(p, s.tensors):
                 break
@@ -504,7 +551,8 @@ class ShardedWriter:
             "weight_map": dict(sorted(weight_map.items())),
         }
         digests = {n: s.digest for n, s in zip(names, self._shards, strict=True)}
-        return ShardLayout(self.out_dir, shards, total_size, params, index, digests)
+        extra = {n: dict(s.digests) for n, s in zip(names, self._shards, strict=True) if s.digests}
+        return ShardLayout(self.out_dir, shards, total_size, params, index, digests, extra)
 
     def _publish(self, layout: ShardLayout) -> None:
         self._write_journal(finishing=len(layout.shards))

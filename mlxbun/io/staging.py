@@ -56,6 +56,7 @@ from typing import IO, Any
 import xxhash
 
 from mlxbun.io.atomic import atomic_write_json, fsync_dir, publish_dir
+from mlxbun.io.shards import JOURNAL
 
 log = logging.getLogger("mlxbun")
 
@@ -88,8 +89,6 @@ def staging_dir(out: Path, key: str, root: str | Path | None = None) -> Path:
 
 def weights_written(d: Path) -> bool:
     """Did a ShardedWriter finish in ``d``? It deletes its journal last, after the final names."""
-    from mlxbun.io.shards import JOURNAL
-
     return not (d / JOURNAL).exists() and any(d.glob("model*.safetensors"))
 
 
@@ -147,14 +146,20 @@ def _visible_files(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*") if p.is_file() and not p.name.startswith("."))
 
 
-def digest_files(d: Path) -> dict[str, dict[str, Any]]:
-    """{relative name: {"xxh3_128", "size"}} of every visible file under ``d`` (sorted)."""
+def digest_files(d: Path, *, known: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """{relative name: {"xxh3_128", "size"}} of every visible file under ``d`` (sorted).
+
+    ``known`` (relative name -> xxh3_128) gives digests computed while the files were written
+    (a ShardedWriter's ``extra_digests``): those files are not read again.
+    """
+    known = known or {}
     files = _visible_files(d)
+    todo = [p for p in files if p.relative_to(d).as_posix() not in known]
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(file_digest, files))
+        hashed = dict(zip(todo, pool.map(file_digest, todo), strict=True))
     return {
-        p.relative_to(d).as_posix(): {DIGEST: h, "size": p.stat().st_size}
-        for p, h in zip(files, digests, strict=True)
+        (rel := p.relative_to(d).as_posix()): {DIGEST: known.get(rel) or hashed[p], "size": p.stat().st_size}
+        for p in files
     }
 
 
