@@ -198,12 +198,20 @@ class Converter:
     """Reads, casts and quantizes units; safe to call from several threads (one unit each)."""
 
     def __init__(
-        self, sk: Skeleton, tensors: Any, dtype: str | None, method: str = "rtn", hessians: dict | None = None
+        self,
+        sk: Skeleton,
+        tensors: Any,
+        dtype: str | None,
+        method: str = "rtn",
+        hessians: dict | None = None,
+        fold: Any = None,
     ) -> None:
-        """``tensors``: the source's tensor reader (``mlxbun.source``)."""
+        """``tensors``: the source's tensor reader (``mlxbun.source``); ``fold``: an
+        :class:`mlxbun.quant.awq.Fold` applied to every tensor as it is read."""
         import mlx.core as mx
 
         self.sk, self.src, self.method, self.hessians = sk, tensors, method, hessians or {}
+        self.fold = fold
         self.dtype = getattr(mx, dtype) if dtype else None
         self.cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)
 
@@ -213,9 +221,12 @@ class Converter:
         lazy = self.sk.weights.pop(name)
         src = self.sk.sources.get(name)
         if src is not None:
-            return self.src.array(src)
+            return self.folded(name, self.src.array(src))
         mx.eval(lazy)  # already evaluated by prefetch, on the thread that built it
-        return lazy
+        return self.folded(name, lazy)
+
+    def folded(self, name: str, a: Any, row0: int = 0) -> Any:
+        return a if self.fold is None else self.fold.apply(name, a, row0=row0)
 
     def prefetch(self, unit: Unit) -> None:
         """Evaluate tensors sanitize built from others (e.g. stacked experts) on this thread:
@@ -265,7 +276,7 @@ class Converter:
         small: list[list[Any]] = []
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            chunk = self.cast(name, self.src.rows(src, r0, r1))
+            chunk = self.cast(name, self.folded(name, self.src.rows(src, r0, r1), r0))
             w, *rest = self.quantize_weight(chunk, q, unit.path)
             mx.eval(w, *rest)
             if packed is None:
@@ -444,7 +455,11 @@ def _write_shards(
             )
         progress = Progress(total=total, unit="B", desc="quantize")
         progress.update(total - sum(u.nbytes for u in todo))
-        for unit, results in stream(todo, Converter(sk, tensors, dtype, method, hessians), threads=threads):
+        fold = _awq_fold(sk, tensors, hessians) if method == "awq" else None
+        if fold is not None:
+            hessians = {p: fold.hessian(p, h) for p, h in (hessians or {}).items()}
+        convert = Converter(sk, tensors, dtype, method, hessians, fold)
+        for unit, results in stream(todo, convert, threads=threads):
             for name, arr in results:
                 written += arr.nbytes
                 writer.add(name, arr)
@@ -456,6 +471,25 @@ def _write_shards(
         atomic_write_json(partial / INDEX_FILE, layout.index)
     mx.clear_cache()
     return total, layout.total_size or written, layout.digests
+
+
+def _awq_fold(sk: Skeleton, tensors: Any, hessians: dict | None) -> Any:
+    """Activation-aware scales for this conversion (:mod:`mlxbun.quant.awq`), searched before streaming."""
+    import mlx.core as mx
+
+    from mlxbun.quant import awq
+
+    def read(name: str) -> Any:
+        src = sk.sources.get(name)
+        if src is not None:
+            return tensors.array(src)
+        mx.eval(sk.weights[name])
+        return sk.weights[name]
+
+    names = set(sk.weights)
+    return awq.search(
+        names=names, config=sk.config, read=read, hessians=hessians or {}, quant=sk.decisions.get
+    )
 
 
 def quantize_model_dir(
@@ -490,7 +524,8 @@ def quantize_model_dir(
         threads: modules converted in parallel (None: one per core this process may use).
         partial_root: where the hidden partial directory lives (default: beside ``out``).
         method: how affine weights are rounded (:mod:`mlxbun.quant.rounding`); "rtn" is mx.quantize.
-        hessians: a :mod:`mlxbun.quant.hessian` file; "gptq" needs it, "clip" weights columns by it.
+        hessians: a :mod:`mlxbun.quant.hessian` file; "gptq" and "awq" need it, "clip" weights
+            columns by it.
 
     Example:
         >>> r = quantize_model_dir("hf/llama", "llama-4bit", bits=4, group_size=64)
@@ -509,8 +544,8 @@ def quantize_model_dir(
     from mlxbun.quant.rounding import check_method
 
     check_method(method)
-    if method == "gptq" and hessians is None:
-        raise InputError("quant.method='gptq' needs quant.hessians (a hessians.safetensors file)")
+    if method in ("gptq", "awq") and hessians is None:
+        raise InputError(f"quant.method={method!r} needs quant.hessians (a hessians.safetensors file)")
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     source, src = src, source_dir(src)

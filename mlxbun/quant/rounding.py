@@ -9,7 +9,8 @@ one of the candidates, so the error is never above it. ``method="gptq"`` (Franta
 rounds column by column and spreads each column's rounding error over the columns not yet
 rounded, through the inverse of the layer's input Hessian H (:mod:`mlxbun.quant.hessian`);
 each group's scale and bias come from the range search on the group as it stands when reached.
-A module without H falls back to the range search. The output is ``(packed, scales,
+A module without H falls back to the range search. ``method="awq"`` is the range search on a
+weight whose columns :mod:`mlxbun.quant.awq` has already scaled (the scales live in the weights). The output is ``(packed, scales,
 biases)`` exactly as ``mx.quantize`` lays them out (codes packed as one little-endian bit stream
 per row), so stock ``mlx_lm.load`` reads it; the same input gives the same bytes.
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("rtn", "clip", "gptq")
+METHODS = ("rtn", "clip", "gptq", "awq")
 DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
@@ -164,7 +165,8 @@ def quantize(
     Args:
         w: 2-D weight (out, in); scales and biases come back in its dtype.
         bits, group_size: as in ``mx.quantize``.
-        method: "rtn" (``mx.quantize`` itself), "clip" or "gptq" (module docstring).
+        method: "rtn" (``mx.quantize`` itself), "clip", "gptq" or "awq" (= "clip" here: the
+            activation-aware scales are folded into the weight before; module docstring).
         importance: optional non-negative weight per input column (length ``in``) for "clip";
             default: diag(``hessian``) when given, else uniform.
         hessian: the layer's input Hessian (in, in); "gptq" without it does "clip".
