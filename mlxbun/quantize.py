@@ -36,7 +36,7 @@ import os
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,7 +203,7 @@ class Converter:
         tensors: Any,
         dtype: str | None,
         method: str = "rtn",
-        hessians: dict | None = None,
+        hessians: Mapping | None = None,
         fold: Any = None,
     ) -> None:
         """``tensors``: the source's tensor reader (``mlxbun.source``); ``fold``: an
@@ -426,7 +426,7 @@ def _write_shards(
     shard_bytes: int,
     threads: int,
     method: str = "rtn",
-    hessians: dict | None = None,
+    hessians: Mapping | None = None,
 ) -> tuple[int, int, dict[str, str]]:
     """Stream every unit into the ShardedWriter in ``partial``; return (source, output) bytes and
     each shard's sha256 (hashed as the writer streamed it out)."""
@@ -457,7 +457,7 @@ def _write_shards(
         progress.update(total - sum(u.nbytes for u in todo))
         fold = _awq_fold(sk, tensors, hessians) if method == "awq" else None
         if fold is not None:
-            hessians = {p: fold.hessian(p, h) for p, h in (hessians or {}).items()}
+            hessians = fold.hessians(hessians or {})
         convert = Converter(sk, tensors, dtype, method, hessians, fold)
         for unit, results in stream(todo, convert, threads=threads):
             for name, arr in results:
@@ -473,7 +473,7 @@ def _write_shards(
     return total, layout.total_size or written, layout.digests
 
 
-def _awq_fold(sk: Skeleton, tensors: Any, hessians: dict | None) -> Any:
+def _awq_fold(sk: Skeleton, tensors: Any, hessians: Mapping | None) -> Any:
     """Activation-aware scales for this conversion (:mod:`mlxbun.quant.awq`), searched before streaming."""
     import mlx.core as mx
 
@@ -594,7 +594,6 @@ def _convert(
 ) -> tuple[int, int, dict[str, str]]:
     """Write the shards unless a killed run already did (``state="complete"``)."""
     import mlx.core as mx
-    import numpy as np
 
     if state == "complete":
         src_bytes = sum(v.nbytes for v in sk.weights.values())
@@ -603,8 +602,8 @@ def _convert(
     try:
         from mlxbun.quant import hessian
 
-        # numpy, read here: MLX arrays cannot be evaluated on the worker threads that use them
-        h = {k: np.asarray(v) for k, v in hessian.load(hessians).items()} if hessians is not None else None
+        # numpy, read one module at a time: MLX arrays cannot be evaluated on the worker threads
+        h = hessian.Hessians(hessians) if hessians is not None else None
         sizes = _write_shards(
             sk,
             source,

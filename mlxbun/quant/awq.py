@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,10 +100,28 @@ class Fold:
                 prev = self.rows.get(t)
                 self.rows[t] = inv if prev is None else (prev * inv).astype(np.float32)
 
+    def hessians(self, base: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """``base`` with every lookup passed through :meth:`hessian` (nothing read ahead)."""
+        return _Scaled(self, base)
+
     def hessian(self, path: str, h: np.ndarray) -> np.ndarray:
         """The Hessian of module ``path``'s inputs once they are divided by its s."""
         s = self.cols.get(path)
         return h if s is None else (h / np.outer(s, s)).astype(np.float32)
+
+
+class _Scaled(Mapping):
+    def __init__(self, fold: Fold, base: Mapping[str, np.ndarray]) -> None:
+        self.fold, self.base = fold, base
+
+    def __getitem__(self, path: str) -> np.ndarray:
+        return self.fold.hessian(path, self.base[path])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
 
 
 def groups(names: set[str], config: dict[str, Any]) -> tuple[list[Group], list[str]]:
@@ -220,7 +238,7 @@ def search(
     names: set[str],
     config: dict[str, Any],
     read: Callable[[str], Any],
-    hessians: dict[str, np.ndarray],
+    hessians: Mapping[str, np.ndarray],
     quant: Callable[[str], dict[str, Any] | None],
 ) -> Fold:
     """Search the scales of every exact fold of a checkpoint (module docstring).

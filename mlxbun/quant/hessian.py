@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_bytes
+from mlxbun.io.safetensors import SafetensorsFile
 from mlxbun.quant.calib import load_calibration
 
 FORMAT = "mlxbun-hessians"
@@ -76,16 +78,20 @@ class _StandIn(nn.Module):
             return getattr(object.__getattribute__(self, "_block"), key)
 
 
-class _Entry(_StandIn):
-    """Stands in for block 0: keeps the hidden state and arguments it is called with, then stops."""
+class _Record(_StandIn):
+    """Stands in for a block in the first pass: keeps the arguments it is called with (masks may
+    differ per block, e.g. sliding-window layers) and passes the hidden state on; the last one stops."""
 
-    def __init__(self, block: Any) -> None:
+    def __init__(self, block: Any, seen: list, last: bool) -> None:
         super().__init__(block)
-        self.seen: list = []
+        object.__setattr__(self, "_seen", seen)
+        object.__setattr__(self, "_last", last)
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        self.seen.append((x, args, kwargs))
-        raise _Stop
+        object.__getattribute__(self, "_seen").append((x, args, kwargs))
+        if object.__getattribute__(self, "_last"):
+            raise _Stop
+        return x
 
 
 class _Pass(_StandIn):
@@ -126,11 +132,11 @@ def _blocks(model: Any) -> tuple[list, str]:
     return owner["layers"], f"{owner_path}.layers." if owner_path else "layers."
 
 
-def _entry_states(model: Any, layers: list, tokens: np.ndarray, batch_size: int) -> list:
-    """(hidden state, args, kwargs) entering block 0, per batch of samples."""
-    first = layers[0]
-    entry = _Entry(first)
-    layers[0] = entry
+def _entry_states(model: Any, layers: list, tokens: np.ndarray, batch_size: int) -> list[list]:
+    """Per block, per batch of samples: (hidden state entering block 0, the block's args, kwargs)."""
+    saved = list(layers)
+    seen: list[list] = [[] for _ in saved]
+    layers[:] = [_Record(b, seen[i], i == len(saved) - 1) for i, b in enumerate(saved)]
     try:
         for i in range(0, len(tokens), batch_size):
             try:
@@ -138,9 +144,9 @@ def _entry_states(model: Any, layers: list, tokens: np.ndarray, batch_size: int)
             except _Stop:
                 pass
     finally:
-        layers[0] = first
-    mx.eval([x for x, _, _ in entry.seen])
-    return entry.seen
+        layers[:] = saved
+    mx.eval([x for x, _, _ in seen[0]])
+    return seen
 
 
 def _run_block(block: Any, prefix: str, states: list, store: dict) -> list:
@@ -186,8 +192,10 @@ def capture(model: Any, tokens: np.ndarray, *, batch_size: int = 8, release: boo
     """
     store: dict[str, Any] = {}
     layers, prefix = _blocks(model)
-    states = _entry_states(model, layers, tokens, batch_size)
+    calls = _entry_states(model, layers, tokens, batch_size)
+    states = calls[0]
     for i in range(len(layers)):
+        states = [(x, a, k) for (x, _, _), (_, a, k) in zip(states, calls[i], strict=True)]
         states = _run_block(layers[i], f"{prefix}{i}.", states, store)
         if release:  # empty arrays in place of the weights: the block's memory is freed
             layers[i].update(tree_map(lambda a: mx.zeros((0,), a.dtype), layers[i].parameters()))
@@ -258,6 +266,38 @@ def load(path: str | Path) -> dict[str, Any]:
                 f"quant.hessians={str(path)!r}: {name!r} has shape {tuple(h.shape)}; expected (n, n)"
             )
     return arrays
+
+
+class Hessians(Mapping):
+    """A hessians file read one module at a time (a float32 numpy copy per lookup, its mapped pages
+    dropped after): quantizing holds only the Hessians of the modules in flight. Thread-safe."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.file = SafetensorsFile(path)
+        if self.file.metadata.get("format") != FORMAT:
+            raise InputError(
+                f"quant.hessians={str(path)!r} is not an mlxbun hessians file"
+                f" (format={self.file.metadata.get('format')!r})"
+            )
+        for name, info in self.file.infos().items():
+            if len(info.shape) != 2 or info.shape[0] != info.shape[1] or info.dtype != "F32":
+                raise InputError(
+                    f"quant.hessians={str(path)!r}: {name!r} has shape {tuple(info.shape)} ({info.dtype});"
+                    " expected float32 (n, n)"
+                )
+
+    def __getitem__(self, path: str) -> np.ndarray:
+        if path not in self.file:
+            raise KeyError(path)
+        out = np.array(self.file.numpy(path), dtype=np.float32, copy=True)
+        self.file.release(path)
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.file.names())
+
+    def __len__(self) -> int:
+        return len(self.file.names())
 
 
 def output_error(dw: Any, h: Any) -> float:
