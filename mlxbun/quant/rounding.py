@@ -30,7 +30,7 @@ DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
 REFITS = 2
-BLOCK_ELEMENTS = 1 << 22  # rows are searched in blocks of about this many weights
+BLOCK_ELEMENTS = 1 << 18  # rows are searched in blocks of about this many weights (x 21 ratios)
 
 
 def check_method(method: str, *, mode: str = "affine", key: str = "quant.method") -> None:
@@ -86,7 +86,12 @@ def _refit(w: Any, q: Any, imp: Any, s: Any, b: Any) -> tuple[Any, Any]:
 
 
 def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -> tuple[Any, Any, Any]:
-    """Best (codes, scale, bias) per group of a float32 block (rows, cols)."""
+    """Best (codes, scale, bias) per group of a float32 block (rows, cols).
+
+    Every range ratio is tried at once (a leading ratio axis), one evaluation per block; the
+    winner is the first candidate with the smallest error in the order mx.quantize's own, then
+    ratio by ratio each start and its refits (what a sequential scan with ``<`` keeps).
+    """
     import mlx.core as mx
 
     n = (1 << bits) - 1
@@ -94,60 +99,89 @@ def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -
     wg = w.reshape(rows, cols // group_size, group_size)
     ig = imp.reshape(1, cols // group_size, group_size)
     _, s0, b0 = mx.quantize(w.astype(dtype), group_size=group_size, bits=bits)
-    best_s, best_b = _stored(s0[..., None], dtype), _stored(b0[..., None], dtype)
-    best_q = _codes(wg, best_s, best_b, n)
-    best_e = _err(wg, best_q, best_s, best_b, ig)
+    s0, b0 = _stored(s0[..., None], dtype), _stored(b0[..., None], dtype)
+    e0 = _err(wg, _codes(wg, s0, b0, n), s0, b0, ig)
     lo, hi = mx.min(wg, -1, keepdims=True), mx.max(wg, -1, keepdims=True)
-    for ratio in (1.0, *RATIOS):
-        s = _stored(mx.maximum((hi - lo) * ratio / n, 1e-8), dtype)
-        b = _stored(lo * ratio, dtype)
-        for step in range(REFITS + 1):
-            q = _codes(wg, s, b, n)
-            e = _err(wg, q, s, b, ig)
-            better = e < best_e
-            best_e = mx.where(better, e, best_e)
-            best_s, best_b = mx.where(better, s, best_s), mx.where(better, b, best_b)
-            best_q = mx.where(better, q, best_q)
-            if step < REFITS:
-                s, b = _refit(wg, q, ig, s, b)
-                s, b = _stored(s, dtype), _stored(b, dtype)
-        mx.eval(best_e, best_s, best_b, best_q)
+    ratio = mx.array((1.0, *RATIOS), mx.float32).reshape(-1, 1, 1, 1)
+    s = _stored(mx.maximum((hi - lo) * ratio / n, 1e-8), dtype)
+    b = _stored(lo * ratio, dtype)
+    tried: list[tuple[Any, Any, Any]] = []
+    for step in range(REFITS + 1):
+        q = _codes(wg, s, b, n)
+        tried.append((_err(wg, q, s, b, ig), s, b))
+        if step < REFITS:
+            s, b = _refit(wg, q, ig, s, b)
+            s, b = _stored(s, dtype), _stored(b, dtype)
+    e, s, b = (mx.stack([t[i] for t in tried], axis=1).reshape(-1, *e0.shape) for i in range(3))
+    pick = mx.argmin(e, axis=0, keepdims=True)
+    better = mx.take_along_axis(e, pick, axis=0)[0] < e0
+    best_s = mx.where(better, mx.take_along_axis(s, pick, axis=0)[0], s0)
+    best_b = mx.where(better, mx.take_along_axis(b, pick, axis=0)[0], b0)
+    best_q = _codes(wg, best_s, best_b, n)
+    mx.eval(best_q, best_s, best_b)
     return best_q.reshape(rows, cols), best_s[..., 0], best_b[..., 0]
 
 
-def _gptq(w: Any, h: Any, *, bits: int, group_size: int) -> tuple[np.ndarray, Any, Any]:
-    """GPTQ codes, scales and biases of ``w`` (rows, cols) for the input Hessian ``h``."""
+def _inverse_factor(h: np.ndarray) -> np.ndarray:
+    """Upper-triangular U with ``H^-1 = U^T U`` (dampened H), without forming ``H^-1``.
+
+    With P the reversal, ``P H P = L L^T`` gives ``H = (P L P)(P L P)^T``, so ``U = P L^-1 P``:
+    one Cholesky and one triangular inverse in float32 through mlx's LAPACK, instead of numpy's
+    float64 ``cholesky(inv(H))`` (about 4x slower here, same U within 3e-7 relative).
+    """
     import mlx.core as mx
 
-    n = (1 << bits) - 1
-    W = np.asarray(w.astype(mx.float32), dtype=np.float64).copy()
-    H = np.asarray(h, dtype=np.float64).copy()
+    H = np.array(h, dtype=np.float64)
     diag = np.diag(H).copy()
     dead = np.flatnonzero(diag <= 0)
     H[dead, dead] = 1.0
     H[np.diag_indices_from(H)] += DAMP * max(float(diag.mean()), 1e-12)
-    U = np.linalg.cholesky(np.linalg.inv(H)).T  # upper: H^-1 = U^T U
-    imp = np.maximum(diag, 0).astype(np.float32)
+    L = mx.linalg.cholesky(mx.array(H[::-1, ::-1].astype(np.float32)), stream=mx.cpu)
+    return np.asarray(mx.linalg.tri_inv(L, upper=False, stream=mx.cpu))[::-1, ::-1].copy()
+
+
+def _gptq_group(
+    W: np.ndarray, U: np.ndarray, s: np.ndarray, b: np.ndarray, n: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Round the columns of one group (``W``: rows x group, updated in place) one by one, each
+    column's error spread over the group's later columns; (codes, scaled errors)."""
+    codes = np.empty(W.shape, dtype=np.uint8)
+    err = np.empty(W.shape, dtype=np.float32)
+    for k in range(W.shape[1]):
+        q = np.clip(np.round((W[:, k] - b) / s), 0, n)
+        codes[:, k] = q
+        e = (W[:, k] - (s * q + b)) / U[k, k]
+        W[:, k + 1 :] -= np.outer(e, U[k, k + 1 :])
+        err[:, k] = e
+    return codes, err
+
+
+def _gptq(w: Any, h: Any, *, bits: int, group_size: int) -> tuple[np.ndarray, Any, Any]:
+    """GPTQ codes, scales and biases of ``w`` (rows, cols) for the input Hessian ``h``.
+
+    float32 throughout (as the reference implementation); the update of the columns after each
+    group is one matmul through mlx (BLAS), the column loop runs on the group's slice only.
+    """
+    import mlx.core as mx
+
+    n = (1 << bits) - 1
+    W = np.array(w.astype(mx.float32), dtype=np.float32)
+    imp = np.maximum(np.diag(np.asarray(h, dtype=np.float32)), 0)
+    U = _inverse_factor(h)
     rows, cols = W.shape
     codes = np.empty((rows, cols), dtype=np.uint8)
     scales, biases = [], []
     for i in range(0, cols, group_size):
         j = i + group_size
         _, s, b = _search_block(
-            mx.array(W[:, i:j].astype(np.float32)), mx.array(imp[i:j]), bits=bits, group_size=group_size,
-            dtype=w.dtype,
-        )  # fmt: skip
+            mx.array(W[:, i:j]), mx.array(imp[i:j]), bits=bits, group_size=group_size, dtype=w.dtype
+        )
         scales.append(s)
         biases.append(b)
-        s, b = np.asarray(s, np.float64), np.asarray(b, np.float64)  # (rows, 1)
-        err = np.zeros((rows, group_size))
-        for k in range(i, j):
-            q = np.clip(np.round((W[:, k : k + 1] - b) / s), 0, n)
-            codes[:, k] = q[:, 0]
-            e = (W[:, k : k + 1] - (s * q + b)) / U[k, k]
-            W[:, k + 1 : j] -= e @ U[k : k + 1, k + 1 : j]
-            err[:, k - i] = e[:, 0]
-        W[:, j:] -= err @ U[i:j, j:]
+        sn, bn = np.asarray(s, np.float32)[:, 0], np.asarray(b, np.float32)[:, 0]
+        codes[:, i:j], err = _gptq_group(W[:, i:j], U[i:j, i:j], sn, bn, n)
+        if j < cols:
+            W[:, j:] -= np.asarray(mx.array(err) @ mx.array(U[i:j, j:]))
     return codes, mx.concatenate(scales, axis=-1), mx.concatenate(biases, axis=-1)
 
 
