@@ -10,8 +10,9 @@ For each model and bits in (3, 4), all at group size 64:
 2. mlxbun's ``quantize_model_dir`` with ``method`` rtn, clip, gptq and awq (wall time of the
    quantize call, in this process).
 3. Anchors in child processes (stages of ``bench/allocation_quality.py``, same calibration
-   tokens): ``mlx_lm.convert`` q3/q4; ``mlx_lm.quant.gptq`` with its embedding/head fallback at
-   the same bits (so the bytes match; float32 Hessians, as its bf16 ones give NaN here);
+   tokens): ``mlx_lm.convert`` q3/q4; ``mlx_lm.quant.gptq`` at 4 bits (it supports 2, 4, 8) with
+   its embedding/head fallback at 4 bits (so the bytes match; float32 Hessians, as its bf16 ones
+   give NaN here);
    ``mlx_lm.quant.awq`` (its own defaults for the embedding: the bytes differ, shown).
 4. KL(reference || model) on held-out text: CPython modules that are in neither fixture's
    training corpus (``FIXTURE.json`` of both), so both fixtures are scored on the same text.
@@ -37,6 +38,7 @@ import allocation_quality as aq  # noqa: E402  (the anchors' child stages and th
 
 FIXTURES = [REPO / "tests" / "fixtures" / "llama-text-3m", REPO / "tests" / "fixtures" / "llama-text-12l"]
 METHODS = ("rtn", "clip", "gptq", "awq")
+GPTQ_BITS = (2, 4, 8)  # mlx_lm.quant.gptq asserts these
 CANDIDATES = aq.HELD_OUT + aq.HELD_OUT_MORE + ["locale", "zipfile", "nntplib", "poplib", "netrc", "sched"]
 
 
@@ -86,7 +88,7 @@ def run_model(model: Path, args: argparse.Namespace) -> dict:
         for method in METHODS:
             rows[bits].append(mlxbun_row(fx, bits, method, hdir / "hessians.safetensors"))
         rows[bits].append(fx.anchor(f"mlx-lm awq {bits}-bit", f"awq:{bits}"))
-        if args.mlx_gptq:
+        if args.mlx_gptq and bits in GPTQ_BITS:
             rows[bits].append(
                 fx.anchor(f"mlx-lm gptq {bits}-bit (fallback {bits})", f"gptq:{bits}:{bits}:f32")
             )

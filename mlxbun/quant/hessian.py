@@ -48,14 +48,17 @@ def _accumulate(store: dict, path: str, x: Any) -> None:
 
 
 class _Catcher(nn.Module):
-    """Stands in for a Linear: records its input's Gram matrix, then calls it."""
+    """Stands in for a Linear: records its input's Gram matrix, then calls it (``call=False``: a
+    head whose output nobody needs returns one zero column instead of the full logits)."""
 
-    def __init__(self, module: Any, path: str, store: dict) -> None:
+    def __init__(self, module: Any, path: str, store: dict, call: bool = True) -> None:
         super().__init__()
-        self.module, self.path, self.store = module, path, store
+        self.module, self.path, self.store, self.call = module, path, store, call
 
     def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
         _accumulate(self.store, self.path, x)
+        if not self.call:
+            return mx.zeros((*x.shape[:-1], 1), x.dtype)
         return self.module(x, *args, **kwargs)
 
 
@@ -103,7 +106,7 @@ class _Pass(_StandIn):
 
 class _Feed(nn.Module):
     """Stands in for the embedding in the final pass: returns the last block's output for the batch;
-    its ``as_linear`` (a tied head) records its input and calls the real embedding's."""
+    its ``as_linear`` (a tied head) records its input and skips the logits."""
 
     def __init__(self, embed: Any, path: str, store: dict) -> None:
         super().__init__()
@@ -114,7 +117,7 @@ class _Feed(nn.Module):
 
     def as_linear(self, x: Any) -> Any:
         _accumulate(self.store, self.path, x)
-        return self.embed.as_linear(x)
+        return mx.zeros((*x.shape[:-1], 1), x.dtype)  # the logits are not needed
 
 
 def _hook(module: Any, prefix: str, store: dict) -> list[tuple[str, Any]]:
@@ -172,7 +175,7 @@ def _run_head(model: Any, layers: list, states: list, store: dict) -> None:
     feeds = [(p, m, _Feed(m, p, store)) for p, m in embeds]
     model.update_modules(tree_unflatten([(p, f) for p, _, f in feeds]))
     outside = [(p, m) for p, m in leaves.items() if isinstance(m, nn.Linear) and ".layers." not in f".{p}"]
-    model.update_modules(tree_unflatten([(p, _Catcher(m, p, store)) for p, m in outside]))
+    model.update_modules(tree_unflatten([(p, _Catcher(m, p, store, call=False)) for p, m in outside]))
     try:
         for x, _, _ in states:
             for _, _, f in feeds:
