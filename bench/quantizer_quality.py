@@ -63,20 +63,28 @@ def held_out_text(work: Path, model: Path) -> Path:
     return path
 
 
-def mlxbun_row(fx: aq.Fixture, bits: int, method: str, hessians: Path) -> dict:
+def mlxbun_row(fx: aq.Fixture, bits: int, method: str, hessians: Path, embed: bool = False) -> dict:
+    """mlxbun's quantize at ``bits`` g64; ``embed``: the embedding (the tied head) at 4-bit g32,
+    the layout mlx-lm's awq writes, so that row has its bytes."""
+    from mlxbun.quant.spec import Plan, QuantSpec
     from mlxbun.quantize import quantize_model_dir
 
-    out = fx.work / "uniform" / f"{bits}-{method}"
+    tag = f"{bits}-{method}" + ("-e4g32" if embed else "")
+    out = fx.work / "uniform" / tag
     shutil.rmtree(out, ignore_errors=True)
     kw = {} if method == "rtn" else {"method": method, "hessians": hessians}
+    if embed:
+        layers = {"model.embed_tokens": QuantSpec(bits=4, group_size=32)}
+        kw["plan"] = Plan(default=QuantSpec(bits=bits, group_size=64), layers=layers)
+    else:
+        kw.update(bits=bits, group_size=64)
     t0 = time.perf_counter()
-    res = quantize_model_dir(fx.model, out, bits=bits, group_size=64, partial_root=fx.work / "partial", **kw)
+    res = quantize_model_dir(fx.model, out, partial_root=fx.work / "partial", **kw)
     seconds = time.perf_counter() - t0
-    return {
-        "label": f"mlxbun {method}",
-        "seconds": seconds,
-        **aq._size(res.out, fx.source.parameters),
-    } | fx.eval.kl(res.out)
+    label = f"mlxbun {method}" + (", embedding 4-bit g32" if embed else "")
+    return {"label": label, "seconds": seconds, **aq._size(res.out, fx.source.parameters)} | fx.eval.kl(
+        res.out
+    )
 
 
 def run_model(model: Path, args: argparse.Namespace) -> dict:
@@ -87,7 +95,9 @@ def run_model(model: Path, args: argparse.Namespace) -> dict:
         rows[bits] = [fx.anchor(f"mlx-lm convert q{bits}", f"convert:{bits}:64:")]
         for method in METHODS:
             rows[bits].append(mlxbun_row(fx, bits, method, hdir / "hessians.safetensors"))
-        rows[bits].append(fx.anchor(f"mlx-lm awq {bits}-bit", f"awq:{bits}"))
+        rows[bits].append(fx.anchor(f"mlx-lm awq {bits}-bit (embedding 4-bit g32)", f"awq:{bits}"))
+        for method in ("rtn", "gptq", "awq"):
+            rows[bits].append(mlxbun_row(fx, bits, method, hdir / "hessians.safetensors", embed=True))
         if args.mlx_gptq and bits in GPTQ_BITS:
             rows[bits].append(
                 fx.anchor(f"mlx-lm gptq {bits}-bit (fallback {bits})", f"gptq:{bits}:{bits}:f32")

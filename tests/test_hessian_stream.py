@@ -98,3 +98,34 @@ def test_lazy_reader_refuses_what_is_not_a_hessians_file(tmp_path):
     mx.save_safetensors(str(tmp_path / "z.safetensors"), {"a": mx.zeros((2, 2), mx.float16)}, meta)
     with pytest.raises(InputError, match="F16"):
         hessian.Hessians(tmp_path / "z.safetensors")
+
+
+def test_streamed_file_equals_in_memory_capture_and_golden_header(tmp_path):
+    from mlx_lm.utils import load
+
+    from mlxbun.quant.calib import load_calibration
+
+    src = make_hf_model(tmp_path / "src", "qwen3")
+    calib = tmp_path / "calib.txt"
+    calib.write_text(" ".join(f"w{t}" for t in TOKENS.ravel()))
+    out = hessian.capture_model_dir(src, tmp_path / "h.safetensors", calib_path=calib, samples=2, seq_len=16)
+    model, tok = load(str(src))
+    model.set_dtype(mx.float32)
+    tokens = load_calibration(tokenizer=tok, path=calib, samples=2, seq_len=16, seed=0).tokens
+    ref = hessian.capture(model, tokens)
+    got = hessian.load(out)
+    assert sorted(got) == sorted(ref) and "model.embed_tokens" in got  # tied head
+    assert all(np.allclose(np.asarray(got[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-4) for k in ref)
+    assert not list(tmp_path.glob(".h.safetensors*"))  # the spool is gone
+    hessian.save({"b": mx.eye(2), "a": mx.ones((1, 1))}, tmp_path / "g.safetensors", tokens=7)
+    raw = (tmp_path / "g.safetensors").read_bytes()
+    assert raw[:8] == (len(raw) - 8 - 20).to_bytes(8, "little")
+    assert raw[8:].startswith(b'{"__metadata__":{"format":"mlxbun-hessians","tokens":"7"},"a":{"dtype":"F32"')
+    assert raw[-20:] == np.float32([1, 1, 0, 0, 1]).tobytes()  # a (1x1) then b (2x2), sorted
+
+
+def test_an_unfinished_writer_publishes_nothing(tmp_path):
+    with pytest.raises(RuntimeError), hessian.Writer(tmp_path / "h.safetensors") as w:
+        w.add("a", np.eye(3))
+        raise RuntimeError("killed")
+    assert list(tmp_path.iterdir()) == []

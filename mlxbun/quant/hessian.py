@@ -4,6 +4,8 @@ The output error of a linear layer on the calibration inputs is ``trace(dW H dW^
 diagonal is the per-column importance the activation-weighted range search uses, and
 ``sqrt(diag(H) / tokens)`` the per-channel activation size AWQ scales by (:mod:`mlxbun.quant.awq`).
 A tied embedding, when used as the output head, gets the H of the head's inputs under its own path.
+Hessians are the bulk of a capture (q/k/v and gate/up each store the H their shared input has):
+:func:`capture_model_dir` writes each block's as soon as the block is done.
 
 Capture is streamed block by block: the calibration tokens are embedded once, then each decoder
 block runs over the hidden states of all samples (with hooks on its linears) and hands its output
@@ -24,7 +26,10 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+import json
+import shutil
+import struct
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +39,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_bytes
+from mlxbun.io.atomic import atomic_open
 from mlxbun.io.safetensors import SafetensorsFile
 from mlxbun.quant.calib import load_calibration
 
@@ -186,12 +191,20 @@ def _run_head(model: Any, layers: list, states: list, store: dict) -> None:
         model.update_modules(tree_unflatten([(p, m) for p, m, _ in feeds] + outside))
 
 
-def capture(model: Any, tokens: np.ndarray, *, batch_size: int = 8, release: bool = False) -> dict[str, Any]:
+def capture(
+    model: Any,
+    tokens: np.ndarray,
+    *,
+    batch_size: int = 8,
+    release: bool = False,
+    sink: Callable[[str, np.ndarray], None] | None = None,
+) -> dict[str, Any]:
     """H of every Linear (and a tied embedding's head use) over ``tokens`` (samples, seq_len).
 
     Streamed block by block (module docstring). ``release=True`` drops each block's weights once
     it has run (the model is unusable afterwards): with a lazily loaded model, memory then holds
-    about one block of weights.
+    about one block of weights. ``sink(path, H)`` takes each block's Hessians as soon as the block
+    is done (they are then not kept, and the returned dict is empty).
     """
     store: dict[str, Any] = {}
     layers, prefix = _blocks(model)
@@ -202,8 +215,15 @@ def capture(model: Any, tokens: np.ndarray, *, batch_size: int = 8, release: boo
         states = _run_block(layers[i], f"{prefix}{i}.", states, store)
         if release:  # empty arrays in place of the weights: the block's memory is freed
             layers[i].update(tree_map(lambda a: mx.zeros((0,), a.dtype), layers[i].parameters()))
+        _drain(store, sink)
     _run_head(model, layers, states, store)
+    _drain(store, sink)
     return store
+
+
+def _drain(store: dict[str, Any], sink: Callable[[str, np.ndarray], None] | None) -> None:
+    for path in sorted(store) if sink is not None else ():
+        sink(path, np.asarray(store.pop(path)))
 
 
 def load_lazy(model_dir: str | Path) -> tuple[Any, Any]:
@@ -243,17 +263,59 @@ def capture_model_dir(
     calib = load_calibration(
         tokenizer=tokenizer, path=calib_path, samples=samples, seq_len=seq_len, seed=seed
     )
-    save(capture(model, calib.tokens, batch_size=batch_size, release=True), out, tokens=calib.tokens.size)
+    with Writer(out) as writer:
+        capture(model, calib.tokens, batch_size=batch_size, release=True, sink=writer.add)
+        writer.finish(tokens=calib.tokens.size)
     return Path(out)
 
 
+class Writer:
+    """Writes Hessians as they come (data to a hidden spool file beside ``path``), then
+    :meth:`finish` puts the safetensors header (sorted names) in front and renames atomically:
+    memory holds one module's H at a time. Without ``finish`` nothing is published."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.spool_path = self.path.with_name(f".{self.path.name}.spool")
+        self.spool = open(self.spool_path, "wb")  # noqa: SIM115  (closed by finish / __exit__)
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.offset = 0
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.spool.close()
+        self.spool_path.unlink(missing_ok=True)
+
+    def add(self, name: str, h: Any) -> None:
+        data = np.ascontiguousarray(np.asarray(h, dtype=np.float32))
+        if data.ndim != 2 or data.shape[0] != data.shape[1] or name in self.entries:
+            raise ValueError(f"hessian {name!r}: shape {data.shape}, or written twice")
+        self.spool.write(data.tobytes())
+        end = self.offset + data.nbytes
+        self.entries[name] = {"dtype": "F32", "shape": list(data.shape), "data_offsets": [self.offset, end]}
+        self.offset = end
+
+    def finish(self, *, tokens: int) -> None:
+        self.spool.close()
+        header = {
+            "__metadata__": {"format": FORMAT, "tokens": str(tokens)},
+            **dict(sorted(self.entries.items())),
+        }
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        with atomic_open(self.path) as f, open(self.spool_path, "rb") as data:
+            f.write(struct.pack("<Q", len(text)) + text)
+            shutil.copyfileobj(data, f, 16 << 20)
+
+
 def save(hessians: dict[str, Any], path: str | Path, *, tokens: int) -> None:
-    """Write ``hessians`` atomically as one safetensors file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp.safetensors")
-    mx.save_safetensors(str(tmp), dict(sorted(hessians.items())), {"format": FORMAT, "tokens": str(tokens)})
-    atomic_write_bytes(path, tmp.read_bytes())
-    tmp.unlink()
+    """Write ``hessians`` atomically as one safetensors file (:class:`Writer`)."""
+    with Writer(path) as writer:
+        for name in sorted(hessians):
+            writer.add(name, hessians[name])
+        writer.finish(tokens=tokens)
 
 
 def load(path: str | Path) -> dict[str, Any]:
