@@ -30,7 +30,7 @@ DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
 REFITS = 2
-BLOCK_ELEMENTS = 1 << 18  # rows are searched in blocks of about this many weights (x 21 ratios)
+BLOCK_ELEMENTS = 1 << 22  # rows are searched in blocks of about this many weights
 
 
 def check_method(method: str, *, mode: str = "affine", key: str = "quant.method") -> None:
@@ -86,12 +86,7 @@ def _refit(w: Any, q: Any, imp: Any, s: Any, b: Any) -> tuple[Any, Any]:
 
 
 def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -> tuple[Any, Any, Any]:
-    """Best (codes, scale, bias) per group of a float32 block (rows, cols).
-
-    Every range ratio is tried at once (a leading ratio axis), one evaluation per block; the
-    winner is the first candidate with the smallest error in the order mx.quantize's own, then
-    ratio by ratio each start and its refits (what a sequential scan with ``<`` keeps).
-    """
+    """Best (codes, scale, bias) per group of a float32 block (rows, cols)."""
     import mlx.core as mx
 
     n = (1 << bits) - 1
@@ -99,26 +94,24 @@ def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -
     wg = w.reshape(rows, cols // group_size, group_size)
     ig = imp.reshape(1, cols // group_size, group_size)
     _, s0, b0 = mx.quantize(w.astype(dtype), group_size=group_size, bits=bits)
-    s0, b0 = _stored(s0[..., None], dtype), _stored(b0[..., None], dtype)
-    e0 = _err(wg, _codes(wg, s0, b0, n), s0, b0, ig)
-    lo, hi = mx.min(wg, -1, keepdims=True), mx.max(wg, -1, keepdims=True)
-    ratio = mx.array((1.0, *RATIOS), mx.float32).reshape(-1, 1, 1, 1)
-    s = _stored(mx.maximum((hi - lo) * ratio / n, 1e-8), dtype)
-    b = _stored(lo * ratio, dtype)
-    tried: list[tuple[Any, Any, Any]] = []
-    for step in range(REFITS + 1):
-        q = _codes(wg, s, b, n)
-        tried.append((_err(wg, q, s, b, ig), s, b))
-        if step < REFITS:
-            s, b = _refit(wg, q, ig, s, b)
-            s, b = _stored(s, dtype), _stored(b, dtype)
-    e, s, b = (mx.stack([t[i] for t in tried], axis=1).reshape(-1, *e0.shape) for i in range(3))
-    pick = mx.argmin(e, axis=0, keepdims=True)
-    better = mx.take_along_axis(e, pick, axis=0)[0] < e0
-    best_s = mx.where(better, mx.take_along_axis(s, pick, axis=0)[0], s0)
-    best_b = mx.where(better, mx.take_along_axis(b, pick, axis=0)[0], b0)
+    best_s, best_b = _stored(s0[..., None], dtype), _stored(b0[..., None], dtype)
     best_q = _codes(wg, best_s, best_b, n)
-    mx.eval(best_q, best_s, best_b)
+    best_e = _err(wg, best_q, best_s, best_b, ig)
+    lo, hi = mx.min(wg, -1, keepdims=True), mx.max(wg, -1, keepdims=True)
+    for ratio in (1.0, *RATIOS):
+        s = _stored(mx.maximum((hi - lo) * ratio / n, 1e-8), dtype)
+        b = _stored(lo * ratio, dtype)
+        for step in range(REFITS + 1):
+            q = _codes(wg, s, b, n)
+            e = _err(wg, q, s, b, ig)
+            better = e < best_e
+            best_e = mx.where(better, e, best_e)
+            best_s, best_b = mx.where(better, s, best_s), mx.where(better, b, best_b)
+            best_q = mx.where(better, q, best_q)
+            if step < REFITS:
+                s, b = _refit(wg, q, ig, s, b)
+                s, b = _stored(s, dtype), _stored(b, dtype)
+        mx.eval(best_e, best_s, best_b, best_q)
     return best_q.reshape(rows, cols), best_s[..., 0], best_b[..., 0]
 
 
