@@ -235,7 +235,12 @@ def load_lazy(model_dir: str | Path) -> tuple[Any, Any]:
     except (FileNotFoundError, ValueError) as e:
         raise InputError(f"model.name={str(model_dir)!r} cannot be loaded by mlx_lm: {e}") from None
     model = dequantize_model(model)
+    # Embeddings keep their stored dtype: a row lookup is exact in it, and a large vocabulary's
+    # float32 copy would be the biggest thing in memory (the head's logits are never computed).
+    embeds = [(m, m.weight) for _, m in model.named_modules() if isinstance(m, nn.Embedding)]
     model.set_dtype(mx.float32)
+    for m, w in embeds:
+        m.weight = w
     model.eval()
     return model, tokenizer
 
