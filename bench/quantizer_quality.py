@@ -71,6 +71,9 @@ def mlxbun_row(fx: aq.Fixture, bits: int, method: str, hessians: Path, embed: bo
 
     tag = f"{bits}-{method}" + ("-e4g32" if embed else "")
     out = fx.work / "uniform" / tag
+    record = out.with_suffix(".row.json")
+    if record.is_file():  # a finished row of an earlier run with the same --work
+        return json.loads(record.read_text())
     shutil.rmtree(out, ignore_errors=True)
     kw = {} if method == "rtn" else {"method": method, "hessians": hessians}
     if embed:
@@ -95,7 +98,12 @@ def run_model(model: Path, args: argparse.Namespace) -> dict:
         rows[bits] = [fx.anchor(f"mlx-lm convert q{bits}", f"convert:{bits}:64:")]
         for method in METHODS:
             rows[bits].append(mlxbun_row(fx, bits, method, hdir / "hessians.safetensors"))
-        rows[bits].append(fx.anchor(f"mlx-lm awq {bits}-bit (embedding 4-bit g32)", f"awq:{bits}"))
+        awq_label = f"mlx-lm awq {bits}-bit (embedding 4-bit g32)"
+        done = (fx.work / f"anchor-awq_{bits}.stage.json").is_file()
+        if f"awq:{bits}" in args.skip and not done:
+            rows[bits].append({"label": awq_label, "skipped": True})
+        else:
+            rows[bits].append(fx.anchor(awq_label, f"awq:{bits}"))
         for method in ("rtn", "gptq", "awq"):
             rows[bits].append(mlxbun_row(fx, bits, method, hdir / "hessians.safetensors", embed=True))
         if args.mlx_gptq and bits in GPTQ_BITS:
@@ -119,6 +127,9 @@ def lines_for(model: str, res: dict) -> list[str]:
     for bits, rows in res["rows"].items():
         anchor = rows[0]["held_out"]
         for r in rows:
+            if r.get("skipped"):
+                out.append(f"| {bits} | {r['label']} | not run (--skip) | | |")
+                continue
             out.append(
                 f"| {bits} | {r['label']} | {r['held_out']:.4f} | {r['held_out'] / anchor:.2f} | "
                 f"{r['file_bytes']} |"
@@ -155,6 +166,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/mlxbun-bench-quantizers"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "quantizers.md")
     ap.add_argument("--no-mlx-gptq", dest="mlx_gptq", action="store_false", help="skip mlx-lm's gptq (slow)")
+    ap.add_argument(
+        "--skip", nargs="*", default=[], help="anchor stages not to run (unless already done), e.g. awq:3"
+    )
     args = ap.parse_args()
     from mlxbun import blas
 
