@@ -85,9 +85,11 @@ def mlxbun_row(fx: aq.Fixture, bits: int, method: str, hessians: Path, embed: bo
     res = quantize_model_dir(fx.model, out, partial_root=fx.work / "partial", **kw)
     seconds = time.perf_counter() - t0
     label = f"mlxbun {method}" + (", embedding 4-bit g32" if embed else "")
-    return {"label": label, "seconds": seconds, **aq._size(res.out, fx.source.parameters)} | fx.eval.kl(
+    row = {"label": label, "seconds": seconds, **aq._size(res.out, fx.source.parameters)} | fx.eval.kl(
         res.out
     )
+    record.write_text(json.dumps(row))
+    return row
 
 
 def run_model(model: Path, args: argparse.Namespace) -> dict:
