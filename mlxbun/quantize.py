@@ -559,7 +559,8 @@ def quantize_model_dir(
     if method != "rtn":  # absent by default, so existing fingerprints stay as they were
         settings["method"] = method
     if hessians is not None:
-        settings["hessians"] = hashlib.sha256(Path(hessians).read_bytes()).hexdigest()
+        with open(hessians, "rb") as f:  # streamed: a Hessians file can be larger than the model
+            settings["hessians"] = hashlib.file_digest(f, "sha256").hexdigest()
     key = fingerprint(src, settings, tensors=tensors)
     # Two runs of the same conversion: the second waits, then reuses the first one's output.
     with Stage.locked(out, kind="quantize", key=key, root=partial_root) as stage:
