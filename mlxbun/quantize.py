@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,7 +53,7 @@ from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import DIGEST, Stage, reached, stable_root, weights_written
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult, prehash
-from mlxbun.quant import hessian, rounding
+from mlxbun.quant import awq, hessian, rounding
 from mlxbun.quant.outdir import (
     FORMAT_VERSION,
     MARKER,
@@ -122,10 +123,18 @@ class Converter:
     """Reads, casts and quantizes units; safe to call from several threads (one unit each)."""
 
     def __init__(
-        self, sk: Skeleton, tensors: Any, dtype: str | None, method: str = "rtn", hessians: dict | None = None
+        self,
+        sk: Skeleton,
+        tensors: Any,
+        dtype: str | None,
+        method: str = "rtn",
+        hessians: Mapping | None = None,
+        fold: Any = None,
     ) -> None:
-        """``tensors``: the source's tensor reader (``mlxbun.source``)."""
+        """``tensors``: the source's tensor reader (``mlxbun.source``); ``fold``: an
+        :class:`mlxbun.quant.awq.Fold` applied to every tensor as it is read."""
         self.sk, self.src, self.method, self.hessians = sk, tensors, method, hessians or {}
+        self.fold = fold
         self.dtype = getattr(mx, dtype) if dtype else None
         self.cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)
 
@@ -133,9 +142,12 @@ class Converter:
         lazy = self.sk.weights.pop(name)
         src = self.sk.sources.get(name)
         if src is not None:
-            return self.src.array(src)
+            return self.folded(name, self.src.array(src))
         mx.eval(lazy)  # already evaluated by prefetch, on the thread that built it
-        return lazy
+        return self.folded(name, lazy)
+
+    def folded(self, name: str, a: Any, row0: int = 0) -> Any:
+        return a if self.fold is None else self.fold.apply(name, a, row0=row0)
 
     def prefetch(self, unit: Unit) -> None:
         """Evaluate tensors sanitize built from others (e.g. stacked experts) on this thread:
@@ -176,7 +188,7 @@ class Converter:
         small: list[list[Any]] = []
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
-            chunk = self.cast(name, self.src.rows(src, r0, r1))
+            chunk = self.cast(name, self.folded(name, self.src.rows(src, r0, r1), r0))
             w, *rest = self.quantize_weight(chunk, q, unit.path)
             mx.eval(w, *rest)
             if packed is None:
@@ -251,7 +263,7 @@ def _write_shards(
     shard_bytes: int,
     threads: int,
     method: str = "rtn",
-    hessians: dict | None = None,
+    hessians: Mapping | None = None,
 ) -> Written:
     """Stream every unit into the ShardedWriter in ``partial``."""
     units = plan_units(sk)
@@ -269,7 +281,11 @@ def _write_shards(
     with open_tensors(source) as tensors, writer:
         todo = [u for u in units if not set(u.outputs) <= writer.done_names]
         progress = _progress(partial, units, todo)
-        for unit, results in stream(todo, Converter(sk, tensors, dtype, method, hessians), threads=threads):
+        fold = _awq_fold(sk, tensors, hessians) if method == "awq" else None
+        if fold is not None:
+            hessians = fold.hessians(hessians or {})
+        convert = Converter(sk, tensors, dtype, method, hessians, fold)
+        for unit, results in stream(todo, convert, threads=threads):
             for name, arr in results:
                 written += arr.nbytes
                 writer.add(name, arr)
@@ -298,6 +314,21 @@ def _progress(partial: Path, units: list[Unit], todo: list[Unit]) -> Progress:
             human_bytes(kept),
         )
     return Progress(total=left, unit="B", desc="quantize")
+
+
+def _awq_fold(sk: Skeleton, tensors: Any, hessians: Mapping | None) -> Any:
+    """Activation-aware scales for this conversion (:mod:`mlxbun.quant.awq`), searched before streaming."""
+    def read(name: str) -> Any:
+        src = sk.sources.get(name)
+        if src is not None:
+            return tensors.array(src)
+        mx.eval(sk.weights[name])
+        return sk.weights[name]
+
+    names = set(sk.weights)
+    return awq.search(
+        names=names, config=sk.config, read=read, hessians=hessians or {}, quant=sk.decisions.get
+    )
 
 
 def quantize_model_dir(
@@ -332,7 +363,8 @@ def quantize_model_dir(
         threads: modules converted in parallel (None: one per core this process may use).
         partial_root: where the hidden partial directory lives (default: beside ``out``).
         method: how affine weights are rounded (:mod:`mlxbun.quant.rounding`); "rtn" is mx.quantize.
-        hessians: a :mod:`mlxbun.quant.hessian` file; "gptq" needs it, "clip" weights columns by it.
+        hessians: a :mod:`mlxbun.quant.hessian` file; "gptq" and "awq" need it, "clip" weights
+            columns by it.
 
     Example:
         >>> r = quantize_model_dir("hf/llama", "llama-4bit", bits=4, group_size=64)
@@ -347,8 +379,8 @@ def quantize_model_dir(
             f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}"
         )
     rounding.check_method(method)
-    if method == "gptq" and hessians is None:
-        raise InputError("quant.method='gptq' needs quant.hessians (a hessians.safetensors file)")
+    if method in ("gptq", "awq") and hessians is None:
+        raise InputError(f"quant.method={method!r} needs quant.hessians (a hessians.safetensors file)")
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     source, src = src, source_dir(src)
@@ -362,7 +394,8 @@ def quantize_model_dir(
     if method != "rtn":  # absent by default, so existing fingerprints stay as they were
         settings["method"] = method
     if hessians is not None:
-        settings["hessians"] = hashlib.sha256(Path(hessians).read_bytes()).hexdigest()
+        with open(hessians, "rb") as f:  # streamed: a Hessians file can be larger than the model
+            settings["hessians"] = hashlib.file_digest(f, "sha256").hexdigest()
     key = fingerprint(src, settings, tensors=tensors)
     # Two runs of the same conversion: the second waits, then reuses the first one's output.
     with Stage.locked(out, kind="quantize", key=key, root=partial_root) as stage:
@@ -402,8 +435,8 @@ def _convert(
         return Written(src_bytes, sum(p.stat().st_size for p in partial.glob("model*.safetensors")))
     previous = mx.set_cache_limit(128 << 20)  # freed buffers go back to the OS, not a cache
     try:
-        # numpy, read here: MLX arrays cannot be evaluated on the worker threads that use them
-        h = {k: np.asarray(v) for k, v in hessian.load(hessians).items()} if hessians is not None else None
+        # numpy, read one module at a time: MLX arrays cannot be evaluated on the worker threads
+        h = hessian.Hessians(hessians) if hessians is not None else None
         sizes = _write_shards(
             sk,
             source,

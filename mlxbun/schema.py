@@ -196,9 +196,9 @@ class QuantCfg:
     resume: bool = True
     # Modules read, cast and quantized in parallel; None: one per core this process may use.
     threads: int | None = None
-    # How affine weights are rounded: rtn (mx.quantize), clip (per-group range search) or gptq.
+    # How affine weights are rounded: rtn (mx.quantize), clip (range search), gptq or awq.
     method: str = "rtn"
-    # Input Hessians (mlxbun.quant.hessian file): gptq needs them; clip weights columns by them.
+    # Input Hessians (mlxbun.quant.hessian file): gptq and awq need them; clip weights columns by them.
     hessians: str | None = None
 
     def __post_init__(self) -> None:

@@ -89,8 +89,10 @@ def test_clip_is_deterministic_and_blocking_does_not_change_bytes(monkeypatch):
 
 
 def test_bad_method_is_refused(tmp_path):
-    with pytest.raises(InputError, match="quant.method='awq' is not allowed; choose one of rtn, clip, gptq"):
-        rounding.check_method("awq")
+    with pytest.raises(
+        InputError, match="quant.method='omq' is not allowed; choose one of rtn, clip, gptq, awq"
+    ):
+        rounding.check_method("omq")
     with pytest.raises(InputError, match="needs mode affine"):
         rounding.check_method("clip", mode="mxfp4")
     src = make_hf_model(tmp_path / "src", "llama")
