@@ -62,7 +62,7 @@ def test_order_hash_and_text():
 def test_to_dict_is_mlx_lm_order_and_from_dict_ignores_unknown_keys():
     s = QuantSpec(bits=6, group_size=32)
     assert list(s.to_dict()) == ["group_size", "bits", "mode"]
-    assert QuantSpec.from_dict({**s.to_dict(), "method": "gptq", "note": 1}) == s
+    assert QuantSpec.from_dict({**s.to_dict(), "rounding": "gptq", "note": 1}) == s
     assert QuantSpec.from_dict({"mode": "nvfp4"}) == QuantSpec(mode="nvfp4")
     assert s.matches({"bits": 6, "group_size": 32, "mode": "affine"})
     assert not s.matches({"bits": 6, "group_size": 64, "mode": "affine"}) and not s.matches(None)
