@@ -469,7 +469,7 @@ def run_fixture(model: Path, args: argparse.Namespace) -> dict:
         return {}
     stage_secs = fx.sensitivities()
     print(f"{model.name}: stages {stage_secs}", flush=True)
-    families = [f for f in FAMILIES if not args.families or f in args.families.split(",")]
+    families = [f for f in FAMILIES if not args.families or f in args.families.split(";")]
     corrected = [f for f in families if FAMILIES[f][3]]
     probes = (
         fx.correct(corrected[0], fx.anchor(PROBE_AT, ANCHORS[PROBE_AT])["file_bytes"]) if corrected else []
@@ -645,7 +645,7 @@ def main() -> None:
     )
     ap.add_argument("--parallel", type=int, default=2, help="child stages at once")
     ap.add_argument("--stages-only", action="store_true", help="run the child stages, no report")
-    ap.add_argument("--families", default="", help="comma-separated FAMILIES labels (default: all)")
+    ap.add_argument("--families", default="", help="FAMILIES labels separated by ; (default: all)")
     ap.add_argument("--skip", default="", help="anchor specs left out (comma-separated, exact)")
     args = ap.parse_args()
     models = [m.resolve() for m in (args.model or [REPO / "tests" / "fixtures" / "llama-text-3m"])]
