@@ -38,18 +38,10 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-HELD_OUT = ["ast", "configparser", "optparse", "gettext", "pprint", "locale", "tokenize", "zipfile"]
-HELD_OUT_MORE = [
-    "calendar",
-    "difflib",
-    "shlex",
-    "smtplib",
-    "tarfile",
-    "imaplib",
-    "mailbox",
-    "ftplib",
-    "plistlib",
-]
+# CPython modules in neither committed fixture's training corpus (their FIXTURE.json lists it;
+# held_out_text refuses a model whose corpus holds one of these).
+HELD_OUT = ["tarfile", "mailbox", "ftplib", "plistlib", "shlex", "sched", "netrc", "traceback"]
+STDLIB = Path("/usr/lib/python3.11")
 # Anchors: name -> child-stage spec.
 ANCHORS = {
     "mlx-lm q3": "convert:3:64:",
@@ -72,15 +64,16 @@ ANCHORS = {
 # KL(RTN, bits, g64) x its output error / RTN's output error at (bits, g64), the error being
 # trace(dW H dW^T) on the calibration inputs (KL grows linearly with a layer's output error).
 EXACT_BITS = [2, 3, 4, 5, 6, 8]
-SETTINGS = [(b, 64) for b in EXACT_BITS] + [(b, 32) for b in (2, 3, 4, 5)] + [(b, 128) for b in (3, 4, 6, 8)]
+SETTINGS = [(b, 64) for b in EXACT_BITS] + [(b, 32) for b in (2, 3, 4)] + [(b, 128) for b in (3, 4, 6)]
+# Microscaling modes (rtn only): (mode, bits, group); their KL = exact KL at (bits, g64) x error ratio.
+MX_SETTINGS = [("mxfp4", 4, 32), ("nvfp4", 4, 16), ("mxfp8", 8, 32)]
 METHODS = ("rtn", "clip", "gptq")
-FAMILIES = {  # label -> (quantize method, group sizes offered to the knapsack)
-    "mlxbun RTN g64": ("rtn", (64,)),
-    "mlxbun RTN g32/64/128": ("rtn", (32, 64, 128)),
-    "mlxbun clip g32/64/128": ("clip", (32, 64, 128)),
-    "mlxbun GPTQ g32/64/128": ("gptq", (32, 64, 128)),
+FAMILIES = {  # label -> (methods, group sizes, microscaling modes, corrected by probes)
+    "mlxbun RTN g64": (("rtn",), (64,), (), False),
+    "mlxbun all": (METHODS, (32, 64, 128), tuple(m for m, _, _ in MX_SETTINGS), False),
+    "mlxbun all, corrected": (METHODS, (32, 64, 128), tuple(m for m, _, _ in MX_SETTINGS), True),
 }
-PARALLEL = 2  # child stages at once
+PROBE_AT = "mlx-lm q4"  # the anchor whose size the correction probes are measured at
 
 
 def peak_rss_mb() -> float:
@@ -161,12 +154,12 @@ def stage_dq(args: argparse.Namespace, low: str, high: str, target: str) -> None
     save(str(args.dest), str(args.model), model, tok, config)
 
 
-def stage_sens(args: argparse.Namespace) -> None:
+def stage_sens(args: argparse.Namespace, method: str = "exact") -> None:
     from mlxbun.quant.sensitivity import sensitivity
 
     sensitivity(
         model_dir=args.model, out_dir=args.dest, work_dir=args.dest / "cache", bits=EXACT_BITS, group_size=64,
-        samples=args.samples, seq_len=args.seq_len, batch_size=8,
+        samples=args.samples, seq_len=args.seq_len, batch_size=8, method=method,
     )  # fmt: skip
 
 
@@ -199,6 +192,31 @@ def stage_errors(args: argparse.Namespace) -> None:
     (args.dest / "errors.json").write_text(json.dumps(errors, indent=1, sort_keys=True))
 
 
+def stage_mxerrors(args: argparse.Namespace) -> None:
+    """Output errors of the microscaling modes and of RTN at the same bits, g64 (their reference)."""
+    import mlx.core as mx
+
+    from mlxbun.quant import hessian
+    from mlxbun.quant.sensitivity import load_model, source_dtypes
+
+    model, _, _ = load_model(args.model)
+    h = hessian.capture(model, _calibration(args.model, args.samples, args.seq_len).tokens)
+    dtypes, errors = source_dtypes(args.model), {}
+    for path, mod in model.named_modules():
+        if not hasattr(mod, "to_quantized") or "weight" not in mod:
+            continue
+        w = mod.weight.astype(getattr(mx, dtypes.get(path, "bfloat16")))
+        ref, hm = w.astype(mx.float32), h.get(path)
+        for mode, bits, group in [*MX_SETTINGS, ("affine", 4, 64), ("affine", 8, 64)]:
+            if w.shape[-1] % group == 0:
+                parts = mx.quantize(w, group, bits, mode=mode)
+                dw = mx.dequantize(*parts, group_size=group, bits=bits, mode=mode).astype(mx.float32) - ref
+                err = hessian.output_error(dw, hm) if hm is not None else float(mx.sum(dw * dw))
+                errors.setdefault(path, {})[f"{mode}:{bits}:{group}"] = err
+    args.dest.mkdir(parents=True, exist_ok=True)
+    (args.dest / "errors.json").write_text(json.dumps(errors, indent=1, sort_keys=True))
+
+
 def stage_hessians(args: argparse.Namespace) -> None:
     from mlxbun.quant.hessian import capture_model_dir
 
@@ -210,7 +228,7 @@ def stage_hessians(args: argparse.Namespace) -> None:
 
 STAGES = {
     "convert": stage_convert, "gptq": stage_gptq, "awq": stage_awq, "dq": stage_dq, "sens": stage_sens,
-    "errors": stage_errors, "hessians": stage_hessians,
+    "errors": stage_errors, "mxerrors": stage_mxerrors, "hessians": stage_hessians,
 }  # fmt: skip
 
 
@@ -246,13 +264,14 @@ class Evaluator:
             refs = [np.asarray(log_probs(ref(b))) for b in batches]
             self.sets[name] = (batches, refs, len(tokens))
 
-    def kl(self, model_dir: Path) -> dict[str, float]:
+    def kl(self, model_dir: Path, names: tuple[str, ...] = ("calib", "held_out")) -> dict[str, float]:
         from mlxbun.kl import kl_rows
         from mlxbun.quant.sensitivity import load_model
 
         cur, _, _ = load_model(model_dir)
         out = {}
-        for name, (batches, refs, n) in self.sets.items():
+        for name in names:
+            batches, refs, n = self.sets[name]
             rows = [
                 np.asarray(kl_rows(r, cur(b)), dtype=np.float64) for b, r in zip(batches, refs, strict=True)
             ]
@@ -261,17 +280,17 @@ class Evaluator:
 
 
 def held_out_text(work: Path, model: Path) -> Path:
-    """Eight CPython modules outside the model's training corpus (its FIXTURE.json), as one text file."""
+    """The HELD_OUT CPython modules as one text file; refuses a model trained on any of them."""
     record = model / "FIXTURE.json"
-    seen = (
-        {Path(c["file"]).stem for c in json.loads(record.read_text())["corpus"]}
-        if record.is_file()
-        else set()
+    corpus = (
+        {Path(c["file"]) for c in json.loads(record.read_text())["corpus"]} if record.is_file() else set()
     )
-    names = [m for m in HELD_OUT + HELD_OUT_MORE if m not in seen][:8]
-    parts = [Path(f"/usr/lib/python3.11/{m}.py").read_text(errors="replace") for m in names]
+    files = [STDLIB / f"{m}.py" for m in HELD_OUT]
+    seen = sorted(str(f) for f in files if f in corpus)
+    if seen:
+        raise SystemExit(f"{record}: the held-out text {seen} is in the model's training corpus")
     path = work / "held_out.txt"
-    path.write_text("\n\n".join(parts))
+    path.write_text("\n\n".join(f.read_text(errors="replace") for f in files))
     return path
 
 
@@ -304,8 +323,12 @@ class Fixture:
             seq_len=args.seq_len,
             seed=1,
         )
-        self.eval = Evaluator(model, {"calib": calib.tokens, "held_out": held.tokens})
+        # Probes of the objective's corrections are scored on other windows of the calibration text
+        # (neither the tokens the estimates saw nor the held-out text).
+        check = load_calibration(tokenizer=tok, samples=args.samples, seq_len=args.seq_len, seed=2)
+        self.eval = Evaluator(model, {"calib": calib.tokens, "held_out": held.tokens, "check": check.tokens})
         self.n = 0
+        self.anchors: dict[str, dict] = {}
 
     def stage(self, spec: str, name: str) -> tuple[Path, dict]:
         """Run one child stage writing into work/<name> (reused when it finished before)."""
@@ -319,87 +342,151 @@ class Fixture:
         return dest, stats
 
     def anchor(self, label: str, spec: str) -> dict:
-        dest, stats = self.stage(spec, "anchor-" + spec.replace(":", "_"))
-        row = {"label": label, "seconds": stats["seconds"], **_size(dest, self.source.parameters)}
-        return row | self.eval.kl(dest)
+        if label not in self.anchors:
+            dest, stats = self.stage(spec, "anchor-" + spec.replace(":", "_"))
+            row = {"label": label, "seconds": stats["seconds"], **_size(dest, self.source.parameters)}
+            self.anchors[label] = row | self.eval.kl(dest)
+        return self.anchors[label]
 
     def sensitivities(self) -> dict:
         from mlxbun.quant.allocate import load_sensitivity
 
-        sens_dir, sens_stats = self.stage("sens", "sens")
+        sens_dir, sens_stats = self.stage(f"sens:{self.args.sens_method}", "sens")
         err_dir, err_stats = self.stage("errors", "errors")
+        mx_dir, mx_stats = self.stage("mxerrors", "mxerrors")
         self.exact = load_sensitivity(sens_dir / "sensitivity.json")
         self.errors = json.loads((err_dir / "errors.json").read_text())
+        self.mxerrors = json.loads((mx_dir / "errors.json").read_text())
         self.hessians = err_dir / "hessians.safetensors"
-        self.seconds = {"sens": sens_stats["seconds"], "errors": err_stats["seconds"]}
+        self.seconds = {
+            "sens": sens_stats["seconds"],
+            "errors": err_stats["seconds"] + mx_stats["seconds"],
+            "probes": 0.0,
+        }
+        self.factors: dict[str, float] = {}
         return self.seconds
 
-    def estimated(self, method: str, groups: tuple[int, ...]):
-        """Per-module KL of (bits, group) under ``method``: exact RTN g64 KL x output-error ratio."""
+    def estimated(self, family: str):
+        """Per-module KL of every candidate of ``family``: exact RTN KL at (bits, g64) x the
+        candidate's output error / RTN's at (bits, g64), the errors on the calibration inputs."""
         from mlxbun.quant.allocate import LayerSensitivity, Sensitivity
         from mlxbun.quant.spec import QuantSpec
 
+        methods, groups, modes, _ = FAMILIES[family]
         layers = {}
         for path, layer in self.exact.layers.items():
-            err, kl = self.errors[path], {}
+            err, mxe, kl = self.errors[path], self.mxerrors.get(path, {}), {}
             for bits, group in SETTINGS:
-                key, base = f"{method}:{bits}:{group}", f"rtn:{bits}:64"
-                exact = layer.kl.get(QuantSpec(bits=bits, group_size=64))
-                if group in groups and key in err and exact is not None:
-                    kl[QuantSpec(bits=bits, group_size=group)] = (
-                        exact * err[key] / err[base] if err[base] > 0 else exact
-                    )
+                exact, base = layer.kl.get(QuantSpec(bits=bits, group_size=64)), err.get(f"rtn:{bits}:64")
+                for method in methods:
+                    key = f"{method}:{bits}:{group}"
+                    if group in groups and key in err and exact is not None:
+                        spec = QuantSpec(bits=bits, group_size=group, method=method)
+                        kl[spec] = exact * err[key] / base if base else exact
+            for mode, bits, group in MX_SETTINGS:
+                exact, base = layer.kl.get(QuantSpec(bits=bits, group_size=64)), mxe.get(f"affine:{bits}:64")
+                if mode in modes and f"{mode}:{bits}:{group}" in mxe and exact is not None:
+                    kl[QuantSpec(mode=mode)] = exact * mxe[f"{mode}:{bits}:{group}"] / base if base else exact
             layers[path] = LayerSensitivity(path, layer.params, kl)
         e = self.exact
         return Sensitivity(layers, e.model_fingerprint, e.calibration_fingerprint, e.path, e.calibration)
 
-    def plan(self, family: str, limit: int) -> dict:
-        """mlxbun's knapsack for one family at ``limit`` bytes, quantized and measured."""
+    def quantize(self, plan: dict) -> tuple[Path, float]:
+        """Write ``plan`` (plan.json's dict), quantize with it; the model dir and the seconds it took."""
         from mlxbun.io.atomic import atomic_write_json
-        from mlxbun.quant.allocate import allocate
         from mlxbun.quantize import quantize_model_dir
 
-        method, groups = FAMILIES[family]
-        t0 = time.perf_counter()
-        exact = groups == (64,) and method == "rtn"
-        sens = self.exact if exact else self.estimated(method, groups)
-        plan = allocate(sens, model_dir=self.model, budget_bytes=limit)
         self.n += 1
         path = self.work / "plans" / f"{self.n:03d}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(path, plan.to_json())
+        atomic_write_json(path, plan)
         out = self.work / "models" / f"{self.n:03d}"
         shutil.rmtree(out, ignore_errors=True)
-        kw = {} if method == "rtn" else {"method": method, "hessians": self.hessians}
+        t0 = time.perf_counter()
         res = quantize_model_dir(
-            self.model, out, dtype="bfloat16", partial_root=self.work / "partial", plan=path, **kw
+            self.model, out, dtype="bfloat16", partial_root=self.work / "partial", plan=path,
+            hessians=self.hessians,
+        )  # fmt: skip
+        return res.out, time.perf_counter() - t0
+
+    def correct(self, family: str, limit: int) -> list[dict]:
+        """Per-quantizer factors from whole-model probes around the family's plan at ``limit``."""
+        from mlxbun.quant.allocate import DEFAULT, allocate
+        from mlxbun.quant.check import correction_factors
+        from mlxbun.quant.spec import Plan
+
+        t0 = time.perf_counter()
+        sens = self.estimated(family)
+        plan = allocate(sens, model_dir=self.model, budget_bytes=limit)
+
+        def measure(layers) -> float:
+            out, _ = self.quantize(Plan(default=DEFAULT, layers=layers).to_dict())
+            return self.eval.kl(out, ("check",))["check"]
+
+        probes = correction_factors(plan.layers, lambda p, s: sens.layers[p].kl.get(s), measure)
+        self.factors = {p.key: p.factor for p in probes}
+        self.seconds["probes"] = time.perf_counter() - t0
+        return [p.to_json() for p in probes]
+
+    def plan(self, family: str, limit: int) -> dict:
+        """mlxbun's knapsack for one family at ``limit`` bytes, quantized and measured."""
+        from mlxbun.quant.allocate import allocate, rescaled
+
+        t0 = time.perf_counter()
+        exact = family == "mlxbun RTN g64"
+        sens = self.exact if exact else self.estimated(family)
+        if FAMILIES[family][3]:
+            sens = rescaled(sens, self.factors)
+        plan = allocate(sens, model_dir=self.model, budget_bytes=limit)
+        out, _ = self.quantize(plan.to_json())
+        seconds = time.perf_counter() - t0 + self.seconds["sens"]
+        seconds += (
+            0 if exact else self.seconds["errors"] + (self.seconds["probes"] if FAMILIES[family][3] else 0)
         )
-        seconds = time.perf_counter() - t0 + self.seconds["sens"] + (0 if exact else self.seconds["errors"])
-        row = {"label": family, "seconds": seconds, **_size(res.out, self.source.parameters)}
+        row = {"label": family, "seconds": seconds, **_size(out, self.source.parameters)}
         assert row["file_bytes"] == plan.size.file_bytes, "predicted size != written size"
-        return row | self.eval.kl(res.out) | {"predicted_kl_sum": plan.kl_sum}
+        methods: dict[str, int] = {}
+        for c in plan.choices.values():
+            if c.setting is not None:
+                k = f"{c.setting.mode if c.setting.mode != 'affine' else c.setting.method}"
+                methods[k] = methods.get(k, 0) + 1
+        return row | self.eval.kl(out) | {"predicted_kl_sum": plan.kl_sum, "methods": methods}
 
 
 def run_fixture(model: Path, args: argparse.Namespace) -> dict:
     fx = Fixture(model, args)
-    specs = {"sens": "sens", "errors": "errors"}
     wanted = [w for w in args.only.split(",") if w]
     anchors = {k: v for k, v in ANCHORS.items() if not wanted or any(v.startswith(w) for w in wanted)}
+    anchors = {k: v for k, v in anchors.items() if v not in args.skip.split(",")}
+    specs = {"errors": "errors", f"sens:{args.sens_method}": "sens", "mxerrors": "mxerrors"}
     specs |= {spec: "anchor-" + spec.replace(":", "_") for spec in anchors.values()}
-    with ThreadPoolExecutor(PARALLEL) as pool:  # every child stage, PARALLEL at a time
+    specs = dict(
+        sorted(specs.items(), key=lambda kv: not kv[0].startswith(("awq", "errors")))
+    )  # longest first
+    with ThreadPoolExecutor(args.parallel) as pool:  # every child stage, --parallel at a time
         list(pool.map(lambda kv: fx.stage(*kv), specs.items()))
+    if args.stages_only:
+        return {}
     stage_secs = fx.sensitivities()
     print(f"{model.name}: stages {stage_secs}", flush=True)
+    families = [f for f in FAMILIES if not args.families or f in args.families.split(";")]
+    corrected = [f for f in families if FAMILIES[f][3]]
+    probes = (
+        fx.correct(corrected[0], fx.anchor(PROBE_AT, ANCHORS[PROBE_AT])["file_bytes"]) if corrected else []
+    )
+    print(f"{model.name}: probes {json.dumps(probes)}", flush=True)
     groups = []
     for label, spec in anchors.items():
         anchor = fx.anchor(label, spec)
-        rows = [anchor] + [fx.plan(f, anchor["file_bytes"]) for f in FAMILIES]
+        rows = [anchor] + [fx.plan(f, anchor["file_bytes"]) for f in families]
         groups.append(rows)
         print(f"{model.name}: {label} {json.dumps(rows)}", flush=True)
     return {
         "model": str(model),
         "parameters": fx.source.parameters,
-        "stage_seconds": stage_secs,
+        "stage_seconds": fx.seconds,
+        "probes": probes,
+        "families": families,
         "groups": groups,
     }
 
@@ -448,12 +535,13 @@ def _rel(p: str) -> str:
 
 
 def _fixture_lines(res: dict) -> list[str]:
-    fams = list(FAMILIES)
+    fams = res.get("families", list(FAMILIES))
     lines = [f"## {_rel(res['model'])} ({res['parameters'] / 1e6:.2f}M parameters)", ""]
     secs = res["stage_seconds"]
     lines += [
-        f"mlxbun stages (wall s): exact sensitivity (RTN g64, bits {EXACT_BITS}) {secs['sens']:.0f};"
-        f" Hessians + output errors of {len(SETTINGS)} settings x {len(METHODS)} methods {secs['errors']:.0f}.",
+        f"mlxbun stages (wall s): sensitivity (RTN g64, bits {EXACT_BITS}) {secs['sens']:.0f};"
+        f" Hessians + output errors of {len(SETTINGS)} settings x {len(METHODS)} methods and"
+        f" {len(MX_SETTINGS)} microscaling modes {secs['errors']:.0f}; correction probes {secs['probes']:.0f}.",
         "",
     ]
     head = "| anchor (size of) | bytes | anchor s | anchor KL held-out | " + " | ".join(
@@ -468,15 +556,24 @@ def _fixture_lines(res: dict) -> list[str]:
             + " | ".join(cells)
             + " |"
         )
+    lines += ["", f"Correction probes (at the size of {PROBE_AT}; KL on other calibration windows):", ""]
+    lines += ["| quantizer | modules | predicted KL | measured KL | factor |", "|---|---:|---:|---:|---:|"]
+    for p in res.get("probes", []):
+        lines.append(
+            f"| {p['key']} | {p['modules']} | {p['predicted']:.5f} | {p['measured']:.5f} | {p['factor']:.2f} |"
+        )
     lines += ["", "Every row in full (KL on calibration / held-out tokens):", ""]
-    lines += ["| at size of | method | bytes | bpw | s | KL calib | KL held-out | predicted KL sum |"]
-    lines += ["|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "| at size of | method | bytes | bpw | s | KL calib | KL held-out | predicted KL sum | modules by quantizer |"
+    ]
+    lines += ["|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for rows in res["groups"]:
         for r in rows:
             pred = f"{r['predicted_kl_sum']:.5f}" if "predicted_kl_sum" in r else ""
+            used = " ".join(f"{k} {v}" for k, v in sorted(r.get("methods", {}).items()))
             lines.append(
                 f"| {rows[0]['label']} | {r['label']} | {r['file_bytes']} | {r['bpw']:.3f} | {r['seconds']:.0f} |"
-                f" {r['calib']:.5f} | {r['held_out']:.5f} | {pred} |"
+                f" {r['calib']:.5f} | {r['held_out']:.5f} | {pred} | {used} |"
             )
     return lines + [""]
 
@@ -489,7 +586,9 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
         "# Quality at equal bytes (bench/allocation_quality.py)",
         "",
         f"Command: `.venv/bin/python bench/allocation_quality.py {models} --samples {args.samples}"
-        f" --seq-len {args.seq_len} --eval-samples {args.eval_samples}`  ",
+        f" --seq-len {args.seq_len} --eval-samples {args.eval_samples} --sens-method {args.sens_method}"
+        + "".join(f" --{k} {v}" for k, v in (("families", args.families), ("skip", args.skip)) if v)
+        + "`  ",
         f"Machine: 2-core x86_64 Linux, mlx {mx.__version__} CPU, shared with other jobs (times are noisy)."
         f" Total {seconds:.0f} s.",
         "",
@@ -499,8 +598,11 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
         f" {args.eval_samples} x {args.seq_len} tokens of CPython modules outside the fixtures' training"
         " text. Bytes = the `.safetensors` files on disk. Each mlxbun plan is solved at the anchor's"
         " bytes (never above); ratio = mlxbun held-out KL / anchor held-out KL (below 1: mlxbun"
-        " better). Anchor seconds = its whole child process; mlxbun seconds = its sensitivity runs +"
-        " allocate + quantize.",
+        " better). `mlxbun RTN g64`: bits only, measured KL; `mlxbun all`: per module any of bits x"
+        " group 32/64/128 x rtn/clip/gptq, or mxfp4/nvfp4/mxfp8 (KL estimated from output errors);"
+        " `corrected`: the same candidates with each quantizer's estimates rescaled by a whole-model"
+        " probe (`mlxbun.quant.check`). Anchor seconds = its whole child process; mlxbun seconds ="
+        " its sensitivity + error stages (+ probes) + allocate + quantize.",
         "",
     ]
     for res in results:
@@ -538,6 +640,13 @@ def main() -> None:
     ap.add_argument("--combine", nargs="*", type=Path, help="report from these results.json files only")
     ap.add_argument("--uniform", action="store_true", help="only uniform q3/q4 per method (no allocation)")
     ap.add_argument("--reuse", action="store_true", help="keep --work: finished stages are reused")
+    ap.add_argument(
+        "--sens-method", default="exact", choices=("exact", "fisher"), help="mlxbun's sensitivity"
+    )
+    ap.add_argument("--parallel", type=int, default=2, help="child stages at once")
+    ap.add_argument("--stages-only", action="store_true", help="run the child stages, no report")
+    ap.add_argument("--families", default="", help="FAMILIES labels separated by ; (default: all)")
+    ap.add_argument("--skip", default="", help="anchor specs left out (comma-separated, exact)")
     args = ap.parse_args()
     models = [m.resolve() for m in (args.model or [REPO / "tests" / "fixtures" / "llama-text-3m"])]
     if args.stage:
@@ -565,6 +674,8 @@ def main() -> None:
         results = _combine([json.loads(Path(p).read_text()) for p in args.combine])
     else:
         results = [run_fixture(m, args) for m in models]
+        if args.stages_only:
+            return
     (args.work / "results.json").write_text(json.dumps(results, indent=1))
     text = report(args, results, time.perf_counter() - t0)
     args.out.parent.mkdir(parents=True, exist_ok=True)

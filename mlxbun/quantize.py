@@ -216,22 +216,28 @@ class Converter:
             with _build_lock:
                 module.update(tree_unflatten([(n[len(prefix) :], a) for n, a in arrays.items()]))
                 qm = module.to_quantized(**unit.quant)
-            if self.varies(unit.quant) and (w := arrays.get(prefix + "weight")) is not None:
+            if self.varies(unit.quant, unit.path) and (w := arrays.get(prefix + "weight")) is not None:
                 qm.weight, qm.scales, qm.biases = self.quantize_weight(w, unit.quant, unit.path)
             out = {prefix + k: v for k, v in tree_flatten(qm.parameters())}
             del module, qm
         del arrays
         return self.finish(unit, out)
 
-    def varies(self, q: dict[str, Any]) -> bool:
-        return self.method != "rtn" and q.get("mode", "affine") == "affine"
+    def method_of(self, path: str) -> str:
+        """The module's rounding method: its plan entry's, else the run's ``quant.method``."""
+        return self.sk.methods.get(path, self.method)
+
+    def varies(self, q: dict[str, Any], path: str) -> bool:
+        return self.method_of(path) != "rtn" and q.get("mode", "affine") == "affine"
 
     def quantize_weight(self, w: Any, q: dict[str, Any], path: str) -> tuple[Any, ...]:
         """The hook where a quantizer variant (``mlxbun.quant.rounding``) replaces mx.quantize."""
-        if not self.varies(q):
+        if not self.varies(q, path):
             return tuple(mx.quantize(w, q["group_size"], q["bits"], mode=q.get("mode", "affine")))
         h = self.hessians.get(path)
-        return rounding.quantize(w, bits=q["bits"], group_size=q["group_size"], method=self.method, hessian=h)
+        return rounding.quantize(
+            w, bits=q["bits"], group_size=q["group_size"], method=self.method_of(path), hessian=h
+        )
 
     def finish(self, unit: Unit, out: dict[str, Any]) -> list[tuple[str, Any]]:
         mx.eval([v for v in out.values() if isinstance(v, mx.array)])
@@ -318,6 +324,7 @@ def _progress(partial: Path, units: list[Unit], todo: list[Unit]) -> Progress:
 
 def _awq_fold(sk: Skeleton, tensors: Any, hessians: Mapping | None) -> Any:
     """Activation-aware scales for this conversion (:mod:`mlxbun.quant.awq`), searched before streaming."""
+
     def read(name: str) -> Any:
         src = sk.sources.get(name)
         if src is not None:
@@ -387,6 +394,11 @@ def quantize_model_dir(
     sk, spec = prepare(
         src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed, weights=lazy_weights(source)
     )
+    if "gptq" in sk.methods.values() and hessians is None:
+        raise InputError(
+            f"quant.plan gives {next(p for p, m in sk.methods.items() if m == 'gptq')!r}"
+            " method 'gptq', which needs quant.hessians (a hessians.safetensors file)"
+        )
     dtype = resolve_dtype(dtype, sk.config)
     settings = _settings(spec, plan, mixed, dtype, shard_bytes)
     tensors = None if isinstance(source, (str, Path)) else identity(source)

@@ -62,7 +62,7 @@ def test_order_hash_and_text():
 def test_to_dict_is_mlx_lm_order_and_from_dict_ignores_unknown_keys():
     s = QuantSpec(bits=6, group_size=32)
     assert list(s.to_dict()) == ["group_size", "bits", "mode"]
-    assert QuantSpec.from_dict({**s.to_dict(), "method": "gptq", "note": 1}) == s
+    assert QuantSpec.from_dict({**s.to_dict(), "rounding": "gptq", "note": 1}) == s
     assert QuantSpec.from_dict({"mode": "nvfp4"}) == QuantSpec(mode="nvfp4")
     assert s.matches({"bits": 6, "group_size": 32, "mode": "affine"})
     assert not s.matches({"bits": 6, "group_size": 64, "mode": "affine"}) and not s.matches(None)
@@ -72,14 +72,14 @@ def test_to_dict_is_mlx_lm_order_and_from_dict_ignores_unknown_keys():
 class Grown(QuantSpec):
     """QuantSpec as it may grow: one more field with a default."""
 
-    method: str | None = None
+    tag: str | None = None
 
 
 def test_a_new_field_keeps_plan_bytes_and_old_readers_working():
     plain, grown = QuantSpec(bits=3), Grown(bits=3)
     assert grown.to_dict() == plain.to_dict()  # the default is left out: same plan.json bytes
-    gptq = Grown.from_dict({"bits": 3, "method": "gptq"})
-    assert gptq.method == "gptq" and gptq.to_dict() == {**plain.to_dict(), "method": "gptq"}
+    gptq = Grown.from_dict({"bits": 3, "tag": "gptq"})
+    assert gptq.tag == "gptq" and gptq.to_dict() == {**plain.to_dict(), "tag": "gptq"}
     assert QuantSpec.from_dict(gptq.to_dict()) == plain  # an older reader ignores the new key
     assert Grown.parse(gptq) == gptq and Grown.from_dict(gptq.to_dict()) == gptq
     assert sorted([gptq, grown]) == [grown, gptq]

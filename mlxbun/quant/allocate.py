@@ -16,6 +16,9 @@ choice is a multiple-choice knapsack solved exactly or with a stated bound
                        "choices": {path: {bits, group_size, mode, kl, bytes}}, "source": {...}}
         check.json    with allocate.check: the plan quantized, measured KL vs the reference
         model/        with allocate.check: that quantized model
+
+The check and the per-quantizer corrections of the objective live in ``mlxbun.quant.check``; this
+module stays one because the command, the sensitivity it reads and the plan it writes are one step.
 """
 
 from __future__ import annotations
@@ -32,15 +35,14 @@ from typing import Any
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES
-from mlxbun.kl import kl_rows, log_probs
 from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport, Source
-from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.check import CheckResult, check_plan, correction_key
 from mlxbun.quant.knapsack import Solution, solve
-from mlxbun.quant.sensitivity import load_model, model_fingerprint
+from mlxbun.quant.sensitivity import model_fingerprint
 from mlxbun.quant.spec import AFFINE_BITS, Plan, QuantSpec, Rule, check_budget
-from mlxbun.quantize import quantize_model_dir, resolve_dtype
+from mlxbun.quantize import resolve_dtype
 
 log = logging.getLogger("mlxbun")
 
@@ -140,6 +142,19 @@ def merge_sensitivities(parts: Sequence[Sensitivity]) -> Sensitivity:
             layers[path] = LayerSensitivity(path, layer.params, kl)
     return Sensitivity(
         layers, first.model_fingerprint, first.calibration_fingerprint, first.path, first.calibration
+    )
+
+
+def rescaled(sens: Sensitivity, factors: Mapping[str, float]) -> Sensitivity:
+    """Every candidate's KL times its quantizer's factor (``check.correction_key``; absent: 1)."""
+    layers = {
+        path: LayerSensitivity(
+            path, layer.params, {s: v * factors.get(correction_key(s), 1.0) for s, v in layer.kl.items()}
+        )
+        for path, layer in sens.layers.items()
+    }
+    return Sensitivity(
+        layers, sens.model_fingerprint, sens.calibration_fingerprint, sens.path, sens.calibration
     )
 
 
@@ -434,94 +449,6 @@ def _plan(
     return Allocation(default, choices, size, sol.cost, dict(limits), solver, src)
 
 
-# ------------------------------------------------------------------------------- check
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    """The plan quantized for real: sizes predicted vs written, summed vs measured KL."""
-
-    out: Path
-    predicted: SizeReport
-    measured: SizeReport
-    predicted_kl_sum: float
-    measured_kl: float
-    calibration_fingerprint: str
-    calibration_matches: bool
-
-    def to_json(self, *, base: Path | None = None) -> dict[str, Any]:
-        """JSON for check.json; ``model`` is relative to ``base`` (the file's directory) when inside it."""
-        out = self.out
-        if base is not None and out.resolve().is_relative_to(base.resolve()):
-            out = out.resolve().relative_to(base.resolve())
-        return {
-            "model": str(out),
-            "predicted": self.predicted.to_json(),
-            "measured": self.measured.to_json(),
-            "size_exact": self.predicted == self.measured,
-            "predicted_kl_sum": self.predicted_kl_sum,
-            "measured_kl": self.measured_kl,
-            "calibration_fingerprint": self.calibration_fingerprint,
-            "calibration_matches_sensitivity": self.calibration_matches,
-        }
-
-
-def measured_kl(ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batch_size: int = 8) -> float:
-    """KL(reference || model) of the output distributions, mean over tokens and samples.
-
-    Both models run dequantized in float32 (BLAS matmuls on CPU), as the sensitivity probes do,
-    so the number is on the same scale as the per-layer KLs it is compared with.
-    """
-    import mlx.core as mx
-    import numpy as np
-
-    ref, _, _ = load_model(ref_dir)
-    cur, _, _ = load_model(model_dir)
-    total = 0.0
-    for i in range(0, len(tokens), batch_size):
-        batch = mx.array(tokens[i : i + batch_size])
-        total += float(np.sum(np.asarray(kl_rows(log_probs(ref(batch)), cur(batch)), dtype=np.float64)))
-    return total / len(tokens)
-
-
-def check_plan(
-    plan: Allocation,
-    plan_path: str | Path,
-    *,
-    model_dir: str | Path,
-    out: str | Path,
-    calib_path: str | None = None,
-    samples: int = 24,
-    seq_len: int = 512,
-    seed: int = 0,
-    out_dtype: str | None = "bfloat16",
-    shard_bytes: int = 5 << 30,
-    expected_calibration: str | None = None,
-) -> CheckResult:
-    """Quantize ``model_dir`` with the plan into ``out``; measure its size and its KL.
-
-    Example:
-        >>> r = check_plan(plan, "plan.json", model_dir=src, out="run/model", samples=8, seq_len=256)
-        >>> r.predicted == r.measured, r.measured_kl, r.predicted_kl_sum
-    """
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
-    res = quantize_model_dir(model_dir, out, plan=plan_path, dtype=out_dtype, shard_bytes=shard_bytes)
-    measured = budget.measure(res.out, parameters=plan.size.parameters)
-    tok = load_tokenizer(Path(model_dir))
-    calib = load_calibration(tokenizer=tok, path=calib_path, samples=samples, seq_len=seq_len, seed=seed)
-    kl = measured_kl(model_dir, res.out, calib.tokens)
-    return CheckResult(
-        out=res.out,
-        predicted=plan.size,
-        measured=measured,
-        predicted_kl_sum=plan.kl_sum,
-        measured_kl=kl,
-        calibration_fingerprint=calib.fingerprint,
-        calibration_matches=calib.fingerprint == expected_calibration,
-    )
-
-
 # ------------------------------------------------------------------------------- command
 
 
@@ -595,6 +522,7 @@ def _check_from_cfg(cfg: Any, plan: Allocation, plan_path: Path, src: Path, sens
         plan, plan_path, model_dir=src, out=run_dir / "model", calib_path=c.path, samples=c.samples,
         seq_len=c.seq_len, seed=c.seed, out_dtype=cfg.quant.dtype,
         shard_bytes=int(cfg.io.shard_gb * (1 << 30)), expected_calibration=sens.calibration_fingerprint,
+        hessians=cfg.quant.hessians,
     )  # fmt: skip
     atomic_write_json(run_dir / "check.json", check.to_json(base=run_dir))
     if check.measured != check.predicted:

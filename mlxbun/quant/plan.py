@@ -44,6 +44,8 @@ class Skeleton:
         originals: module path -> the unquantized leaf module (for ``to_quantized``).
         decisions: module path -> ``to_quantized`` kwargs, for every quantized module.
         quantization: the config.json ``quantization`` block.
+        methods: module path -> rounding method (``mlxbun.quant.rounding``) a plan gives it,
+            for modules whose method is not ``rtn``.
     """
 
     model: Any
@@ -53,6 +55,7 @@ class Skeleton:
     originals: dict[str, Any] = field(default_factory=dict)
     decisions: dict[str, dict[str, Any]] = field(default_factory=dict)
     quantization: dict[str, Any] | None = None
+    methods: dict[str, str] = field(default_factory=dict)
 
 
 def check_source(src: Path) -> dict[str, Any]:
@@ -138,7 +141,7 @@ def plan_predicate(plan: Plan) -> Callable[[str, Any], bool | dict[str, Any]]:
                 f"group_size={spec.group_size} does not divide in_features={width} of {path!r} in"
                 f" quant.plan; choose a group size that divides {width}"
             )
-        return spec.to_dict()
+        return spec.mlx_dict()
 
     return predicate
 
@@ -170,7 +173,7 @@ def apply_quantization(
 
     model_pred = getattr(sk.model, "quant_predicate", None)
     user_pred = predicate if predicate is not None else model_pred
-    params = spec.to_dict()
+    params = spec.mlx_dict()
     block: dict[str, Any] = dict(params)
     sk.originals = dict(tree_flatten(sk.model.leaf_modules(), is_leaf=nn.Module.is_module))
 
@@ -220,12 +223,24 @@ def prepare(
     if plan is not None:
         _check_plan_paths(plan, sk, src)
     apply_quantization(sk, spec, predicate, plan=plan)
+    if plan is not None:
+        sk.methods = plan_methods(plan, sk.decisions)
     if not sk.decisions:
         raise InputError(
             f"quant.group_size={spec.group_size} divides the input width of no quantizable layer of"
             f" {src}; choose a smaller group size"
         )
     return sk, spec
+
+
+def plan_methods(plan: Plan, decisions: dict[str, Any]) -> dict[str, str]:
+    """Each quantized module's rounding method from the plan (its entry, else the default), when not rtn."""
+    out = {}
+    for path, decision in decisions.items():
+        spec = plan.layers.get(path) or plan.default
+        if spec.method != "rtn" and decision.get("mode", "affine") == "affine":
+            out[path] = spec.method
+    return out
 
 
 def _check_plan_paths(plan: Plan, sk: Skeleton, src: str | Path) -> None:

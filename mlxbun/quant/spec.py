@@ -13,11 +13,15 @@ checks user input against these tables, ``quantize`` reads :class:`Plan`, ``allo
 
 A setting as JSON (plan.json entries, config.json ``quantization``) is
 ``{"group_size": 64, "bits": 4, "mode": "affine"}``; reading ignores unknown keys and fills a
-missing bits or group size from the mode's default. plan.json::
+missing bits or group size from the mode's default. A plan entry may add ``"method"`` (how an
+affine weight is rounded: ``rtn``, ``clip``, ``gptq``; see ``mlxbun.quant.rounding``), so one plan
+mixes quantizers; config.json never carries it (:meth:`QuantSpec.mlx_dict`). plan.json::
 
     {"version": 1,
      "default": {"bits": 4, "group_size": 64, "mode": "affine"},
      "layers": {"model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 64, "mode": "affine"},
+                "model.layers.0.mlp.up_proj": {"bits": 3, "group_size": 32, "mode": "affine",
+                                               "method": "gptq"},
                 "lm_head": false},              false = leave unquantized
      ...}                                       other keys (allocate's report) are ignored
 
@@ -70,6 +74,7 @@ class QuantSpec:
     bits: int = None  # type: ignore[assignment]
     group_size: int = None  # type: ignore[assignment]
     mode: str = "affine"
+    method: str = "rtn"  # how an affine weight is rounded (mlxbun.quant.rounding); not in config.json
 
     def __post_init__(self) -> None:
         group, bits = MODE_DEFAULTS.get(self.mode, (None, None))
@@ -93,7 +98,12 @@ class QuantSpec:
         return (self.bits, self.group_size, self.mode, *extra)
 
     def __str__(self) -> str:
-        return f"{self.mode}:{self.bits}:{self.group_size}"
+        tail = "" if self.method == "rtn" else f" ({self.method})"
+        return f"{self.mode}:{self.bits}:{self.group_size}{tail}"
+
+    def mlx_dict(self) -> dict[str, Any]:
+        """``{group_size, bits, mode}``: what ``to_quantized`` and config.json ``quantization`` take."""
+        return {k: v for k, v in self.to_dict().items() if k in _CORE}
 
     def to_dict(self) -> dict[str, Any]:
         """mlx-lm's key order (group_size, bits, mode); fields at their default are left out."""
@@ -110,6 +120,11 @@ class QuantSpec:
             raise InputError(f"{key}: expected {{bits, group_size, mode}} or false, got {data!r}")
         extra = {f.name: data[f.name] for f in fields(cls) if f.name not in _CORE and f.name in data}
         spec = spec_for(data.get("mode", "affine"), data.get("bits"), data.get("group_size"), key=key)
+        if "method" in extra:
+            # deferred: rounding pulls in numpy, and this module loads with the CLI's schema
+            from mlxbun.quant.rounding import check_method
+
+            check_method(extra["method"], mode=spec.mode, key=f"{key}.method")
         return cls(bits=spec.bits, group_size=spec.group_size, mode=spec.mode, **extra)
 
     @classmethod

@@ -1,0 +1,197 @@
+"""allocate.check: a plan quantized for real, and its measured KL against the objective's prediction.
+
+The objective (summed per-module KL) misses how modules interact, and for candidates whose KL is
+estimated (other rounding methods, group sizes or modes than the measured ones) the estimate can be
+off by a factor that depends on the quantizer. :func:`correction_factors` measures that factor per
+quantizer with whole-model probes around a plan:
+
+    base   = the plan with every module at its measured reference (RTN, same bits)
+    r      = measured KL(base) / predicted KL(base)                  how modules interact
+    probe_k= the plan's modules of quantizer k as planned, the rest at their reference
+    f_k    = (measured KL(probe_k) / r - predicted KL of the rest) / predicted KL of k's modules
+
+``allocate.rescaled`` multiplies every candidate of quantizer k by f_k before solving again.
+
+Example:
+    >>> probes = correction_factors(plan.layers, lambda p, s: sens.layers[p].kl[s], measure)
+    >>> better = allocate(rescaled(sens, {p.key: p.factor for p in probes}), ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxbun.errors import InputError
+from mlxbun.kl import kl_rows, log_probs
+from mlxbun.quant import budget
+from mlxbun.quant.budget import SizeReport
+from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.sensitivity import load_model
+from mlxbun.quant.spec import QuantSpec
+from mlxbun.quantize import quantize_model_dir
+
+FACTOR_RANGE = (0.1, 10.0)  # a probe's factor is clipped to this: one noisy probe cannot dominate
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """The plan quantized for real: sizes predicted vs written, summed vs measured KL."""
+
+    out: Path
+    predicted: SizeReport
+    measured: SizeReport
+    predicted_kl_sum: float
+    measured_kl: float
+    calibration_fingerprint: str
+    calibration_matches: bool
+
+    def to_json(self, *, base: Path | None = None) -> dict[str, Any]:
+        """JSON for check.json; ``model`` is relative to ``base`` (the file's directory) when inside it."""
+        out = self.out
+        if base is not None and out.resolve().is_relative_to(base.resolve()):
+            out = out.resolve().relative_to(base.resolve())
+        return {
+            "model": str(out),
+            "predicted": self.predicted.to_json(),
+            "measured": self.measured.to_json(),
+            "size_exact": self.predicted == self.measured,
+            "predicted_kl_sum": self.predicted_kl_sum,
+            "measured_kl": self.measured_kl,
+            "measured_over_predicted": self.measured_kl / self.predicted_kl_sum
+            if self.predicted_kl_sum
+            else None,
+            "calibration_fingerprint": self.calibration_fingerprint,
+            "calibration_matches_sensitivity": self.calibration_matches,
+        }
+
+
+def measured_kl(ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batch_size: int = 8) -> float:
+    """KL(reference || model) of the output distributions, mean over tokens and samples.
+
+    Both models run dequantized in float32 (BLAS matmuls on CPU), as the sensitivity probes do,
+    so the number is on the same scale as the per-layer KLs it is compared with.
+    """
+    import mlx.core as mx
+    import numpy as np
+
+    ref, _, _ = load_model(ref_dir)
+    cur, _, _ = load_model(model_dir)
+    total = 0.0
+    for i in range(0, len(tokens), batch_size):
+        batch = mx.array(tokens[i : i + batch_size])
+        total += float(np.sum(np.asarray(kl_rows(log_probs(ref(batch)), cur(batch)), dtype=np.float64)))
+    return total / len(tokens)
+
+
+def check_plan(
+    plan: Any,
+    plan_path: str | Path,
+    *,
+    model_dir: str | Path,
+    out: str | Path,
+    calib_path: str | None = None,
+    samples: int = 24,
+    seq_len: int = 512,
+    seed: int = 0,
+    out_dtype: str | None = "bfloat16",
+    shard_bytes: int = 5 << 30,
+    expected_calibration: str | None = None,
+    hessians: str | Path | None = None,
+) -> CheckResult:
+    """Quantize ``model_dir`` with the plan (an ``allocate.Allocation``) into ``out``; measure its
+    size and its KL (``hessians``: for plan entries rounded by ``gptq`` or weighted ``clip``).
+
+    Example:
+        >>> r = check_plan(plan, "plan.json", model_dir=src, out="run/model", samples=8, seq_len=256)
+        >>> r.predicted == r.measured, r.measured_kl, r.predicted_kl_sum
+    """
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    res = quantize_model_dir(
+        model_dir, out, plan=plan_path, dtype=out_dtype, shard_bytes=shard_bytes, hessians=hessians
+    )
+    measured = budget.measure(res.out, parameters=plan.size.parameters)
+    tok = load_tokenizer(Path(model_dir))
+    calib = load_calibration(tokenizer=tok, path=calib_path, samples=samples, seq_len=seq_len, seed=seed)
+    kl = measured_kl(model_dir, res.out, calib.tokens)
+    return CheckResult(
+        out=res.out,
+        predicted=plan.size,
+        measured=measured,
+        predicted_kl_sum=plan.kl_sum,
+        measured_kl=kl,
+        calibration_fingerprint=calib.fingerprint,
+        calibration_matches=calib.fingerprint == expected_calibration,
+    )
+
+
+# ------------------------------------------------------------------------------- corrections
+
+
+def correction_key(spec: QuantSpec) -> str:
+    """Which quantizer a candidate's KL estimate belongs to: its rounding method, or its mode."""
+    return spec.method if spec.mode == "affine" else spec.mode
+
+
+def reference_of(spec: QuantSpec) -> QuantSpec:
+    """The RTN affine setting a candidate is compared with: same bits (and group size when affine)."""
+    group = spec.group_size if spec.mode == "affine" else 64
+    return QuantSpec(bits=spec.bits, group_size=group, mode="affine")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One whole-model measurement: the modules of quantizer ``key`` as planned, the rest at RTN."""
+
+    key: str
+    modules: int
+    predicted: float
+    measured: float
+    factor: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+Layers = Mapping[str, QuantSpec | None]
+
+
+def correction_factors(
+    layers: Layers,
+    kl: Callable[[str, QuantSpec], float | None],
+    measure: Callable[[Layers], float],
+) -> list[Probe]:
+    """Per-quantizer factors from 1 + (quantizers other than RTN in ``layers``) whole-model probes.
+
+    Args:
+        layers: a plan's setting of every module (None: unquantized).
+        kl: a module's predicted KL at a setting; None for a module the objective does not score.
+        measure: the whole model's KL with these settings (e.g. quantize, then :func:`measured_kl`).
+    """
+    base = {p: (reference_of(s) if s is not None else None) for p, s in layers.items()}
+    scored = [p for p, s in layers.items() if s is not None and kl(p, s) is not None]
+
+    def predicted(settings: Layers, paths: list[str]) -> float:
+        total = 0.0
+        for p in paths:
+            value = kl(p, settings[p])
+            if value is None:
+                raise InputError(f"allocate.check: no KL for {p!r} at {settings[p]}; probe its RTN reference")
+            total += value
+        return total
+
+    pred_base, meas_base = predicted(base, scored), measure(base)
+    r = meas_base / pred_base if pred_base > 0 else 1.0
+    probes = [Probe("rtn", len(scored), pred_base, meas_base, 1.0)]
+    for key in sorted({correction_key(layers[p]) for p in scored} - {"rtn"}):
+        mine = [p for p in scored if correction_key(layers[p]) == key]
+        rest = [p for p in scored if p not in mine]
+        settings = {p: (layers[p] if p in mine else base[p]) for p in layers}
+        pk, po, m = predicted(settings, mine), predicted(base, rest), measure(settings)
+        f = (m / r - po) / pk if pk > 0 else 1.0
+        f = min(max(f, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+        probes.append(Probe(key, len(mine), pk + po, m, f))
+    return probes
