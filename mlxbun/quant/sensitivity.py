@@ -561,6 +561,8 @@ def prepare(
     seed: int,
     method: str,
     batch_size: int,
+    refine: float = 0.0,
+    refine_bits: list[int] | None = None,
 ) -> Setup:
     """Load the model and calibration; list targets and candidates; the settings that key results."""
     from mlxbun.quant.calib import load_calibration
@@ -587,6 +589,7 @@ def prepare(
         "group_size": cands[0].group_size,
         "mode": mode,
         "batch_size": batch_size if method != "reference" else 1,
+        **({"refine": refine, "refine_bits": sorted(refine_bits or [])} if method == "fisher" else {}),
         "runtime": runtime(),
         "model": {
             "fingerprint": model_fingerprint(model_dir),
@@ -623,6 +626,8 @@ def sensitivity(
     seed: int = 0,
     method: str = "fisher",
     batch_size: int = 8,
+    refine: float = 0.0,
+    refine_bits: list[int] | None = None,
     shard: int = 0,
     num_shards: int = 1,
     ref_cache_mb: float = 1024,
@@ -640,6 +645,9 @@ def sensitivity(
             "exact" (this module) or "reference" (``sensitivity_ref``: one full forward per
             sample and probe; slow, for checking).
         batch_size: samples per forward (fisher, exact).
+        refine, refine_bits: fisher only: the fraction of modules (largest first) probed exactly on
+            the calibration subset at ``refine_bits`` (default: the middle candidate), each
+            module's estimate then scaled to its probe (``fisher.refine_kl``); 0 turns it off.
         shard, num_shards: compute only this shard's groups (merge with ``sensitivity_merge``).
         ref_cache_mb: keep reference log-probs for all samples when they fit in this budget.
         stop_after_groups: stop (raising KeyboardInterrupt) after this many new groups (tests).
@@ -650,6 +658,7 @@ def sensitivity(
     s = prepare(
         model_dir=model_dir, bits=list(bits), group_size=group_size, mode=mode, calib_path=calib_path,
         samples=samples, seq_len=seq_len, seed=seed, method=method, batch_size=batch_size,
+        refine=refine, refine_bits=refine_bits,
     )  # fmt: skip
     n_blocks = Stack(s.model).n
     groups: dict[int, list[Target]] = {}
@@ -749,9 +758,10 @@ def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_d
 
     est = estimate(
         s.model, s.tokens, s.targets, s.cands, batch_size=batch_size, seed=s.settings["calibration"]["seed"],
-        progress=at, hint=progress.hint,
+        refine=s.settings["refine"], refine_bits=s.settings["refine_bits"], progress=at, hint=progress.hint,
     )  # fmt: skip
     extra = {"factors": est.factors, "measured": est.measured, "forward_equivalents": est.forward_equivalents}
+    extra |= {"probes": est.probes or {}}
     atomic_write_json(ckpt_dir / "estimate.json", extra)  # before the groups: a resume finds it
     for g in sorted(todo):
         on_group(g, {t.path: est.kl[t.path] for t in todo[g]})
@@ -772,6 +782,7 @@ def run(cfg: Any) -> Any:
         bits=list(sc.bits), group_size=sc.group_size, mode=sc.mode, calib_path=sc.calib.path,
         samples=sc.calib.samples, seq_len=sc.calib.seq_len, seed=sc.calib.seed, method=sc.method,
         batch_size=sc.batch_size, shard=sc.shard, num_shards=sc.num_shards,
+        refine=sc.refine, refine_bits=list(sc.refine_bits) or None,
     )  # fmt: skip
     stats = doc.pop("_stats")
     out = run_dir / "sensitivity.json"
