@@ -1,5 +1,7 @@
 """sensitivity.method=fisher: every module's KL at every candidate from one backward pass per sample.
 
+One module: the Fisher pass, its calibration and the exact refinement scale the same estimate.
+
 The exact method (``sensitivity.py``) runs one partial forward per (module, candidate): its cost
 grows with modules x candidates x depth. This estimate costs about ``3 + candidates`` forward
 passes over the calibration set, whatever the depth or the number of candidates:

@@ -1,5 +1,7 @@
 """command=sensitivity: per-layer KL(reference || one layer quantized) at candidate bit widths.
 
+One module: the exact sweep, its checkpoints and the command share one settings key and document.
+
 ``method`` chooses how the numbers are made:
 
 - ``fisher`` (default, ``fisher.py``): a second-order estimate from one forward + backward per
@@ -61,11 +63,19 @@ from typing import Any
 
 import numpy as np
 
+from mlxbun import blas
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, dumps_json
 from mlxbun.io.dtypes import OUTPUT_NAMES
+from mlxbun.io.safetensors import open_model
 from mlxbun.kl import kl_from_stats, ref_stats
+from mlxbun.progress import Progress
+from mlxbun.provenance import RunResult
+from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.sensitivity_ref import reference_sweep
 from mlxbun.quant.spec import QuantSpec, spec_for
+from mlxbun.source import expand
+from mlxbun.source import model_dir as source_dir
 
 log = logging.getLogger("mlxbun.sensitivity")
 
@@ -182,7 +192,6 @@ def _natural(path: str) -> list:
 
 def source_dtypes(model_dir: str | Path) -> dict[str, str]:
     """Each module's stored weight dtype (bf16 source) from the safetensors headers."""
-    from mlxbun.io.safetensors import open_model
 
     md = open_model(Path(model_dir))
     out = {}
@@ -565,7 +574,6 @@ def prepare(
     refine_bits: list[int] | None = None,
 ) -> Setup:
     """Load the model and calibration; list targets and candidates; the settings that key results."""
-    from mlxbun.quant.calib import load_calibration
 
     cands = candidates(bits, group_size=group_size, mode=mode)
     model, tokenizer, source = load_model(model_dir)
@@ -696,8 +704,6 @@ def runtime() -> dict[str, Any]:
     """What changes the numbers besides model, calibration and settings: mlx version and BLAS."""
     import mlx.core as mx
 
-    from mlxbun import blas
-
     info = blas.load()  # what was loaded before mlx.core (cached), or the bundled BLAS
     return {"mlx": mx.__version__, "blas": info.get("library") if info.get("loaded") else "bundled"}
 
@@ -706,8 +712,6 @@ def _compute(
     s: Setup, todo: dict, ckpt: Checkpoints, kls: dict, *, batch_size, ref_cache_mb, stop_after
 ) -> dict[str, Any] | None:
     """Fill ``kls`` for the groups in ``todo`` (each saved as it completes); the fisher extras."""
-    from mlxbun.progress import Progress
-
     if not todo:
         return None
     method = s.settings["method"]
@@ -732,11 +736,9 @@ def _compute(
         if method == "fisher":
             return _fisher(s, todo, on_group, progress, batch_size=batch_size, ckpt_dir=ckpt.dir)
         if method == "reference":
-            from mlxbun.quant.sensitivity_ref import reference_sweep
-
             reference_sweep(s.model, s.tokens, todo, s.cands, on_group=on_group, progress=progress)
         else:
-            from mlxbun.quant.fisher import timed_forward
+            from mlxbun.quant.fisher import timed_forward  # deferred: fisher.py imports this module
 
             # work is counted in blocks run per module and candidate: (n_blocks + 1) make one forward
             per_batch = timed_forward(s.model, s.tokens, batch_size)
@@ -751,7 +753,7 @@ def _compute(
 
 def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_dir: Path) -> dict[str, Any]:
     """The fisher estimate over all targets (its calibration is whole-model); todo's groups saved."""
-    from mlxbun.quant.fisher import estimate
+    from mlxbun.quant.fisher import estimate  # deferred: fisher.py builds on this module's Sweep
 
     def at(fraction: float) -> None:
         progress.update(fraction * progress.total - progress.done, work=fraction - progress.work)
@@ -770,11 +772,9 @@ def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_d
 
 def run(cfg: Any) -> Any:
     """command=sensitivity: unpack the config and call :func:`sensitivity`."""
-    from mlxbun.provenance import RunResult
-    from mlxbun.source import expand, model_dir
 
     sc = cfg.sensitivity
-    mdir = model_dir(cfg)
+    mdir = source_dir(cfg)
     run_dir = Path(cfg.paths.run_dir)
     work = expand(sc.work_dir) if sc.work_dir else expand(cfg.paths.cache) / "sensitivity"
     doc = sensitivity(
