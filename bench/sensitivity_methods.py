@@ -1,7 +1,8 @@
 """Sensitivity methods compared: cost, agreement with exact KL, and the held-out KL of their plans.
 
 Run: .venv/bin/python bench/sensitivity_methods.py [--fixtures llama-text-3m llama-text-12l]
-         [--methods exact fisher] [--samples 8] [--seq-len 256] [--reuse]
+         [--methods exact fisher fisher+refine] [--samples 8] [--seq-len 256] [--reuse]
+         [--lock /work/timing.lock]
          [--out bench/results/sensitivity_methods.md]
 
 For each committed fixture and each ``sensitivity.method`` (each in its own child process, one
@@ -10,7 +11,8 @@ after another, on the built-in calibration set, bits 2,3,4,5,6,8 affine g64):
 - wall time and peak RSS of the child;
 - forward-pass equivalents over the calibration set: exact runs one partial forward per
   (module, candidate) from the module's block, counted as (blocks run + head) / (blocks + head);
-  fisher is 3 (forward + backward) + one forward per candidate;
+  fisher is 3 (forward + backward) + one forward per candidate + its calibration forwards;
+  ``fisher+refine`` is fisher with every module probed exactly at 4 bits on the calibration subset;
 - Spearman rank correlation of the method's per-module KL against exact's, over all
   (module, bits) pairs and per bit width (the minimum is shown);
 - the held-out KL of the plan it yields at the byte size of each of mlx-lm's q3, mixed_3_6, q4,
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -38,6 +41,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 BITS = [2, 3, 4, 5, 6, 8]
+VARIANTS = {  # bench names that are not a sensitivity.method: the keyword arguments they stand for
+    "fisher+refine": {"method": "fisher", "refine": 1.0, "refine_bits": [4]},
+}
 HELD_OUT = ["locale", "zipfile", "tarfile", "mailbox", "doctest", "ftplib"]
 SIZES = [  # label, quantize keyword arguments (the mlx-lm option whose size is the budget)
     ("q3", {"bits": 3, "group_size": 64}),
@@ -59,10 +65,11 @@ def stage_sensitivity(args: argparse.Namespace) -> dict:
     from mlxbun.quant.sensitivity import sensitivity
 
     dest = args.work / args.method
+    load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     doc = sensitivity(
         model_dir=args.model, out_dir=dest, work_dir=dest / "cache", bits=BITS, samples=args.samples,
-        seq_len=args.seq_len, method=args.method, batch_size=args.batch_size,
+        seq_len=args.seq_len, batch_size=args.batch_size, **VARIANTS.get(args.method, {"method": args.method}),
     )  # fmt: skip
     seconds = time.perf_counter() - t0
     fpe = doc.get("estimate", {}).get("forward_equivalents") or exact_forward_equivalents(doc)
@@ -71,6 +78,7 @@ def stage_sensitivity(args: argparse.Namespace) -> dict:
         "forward_equivalents": fpe,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "layers": len(doc["layers"]),
+        "load_avg": [round(load0, 1), round(os.getloadavg()[0], 1)],  # 1-min load at start, end
     }
 
 
@@ -82,7 +90,8 @@ def exact_forward_equivalents(doc: dict) -> float:
 
 
 def run_stage(args: argparse.Namespace, method: str) -> dict:
-    cmd = [sys.executable, __file__, "--stage", "sens", "--method", method, "--model", str(args.model)]
+    cmd = ["flock", str(args.lock)] if args.lock else []  # timed stages never overlap other timings
+    cmd += [sys.executable, __file__, "--stage", "sens", "--method", method, "--model", str(args.model)]
     cmd += ["--work", str(args.work), "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
     cmd += ["--batch-size", str(args.batch_size)]
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -261,6 +270,11 @@ def _fixture_table(name: str, res: dict) -> list[str]:
         )
     sizes_row = " | ".join(f"{sizes[lb]['mlx-lm']['file_bytes']:,}" for lb in labels)
     lines += ["", f"Budgets (bytes on disk of the mlx-lm option): {sizes_row}.", ""]
+    loads = ", ".join(
+        f"{m} {st.get('load_avg', ['?', '?'])[0]}-{st.get('load_avg', ['?', '?'])[1]}"
+        for m, st in stats.items()
+    )
+    lines.append(f"1-minute load average (start-end) while each method ran, on 2 cores: {loads}.")
     for m, ag in res["agreement"].items():
         per = ", ".join(f"{b}-bit {v:.3f}" for b, v in ag["per_bit"].items())
         lines.append(f"Spearman of {m} vs exact per bit width: {per}.")
@@ -277,6 +291,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/mlxbun-bench-sensitivity"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "sensitivity_methods.md")
     ap.add_argument("--reuse", action="store_true")
+    ap.add_argument("--lock", type=Path, default=None, help="run each timed stage under flock LOCK")
     ap.add_argument("--stage", choices=["sens"], default=None)
     ap.add_argument("--method", default=None)
     ap.add_argument("--model", type=Path, default=None)

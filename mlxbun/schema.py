@@ -233,6 +233,10 @@ class SensitivityCfg:
     # fisher: estimated from one backward pass + one forward per candidate (mlxbun/quant/fisher.py);
     # exact: every (module, candidate) measured; reference: exact, one forward per sample (slow).
     method: str = "fisher"
+    # fisher: fraction of modules (largest first) probed exactly at refine_bits ([] = the middle
+    # candidate) on the calibration subset; each module's estimate is scaled to its probe. 0: off.
+    refine: float = 0.0
+    refine_bits: list[int] = field(default_factory=list)
     batch_size: int = 8
     # Split the work over Hydra multirun jobs: sensitivity.shard=range(0,N) sensitivity.num_shards=N.
     shard: int = 0
@@ -252,6 +256,15 @@ class SensitivityCfg:
         for b in self.bits:
             spec_for(self.mode, b, self.group_size, key="sensitivity")
         positive("sensitivity.batch_size", self.batch_size)
+        if not 0 <= self.refine <= 1:
+            raise InputError(
+                f"sensitivity.refine={self.refine} is out of range; give a fraction of modules in [0, 1]"
+            )
+        for b in self.refine_bits:
+            if b not in self.bits:
+                raise InputError(
+                    f"sensitivity.refine_bits has {b}, not a candidate; choose from sensitivity.bits={list(self.bits)}"
+                )
         positive("sensitivity.ref_cache_mb", self.ref_cache_mb, allow_zero=True)
         positive("sensitivity.num_shards", self.num_shards)
         if not 0 <= self.shard < self.num_shards:

@@ -161,3 +161,60 @@ def test_fisher_resumed_run_writes_the_same_document(tmp_path):
     assert (tmp_path / "a" / "sensitivity.json").read_bytes() == (
         tmp_path / "b" / "sensitivity.json"
     ).read_bytes()
+
+
+# ------------------------------------------------------------------ calibration and refinement
+
+
+def test_group_factor_matches_the_all_sample_estimate_to_the_measured_kl():
+    """Each group's estimates over all samples sum to its measured KL: the factor's denominator is
+    the all-sample estimate, not the noisy subset's (which biased every factor upwards)."""
+    s = sens.prepare(model_dir=FIXTURE, bits=[3, 6], group_size=64, mode="affine", calib_path=None,
+                     method="fisher", batch_size=2, **CAL)  # fmt: skip
+    est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0)
+    for c in s.cands:
+        for key, ts in fisher.calibration_groups(s.targets, c).items():
+            total = sum(est.raw[t.path][str(c.bits)] for t in ts) * est.factors[str(c.bits)][key]
+            assert total == pytest.approx(est.measured[str(c.bits)][key], rel=1e-9), (c.bits, key)
+
+
+def test_refine_probes_modules_exactly_and_scales_their_estimates():
+    s = sens.prepare(model_dir=FIXTURE, bits=[3, 4, 8], group_size=64, mode="affine", calib_path=None,
+                     method="fisher", batch_size=2, **CAL)  # fmt: skip
+    plain = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0)
+    est = fisher.estimate(
+        s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0, refine=0.5, refine_bits=[4]
+    )
+    probed = fisher.probe_plan(s.targets, s.cands, refine=0.5, refine_bits=[4])
+    assert len(probed) == -(-len(s.targets) // 2) and est.probes.keys() == probed.keys()
+    # A probe is KL(ref || that one module at 4 bits) on the calibration subset, by plain forwards.
+    ref, _, _ = sens.load_model(FIXTURE)
+    sub = s.tokens[: max(1, len(s.tokens) // fisher.CALIB_FRACTION)]
+    path = sorted(probed)[0]
+    want_ref = [kl.log_probs(ref(mx.array(sub[i : i + 1]))) for i in range(len(sub))]
+    mod = sens.module_at(ref, path)
+    mod.weight = sens.fake_quant(mod.weight, s.cands[1], dtype="bfloat16")
+    got = np.mean([kl.kl_rows(r, ref(mx.array(sub[i : i + 1])))[0] for i, r in enumerate(want_ref)])
+    assert est.probes[path]["4"] == pytest.approx(float(got), rel=1e-3)
+    # Probed modules take their probe's value at 4 bits (unless pooled to stay monotone); others keep theirs.
+    same = [p for p in probed if est.kl[p]["4"] == pytest.approx(est.probes[p]["4"], rel=1e-9)]
+    assert len(same) >= 0.8 * len(probed)
+    assert all(est.kl[t.path] == plain.kl[t.path] for t in s.targets if t.path not in probed)
+    n_blocks = max(t.group for t in s.targets)
+    extra = fisher.probe_cost(s.targets, probed, n_blocks=n_blocks) * len(sub) / len(s.tokens)
+    assert est.forward_equivalents == pytest.approx(plain.forward_equivalents + extra)
+
+
+def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
+    from mlxbun.errors import InputError
+    from mlxbun.schema import SensitivityCfg
+
+    cheap = {"samples": 2, "seq_len": 32, "bits": [4, 8], "method": "fisher"}
+    a = run_sens(FIXTURE, tmp_path / "a", tmp_path / "w", **cheap)
+    b = run_sens(FIXTURE, tmp_path / "b", tmp_path / "w", **cheap, refine=1.0, refine_bits=[4])
+    assert b["_stats"]["groups_resumed"] == 0 and a["_stats"]["checkpoints"] != b["_stats"]["checkpoints"]
+    assert set(b["estimate"]["probes"]) == {r["path"] for r in b["layers"]}
+    with pytest.raises(InputError, match="sensitivity.refine=1.5"):
+        SensitivityCfg(refine=1.5)
+    with pytest.raises(InputError, match="sensitivity.refine_bits has 3"):
+        SensitivityCfg(bits=[4, 8], refine_bits=[3])

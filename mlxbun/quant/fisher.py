@@ -1,5 +1,7 @@
 """sensitivity.method=fisher: every module's KL at every candidate from one backward pass per sample.
 
+One module: the Fisher pass, its calibration and the exact refinement scale the same estimate.
+
 The exact method (``sensitivity.py``) runs one partial forward per (module, candidate): its cost
 grows with modules x candidates x depth. This estimate costs about ``3 + candidates`` forward
 passes over the calibration set, whatever the depth or the number of candidates:
@@ -18,10 +20,13 @@ passes over the calibration set, whatever the depth or the number of candidates:
    vectors r and c are kept: memory is the model plus one batch of activations.
 2. **Scores** per (module, candidate): quantize -> dequantize the weight and evaluate the formula:
    elementwise work on the weight, no forwards. A new candidate costs one quantization.
-3. **Calibration** (one forward per candidate and batch): all modules at candidate s together,
-   KL(ref || cur) measured exactly; the scores of s are scaled by measured / sum of scores.
-   This corrects the second-order formula where it breaks (2-3 bits, where KL stops being
-   quadratic) and keeps the knapsack's trade-off between bit widths on the measured scale.
+3. **Calibration** (per candidate, one forward over a quarter of the calibration samples per
+   group of modules: one role, and at <= 3 bits one quarter of the depth): the group's modules
+   at candidate s together, KL(ref || cur) measured exactly; its scores are scaled by measured /
+   sum of estimates. This corrects the second-order formula where it breaks (2-3 bits, where KL
+   stops being quadratic) and keeps the knapsack's trade-off between bit widths on the measured scale.
+4. **Exact refinement** (optional, ``refine``): a fraction of the modules is probed exactly at
+   a few bit widths on the same subset, and each module's estimate is scaled to its probe.
 
 The returned numbers are per-module KLs in nats per token, the same unit as the exact method's,
 so ``allocate`` reads either. ``bench/sensitivity_methods.py`` compares them with exact ones.
@@ -46,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from mlxbun.kl import kl_from_stats, ref_stats
-from mlxbun.quant.sensitivity import Target, fake_quant, module_at
+from mlxbun.quant.sensitivity import Sweep, Target, fake_quant, module_at
 from mlxbun.quant.spec import QuantSpec
 
 
@@ -57,6 +62,7 @@ class Estimate:
     factors: dict[str, dict[str, float]]  # bits -> group -> measured KL / sum of its raw scores
     measured: dict[str, dict[str, float]]  # bits -> group -> KL with the group's modules quantized
     forward_equivalents: float
+    probes: dict[str, dict[str, float]] = None  # path -> {bits: exact KL on the calibration subset}
 
 
 # ---------------------------------------------------------------- taps
@@ -154,7 +160,6 @@ class FisherPass:
         cands: list[QuantSpec],
         *,
         seed: int,
-        n_sub: int,
         tick: Callable[[float], None],
     ) -> None:
         self.model, self.tgts, self.cands, self.tick = model, tgts, cands, tick
@@ -164,9 +169,7 @@ class FisherPass:
         self.rec = _Recorder(_kinds(model, tgts))
         self.key = seed
         self.sums: dict[str, dict[str, float]] = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
-        self.sub_sums = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
-        self.tokens = self.samples = self.sub_tokens = 0
-        self.n_sub = n_sub
+        self.tokens = 0
         self._errors: dict[tuple, Any] = {}
         self._error_bytes = 0
 
@@ -209,20 +212,14 @@ class FisherPass:
         finally:
             self.rec.deltas, self.rec.inputs, self.rec.ids = {}, {}, {}
             _uninstall(undo)
-        k = min(max(self.n_sub - self.samples, 0), batch.shape[0])  # samples in the calibration subset
         for t in self.tgts:
-            self._score(
-                t, {k: v * v for k, v in grads.items() if k in (t.path, t.path + HEAD)}, inputs, ids, k
-            )
+            self._score(t, {k: v * v for k, v in grads.items() if k in (t.path, t.path + HEAD)}, inputs, ids)
             self.tick(len(self.cands) * batch.shape[0] * self.share[t.path])
         self.tokens += int(batch.size)
-        self.sub_tokens += k * batch.shape[1]
-        self.samples += batch.shape[0]
         return logits
 
-    def _score(self, t: Target, g2: dict, inputs: dict, ids: dict, k: int) -> None:
-        """Adds this batch's sum g^2 * dY^2 for every candidate of ``t`` (rows in slices); the
-        first ``k`` samples also count towards the calibration subset's sums."""
+    def _score(self, t: Target, g2: dict, inputs: dict, ids: dict) -> None:
+        """Adds this batch's sum g^2 * dY^2 for every candidate of ``t`` (rows in slices)."""
         w = _real(module_at(self.model, t.path)).weight
         step = max(1, CHUNK // w.shape[-1])
         for c in self.cands:
@@ -231,7 +228,6 @@ class FisherPass:
                     self._rows(t, w, c, lo, lo + step, g2, inputs, ids) for lo in range(0, w.shape[0], step)
                 )
                 self.sums[t.path][str(c.bits)] += float(per.sum())
-                self.sub_sums[t.path][str(c.bits)] += float(per[:k].sum())
 
     def _error(self, t: Target, w: Any, c: QuantSpec, lo: int, hi: int) -> Any:
         """dW of rows lo:hi at ``c``; kept for the next batches while they fit ``ERROR_CACHE_BYTES``."""
@@ -269,10 +265,9 @@ class FisherPass:
             total = total + (g2[head][..., lo:hi] * mx.square(inputs[head] @ d.T)).sum(axis=axes)
         return np.array(total, dtype=np.float64)
 
-    def scores(self, *, subset: bool = False) -> dict[str, dict[str, float]]:
-        """Per-token KL estimates, 1/2 * sums / tokens, over all samples or the calibration subset."""
-        sums, n = (self.sub_sums, self.sub_tokens) if subset else (self.sums, self.tokens)
-        return {p: {b: 0.5 * v / max(n, 1) for b, v in row.items()} for p, row in sums.items()}
+    def scores(self) -> dict[str, dict[str, float]]:
+        """Per-token KL estimates, 1/2 * sums / tokens."""
+        return {p: {b: 0.5 * v / max(self.tokens, 1) for b, v in row.items()} for p, row in self.sums.items()}
 
 
 # ---------------------------------------------------------------- 3. calibration
@@ -327,7 +322,7 @@ def whole_model_kl(
 # ---------------------------------------------------------------- entry point
 
 
-CALIB_FRACTION = 8  # calibration runs on the first 1/8 of the calibration samples (at least one)
+CALIB_FRACTION = 4  # calibration runs on the first 1/4 of the calibration samples (at least one)
 LOW_BITS = 3  # at and below, the second-order estimate breaks down by depth: calibrate per depth too
 DEPTH_BUCKETS = 4
 
@@ -358,11 +353,14 @@ def estimate(
     *,
     batch_size: int,
     seed: int,
+    refine: float = 0.0,
+    refine_bits: list[int] | None = None,
     progress: Callable[[float], None] | None = None,
     hint: Callable[[float], None] | None = None,
 ) -> Estimate:
     """Per-module KL estimates for every candidate (see the module docstring).
 
+    ``refine`` is the fraction of modules probed exactly at ``refine_bits`` (see :func:`refine_kl`).
     ``progress(fraction)`` is called with the fraction of work done, counted in forward passes;
     ``hint(seconds)`` once at the start with the run's duration estimated from one timed forward.
     """
@@ -373,8 +371,10 @@ def estimate(
     n_sub = max(1, n // CALIB_FRACTION)
     sub = [mx.array(tokens[i : min(i + batch_size, n_sub)]) for i in range(0, n_sub, batch_size)]
     groups = {str(c.bits): calibration_groups(tgts, c) for c in cands}
+    probes = probe_plan(tgts, cands, refine=refine, refine_bits=refine_bits)
     # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
     fwd = (3 + len(cands)) * n + sum(len(g) for g in groups.values()) * n_sub  # in samples
+    fwd += probe_cost(tgts, probes, n_blocks=max(t.group for t in tgts)) * n_sub
     done = [0.0]
 
     def tick(units: float) -> None:
@@ -386,10 +386,10 @@ def estimate(
         hint(timed_forward(model, tokens, batch_size) * fwd / min(batch_size, n))
     refs = _RefStore()
     try:
-        fp = FisherPass(model, tgts, cands, seed=seed, n_sub=n_sub, tick=tick)
+        fp = FisherPass(model, tgts, cands, seed=seed, tick=tick)
         for b in batches:
             refs.put(fp.run(b))
-        raw, raw_sub = fp.scores(), fp.scores(subset=True)
+        raw = fp.scores()
         measured = {
             str(c.bits): {
                 k: whole_model_kl(model, sub, refs, ts, c, tick) for k, ts in groups[str(c.bits)].items()
@@ -398,7 +398,91 @@ def estimate(
         }
     finally:
         refs.close()
-    return _calibrate(raw, raw_sub, measured, groups, forward_equivalents=fwd / n)
+    est = _calibrate(raw, measured, groups, forward_equivalents=fwd / n)
+    if not probes:
+        return est
+    exact = exact_probes(model, tokens[:n_sub], tgts, probes, batch_size=batch_size, tick=tick)
+    return refine_kl(est, exact, groups)
+
+
+# ---------------------------------------------------------------- 4. exact refinement
+
+REFINE_MIN_RATIO = 1e-3  # a module's correction is clipped to [1/1000, 1000] of its group's scale
+
+
+def probe_plan(
+    tgts: list[Target], cands: list[QuantSpec], *, refine: float, refine_bits: list[int] | None
+) -> dict[str, list[QuantSpec]]:
+    """The (module, candidate) pairs probed exactly: the first ``ceil(refine * modules)`` modules,
+    largest first, each at ``refine_bits`` (default: the middle candidate)."""
+    if refine <= 0:
+        return {}
+    by_bits = {c.bits: c for c in cands}
+    bits = refine_bits or [sorted(by_bits)[(len(by_bits) - 1) // 2]]
+    chosen = [by_bits[b] for b in bits if b in by_bits]
+    count = min(len(tgts), int(np.ceil(refine * len(tgts))))
+    order = sorted(tgts, key=lambda t: (-t.in_features * t.out_features, t.group, t.path))[:count]
+    return {t.path: [c for c in chosen if not c.matches(t.current)] for t in order}
+
+
+def probe_cost(tgts: list[Target], probes: dict[str, list[QuantSpec]], *, n_blocks: int) -> float:
+    """Forward-pass equivalents per calibration-subset sample of the exact probes (blocks run)."""
+    return sum((n_blocks - t.group + 1) / (n_blocks + 1) * len(probes.get(t.path, ())) for t in tgts)
+
+
+class _Ticks:
+    """The exact sweep's progress (blocks run) as forward-pass units of the estimate."""
+
+    def __init__(self, tick: Callable[[float], None], *, n_blocks: int, samples: int) -> None:
+        self.tick, self.scale = tick, samples / (n_blocks + 1)
+
+    def update(self, n: float = 1, *, work: float = 0.0) -> None:
+        self.tick(work * self.scale)
+
+
+def exact_probes(
+    model: Any, tokens: Any, tgts: list[Target], probes: dict[str, list[QuantSpec]], *, batch_size: int, tick
+) -> dict[str, dict[str, float]]:
+    """Exact KL of each planned (module, candidate) on ``tokens`` (the calibration subset)."""
+    sweep = Sweep(model, tokens, batch_size=batch_size)
+    ticks = _Ticks(tick, n_blocks=sweep.stack.n, samples=len(tokens))
+    out: dict[str, dict[str, float]] = {}
+    for c in sorted({c for cs in probes.values() for c in cs}, key=lambda c: c.bits):
+        groups: dict[int, list[Target]] = {}
+        for t in tgts:
+            if c in probes.get(t.path, ()):
+                groups.setdefault(t.group, []).append(t)
+
+        def keep(g: int, results: dict) -> None:
+            for path, row in results.items():
+                out.setdefault(path, {}).update(row)
+
+        sweep.run(groups, [c], on_group=keep, progress=ticks)
+    return out
+
+
+def refine_kl(est: Estimate, exact: dict, groups: dict) -> Estimate:
+    """Each probed module's estimate scaled by exact KL (calibration subset) / estimated KL at the
+    probed bits (a HIGGS-style per-module coefficient); between probed bits the log of the
+    correction is interpolated in bits, beyond them held."""
+    group_of = {b: {t.path: k for k, ts in g.items() for t in ts} for b, g in groups.items()}
+    kl = {}
+    for path, row in est.kl.items():
+        ratios = {}
+        for b, value in exact.get(path, {}).items():
+            den = est.raw[path][b] * est.factors[b][group_of[b][path]]
+            if den > 0 and value > 0:
+                ratios[int(b)] = float(np.clip(value / den, REFINE_MIN_RATIO, 1 / REFINE_MIN_RATIO))
+        if not ratios:
+            kl[path] = row
+            continue
+        xs = sorted(ratios)
+        logs = [np.log(ratios[x]) for x in xs]
+        pre = {b: est.raw[path][b] * est.factors[b][group_of[b][path]] for b in row}
+        kl[path] = _monotone({b: v * float(np.exp(np.interp(int(b), xs, logs))) for b, v in pre.items()})
+    fpe = est.forward_equivalents
+    return Estimate(kl=kl, raw=est.raw, factors=est.factors, measured=est.measured, forward_equivalents=fpe,
+                    probes=exact)  # fmt: skip
 
 
 def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
@@ -413,18 +497,18 @@ def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
     return (time.perf_counter() - t0) * length / part
 
 
-def _calibrate(
-    raw: dict, raw_sub: dict, measured: dict, groups: dict, *, forward_equivalents: float
-) -> Estimate:
-    """Scale each calibration group's scores by measured / estimated KL, both on the calibration
-    subset (the subset's text cancels out; the estimate's error is what is left); then make each
-    module's KL non-increasing in bits (the factors of neighbouring bits are measured apart)."""
+def _calibrate(raw: dict, measured: dict, groups: dict, *, forward_equivalents: float) -> Estimate:
+    """Scale each calibration group's scores by its KL measured on the calibration subset / its
+    estimate over all samples; then make each module's KL non-increasing in bits (the factors of
+    neighbouring bits are measured apart). The denominator is the all-sample estimate: the Fisher
+    scores of a small subset are noisy (sampled labels), and dividing by a noisy estimate biases
+    every factor upwards (on llama-text-3m, by 1.4-2.3x at 2-8 bits with a 1/4 subset)."""
     factors: dict[str, dict[str, float]] = {}
     kl: dict[str, dict[str, float]] = {p: {} for p in raw}
     for b, kls in measured.items():
         factors[b] = {}
         for key, value in kls.items():
-            den = sum(raw_sub[t.path][b] for t in groups[b][key])
+            den = sum(raw[t.path][b] for t in groups[b][key])
             factors[b][key] = value / den if den > 0 else 1.0
             for t in groups[b][key]:
                 kl[t.path][b] = raw[t.path][b] * factors[b][key]

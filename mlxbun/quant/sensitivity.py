@@ -1,5 +1,7 @@
 """command=sensitivity: per-layer KL(reference || one layer quantized) at candidate bit widths.
 
+One module: the exact sweep, its checkpoints and the command share one settings key and document.
+
 ``method`` chooses how the numbers are made:
 
 - ``fisher`` (default, ``fisher.py``): a second-order estimate from one forward + backward per
@@ -61,11 +63,19 @@ from typing import Any
 
 import numpy as np
 
+from mlxbun import blas
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, dumps_json
 from mlxbun.io.dtypes import OUTPUT_NAMES
+from mlxbun.io.safetensors import open_model
 from mlxbun.kl import kl_from_stats, ref_stats
+from mlxbun.progress import Progress
+from mlxbun.provenance import RunResult
+from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.sensitivity_ref import reference_sweep
 from mlxbun.quant.spec import QuantSpec, spec_for
+from mlxbun.source import expand
+from mlxbun.source import model_dir as source_dir
 
 log = logging.getLogger("mlxbun.sensitivity")
 
@@ -182,7 +192,6 @@ def _natural(path: str) -> list:
 
 def source_dtypes(model_dir: str | Path) -> dict[str, str]:
     """Each module's stored weight dtype (bf16 source) from the safetensors headers."""
-    from mlxbun.io.safetensors import open_model
 
     md = open_model(Path(model_dir))
     out = {}
@@ -561,9 +570,10 @@ def prepare(
     seed: int,
     method: str,
     batch_size: int,
+    refine: float = 0.0,
+    refine_bits: list[int] | None = None,
 ) -> Setup:
     """Load the model and calibration; list targets and candidates; the settings that key results."""
-    from mlxbun.quant.calib import load_calibration
 
     cands = candidates(bits, group_size=group_size, mode=mode)
     model, tokenizer, source = load_model(model_dir)
@@ -587,6 +597,7 @@ def prepare(
         "group_size": cands[0].group_size,
         "mode": mode,
         "batch_size": batch_size if method != "reference" else 1,
+        **({"refine": refine, "refine_bits": sorted(refine_bits or [])} if method == "fisher" else {}),
         "runtime": runtime(),
         "model": {
             "fingerprint": model_fingerprint(model_dir),
@@ -623,6 +634,8 @@ def sensitivity(
     seed: int = 0,
     method: str = "fisher",
     batch_size: int = 8,
+    refine: float = 0.0,
+    refine_bits: list[int] | None = None,
     shard: int = 0,
     num_shards: int = 1,
     ref_cache_mb: float = 1024,
@@ -640,6 +653,9 @@ def sensitivity(
             "exact" (this module) or "reference" (``sensitivity_ref``: one full forward per
             sample and probe; slow, for checking).
         batch_size: samples per forward (fisher, exact).
+        refine, refine_bits: fisher only: the fraction of modules (largest first) probed exactly on
+            the calibration subset at ``refine_bits`` (default: the middle candidate), each
+            module's estimate then scaled to its probe (``fisher.refine_kl``); 0 turns it off.
         shard, num_shards: compute only this shard's groups (merge with ``sensitivity_merge``).
         ref_cache_mb: keep reference log-probs for all samples when they fit in this budget.
         stop_after_groups: stop (raising KeyboardInterrupt) after this many new groups (tests).
@@ -650,6 +666,7 @@ def sensitivity(
     s = prepare(
         model_dir=model_dir, bits=list(bits), group_size=group_size, mode=mode, calib_path=calib_path,
         samples=samples, seq_len=seq_len, seed=seed, method=method, batch_size=batch_size,
+        refine=refine, refine_bits=refine_bits,
     )  # fmt: skip
     n_blocks = Stack(s.model).n
     groups: dict[int, list[Target]] = {}
@@ -687,8 +704,6 @@ def runtime() -> dict[str, Any]:
     """What changes the numbers besides model, calibration and settings: mlx version and BLAS."""
     import mlx.core as mx
 
-    from mlxbun import blas
-
     info = blas.load()  # what was loaded before mlx.core (cached), or the bundled BLAS
     return {"mlx": mx.__version__, "blas": info.get("library") if info.get("loaded") else "bundled"}
 
@@ -697,8 +712,6 @@ def _compute(
     s: Setup, todo: dict, ckpt: Checkpoints, kls: dict, *, batch_size, ref_cache_mb, stop_after
 ) -> dict[str, Any] | None:
     """Fill ``kls`` for the groups in ``todo`` (each saved as it completes); the fisher extras."""
-    from mlxbun.progress import Progress
-
     if not todo:
         return None
     method = s.settings["method"]
@@ -723,11 +736,9 @@ def _compute(
         if method == "fisher":
             return _fisher(s, todo, on_group, progress, batch_size=batch_size, ckpt_dir=ckpt.dir)
         if method == "reference":
-            from mlxbun.quant.sensitivity_ref import reference_sweep
-
             reference_sweep(s.model, s.tokens, todo, s.cands, on_group=on_group, progress=progress)
         else:
-            from mlxbun.quant.fisher import timed_forward
+            from mlxbun.quant.fisher import timed_forward  # deferred: fisher.py imports this module
 
             # work is counted in blocks run per module and candidate: (n_blocks + 1) make one forward
             per_batch = timed_forward(s.model, s.tokens, batch_size)
@@ -742,16 +753,17 @@ def _compute(
 
 def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_dir: Path) -> dict[str, Any]:
     """The fisher estimate over all targets (its calibration is whole-model); todo's groups saved."""
-    from mlxbun.quant.fisher import estimate
+    from mlxbun.quant.fisher import estimate  # deferred: fisher.py builds on this module's Sweep
 
     def at(fraction: float) -> None:
         progress.update(fraction * progress.total - progress.done, work=fraction - progress.work)
 
     est = estimate(
         s.model, s.tokens, s.targets, s.cands, batch_size=batch_size, seed=s.settings["calibration"]["seed"],
-        progress=at, hint=progress.hint,
+        refine=s.settings["refine"], refine_bits=s.settings["refine_bits"], progress=at, hint=progress.hint,
     )  # fmt: skip
     extra = {"factors": est.factors, "measured": est.measured, "forward_equivalents": est.forward_equivalents}
+    extra |= {"probes": est.probes or {}}
     atomic_write_json(ckpt_dir / "estimate.json", extra)  # before the groups: a resume finds it
     for g in sorted(todo):
         on_group(g, {t.path: est.kl[t.path] for t in todo[g]})
@@ -760,11 +772,9 @@ def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_d
 
 def run(cfg: Any) -> Any:
     """command=sensitivity: unpack the config and call :func:`sensitivity`."""
-    from mlxbun.provenance import RunResult
-    from mlxbun.source import expand, model_dir
 
     sc = cfg.sensitivity
-    mdir = model_dir(cfg)
+    mdir = source_dir(cfg)
     run_dir = Path(cfg.paths.run_dir)
     work = expand(sc.work_dir) if sc.work_dir else expand(cfg.paths.cache) / "sensitivity"
     doc = sensitivity(
@@ -772,6 +782,7 @@ def run(cfg: Any) -> Any:
         bits=list(sc.bits), group_size=sc.group_size, mode=sc.mode, calib_path=sc.calib.path,
         samples=sc.calib.samples, seq_len=sc.calib.seq_len, seed=sc.calib.seed, method=sc.method,
         batch_size=sc.batch_size, shard=sc.shard, num_shards=sc.num_shards,
+        refine=sc.refine, refine_bits=list(sc.refine_bits) or None,
     )  # fmt: skip
     stats = doc.pop("_stats")
     out = run_dir / "sensitivity.json"
