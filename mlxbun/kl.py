@@ -67,6 +67,8 @@ def kl_from_stats(stats: tuple[np.ndarray, np.ndarray], logits: Any) -> np.ndarr
     """
     p, neg_entropy = stats
     z = as_float64(logits)
+    cross = np.einsum("btv,btv->bt", p, z)
     top = z.max(axis=-1)
-    lse = top + np.log(np.exp(z - top[..., None]).sum(axis=-1))
-    return (neg_entropy - np.einsum("btv,btv->bt", p, z) + lse).mean(axis=-1)
+    z -= top[..., None]  # in place: one vocabulary-sized float64 array per call
+    lse = top + np.log(np.exp(z, out=z).sum(axis=-1))
+    return (neg_entropy - cross + lse).mean(axis=-1)

@@ -311,3 +311,14 @@ def test_sigkill_then_resume(tmp_path):
     again = subprocess.run([sys.executable, "-m", "mlxbun", *args], cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 0, again.stderr
     assert f"({done} groups resumed)" in again.stdout
+
+
+def test_fake_quant_in_row_slices_gives_the_same_values(monkeypatch):
+    """A large weight is fake-quantized in slices of rows (bounded temporaries): same values."""
+    w = mx.random.normal((48, 256), key=mx.random.key(3)).astype(mx.bfloat16)
+    for cand in (QuantSpec(bits=3, group_size=64), QuantSpec(bits=4, group_size=32, mode="mxfp4")):
+        whole = np.array(sens.fake_quant(w, cand, dtype="bfloat16"))
+        monkeypatch.setattr(sens, "FAKE_QUANT_CHUNK", 5 * 256)  # 5 rows per slice: 10 slices, one short
+        sliced = np.array(sens.fake_quant(w, cand, dtype="bfloat16"))
+        monkeypatch.undo()
+        assert sliced.dtype == np.float32 and np.array_equal(whole, sliced), cand

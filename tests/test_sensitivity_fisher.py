@@ -218,3 +218,54 @@ def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
         SensitivityCfg(refine=1.5)
     with pytest.raises(InputError, match="sensitivity.refine_bits has 3"):
         SensitivityCfg(bits=[4, 8], refine_bits=[3])
+
+
+# ------------------------------------------------------------------ memory: batches and the pool
+
+
+def test_pooled_scores_equal_per_batch_scores(monkeypatch):
+    """Scoring every batch on its own (a pool of one batch) or all batches at once: same sums."""
+    s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
+                     method="fisher", batch_size=1, **CAL)  # fmt: skip
+
+    def raw_scores(pool_bytes: int) -> dict:
+        monkeypatch.setattr(fisher, "POOL_BYTES", pool_bytes)
+        fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
+        try:
+            for i in range(len(s.tokens)):
+                fp.run(mx.array(s.tokens[i : i + 1]))
+            return fp.scores()
+        finally:
+            fp.pool.close()
+
+    pooled, each = raw_scores(1 << 40), raw_scores(0)
+    assert pooled.keys() == each.keys()
+    for path, row in pooled.items():
+        for bits, value in row.items():
+            assert value == pytest.approx(each[path][bits], rel=1e-4), (path, bits)
+            assert value > 0, (path, bits)
+
+
+def test_batches_shrink_to_the_activation_bound(monkeypatch, caplog):
+    s = sens.prepare(model_dir=FIXTURE, bits=[4], group_size=64, mode="affine", calib_path=None,
+                     method="fisher", batch_size=4, **CAL)  # fmt: skip
+    fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
+    assert fp.samples_per_batch(s.tokens, 4) == 4  # a 3M model's activations are far under 1 GiB
+    widths = sum(shape[-1] for shape in fp.rec.shapes.values())
+    per_sample = 4 * CAL["seq_len"] * (3 * widths + 4 * 2048)  # the fixture's vocabulary: 2,048
+    monkeypatch.setattr(fisher, "ACTIVATION_BYTES", 2 * per_sample)
+    assert fp.samples_per_batch(s.tokens, 4) == 2
+    monkeypatch.setattr(fisher, "ACTIVATION_BYTES", 1)
+    assert fp.samples_per_batch(s.tokens, 4) == 1
+    fp.pool.close()
+    calls, original = [], fisher.FisherPass.run
+
+    def recording(self, batch):
+        calls.append(batch.shape[0])
+        return original(self, batch)
+
+    monkeypatch.setattr(fisher.FisherPass, "run", recording)
+    with caplog.at_level(logging.INFO, logger="mlxbun.quant.fisher"):
+        est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=4, seed=0)
+    assert calls == [1, 1, 1, 1] and "fisher batches of 1 samples" in caplog.text
+    assert all(row["4"] > 0 for row in est.kl.values())

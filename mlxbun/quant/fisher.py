@@ -11,15 +11,17 @@ passes over the calibration set, whatever the depth or the number of candidates:
    Labels are sampled from the model's own distribution, so the gradient g_t of their
    log-likelihood with respect to a module's output at token t has E[g g^T] = F. Every target
    module gets a zero "tap" added to its output; one backward gives g for all of them at once.
-   With dY_t = dW x_t, and the Fisher taken diagonal and split by rows and columns
-   (sum_t g_ti^2 x_tj^2 ~ T * mean(g_i^2) * mean(x_j^2)), the per-token KL of a weight change is
+   With dY_t = dW x_t and the Fisher taken diagonal in each token's output channels, the
+   per-token KL of a weight change is
 
-       KL_m(dW) ~ 1/2 * sum_ij dW_ij^2 * r_i * c_j,     r = mean_t g_t^2,  c = mean_t x_t^2
+       KL_m(dW) ~ 1/(2T) * sum_t sum_i g_ti^2 * (dW x_t)_i^2
 
-   (an embedding lookup uses token frequencies as ``c``; a tied head adds its own term). Only the
-   vectors r and c are kept: memory is the model plus one batch of activations.
-2. **Scores** per (module, candidate): quantize -> dequantize the weight and evaluate the formula:
-   elementwise work on the weight, no forwards. A new candidate costs one quantization.
+   (an embedding lookup's dY_t is the row of dW its token selects; a tied head adds its own
+   term). A batch's gradients and module inputs go to a temporary directory: memory is the model
+   plus one batch of activations (batches shrink to keep them under ``ACTIVATION_BYTES``).
+2. **Scores** per (module, candidate), once per pool of batches (``POOL_BYTES`` on disk; every
+   batch at the sizes tried): quantize -> dequantize the weight once, then one matmul with the
+   pooled inputs. A new candidate costs one quantization and about one forward.
 3. **Calibration** (per candidate, one forward over a quarter of the calibration samples per
    group of modules: one role, and at <= 3 bits one quarter of the depth): the group's modules
    at candidate s together, KL(ref || cur) measured exactly; its scores are scaled by measured /
@@ -41,6 +43,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 import tempfile
 import time
 from collections.abc import Callable
@@ -51,8 +54,11 @@ from typing import Any
 import numpy as np
 
 from mlxbun.kl import kl_from_stats, ref_stats
+from mlxbun.progress import human_bytes
 from mlxbun.quant.sensitivity import Sweep, Target, fake_quant, module_at
 from mlxbun.quant.spec import QuantSpec
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -95,8 +101,13 @@ class _Tap:
 
 
 HEAD = "@head"  # the tap of a tied embedding used as the output head
-CHUNK = 1 << 24  # weights per slice of rows scored at once (bounds the float32 temporaries)
-ERROR_CACHE_BYTES = 512 << 20  # quantization errors kept across batches (small models: all of them)
+CHUNK = 1 << 22  # weights per slice of rows scored at once (bounds the float32 temporaries)
+# Batches' gradients and inputs wait on disk until they reach this, then are scored together: each
+# candidate's quantization error is computed once per pool, not once per batch.
+POOL_BYTES = 4 << 30
+# One Fisher batch's taps, their gradients, recorded inputs and float32 logits stay under this:
+# fewer samples per batch where a large vocabulary would pass it (150K: ~1 GB per 128-token sample).
+ACTIVATION_BYTES = 1 << 30
 
 
 class _Recorder:
@@ -170,8 +181,27 @@ class FisherPass:
         self.key = seed
         self.sums: dict[str, dict[str, float]] = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
         self.tokens = 0
-        self._errors: dict[tuple, Any] = {}
-        self._error_bytes = 0
+        self.pool = _Spill()
+        self._pooled: list[int] = []  # samples of each pooled batch
+        self._pool_bytes = 0
+
+    def samples_per_batch(self, tokens: Any, batch_size: int) -> int:
+        """``batch_size``, or fewer so that one batch's activations stay under ACTIVATION_BYTES:
+        per token, float32 taps, their gradients and inputs (3 x the summed output widths) and
+        the logits with their softmax temporaries (4 x the vocabulary)."""
+        import mlx.core as mx
+
+        undo = _install(self.model, self.tgts, self.rec)
+        try:
+            self.rec.deltas = {}
+            logits = self.model(mx.array(tokens[:1, :1]))
+            mx.eval(logits)
+        finally:
+            self.rec.inputs, self.rec.ids = {}, {}
+            _uninstall(undo)
+        widths = sum(s[-1] for s in self.rec.shapes.values())
+        per_sample = 4 * tokens.shape[1] * (3 * widths + 4 * logits.shape[-1])
+        return max(1, min(batch_size, ACTIVATION_BYTES // per_sample))
 
     def _zeros(self, batch: Any) -> dict[str, Any]:
         """Zero taps shaped like each module's output (shapes from a one-token forward)."""
@@ -212,87 +242,133 @@ class FisherPass:
         finally:
             self.rec.deltas, self.rec.inputs, self.rec.ids = {}, {}, {}
             _uninstall(undo)
-        for t in self.tgts:
-            self._score(t, {k: v * v for k, v in grads.items() if k in (t.path, t.path + HEAD)}, inputs, ids)
-            self.tick(len(self.cands) * batch.shape[0] * self.share[t.path])
+        j = len(self._pooled)
+        for kind, arrays in (("g", grads), ("x", inputs), ("ids", ids)):
+            for k, v in arrays.items():
+                self._pool_bytes += self.pool.put(f"{kind}{j}{k}", v)
+        self._pooled.append(batch.shape[0])
         self.tokens += int(batch.size)
+        if self._pool_bytes >= POOL_BYTES:
+            self.flush()
         return logits
 
-    def _score(self, t: Target, g2: dict, inputs: dict, ids: dict) -> None:
-        """Adds this batch's sum g^2 * dY^2 for every candidate of ``t`` (rows in slices)."""
+    def flush(self) -> None:
+        """Scores the pooled batches: every target's gradients and inputs of all of them at once."""
+        if not self._pooled:
+            return
+        for t in self.tgts:
+            self._score(t)
+            self.tick(len(self.cands) * sum(self._pooled) * self.share[t.path])
+        self.pool.clear()
+        self._pooled, self._pool_bytes = [], 0
+
+    def _pooled_array(self, kind: str, key: str, cols: slice | None = None) -> np.ndarray | None:
+        """``key``'s array of kind g, x or ids over the pooled batches, concatenated (None if the
+        pass recorded none); ``cols`` slices the last axis, read through a memory map so that only
+        the slice is resident (a tied head's gradients are the largest arrays of the pass)."""
+        names = [f"{kind}{j}{key}" for j in range(len(self._pooled))]
+        if not self.pool.has(names[0]):
+            return None
+        parts = []
+        for name in names:
+            whole = self.pool.get(name, mmap=cols is not None)
+            parts.append(np.array(whole if cols is None else whole[..., cols]))
+            del whole
+        return np.concatenate(parts)
+
+    def _g2(self, key: str, cols: slice | None = None) -> Any:
+        import mlx.core as mx
+
+        g = self._pooled_array("g", key, cols)
+        return None if g is None else mx.array(np.square(g, out=g))
+
+    def _score(self, t: Target) -> None:
+        """Adds the pool's sum g^2 * dY^2 for every candidate of ``t``, in slices of rows: each
+        slice's gradients are read once, then every candidate's error on those rows is scored."""
+        import mlx.core as mx
+
         w = _real(module_at(self.model, t.path)).weight
         step = max(1, CHUNK // w.shape[-1])
-        for c in self.cands:
-            if not c.matches(t.current):
-                per = sum(
-                    self._rows(t, w, c, lo, lo + step, g2, inputs, ids) for lo in range(0, w.shape[0], step)
-                )
-                self.sums[t.path][str(c.bits)] += float(per.sum())
+        todo = [c for c in self.cands if not c.matches(t.current)]
+        ids = self._pooled_array("ids", t.path)
+        ids = None if ids is None else mx.array(ids)
+        inputs = {}
+        for key in (t.path, t.path + HEAD):
+            if (x := self._pooled_array("x", key)) is not None:
+                inputs[key] = mx.array(x)
+        lookup = None if ids is None else self._g2(t.path)  # a lookup's dY is a row: all columns
+        per = dict.fromkeys((str(c.bits) for c in todo), 0.0)
+        for lo in range(0, w.shape[0], step):
+            rows = slice(lo, min(lo + step, w.shape[0]))
+            g2 = {
+                t.path: lookup if ids is not None else self._g2(t.path, rows),
+                HEAD: self._g2(t.path + HEAD, rows),
+            }
+            wc = w[rows].astype(mx.float32)
+            for c in todo:
+                per[str(c.bits)] += self._rows(t, fake_quant(wc, c, dtype=t.dtype) - wc, lo, g2, inputs, ids)
+        for bits, value in per.items():
+            self.sums[t.path][bits] += value
 
-    def _error(self, t: Target, w: Any, c: QuantSpec, lo: int, hi: int) -> Any:
-        """dW of rows lo:hi at ``c``; kept for the next batches while they fit ``ERROR_CACHE_BYTES``."""
+    def _rows(self, t: Target, d: Any, lo: int, g2: dict, inputs: dict, ids: Any) -> float:
+        """The sum over tokens and the rows lo:lo+len(d) of g^2 * dY^2, dW = ``d`` (float64);
+        ``g2`` holds the squared gradients of those rows (the module's, a tied head's at HEAD)."""
         import mlx.core as mx
 
-        key = (t.path, str(c.bits), lo)
-        if key in self._errors:
-            return self._errors[key]
-        wc = w[lo:hi].astype(mx.float32)
-        d = fake_quant(wc, c, dtype=t.dtype) - wc
-        if self._error_bytes + d.nbytes <= ERROR_CACHE_BYTES:
-            mx.eval(d)
-            self._errors[key] = d
-            self._error_bytes += d.nbytes
-        return d
-
-    def _rows(
-        self, t: Target, w: Any, c: QuantSpec, lo: int, hi: int, g2: dict, inputs: dict, ids: dict
-    ) -> Any:
-        """Per sample, the sum over tokens and rows lo:hi of g^2 * dY^2 (numpy float64)."""
-        import mlx.core as mx
-
-        d = self._error(t, w, c, lo, hi)
+        hi = lo + d.shape[0]
         total = mx.array(0.0)
         axes = (1, 2)
-        if t.path in ids:  # lookup: dY_t = dW[token_t], for the tokens whose row is in the slice
-            tok = ids[t.path]
-            inside = ((tok >= lo) & (tok < hi))[..., None]
-            rows = d[mx.clip(tok - lo, 0, d.shape[0] - 1)]
+        if ids is not None:  # lookup: dY_t = dW[token_t], for the tokens whose row is in the slice
+            inside = ((ids >= lo) & (ids < hi))[..., None]
+            rows = d[mx.clip(ids - lo, 0, d.shape[0] - 1)]
             total = total + (g2[t.path] * mx.square(rows) * inside).sum(axis=axes)
-        elif t.path in g2:
-            total = total + (g2[t.path][..., lo:hi] * mx.square(inputs[t.path] @ d.T)).sum(axis=axes)
-        if t.path + HEAD in g2:  # a tied embedding is also the head
-            head = t.path + HEAD
-            total = total + (g2[head][..., lo:hi] * mx.square(inputs[head] @ d.T)).sum(axis=axes)
-        return np.array(total, dtype=np.float64)
+        elif g2[t.path] is not None:
+            total = total + (g2[t.path] * mx.square(inputs[t.path] @ d.T)).sum(axis=axes)
+        if g2[HEAD] is not None:  # a tied embedding is also the head
+            total = total + (g2[HEAD] * mx.square(inputs[t.path + HEAD] @ d.T)).sum(axis=axes)
+        return float(np.array(total, dtype=np.float64).sum())
 
     def scores(self) -> dict[str, dict[str, float]]:
-        """Per-token KL estimates, 1/2 * sums / tokens."""
+        """Per-token KL estimates, 1/2 * sums / tokens (the pool scored first)."""
+        self.flush()
         return {p: {b: 0.5 * v / max(self.tokens, 1) for b, v in row.items()} for p, row in self.sums.items()}
 
 
 # ---------------------------------------------------------------- 3. calibration
 
 
-class _RefStore:
-    """Reference logits of every batch, spilled to a temporary directory (float32 .npy)."""
+class _Spill:
+    """Arrays kept in a temporary directory by name (.npy): reference logits, pooled gradients."""
 
     def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="mlxbun-fisher-")
-        self.n = 0
+        self._names: dict[str, Path] = {}
 
-    def put(self, logits: Any) -> None:
-        np.save(Path(self._dir.name) / f"{self.n}.npy", np.array(logits))
-        self.n += 1
+    def put(self, name: str, value: Any) -> int:
+        """Stores ``value`` under ``name``; returns its bytes."""
+        path = Path(self._dir.name) / f"{len(self._names)}.npy"
+        arr = np.array(value)
+        np.save(path, arr)
+        self._names[name] = path
+        return arr.nbytes
 
-    def get(self, j: int) -> np.ndarray:
-        return np.load(Path(self._dir.name) / f"{j}.npy")
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def get(self, name: str, *, mmap: bool = False) -> np.ndarray:
+        return np.load(self._names[name], mmap_mode="r" if mmap else None)
+
+    def clear(self) -> None:
+        for path in self._names.values():
+            path.unlink()
+        self._names = {}
 
     def close(self) -> None:
         self._dir.cleanup()
 
 
 def whole_model_kl(
-    model: Any, batches: list, refs: _RefStore, tgts: list[Target], cand: QuantSpec, tick
+    model: Any, batches: list, refs: _Spill, tgts: list[Target], cand: QuantSpec, tick
 ) -> float:
     """KL(ref || every target at ``cand``), mean over tokens then samples; weights restored."""
     import mlx.core as mx
@@ -310,7 +386,7 @@ def whole_model_kl(
         for j, b in enumerate(batches):
             logits = model(b).astype(mx.float32)
             mx.eval(logits)
-            kl = kl_from_stats(ref_stats(mx.array(refs.get(j)[: b.shape[0]])), logits)
+            kl = kl_from_stats(ref_stats(mx.array(refs.get(f"ref{j}")[: b.shape[0]])), logits)
             total, n = total + float(kl.sum()), n + len(kl)
             tick(float(b.shape[0]))
         return total / max(n, 1)
@@ -367,6 +443,21 @@ def estimate(
     import mlx.core as mx
 
     n = tokens.shape[0]
+    done = [0.0]
+
+    def tick(units: float) -> None:
+        done[0] += units
+        if progress is not None:
+            progress(min(done[0] / fwd, 1.0))
+
+    fp = FisherPass(model, tgts, cands, seed=seed, tick=tick)
+    if (fewer := fp.samples_per_batch(tokens, batch_size)) < batch_size:
+        log.info(
+            "sensitivity: fisher batches of %d samples (activations under %s)",
+            fewer,
+            human_bytes(ACTIVATION_BYTES),
+        )
+        batch_size = fewer
     batches = [mx.array(tokens[i : i + batch_size]) for i in range(0, n, batch_size)]
     n_sub = max(1, n // CALIB_FRACTION)
     sub = [mx.array(tokens[i : min(i + batch_size, n_sub)]) for i in range(0, n_sub, batch_size)]
@@ -375,20 +466,13 @@ def estimate(
     # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
     fwd = (3 + len(cands)) * n + sum(len(g) for g in groups.values()) * n_sub  # in samples
     fwd += probe_cost(tgts, probes, n_blocks=max(t.group for t in tgts)) * n_sub
-    done = [0.0]
-
-    def tick(units: float) -> None:
-        done[0] += units
-        if progress is not None:
-            progress(min(done[0] / fwd, 1.0))
 
     if hint is not None:
         hint(timed_forward(model, tokens, batch_size) * fwd / min(batch_size, n))
-    refs = _RefStore()
+    refs = _Spill()
     try:
-        fp = FisherPass(model, tgts, cands, seed=seed, tick=tick)
-        for b in batches:
-            refs.put(fp.run(b))
+        for j, b in enumerate(batches):
+            refs.put(f"ref{j}", fp.run(b))
         raw = fp.scores()
         measured = {
             str(c.bits): {
@@ -398,6 +482,7 @@ def estimate(
         }
     finally:
         refs.close()
+        fp.pool.close()
     est = _calibrate(raw, measured, groups, forward_equivalents=fwd / n)
     if not probes:
         return est

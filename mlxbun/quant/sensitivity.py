@@ -201,8 +201,27 @@ def source_dtypes(model_dir: str | Path) -> dict[str, str]:
     return out
 
 
+FAKE_QUANT_CHUNK = 1 << 22  # weights quantized at once: bounds the temporaries of a large embedding
+
+
 def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str) -> Any:
-    """quantize -> dequantize of ``weight`` cast to its source dtype, returned as float32."""
+    """quantize -> dequantize of ``weight`` cast to its source dtype, returned as float32.
+
+    Large weights go in slices of rows (quantization groups never cross a row: the same values),
+    each evaluated before the next, so the temporaries stay near ``FAKE_QUANT_CHUNK`` weights."""
+    import mlx.core as mx
+
+    rows = max(1, FAKE_QUANT_CHUNK // max(1, weight.size // max(1, weight.shape[0])))
+    if weight.shape[0] <= rows:
+        return _fake_quant(weight, cand, dtype)
+    parts = []
+    for lo in range(0, weight.shape[0], rows):
+        parts.append(_fake_quant(weight[lo : lo + rows], cand, dtype))
+        mx.eval(parts[-1])
+    return mx.concatenate(parts)
+
+
+def _fake_quant(weight: Any, cand: QuantSpec, dtype: str) -> Any:
     import mlx.core as mx
 
     src = weight.astype(getattr(mx, dtype))
