@@ -93,9 +93,14 @@ def test_fisher_cost_does_not_grow_with_candidates(monkeypatch):
     n_samples, n_batches = 4, 2
     n_sub = max(1, n_samples // fisher.CALIB_FRACTION)  # calibration samples, one batch here
     n_groups = 2 * 29 + 4 * 8  # bits 2, 3: roles x depth quarters; 4, 5, 6, 8: roles (8 with embedding)
-    assert calls[0] == 1 + n_batches + n_groups
-    want = 3 + len(s.cands) + n_groups * n_sub / n_samples
+    starts = 3  # the fixture's 4 blocks: depth quarters start at blocks 1, 2 and 3 (entries kept)
+    assert calls[0] == 1 + n_batches + n_groups + starts
+    # A quarter starting at block k runs blocks k..3 and the head: (5 - k) / 5 of a forward;
+    # each start's entry costs k / 5 once. Roles (and the first quarter) run everything.
+    calibration = 2 * 7 * (4 + 3 + 2) / 5 + 2 * (7 + 1) + 4 * 8 + (1 + 2 + 3) / 5
+    want = 3 + len(s.cands) + calibration * n_sub / n_samples
     assert est.forward_equivalents == pytest.approx(want)
+    assert est.forward_equivalents < 3 + len(s.cands) + n_groups * n_sub / n_samples
 
 
 def test_fisher_untied_head_and_weights_restored(tmp_path):

@@ -55,7 +55,7 @@ import numpy as np
 
 from mlxbun.kl import kl_from_stats, ref_stats
 from mlxbun.progress import human_bytes
-from mlxbun.quant.sensitivity import Sweep, Target, fake_quant, module_at
+from mlxbun.quant.sensitivity import Stack, Sweep, Target, fake_quant, module_at
 from mlxbun.quant.spec import QuantSpec
 
 log = logging.getLogger(__name__)
@@ -367,32 +367,73 @@ class _Spill:
         self._dir.cleanup()
 
 
-def whole_model_kl(
-    model: Any, batches: list, refs: _Spill, tgts: list[Target], cand: QuantSpec, tick
-) -> float:
-    """KL(ref || every target at ``cand``), mean over tokens then samples; weights restored."""
-    import mlx.core as mx
+class Calibration:
+    """KL(ref || the model with a group of modules at one candidate) on the calibration subset.
 
-    saved = []
-    try:
-        for t in tgts:
-            if cand.matches(t.current):
-                continue
-            mod = _real(module_at(model, t.path))
-            saved.append((mod, mod.weight))
-            mod.weight = fake_quant(mod.weight, cand, dtype=t.dtype).astype(mod.weight.dtype)
-            mx.eval(mod.weight)
-        total, n = 0.0, 0
-        for j, b in enumerate(batches):
-            logits = model(b).astype(mx.float32)
-            mx.eval(logits)
-            kl = kl_from_stats(ref_stats(mx.array(refs.get(f"ref{j}")[: b.shape[0]])), logits)
-            total, n = total + float(kl.sum()), n + len(kl)
-            tick(float(b.shape[0]))
-        return total / max(n, 1)
-    finally:
-        for mod, w in saved:
-            mod.weight = w
+    A group's forward starts at the first block it changes: the hidden state entering that block
+    is computed once per batch with the original weights and kept (a deep group skips the blocks
+    before it). The reference's softmax statistics are computed once per batch and spilled."""
+
+    def __init__(self, model: Any, batches: list, refs: _Spill) -> None:
+        self.stack = Stack(model)
+        self.model, self.batches, self.refs = model, batches, refs
+        self._entry: dict[tuple[int, int], Any] = {}  # (block, batch) -> hidden state entering it
+        self._stats: set[int] = set()
+
+    def cost(self, groups: list[list[Target]]) -> float:
+        """Forward-pass equivalents per calibration sample: each group from its first block
+        (blocks run + head over blocks + head), and one partial forward per distinct start."""
+        whole = self.stack.n + 1
+        starts = [self.start(ts) for ts in groups]
+        return sum((whole - s) / whole for s in starts) + sum(s / whole for s in set(starts))
+
+    def start(self, tgts: list[Target]) -> int:
+        return min(min(t.group for t in tgts), self.stack.n)
+
+    def kl(self, tgts: list[Target], cand: QuantSpec, tick: Callable[[float], None]) -> float:
+        """Mean over tokens then samples; the weights are restored."""
+        import mlx.core as mx
+
+        start = self.start(tgts)
+        share = (self.stack.n + 1 - start) / (self.stack.n + 1)
+        for j, b in enumerate(self.batches):
+            if start > 0 and (start, j) not in self._entry:
+                self._entry[(start, j)] = self.stack.forward(b, stop=start)
+                mx.eval(self._entry[(start, j)])
+                tick(b.shape[0] * start / (self.stack.n + 1))
+        saved = []
+        try:
+            for t in tgts:
+                if cand.matches(t.current):
+                    continue
+                mod = _real(module_at(self.model, t.path))
+                saved.append((mod, mod.weight))
+                mod.weight = fake_quant(mod.weight, cand, dtype=t.dtype).astype(mod.weight.dtype)
+                mx.eval(mod.weight)
+            total, n = 0.0, 0
+            for j, b in enumerate(self.batches):
+                if start > 0:
+                    logits = self.stack.forward(b, start=start, h=self._entry[(start, j)])
+                else:
+                    logits = self.model(b)
+                logits = logits.astype(mx.float32)
+                mx.eval(logits)
+                kl = kl_from_stats(self._ref_stats(j, b.shape[0]), logits)
+                total, n = total + float(kl.sum()), n + len(kl)
+                tick(b.shape[0] * share)
+            return total / max(n, 1)
+        finally:
+            for mod, w in saved:
+                mod.weight = w
+
+    def _ref_stats(self, j: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        if j not in self._stats:
+            p, neg_entropy = ref_stats(self.refs.get(f"ref{j}")[:rows])
+            self.refs.put(f"p{j}", p)
+            self.refs.put(f"negent{j}", neg_entropy)
+            self._stats.add(j)
+            return p, neg_entropy
+        return self.refs.get(f"p{j}"), self.refs.get(f"negent{j}")
 
 
 # ---------------------------------------------------------------- entry point
@@ -463,22 +504,20 @@ def estimate(
     sub = [mx.array(tokens[i : min(i + batch_size, n_sub)]) for i in range(0, n_sub, batch_size)]
     groups = {str(c.bits): calibration_groups(tgts, c) for c in cands}
     probes = probe_plan(tgts, cands, refine=refine, refine_bits=refine_bits)
+    refs = _Spill()
+    calib = Calibration(model, sub, refs)
     # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
-    fwd = (3 + len(cands)) * n + sum(len(g) for g in groups.values()) * n_sub  # in samples
-    fwd += probe_cost(tgts, probes, n_blocks=max(t.group for t in tgts)) * n_sub
+    fwd = (3 + len(cands)) * n + calib.cost([ts for g in groups.values() for ts in g.values()]) * n_sub
+    fwd += probe_cost(tgts, probes, n_blocks=max(t.group for t in tgts)) * n_sub  # in samples
 
     if hint is not None:
         hint(timed_forward(model, tokens, batch_size) * fwd / min(batch_size, n))
-    refs = _Spill()
     try:
         for j, b in enumerate(batches):
             refs.put(f"ref{j}", fp.run(b))
         raw = fp.scores()
         measured = {
-            str(c.bits): {
-                k: whole_model_kl(model, sub, refs, ts, c, tick) for k, ts in groups[str(c.bits)].items()
-            }
-            for c in cands
+            str(c.bits): {k: calib.kl(ts, c, tick) for k, ts in groups[str(c.bits)].items()} for c in cands
         }
     finally:
         refs.close()
