@@ -194,8 +194,8 @@ def report(rows: list[dict], sizes: dict[str, float], load: tuple[str, str]) -> 
         f"## quantize vs mlx_lm convert ({time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC)",
         "",
         f"Machine: {os.cpu_count()}-core {platform.machine()} Linux, mlx {_ver('mlx')} CPU, mlx-lm {_ver('mlx-lm')};"
-        f" shared with other jobs (load average before/after: {load[0]} / {load[1]}), so wall times are noisy"
-        " (best of the interleaved runs is shown); CPU seconds are steadier. 4-bit affine g64, bf16 synthetic llama sources on a warm page cache.",
+        f" load average before/after: {load[0]} / {load[1]} (on a shared machine wall times are noisy:"
+        " the best of the interleaved runs is shown; CPU seconds are steadier). 4-bit affine g64, bf16 synthetic llama sources on a warm page cache.",
         "",
         "| model | source GB | run | shards | runs | wall s (best) | CPU s | peak RSS GB | tensors identical to mlx-lm |",
         "|---|---|---|---|---|---|---|---|---|",
