@@ -274,3 +274,24 @@ def test_batches_shrink_to_the_activation_bound(monkeypatch, caplog):
         est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=4, seed=0)
     assert calls == [1, 1, 1, 1] and "fisher batches of 1 samples" in caplog.text
     assert all(row["4"] > 0 for row in est.kl.values())
+
+
+def test_scores_sum_dot_products_across_row_slices(monkeypatch):
+    """(g . dY)^2 needs every row's part of the dot before squaring: scoring a weight in many
+    slices of rows (and the tied head's vocabulary in slices) gives the one-slice sums."""
+    s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
+                     method="fisher", batch_size=2, **CAL)  # fmt: skip
+
+    def raw_scores(chunk: int) -> dict:
+        monkeypatch.setattr(fisher, "CHUNK", chunk)
+        fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
+        try:
+            fp.run(mx.array(s.tokens[:2]))
+            return fp.scores()
+        finally:
+            fp.pool.close()
+
+    whole, sliced = raw_scores(1 << 40), raw_scores(32 * 256)  # 32 rows of 256 per slice
+    for path, row in whole.items():
+        for bits, value in row.items():
+            assert value > 0 and sliced[path][bits] == pytest.approx(value, rel=1e-4), (path, bits)

@@ -11,13 +11,15 @@ passes over the calibration set, whatever the depth or the number of candidates:
    Labels are sampled from the model's own distribution, so the gradient g_t of their
    log-likelihood with respect to a module's output at token t has E[g g^T] = F. Every target
    module gets a zero "tap" added to its output; one backward gives g for all of them at once.
-   With dY_t = dW x_t and the Fisher taken diagonal in each token's output channels, the
-   per-token KL of a weight change is
+   With dY_t = dW x_t, E[(g_t . dY_t)^2] = dY_t^T F_t dY_t, so one label sample per token gives
+   an unbiased estimate of the per-token KL of a weight change, cross-channel terms included:
 
-       KL_m(dW) ~ 1/(2T) * sum_t sum_i g_ti^2 * (dW x_t)_i^2
+       KL_m(dW) ~ 1/(2T) * sum_t (g_t . dW x_t)^2
 
-   (an embedding lookup's dY_t is the row of dW its token selects; a tied head adds its own
-   term). A batch's gradients and module inputs go to a temporary directory: memory is the model
+   (measured on both committed fixtures, this ranks modules closer to exact than the diagonal
+   sum_i g_ti^2 (dW x_t)_i^2: Spearman per bit 0.92-0.98 against 0.88-0.94 on the 12-layer one).
+   An embedding lookup's dY_t is the row of dW its token selects; a tied head adds its own
+   term to the same dot product. A batch's gradients and module inputs go to a temporary directory: memory is the model
    plus one batch of activations (batches shrink to keep them under ``ACTIVATION_BYTES``).
 2. **Scores** per (module, candidate), once per pool of batches (``POOL_BYTES`` on disk; every
    batch at the sizes tried): quantize -> dequantize the weight once, then one matmul with the
@@ -161,8 +163,8 @@ def _kinds(model: Any, tgts: list[Target]) -> dict[str, str]:
 
 
 class FisherPass:
-    """Scores every (target, candidate) batch by batch: sum over tokens and output channels of
-    g_ti^2 * (dW x_t)_i^2, g the gradient of the sampled labels' log-likelihood at the output."""
+    """Scores every (target, candidate): the sum over tokens of (g_t . dW x_t)^2, g the gradient
+    of the sampled labels' log-likelihood at the module's output."""
 
     def __init__(
         self,
@@ -276,15 +278,16 @@ class FisherPass:
             del whole
         return np.concatenate(parts)
 
-    def _g2(self, key: str, cols: slice | None = None) -> Any:
+    def _g(self, key: str, cols: slice | None = None) -> Any:
         import mlx.core as mx
 
         g = self._pooled_array("g", key, cols)
-        return None if g is None else mx.array(np.square(g, out=g))
+        return None if g is None else mx.array(g)
 
     def _score(self, t: Target) -> None:
-        """Adds the pool's sum g^2 * dY^2 for every candidate of ``t``, in slices of rows: each
-        slice's gradients are read once, then every candidate's error on those rows is scored."""
+        """Adds the pool's sum over tokens of (g . dY)^2 for every candidate of ``t``. Rows go in
+        slices: each slice's gradients are read once, every candidate's error on those rows adds
+        its part of each token's g . dY, and the dots are squared once all rows are in."""
         import mlx.core as mx
 
         w = _real(module_at(self.model, t.path)).weight
@@ -296,37 +299,38 @@ class FisherPass:
         for key in (t.path, t.path + HEAD):
             if (x := self._pooled_array("x", key)) is not None:
                 inputs[key] = mx.array(x)
-        lookup = None if ids is None else self._g2(t.path)  # a lookup's dY is a row: all columns
-        per = dict.fromkeys((str(c.bits) for c in todo), 0.0)
+        lookup = None if ids is None else self._g(t.path)  # a lookup's dY is a row: all columns
+        dots: dict[str, Any] = {}
         for lo in range(0, w.shape[0], step):
             rows = slice(lo, min(lo + step, w.shape[0]))
-            g2 = {
-                t.path: lookup if ids is not None else self._g2(t.path, rows),
-                HEAD: self._g2(t.path + HEAD, rows),
+            g = {
+                t.path: lookup if ids is not None else self._g(t.path, rows),
+                HEAD: self._g(t.path + HEAD, rows),
             }
             wc = w[rows].astype(mx.float32)
             for c in todo:
-                per[str(c.bits)] += self._rows(t, fake_quant(wc, c, dtype=t.dtype) - wc, lo, g2, inputs, ids)
-        for bits, value in per.items():
-            self.sums[t.path][bits] += value
+                part = self._dots(t, fake_quant(wc, c, dtype=t.dtype) - wc, lo, g, inputs, ids)
+                key = str(c.bits)
+                dots[key] = part if key not in dots else dots[key] + part
+                mx.eval(dots[key])
+        for bits, dot in dots.items():
+            self.sums[t.path][bits] += float(np.array(mx.square(dot), dtype=np.float64).sum())
 
-    def _rows(self, t: Target, d: Any, lo: int, g2: dict, inputs: dict, ids: Any) -> float:
-        """The sum over tokens and the rows lo:lo+len(d) of g^2 * dY^2, dW = ``d`` (float64);
-        ``g2`` holds the squared gradients of those rows (the module's, a tied head's at HEAD)."""
+    def _dots(self, t: Target, d: Any, lo: int, g: dict, inputs: dict, ids: Any) -> Any:
+        """Per token, the part of g . dY from the rows lo:lo+len(d), dW = ``d``; ``g`` holds the
+        gradients of those rows (the module's, and a tied head's at HEAD)."""
         import mlx.core as mx
 
-        hi = lo + d.shape[0]
-        total = mx.array(0.0)
-        axes = (1, 2)
+        dot = mx.zeros(inputs[next(iter(inputs))].shape[:2] if inputs else ids.shape, dtype=mx.float32)
         if ids is not None:  # lookup: dY_t = dW[token_t], for the tokens whose row is in the slice
-            inside = ((ids >= lo) & (ids < hi))[..., None]
-            rows = d[mx.clip(ids - lo, 0, d.shape[0] - 1)]
-            total = total + (g2[t.path] * mx.square(rows) * inside).sum(axis=axes)
-        elif g2[t.path] is not None:
-            total = total + (g2[t.path] * mx.square(inputs[t.path] @ d.T)).sum(axis=axes)
-        if g2[HEAD] is not None:  # a tied embedding is also the head
-            total = total + (g2[HEAD] * mx.square(inputs[t.path + HEAD] @ d.T)).sum(axis=axes)
-        return float(np.array(total, dtype=np.float64).sum())
+            inside = ((ids >= lo) & (ids < lo + d.shape[0]))[..., None]
+            picked = d[mx.clip(ids - lo, 0, d.shape[0] - 1)]
+            dot = dot + (g[t.path] * picked * inside).sum(axis=-1)
+        elif g[t.path] is not None:
+            dot = dot + (g[t.path] * (inputs[t.path] @ d.T)).sum(axis=-1)
+        if g[HEAD] is not None:  # a tied embedding is also the head
+            dot = dot + (g[HEAD] * (inputs[t.path + HEAD] @ d.T)).sum(axis=-1)
+        return dot
 
     def scores(self) -> dict[str, dict[str, float]]:
         """Per-token KL estimates, 1/2 * sums / tokens (the pool scored first)."""
