@@ -321,7 +321,7 @@ class FisherPass:
         gradients of those rows (the module's, and a tied head's at HEAD)."""
         import mlx.core as mx
 
-        dot = mx.zeros(inputs[next(iter(inputs))].shape[:2] if inputs else ids.shape, dtype=mx.float32)
+        dot = mx.array(0.0)  # broadcasts to [batch, tokens] with the first term
         if ids is not None:  # lookup: dY_t = dW[token_t], for the tokens whose row is in the slice
             inside = ((ids >= lo) & (ids < lo + d.shape[0]))[..., None]
             picked = d[mx.clip(ids - lo, 0, d.shape[0] - 1)]
