@@ -228,22 +228,26 @@ def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
 # ------------------------------------------------------------------ memory: batches and the pool
 
 
+def raw_scores(s, batches: list) -> dict:
+    """The Fisher pass's second-order scores of ``batches`` (before calibration)."""
+    fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
+    try:
+        for b in batches:
+            fp.run(mx.array(b))
+        return fp.scores()
+    finally:
+        fp.close()
+
+
 def test_pooled_scores_equal_per_batch_scores(monkeypatch):
     """Scoring every batch on its own (a pool of one batch) or all batches at once: same sums."""
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=1, **CAL)  # fmt: skip
-
-    def raw_scores(pool_bytes: int) -> dict:
-        monkeypatch.setattr(fisher, "POOL_BYTES", pool_bytes)
-        fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
-        try:
-            for i in range(len(s.tokens)):
-                fp.run(mx.array(s.tokens[i : i + 1]))
-            return fp.scores()
-        finally:
-            fp.pool.close()
-
-    pooled, each = raw_scores(1 << 40), raw_scores(0)
+    batches = [s.tokens[i : i + 1] for i in range(len(s.tokens))]
+    monkeypatch.setattr(fisher, "POOL_BYTES", 1 << 40)
+    pooled = raw_scores(s, batches)
+    monkeypatch.setattr(fisher, "POOL_BYTES", 0)
+    each = raw_scores(s, batches)
     assert pooled.keys() == each.keys()
     for path, row in pooled.items():
         for bits, value in row.items():
@@ -262,7 +266,7 @@ def test_batches_shrink_to_the_activation_bound(monkeypatch, caplog):
     assert fp.samples_per_batch(s.tokens, 4) == 2
     monkeypatch.setattr(fisher, "ACTIVATION_BYTES", 1)
     assert fp.samples_per_batch(s.tokens, 4) == 1
-    fp.pool.close()
+    fp.close()
     calls, original = [], fisher.FisherPass.run
 
     def recording(self, batch):
@@ -281,17 +285,10 @@ def test_scores_sum_dot_products_across_row_slices(monkeypatch):
     slices of rows (and the tied head's vocabulary in slices) gives the one-slice sums."""
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
-
-    def raw_scores(chunk: int) -> dict:
-        monkeypatch.setattr(fisher, "CHUNK", chunk)
-        fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
-        try:
-            fp.run(mx.array(s.tokens[:2]))
-            return fp.scores()
-        finally:
-            fp.pool.close()
-
-    whole, sliced = raw_scores(1 << 40), raw_scores(32 * 256)  # 32 rows of 256 per slice
+    monkeypatch.setattr(fisher, "CHUNK", 1 << 40)
+    whole = raw_scores(s, [s.tokens[:2]])
+    monkeypatch.setattr(fisher, "CHUNK", 32 * 256)  # 32 rows of 256 per slice
+    sliced = raw_scores(s, [s.tokens[:2]])
     for path, row in whole.items():
         for bits, value in row.items():
             assert value > 0 and sliced[path][bits] == pytest.approx(value, rel=1e-4), (path, bits)
