@@ -3,7 +3,8 @@
 Run: ``python -m mlxbun command=quantize model.name=<dir|name|org/repo> quant.bits=4``.
 Output tensors, their order, shard packing and config.json match ``mlx_lm convert`` for the
 same settings (see :mod:`mlxbun.quant.plan` for how the structure is derived); memory stays at
-about one shard plus a few modules in flight, whatever the model size. Tensors come through
+a few modules in flight, whatever the model or shard size: the writer is told every output
+tensor in advance (:meth:`Converter.planned`) and writes each one as it comes. Tensors come through
 :mod:`mlxbun.source`: files, or (``model.synthetic=true``) generated in memory as they are read.
 The stream of units and its thread pool are in :mod:`mlxbun.quant.units`; the output's other
 files and its record in :mod:`mlxbun.quant.outdir`. Each shard is hashed once, while it is
@@ -47,6 +48,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlxbun import registry
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json
+from mlxbun.io.dtypes import CODES as ST_CODES
 from mlxbun.io.dtypes import OUTPUT_DTYPES as CONVERSION_DTYPES
 from mlxbun.io.safetensors import INDEX_FILE
 from mlxbun.io.shards import ShardedWriter
@@ -157,9 +159,35 @@ class Converter:
             mx.eval(built)
 
     def cast(self, name: str, a: Any) -> Any:
-        if self.dtype is not None and self.cast_ok(name) and mx.issubdtype(a.dtype, mx.floating):
-            return a.astype(self.dtype)
-        return a
+        dtype = self.stored_dtype(name, a.dtype)
+        return a if dtype == a.dtype else a.astype(dtype)
+
+    def stored_dtype(self, name: str, dtype: Any) -> Any:
+        """The dtype tensor ``name`` of ``dtype`` is cast to: the output dtype if it is floating
+        point and the model's ``cast_predicate`` allows it."""
+        if self.dtype is not None and self.cast_ok(name) and mx.issubdtype(dtype, mx.floating):
+            return self.dtype
+        return dtype
+
+    def planned(self, units: list[Unit]) -> list[tuple[str, str, tuple[int, ...]]]:
+        """What converting ``units`` yields, in order, as (name, safetensors dtype, shape), from
+        the quantized skeleton's shapes and the source's dtypes: the writer is told it in advance.
+
+        A quantized module's scales and biases take the dtype its weight is cast to; its packed
+        weight (and uint8 scales) keep the skeleton's."""
+        shapes = dict(tree_flatten(self.sk.model.parameters()))
+        out = []
+        for unit in units:
+            for name in unit.outputs:
+                leaf = name.rpartition(".")[2]
+                dtype = shapes[name].dtype
+                if unit.quant is None or leaf not in ("weight", "scales", "biases"):
+                    dtype = self.stored_dtype(name, self.sk.weights[name].dtype)
+                elif mx.issubdtype(dtype, mx.floating):
+                    weight = f"{unit.path}.weight"
+                    dtype = self.stored_dtype(weight, self.sk.weights[weight].dtype)
+                out.append((name, ST_CODES[str(dtype).rpartition(".")[2]], tuple(shapes[name].shape)))
+        return out
 
     def chunkable(self, unit: Unit) -> bool:
         """A plain Linear/Embedding whose weight is big and stored as is in the source."""
@@ -275,30 +303,32 @@ def _write_shards(
     units = plan_units(sk)
     total = sum(u.nbytes for u in units)
     written = 0
-    writer = ShardedWriter(
-        partial,
-        shard_bytes=shard_bytes,
-        resume=True,
-        quantization=sk.quantization,
-        checksum="sha256",
-        extra_digests=(DIGEST,),
-        verify=False,  # kept shards: size, mtime and header; the record's digests catch the rest
-    )
-    with open_tensors(source) as tensors, writer:
-        todo = [u for u in units if not set(u.outputs) <= writer.done_names]
-        progress = _progress(partial, units, todo)
+    with open_tensors(source) as tensors:
         fold = _awq_fold(sk, tensors, hessians) if method == "awq" else None
         if fold is not None:
             hessians = fold.hessians(hessians or {})
         convert = Converter(sk, tensors, dtype, method, hessians, fold)
-        for unit, results in stream(todo, convert, threads=threads):
-            for name, arr in results:
-                written += arr.nbytes
-                writer.add(name, arr)
-            del results
-            progress.update(unit.nbytes)
-        layout = writer.finish()
-        progress.close()
+        writer = ShardedWriter(
+            partial,
+            shard_bytes=shard_bytes,
+            resume=True,
+            quantization=sk.quantization,
+            checksum="sha256",
+            extra_digests=(DIGEST,),
+            verify=False,  # kept shards: size, mtime and header; the record's digests catch the rest
+            tensors=convert.planned(units),  # each tensor written as it comes: no shard is held
+        )
+        with writer:
+            todo = [u for u in units if not set(u.outputs) <= writer.done_names]
+            progress = _progress(partial, units, todo)
+            for unit, results in stream(todo, convert, threads=threads):
+                for name, arr in results:
+                    written += arr.nbytes
+                    writer.add(name, arr)
+                del results
+                progress.update(unit.nbytes)
+            layout = writer.finish()
+            progress.close()
     if not layout.index_written:  # mlx-lm writes the index for a single shard too
         atomic_write_json(partial / INDEX_FILE, layout.index)
     mx.clear_cache()

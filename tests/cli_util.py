@@ -33,12 +33,12 @@ def run_cli(
 KILL_AFTER_SECOND_SHARD = """
 import os, signal
 from mlxbun.io import shards
-real = shards.ShardedWriter._write_shard
-def write_then_die(self, k, items):
-    real(self, k, items)
-    if k == 2:
+real = shards.ShardedWriter._end_shard
+def end_then_die(self, shard):
+    real(self, shard)
+    if len(self._shards) == 2:
         os.kill(os.getpid(), signal.SIGKILL)
-shards.ShardedWriter._write_shard = write_then_die
+shards.ShardedWriter._end_shard = end_then_die
 """
 
 # A sitecustomize.py body that SIGKILLs the process at the point named by MLXBUN_TEST_KILL_AT:
@@ -61,17 +61,17 @@ if kind == "step":
     staging.reached = reached
 elif kind in ("finish", "shard"):
     from mlxbun.io import shards
-    real_finish, real_write = shards.ShardedWriter.finish, shards.ShardedWriter._write_shard
+    real_finish, real_end = shards.ShardedWriter.finish, shards.ShardedWriter._end_shard
     def finish(self):
         layout = real_finish(self)
         if kind == "finish":
             die()
         return layout
-    def write_shard(self, k, items):
-        real_write(self, k, items)
-        if kind == "shard" and k == int(arg):
+    def end_shard(self, shard):
+        real_end(self, shard)
+        if kind == "shard" and len(self._shards) == int(arg):
             die()
-    shards.ShardedWriter.finish, shards.ShardedWriter._write_shard = finish, write_shard
+    shards.ShardedWriter.finish, shards.ShardedWriter._end_shard = finish, end_shard
 elif kind == "rename-in":
     real_replace = os.replace
     def replace(src, dst, **kw):

@@ -238,12 +238,12 @@ import os, signal, sys
 sys.path.insert(0, {repo!r})
 from mlxbun.io import shards
 from mlxbun.quantize import quantize_model_dir
-real = shards.ShardedWriter._write_shard
-def write_then_die(self, k, items):
-    real(self, k, items)
-    if k == 3:
+real = shards.ShardedWriter._end_shard
+def end_then_die(self, shard):
+    real(self, shard)
+    if len(self._shards) == 3:
         os.kill(os.getpid(), signal.SIGKILL)
-shards.ShardedWriter._write_shard = write_then_die
+shards.ShardedWriter._end_shard = end_then_die
 quantize_model_dir({src!r}, {out!r}, bits=4, group_size=64, shard_bytes=40000)
 """
 

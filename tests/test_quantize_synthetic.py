@@ -100,12 +100,12 @@ SIGNAL_AFTER_SECOND_SHARD = """
 import os, signal
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from mlxbun.io import shards
-real = shards.ShardedWriter._write_shard
-def write_then_signal(self, k, items):
-    real(self, k, items)
-    if k == 2:
+real = shards.ShardedWriter._end_shard
+def end_then_signal(self, shard):
+    real(self, shard)
+    if len(self._shards) == 2:
         os.kill(os.getpid(), signal.{sig})
-shards.ShardedWriter._write_shard = write_then_signal
+shards.ShardedWriter._end_shard = end_then_signal
 """
 
 

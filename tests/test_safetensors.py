@@ -15,7 +15,7 @@ from safetensors.numpy import save_file
 
 from mlxbun.errors import InputError
 from mlxbun.io.safetensors import HEADER_CAP, SafetensorsFile, count_parameters, open_model
-from mlxbun.io.shards import write_sharded
+from mlxbun.io.shards import ShardedWriter, write_sharded
 
 
 def craft(path: Path, header: dict | bytes, data: bytes = b"", *, length: int | None = None) -> Path:
@@ -32,32 +32,38 @@ def entry(dtype: str = "F32", shape: list | None = None, offsets: list | None = 
 
 # ---------------------------------------------------------------- golden bytes and agreement
 
-GOLDEN_HEADER = (
+GOLDEN_HEADER = (  # keys sorted; data in the order the tensors were added ("b" first)
     b'{"__metadata__":{"format":"mlx"},'
-    b'"a":{"data_offsets":[0,4],"dtype":"BF16","shape":[2]},'
-    b'"b":{"data_offsets":[4,16],"dtype":"I32","shape":[3]}}'
+    b'"a":{"data_offsets":[12,16],"dtype":"BF16","shape":[2]},'
+    b'"b":{"data_offsets":[0,12],"dtype":"I32","shape":[3]}}'
 )
 GOLDEN = (
     struct.pack("<Q", 144)
     + GOLDEN_HEADER
-    + b"   "  # 141 JSON bytes padded with spaces to 144, so 8 + 144 is a multiple of 8
-    + bytes.fromhex("803f 0040")  # bf16 1.0, 2.0 little-endian
+    + b" "  # 143 JSON bytes padded with spaces to 144, so 8 + 144 is a multiple of 8
     + bytes.fromhex("01000000 02000000 03000000")
+    + bytes.fromhex("803f 0040")  # bf16 1.0, 2.0 little-endian
 )
 
 
-def test_golden_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("declared", [False, True])
+def test_golden_bytes(tmp_path: Path, declared: bool) -> None:
     tensors = {"b": mx.array([1, 2, 3], dtype=mx.int32), "a": mx.array([1.0, 2.0], dtype=mx.bfloat16)}
-    write_sharded(tmp_path, tensors)
+    with ShardedWriter(
+        tmp_path, tensors=[("b", "I32", (3,)), ("a", "BF16", (2,))] if declared else None
+    ) as w:
+        for name, array in tensors.items():
+            w.add(name, array)
+        w.finish()
     raw = (tmp_path / "model.safetensors").read_bytes()
-    assert len(GOLDEN_HEADER) == 141 and raw == GOLDEN
+    assert len(GOLDEN_HEADER) == 143 and raw == GOLDEN
     with SafetensorsFile(tmp_path / "model.safetensors") as f:
         assert f.names() == ["a", "b"]
         assert f.metadata == {"format": "mlx"}
         assert f.array("a").dtype == mx.bfloat16
         assert f.array("a").tolist() == [1.0, 2.0]
         assert f.numpy("b").tolist() == [1, 2, 3]
-        assert f.info("b").start == 8 + 144 + 4
+        assert f.info("a").start == 8 + 144 + 12
 
 
 def test_header_matches_mx_save_safetensors(tmp_path: Path) -> None:
@@ -121,11 +127,16 @@ def test_order_invariance(tmp_path: Path) -> None:
     assert f1.names() == f2.names() == ["a", "b"]
     for n in ("a", "b"):
         np.testing.assert_array_equal(f1.numpy(n), f2.numpy(n))
+    # The writer lays data out in the order tensors come: same header keys, other offsets.
     write_sharded(tmp_path / "o1", {"a": mx.array(a), "b": mx.array(b)})
     write_sharded(tmp_path / "o2", {"b": mx.array(b), "a": mx.array(a)})
-    assert (tmp_path / "o1/model.safetensors").read_bytes() == (
-        tmp_path / "o2/model.safetensors"
-    ).read_bytes()
+    with (
+        SafetensorsFile(tmp_path / "o1/model.safetensors") as o1,
+        SafetensorsFile(tmp_path / "o2/model.safetensors") as o2,
+    ):
+        assert o1.info("a").start < o1.info("b").start and o2.info("b").start < o2.info("a").start
+        for n in ("a", "b"):
+            np.testing.assert_array_equal(o1.numpy(n), o2.numpy(n))
 
 
 # ---------------------------------------------------------------- one crafted file per validation

@@ -181,6 +181,11 @@ def tensor(i: int) -> mx.array:
     return arr.astype(mx.bfloat16) if i % 3 == 0 else arr
 
 
+def declared() -> list[tuple[str, str, tuple[int, ...]]]:
+    """What ``produce`` adds, told in advance (``ShardedWriter(tensors=...)``)."""
+    return [(f"t.{i:02d}", "BF16" if i % 3 == 0 else "F32", (100 + 37 * i,)) for i in range(TENSORS)]
+
+
 def produce(out: Path, *, resume: bool, stop_after_shards: int | None = None, **kw) -> ShardedWriter:
     w = ShardedWriter(out, shard_bytes=1500, resume=resume, **kw)
     for i in range(TENSORS):
@@ -239,6 +244,83 @@ def test_resume_drops_corrupt_shard(tmp_path: Path, checksum: str, where: str) -
     assert dir_bytes(tmp_path / "run") == dir_bytes(tmp_path / "ref")
 
 
+# ---------------------------------------------------------------- declared tensors: streamed at once
+
+
+class Written:
+    def __init__(self) -> None:
+        self.total = 0
+
+    def update(self, n: int) -> None:
+        self.total += n
+
+
+@pytest.mark.parametrize("resume_after", [None, 2])
+def test_declared_tensors_reach_the_disk_as_added_in_the_same_bytes(tmp_path: Path, resume_after) -> None:
+    produce(tmp_path / "ref", resume=False)
+    added, progress = 0, Written()
+    w = ShardedWriter(tmp_path / "run", shard_bytes=1500, tensors=declared(), progress=progress)
+    for i in range(TENSORS):
+        t = tensor(i)
+        w.add(f"t.{i:02d}", t)
+        added += t.nbytes
+        assert progress.total == added and not w._pending  # written now, not when the shard fills
+        if resume_after is not None and len(w._shards) == resume_after:
+            w.add(f"t.{i + 1:02d}", tensor(i + 1))  # a shard half streamed when the run stops
+            w._stop(keep_shards=True)
+            assert not [p for p in (tmp_path / "run").iterdir() if ".tmp-" in p.name]
+            produce(tmp_path / "run", resume=True, tensors=declared())
+            break
+    else:
+        w.finish()
+    assert dir_bytes(tmp_path / "run") == dir_bytes(tmp_path / "ref")
+
+
+def test_declared_writer_refuses_what_it_was_not_told(tmp_path: Path) -> None:
+    w = ShardedWriter(tmp_path / "x", shard_bytes=1500, tensors=declared()[:2])
+    with pytest.raises(
+        WriterStateError, match=r"add\('t.01'\): got F32 \[137\]; the declared next tensor is 't.00'"
+    ):
+        w.add("t.01", tensor(1))
+    with pytest.raises(
+        WriterStateError, match=r"got F32 \[100\]; the declared next tensor is 't.00' BF16 \[100\]"
+    ):
+        w.add("t.00", tensor(0).astype(mx.float32))
+    with pytest.raises(WriterStateError, match=r"got BF16 \[99\]"):
+        w.add("t.00", tensor(0)[:99])
+    w.add("t.00", tensor(0))
+    with pytest.raises(
+        WriterStateError, match=r"finish\(\) before every declared tensor was added \('t.01' is next\)"
+    ):
+        w.finish()
+    w.add("t.01", tensor(1))
+    with pytest.raises(WriterStateError, match="every declared tensor was already added"):
+        w.add("t.02", tensor(2))
+    w.finish()
+    with pytest.raises(InputError, match="declared twice"):
+        ShardedWriter(tmp_path / "y", tensors=[("a", "F32", (1,)), ("a", "F32", (1,))])
+
+
+def test_resume_keeps_only_shards_that_match_the_declaration(tmp_path: Path) -> None:
+    produce(tmp_path / "run", resume=False, stop_after_shards=3)._stop(keep_shards=True)
+    same = ShardedWriter(tmp_path / "run", shard_bytes=1500, resume=True, tensors=declared())
+    assert len(same._shards) == 3
+    same._stop(keep_shards=True)
+    other = [(n, d, (s[0] + 1,)) if n == "t.03" else (n, d, s) for n, d, s in declared()]
+    w = ShardedWriter(tmp_path / "run", shard_bytes=1500, resume=True, tensors=other)
+    assert len(w._shards) < 3 and "t.03" not in w.done_names
+
+
+def test_resume_over_a_journal_of_another_version_starts_over(tmp_path: Path) -> None:
+    produce(tmp_path / "ref", resume=False)
+    produce(tmp_path / "run", resume=False, stop_after_shards=2)._stop(keep_shards=True)
+    journal = tmp_path / "run" / JOURNAL
+    journal.write_text(json.dumps({**json.loads(journal.read_text()), "version": 1}))  # data sorted by name
+    w = produce(tmp_path / "run", resume=True)
+    assert not w.done_names
+    assert dir_bytes(tmp_path / "run") == dir_bytes(tmp_path / "ref")
+
+
 def test_resume_with_other_settings_is_refused(tmp_path: Path) -> None:
     produce(tmp_path, resume=False, stop_after_shards=1)._stop(keep_shards=True)
     with pytest.raises(InputError, match="shard_bytes=1500, now shard_bytes=999"):
@@ -286,15 +368,17 @@ class Stall:
             print("ready", flush=True)
             time.sleep(600)
 
-produce(Path(sys.argv[1]), resume=True, progress=Stall())
+from tests.test_shards import declared
+kw = {{"tensors": declared()}} if os.environ.get("DECLARED") == "1" else {{}}
+produce(Path(sys.argv[1]), resume=True, progress=Stall(), **kw)
 print("done", flush=True)
 """
 
 
-def run_child(out: Path, stall_at: int) -> subprocess.CompletedProcess | None:
+def run_child(out: Path, stall_at: int, declared: bool = False) -> subprocess.CompletedProcess | None:
     """Run the producer in a new process; SIGKILL it once it reports it stalled at call ``stall_at``."""
     code = CHILD.format(repo=str(REPO))
-    env = {**os.environ, "STALL_AT": str(stall_at)}
+    env = {**os.environ, "STALL_AT": str(stall_at), "DECLARED": str(int(declared))}
     proc = subprocess.Popen(
         [sys.executable, "-c", code, str(out)], stdout=subprocess.PIPE, text=True, env=env
     )
@@ -308,14 +392,15 @@ def run_child(out: Path, stall_at: int) -> subprocess.CompletedProcess | None:
     return proc
 
 
-def test_sigkill_mid_write_then_resume_in_new_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("declared", [False, True])
+def test_sigkill_mid_write_then_resume_in_new_process(tmp_path: Path, declared: bool) -> None:
     produce(tmp_path / "ref", resume=False)
     out = tmp_path / "run"
-    assert run_child(out, stall_at=7) is None  # killed while shard 3 or so is half written
+    assert run_child(out, stall_at=7, declared=declared) is None  # killed with shard 3 or so half written
     leftovers = sorted(p.name for p in out.iterdir())
     assert any(".tmp-" in n for n in leftovers) and JOURNAL in leftovers
     assert not any(n.startswith("model") for n in leftovers)
-    assert run_child(out, stall_at=10**9) is not None
+    assert run_child(out, stall_at=10**9, declared=declared) is not None
     assert dir_bytes(out) == dir_bytes(tmp_path / "ref")
 
 
@@ -410,8 +495,13 @@ def peak():  # VmHWM restarts at exec; ru_maxrss would inherit the forking paren
     return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
 
 m = open_model(sys.argv[1])
-w = ShardedWriter(sys.argv[2], shard_bytes=16 << 20, overlap=sys.argv[3] == "1")
 names = m.names()
+if sys.argv[3] == "declared":  # a 64 MiB shard that is never held
+    infos = m.infos()
+    declared = [(n, infos[n].dtype, tuple(infos[n].shape)) for n in names]
+    w = ShardedWriter(sys.argv[2], shard_bytes=64 << 20, tensors=declared)
+else:
+    w = ShardedWriter(sys.argv[2], shard_bytes=16 << 20, overlap=sys.argv[3] == "1")
 w.add(names[0], m.array(names[0]))  # warm up imports and the allocator before the baseline
 before = peak()
 for name in names[1:]:
@@ -421,9 +511,10 @@ print(peak() - before)
 """
 
 
-@pytest.mark.parametrize("overlap", ["0", "1"])
+@pytest.mark.parametrize("overlap", ["0", "1", "declared"])
 def test_streaming_copy_peak_memory_is_about_one_shard(tmp_path: Path, overlap: str) -> None:
-    """Copying a 128 MiB model through the writer in 16 MiB shards stays near a shard, not the model."""
+    """Copying a 128 MiB model through the writer in 16 MiB shards stays near a shard, not the
+    model; with declared tensors, near the tensors in flight, not a 64 MiB shard."""
     tensors = {
         f"t{i:02d}": mx.full((1024, 2048), float(i), dtype=mx.float32) for i in range(16)
     }  # 8 MiB each
@@ -431,7 +522,7 @@ def test_streaming_copy_peak_memory_is_about_one_shard(tmp_path: Path, overlap: 
     del tensors
     code = [sys.executable, "-c", COPY_CHILD, str(tmp_path / "src"), str(tmp_path / "dst"), overlap]
     grew = int(subprocess.run(code, capture_output=True, text=True, check=True).stdout.strip())
-    limit = (2 if overlap == "1" else 1) * (16 << 20) + 2 * (8 << 20)
+    limit = {"0": 16 << 20, "1": 32 << 20, "declared": 0}[overlap] + 2 * (8 << 20)
     assert grew < limit, f"peak RSS grew by {grew / 2**20:.0f} MiB copying a 128 MiB model"
     assert open_model(tmp_path / "dst").names() == [f"t{i:02d}" for i in range(16)]
 

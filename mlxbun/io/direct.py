@@ -56,7 +56,7 @@ class DirectFile:
         if exc_type is None:
             self.close()
         else:
-            self._release()
+            self.abandon()
 
     def write(self, data: Any) -> None:
         data = memoryview(data).cast("B")
@@ -87,7 +87,7 @@ class DirectFile:
                     self.fill = 0
             os.fsync(self.fd)
         finally:
-            self._release()
+            self.abandon()
 
     def _drain(self, n: int) -> None:
         """Write the first ``n`` (a multiple of ALIGN) buffered bytes; keep the rest at the front."""
@@ -101,7 +101,8 @@ class DirectFile:
         finally:
             view.release()
 
-    def _release(self) -> None:
+    def abandon(self) -> None:
+        """Close without writing what is buffered (the caller removes the file)."""
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -22,11 +22,15 @@ While a :class:`ShardedWriter` runs, ``out_dir`` holds only hidden names::
 
 Shards are filled greedily in insertion order up to ``shard_bytes`` of tensor data and a tensor
 is never split (an oversize tensor gets its own shard), as ``mlx_lm.utils.make_shards`` does.
-Inside a shard, header entries and data are sorted by name, the header JSON is compact with
-sorted keys (as ``mx.save_safetensors`` writes it) and padded with spaces to a multiple of 8
-bytes (aligned data, as the safetensors library pads), so the same tensors in the same order give
-the same bytes. ``mx.save_safetensors`` lays data out in hash-map order and does not pad; a
-one-tensor file is byte-identical to it apart from the padding.
+Inside a shard, data is laid out in insertion order; the header JSON is compact with sorted keys
+(as ``mx.save_safetensors`` writes it) and padded with spaces to a multiple of 8 bytes (aligned
+data, as the safetensors library pads), so the same tensors in the same order give the same
+bytes. ``mx.save_safetensors`` lays data out in hash-map order and does not pad; a one-tensor
+file is byte-identical to it apart from the padding.
+
+A writer told every tensor in advance (``tensors=``: names, dtypes and shapes in order) knows
+each shard's header before its data: it writes and hashes every tensor the moment it is added
+and holds none. Without it, a shard's tensors are held until the shard is full.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import math
 import os
 import threading
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,7 +59,7 @@ from mlxbun.io.safetensors import INDEX_FILE, SafetensorsFile, count_parameters
 
 JOURNAL = ".mlxbun-shards.json"
 PART_PREFIX = ".mlxbun-shard-"
-JOURNAL_VERSION = 1
+JOURNAL_VERSION = 2  # 2: data in insertion order (1: sorted by name)
 DEFAULT_SHARD_BYTES = 5 << 30
 HASH_CHUNK = 16 << 20
 
@@ -237,14 +241,49 @@ def _check_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
     return dict(metadata)
 
 
+@dataclass
+class _OpenShard:
+    """A shard being written under its temporary name."""
+
+    final: Path
+    tmp: Path
+    file: DirectFile
+    hashes: _Hashes
+    entries: list[tuple[str, str, tuple[int, ...], int]]
+
+    def discard(self) -> None:
+        self.file.abandon()
+        self.tmp.unlink(missing_ok=True)
+
+
+def _declared_shards(
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]], shard_bytes: int
+) -> list[list[tuple[str, str, tuple[int, ...], int]]]:
+    """The packing rule replayed on declared tensors: each shard's (name, dtype, shape, nbytes)."""
+    shards: list[list[tuple[str, str, tuple[int, ...], int]]] = []
+    filled, names = 0, set()
+    for name, dtype, shape in tensors:
+        if name in names or dtype not in ITEMSIZE:
+            raise InputError(f"tensors: {name!r} {dtype!r} is declared twice or has an unknown dtype")
+        names.add(name)
+        nbytes = math.prod(shape) * ITEMSIZE[dtype]
+        if not shards or opens_shard(filled, len(shards[-1]), nbytes, shard_bytes):
+            shards.append([])
+            filled = 0
+        shards[-1].append((name, dtype, tuple(int(d) for d in shape), nbytes))
+        filled += nbytes
+    return shards
+
+
 class ShardedWriter:
     """Write tensors one by one into mlx-lm-style shards with bounded memory and resume.
 
     ``add`` evaluates each array and keeps it until its shard is full; the full shard is then
-    written (name-sorted), fsync'd, journaled and its arrays released. Peak memory is one shard
-    plus the tensor in flight (two shards with ``overlap=True``, which writes a full shard on a
-    background thread while the producer fills the next). ``finish`` publishes the shards under
-    their final names; until then nothing in ``out_dir`` looks like a finished model.
+    written, fsync'd, journaled and its arrays released. Peak memory is one shard plus the tensor
+    in flight (two shards with ``overlap=True``, which writes a full shard on a background thread
+    while the producer fills the next). Given ``tensors``, ``add`` writes each array at once and
+    peak memory is the tensor in flight. ``finish`` publishes the shards under their final names;
+    until then nothing in ``out_dir`` looks like a finished model.
 
     Args:
         out_dir: directory to write into (created if missing).
@@ -263,6 +302,10 @@ class ShardedWriter:
             (resume then checks sizes and headers only; fastest on a CPU-bound machine).
         extra_digests: more digest kinds (of EXTRA_DIGESTS) computed in the same pass as
             ``checksum``, e.g. ("xxh3_128",) for a record that verifies outputs fast.
+        tensors: every tensor that will be added, in the order of the ``add`` calls, as (name,
+            safetensors dtype code, shape). ``add`` then streams each tensor to disk as it comes
+            and refuses one that differs from its declaration (a resumed writer's kept tensors
+            are skipped in that order).
 
     Example:
         >>> with ShardedWriter(out, shard_bytes=1 << 30, resume=True) as w:
@@ -285,6 +328,7 @@ class ShardedWriter:
         verify: bool = True,
         checksum: str = "crc32",
         extra_digests: tuple[str, ...] = (),
+        tensors: Sequence[tuple[str, str, tuple[int, ...]]] | None = None,
     ) -> None:
         if not isinstance(shard_bytes, int) or shard_bytes <= 0:
             raise InputError(f"shard_bytes={shard_bytes!r} must be a positive integer")
@@ -307,6 +351,8 @@ class ShardedWriter:
         self._inflight: Future | None = None
         self._pool = ThreadPoolExecutor(max_workers=1) if overlap else None
         self._hasher = ThreadPoolExecutor(max_workers=1)
+        self._plan = None if tensors is None else _declared_shards(tensors, shard_bytes)
+        self._open: _OpenShard | None = None  # the shard being streamed (declared tensors)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self._refuse_finished_model()
         self._remove_stray_tmp()
@@ -317,6 +363,7 @@ class ShardedWriter:
         self.done_names: frozenset[str] = frozenset(n for s in self._shards for n in s.tensors)
         self._seen: set[str] = set(self.done_names)
         self._next = len(self._shards) + 1  # number of the next shard to be started
+        self._cursor = 0  # position of the next declared tensor in shard ``self._next``
 
     # ---------------------------------------------------------------- public API
 
@@ -340,6 +387,10 @@ class ShardedWriter:
         if name in self._seen:
             raise InputError(f"tensor {name!r} was already added to this writer; names must be unique")
         dtype, shape, buf = tensor_bytes(array, name)
+        if self._plan is not None:
+            self._stream(name, dtype, shape, buf)
+            self._seen.add(name)
+            return True
         self._seen.add(name)
         if opens_shard(self._pending_bytes, len(self._pending), buf.nbytes, self.shard_bytes):
             self._flush()
@@ -350,6 +401,9 @@ class ShardedWriter:
     def finish(self) -> ShardLayout:
         """Write the last shard, rename all shards to their final names, write the index."""
         self._require_open("finish")
+        if self._plan is not None and self._next <= len(self._plan):
+            missing = self._plan[self._next - 1][self._cursor][0]
+            raise WriterStateError(f"finish() before every declared tensor was added ({missing!r} is next)")
         if self._pending:
             self._flush()
         self._wait()
@@ -392,33 +446,78 @@ class ShardedWriter:
             fut.result()
 
     def _write_shard(self, k: int, items: list[tuple[str, Any]]) -> None:
-        items.sort(key=lambda it: it[0])
-        entries = [(n, d, s, b.nbytes) for n, (d, s, b) in items]
+        shard = self._start_shard(k, [(n, d, s, b.nbytes) for n, (d, s, b) in items])
+        try:
+            for i, (_, (_, _, buf)) in enumerate(items):
+                self._write_data(shard, buf)
+                items[i] = (items[i][0], None)  # release the array once on disk
+                del buf
+        except BaseException:
+            shard.discard()
+            raise
+        self._end_shard(shard)
+
+    def _stream(self, name: str, dtype: str, shape: tuple[int, ...], buf: memoryview) -> None:
+        """Write one declared tensor at once: open its shard (header first) and close it when full."""
+        assert self._plan is not None
+        if self._next > len(self._plan):
+            raise WriterStateError(f"add({name!r}): every declared tensor was already added")
+        entries = self._plan[self._next - 1]
+        want = entries[self._cursor]
+        if (name, dtype, shape, buf.nbytes) != want:
+            raise WriterStateError(
+                f"add({name!r}): got {dtype} {list(shape)}; the declared next tensor is"
+                f" {want[0]!r} {want[1]} {list(want[2])}"
+            )
+        if self._open is None:
+            self._open = self._start_shard(self._next, entries)
+        try:
+            self._write_data(self._open, buf)
+        except BaseException:
+            self._open.discard()
+            self._open = None
+            raise
+        self._cursor += 1
+        if self._cursor == len(entries):
+            shard, self._open = self._open, None
+            self._end_shard(shard)
+            self._next, self._cursor = self._next + 1, 0
+
+    def _start_shard(self, k: int, entries: list[tuple[str, str, tuple[int, ...], int]]) -> _OpenShard:
         final = self.out_dir / part_name(k)
         tmp = tmp_sibling(final)
-        h = _Hashes((self.checksum, *self.extra_digests))
+        shard = _OpenShard(
+            final, tmp, DirectFile(tmp), _Hashes((self.checksum, *self.extra_digests)), entries
+        )
         try:
-            with DirectFile(tmp) as f:  # past the page cache: the shard is not read back
-                self._write_hashed(f, memoryview(header_bytes(entries, self.metadata)), h)
-                for i, (_, (_, _, buf)) in enumerate(items):
-                    self._write_hashed(f, buf, h)
-                    items[i] = (items[i][0], None)  # release the array once on disk
-                    if self.progress is not None:
-                        self.progress.update(buf.nbytes)
-                    del buf
-            size, mtime = f.size, os.stat(tmp).st_mtime_ns
-            os.replace(tmp, final)
+            self._write_hashed(shard.file, memoryview(header_bytes(entries, self.metadata)), shard.hashes)
         except BaseException:
-            tmp.unlink(missing_ok=True)
+            shard.discard()
+            raise
+        return shard
+
+    def _write_data(self, shard: _OpenShard, buf: memoryview) -> None:
+        self._write_hashed(shard.file, buf, shard.hashes)
+        if self.progress is not None:
+            self.progress.update(buf.nbytes)
+
+    def _end_shard(self, shard: _OpenShard) -> None:
+        """fsync (past the page cache: the shard is not read back), rename, journal."""
+        try:
+            shard.file.close()
+            size, mtime = shard.file.size, os.stat(shard.tmp).st_mtime_ns
+            os.replace(shard.tmp, shard.final)
+        except BaseException:
+            shard.discard()
             raise
         fsync_dir(self.out_dir)
-        tensors = {n: [d, list(s)] for n, d, s, _ in entries}
-        digests = h.hexdigests()
+        tensors = {n: [d, list(s)] for n, d, s, _ in shard.entries}
+        digests = shard.hashes.hexdigests()
         digest = digests.pop(self.checksum)
         if self.checksum in self.extra_digests:
             digests[self.checksum] = digest
         with self._lock:
-            self._shards.append(_Shard(final.name, size, digest, tensors, digests, mtime))
+            self._shards.append(_Shard(shard.final.name, size, digest, tensors, digests, mtime))
             self._write_journal()
 
     def _write_hashed(self, f: Any, buf: memoryview, h: Any) -> None:
@@ -470,6 +569,9 @@ class ShardedWriter:
                     f"resume: {path} was written with {key}={data.get(key)!r}, now {key}={mine!r};"
                     " use the same settings or delete the directory"
                 )
+        if data.get("version") != JOURNAL_VERSION:  # another data order: start over
+            self._discard_journaled()
+            return
         if data.get("finishing"):
             self._unpublish(data["finishing"], len(shards))
         self._shards = self._valid_prefix(shards, verify=verify)
@@ -491,6 +593,10 @@ class ShardedWriter:
             p = self.out_dir / s.file
             if s.file != part_name(k) or not p.is_file():
                 break
+            if self._plan is not None and (
+                k > len(self._plan) or s.tensors != {n: [d, list(sh)] for n, d, sh, _ in self._plan[k - 1]}
+            ):
+                break  # kept shards must be the declared ones
             st = p.stat()
             if st.st_size != s.nbytes or s.mtime_ns not in (None, st.st_mtime_ns):
                 break
@@ -574,6 +680,9 @@ class ShardedWriter:
             self._wait()
         except BaseException:
             pass  # the shard being written is discarded either way
+        if self._open is not None:
+            self._open.discard()
+            self._open = None
         self._shutdown_pools()
         self._pending, self._pending_bytes = [], 0
         self._remove_stray_tmp()

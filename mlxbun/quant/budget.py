@@ -162,8 +162,9 @@ def output_specs(
 
 
 def file_size(specs: list[TensorSpec], metadata: Mapping[str, str] | None) -> int:
-    """Bytes of one safetensors file holding ``specs``, as ``mlxbun.io.shards`` writes it."""
-    entries = [(s.name, s.dtype, s.shape, s.nbytes) for s in sorted(specs, key=lambda s: s.name)]
+    """Bytes of one safetensors file holding ``specs`` (in writing order: data follows it, and
+    offsets' digits count), as ``mlxbun.io.shards`` writes it."""
+    entries = [(s.name, s.dtype, s.shape, s.nbytes) for s in specs]
     return len(header_bytes(entries, dict(metadata or {}))) + sum(s.nbytes for s in specs)
 
 
