@@ -228,9 +228,9 @@ def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
 # ------------------------------------------------------------------ memory: batches and the pool
 
 
-def raw_scores(s, batches: list) -> dict:
+def raw_scores(s, batches: list, samples: int | None = None) -> dict:
     """The Fisher pass's second-order scores of ``batches`` (before calibration)."""
-    fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
+    fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None, samples=samples)
     try:
         for b in batches:
             fp.run(mx.array(b))
@@ -253,6 +253,24 @@ def test_pooled_scores_equal_per_batch_scores(monkeypatch):
         for bits, value in row.items():
             assert value == pytest.approx(each[path][bits], rel=1e-4), (path, bits)
             assert value > 0, (path, bits)
+
+
+def test_a_small_pool_stays_in_memory_with_the_same_scores(monkeypatch):
+    s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
+                     method="fisher", batch_size=2, **CAL)  # fmt: skip
+    batches = [s.tokens[i : i + 2] for i in range(0, len(s.tokens), 2)]
+    saved = []
+    monkeypatch.setattr(
+        fisher.np, "save", lambda path, arr, _save=np.save: saved.append(path) or _save(path, arr)
+    )
+    monkeypatch.setattr(fisher, "POOL_MEMORY_BYTES", 1)  # the fixture's pool is far over a byte
+    on_disk = raw_scores(s, batches, samples=len(s.tokens))
+    assert saved
+    monkeypatch.setattr(fisher, "POOL_MEMORY_BYTES", 1 << 40)
+    saved.clear()
+    kept = raw_scores(s, batches, samples=len(s.tokens))
+    assert not saved
+    assert kept == on_disk
 
 
 def test_batches_shrink_to_the_activation_bound(monkeypatch, caplog):

@@ -21,7 +21,7 @@ passes over the calibration set, whatever the depth or the number of candidates:
    An embedding lookup's dY_t is the row of dW its token selects; a tied head adds its own
    term to the same dot product. A batch's gradients and module inputs go to a temporary
    directory: memory is the model plus one batch of activations (batches shrink to keep them
-   under ``ACTIVATION_BYTES``).
+   under ``ACTIVATION_BYTES``). When all batches' fit in ``POOL_MEMORY_BYTES`` they stay in memory.
 2. **Scores** per (module, candidate), once per pool of batches (``POOL_BYTES`` on disk; every
    batch at the sizes tried): quantize -> dequantize the weight once, then one matmul with the
    pooled inputs. A new candidate costs one quantization and about one forward.
@@ -108,6 +108,8 @@ CHUNK = 1 << 22  # weights per slice of rows scored at once (bounds the float32 
 # Batches' gradients and inputs wait on disk until they reach this, then are scored together: each
 # candidate's quantization error is computed once per pool, not once per batch.
 POOL_BYTES = 4 << 30
+# A pool whose batches all fit in this stays in memory: a small model's pass skips the disk.
+POOL_MEMORY_BYTES = 512 << 20
 # One Fisher batch's taps, their gradients, recorded inputs and float32 logits stay under this:
 # fewer samples per batch where a large vocabulary would pass it (150K: ~1 GB per 128-token sample).
 ACTIVATION_BYTES = 1 << 30
@@ -175,8 +177,12 @@ class FisherPass:
         *,
         seed: int,
         tick: Callable[[float], None],
+        samples: int | None = None,
     ) -> None:
+        """``samples``: how many the pass will see, if known (a pool that fits
+        POOL_MEMORY_BYTES is then kept in memory)."""
         self.model, self.tgts, self.cands, self.tick = model, tgts, cands, tick
+        self.samples = samples
         self.share = {t.path: t.in_features * t.out_features for t in tgts}
         total = sum(self.share.values())
         self.share = {p: v / total for p, v in self.share.items()}
@@ -246,6 +252,9 @@ class FisherPass:
             self.rec.deltas, self.rec.inputs, self.rec.ids = {}, {}, {}
             _uninstall(undo)
         j = len(self._pooled)
+        if self.tokens == 0 and self.samples is not None:
+            nbytes = sum(v.nbytes for arrays in (grads, inputs, ids) for v in arrays.values())
+            self.pool.in_memory = nbytes * self.samples <= POOL_MEMORY_BYTES * batch.shape[0]
         for kind, arrays in (("g", grads), ("x", inputs), ("ids", ids)):
             for k, v in arrays.items():
                 self._pool_bytes += self.pool.put(f"{kind}{j}{k}", v)
@@ -347,16 +356,21 @@ class FisherPass:
 
 
 class _Spill:
-    """Arrays kept in a temporary directory by name (.npy): reference logits, pooled gradients."""
+    """Arrays kept in a temporary directory by name (.npy): reference logits, pooled gradients;
+    or in memory (``in_memory``, set before the first ``put``)."""
 
     def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="mlxbun-fisher-")
-        self._names: dict[str, Path] = {}
+        self._names: dict[str, Path | np.ndarray] = {}
+        self.in_memory = False
 
     def put(self, name: str, value: Any) -> int:
         """Stores ``value`` under ``name``; returns its bytes."""
-        path = Path(self._dir.name) / f"{len(self._names)}.npy"
         arr = np.array(value)
+        if self.in_memory:
+            self._names[name] = arr
+            return arr.nbytes
+        path = Path(self._dir.name) / f"{len(self._names)}.npy"
         np.save(path, arr)
         self._names[name] = path
         return arr.nbytes
@@ -365,11 +379,16 @@ class _Spill:
         return name in self._names
 
     def get(self, name: str, *, mmap: bool = False) -> np.ndarray:
-        return np.load(self._names[name], mmap_mode="r" if mmap else None)
+        """The array stored as ``name`` (``mmap``: a read-only map of a file, not a read)."""
+        kept = self._names[name]
+        if isinstance(kept, np.ndarray):
+            return kept
+        return np.load(kept, mmap_mode="r" if mmap else None)
 
     def clear(self) -> None:
-        for path in self._names.values():
-            path.unlink()
+        for kept in self._names.values():
+            if isinstance(kept, Path):
+                kept.unlink()
         self._names = {}
 
     def close(self) -> None:
@@ -496,7 +515,7 @@ def estimate(
         if progress is not None:
             progress(min(done[0] / fwd, 1.0))
 
-    fp = FisherPass(model, tgts, cands, seed=seed, tick=tick)
+    fp = FisherPass(model, tgts, cands, seed=seed, tick=tick, samples=n)
     if (fewer := fp.samples_per_batch(tokens, batch_size)) < batch_size:
         log.info(
             "sensitivity: fisher batches of %d samples (activations under %s)",
