@@ -297,8 +297,10 @@ def test_declared_writer_refuses_what_it_was_not_told(tmp_path: Path) -> None:
     with pytest.raises(WriterStateError, match="every declared tensor was already added"):
         w.add("t.02", tensor(2))
     w.finish()
-    with pytest.raises(InputError, match="declared twice"):
+    with pytest.raises(InputError, match="tensors: 'a' is declared twice"):
         ShardedWriter(tmp_path / "y", tensors=[("a", "F32", (1,)), ("a", "F32", (1,))])
+    with pytest.raises(InputError, match="tensors: 'a' has dtype 'F31'; choose one of"):
+        ShardedWriter(tmp_path / "y", tensors=[("a", "F31", (1,))])
 
 
 def test_resume_keeps_only_shards_that_match_the_declaration(tmp_path: Path) -> None:

@@ -263,8 +263,10 @@ def _declared_shards(
     shards: list[list[tuple[str, str, tuple[int, ...], int]]] = []
     filled, names = 0, set()
     for name, dtype, shape in tensors:
-        if name in names or dtype not in ITEMSIZE:
-            raise InputError(f"tensors: {name!r} {dtype!r} is declared twice or has an unknown dtype")
+        if name in names:
+            raise InputError(f"tensors: {name!r} is declared twice; names must be unique")
+        if dtype not in ITEMSIZE:
+            raise InputError(f"tensors: {name!r} has dtype {dtype!r}; choose one of {', '.join(ITEMSIZE)}")
         names.add(name)
         nbytes = math.prod(shape) * ITEMSIZE[dtype]
         if not shards or opens_shard(filled, len(shards[-1]), nbytes, shard_bytes):
@@ -558,6 +560,9 @@ class ShardedWriter:
             raise InputError(
                 f"{path}: unreadable shard journal ({e}); delete {self.out_dir} to start over"
             ) from None
+        if data.get("version") != JOURNAL_VERSION:  # another data order: start over
+            self._discard_journaled()
+            return
         settings = (
             ("shard_bytes", self.shard_bytes),
             ("metadata", self.metadata),
@@ -569,9 +574,6 @@ class ShardedWriter:
                     f"resume: {path} was written with {key}={data.get(key)!r}, now {key}={mine!r};"
                     " use the same settings or delete the directory"
                 )
-        if data.get("version") != JOURNAL_VERSION:  # another data order: start over
-            self._discard_journaled()
-            return
         if data.get("finishing"):
             self._unpublish(data["finishing"], len(shards))
         self._shards = self._valid_prefix(shards, verify=verify)
