@@ -66,3 +66,21 @@ def test_an_error_mid_write_closes_the_file(tmp_path: Path) -> None:
         f.write(b"y" * 10)
         raise RuntimeError("producer failed")
     assert f.fd == -1 and f.buf is None
+
+
+@pytest.mark.parametrize("error", [OSError(errno.EFBIG, "File too large"), KeyboardInterrupt()])
+def test_an_error_inside_a_write_is_the_error_raised(tmp_path: Path, monkeypatch, error) -> None:
+    """A write that fails (full disk, a signal) while a view of the buffer is still alive in
+    the traceback: closing the buffer must not replace the error with a BufferError."""
+    f = DirectFile(tmp_path / "f")
+    if not f.direct:
+        f.abandon()
+        pytest.skip("no O_DIRECT on this filesystem")
+
+    def failing(fd: int, data: memoryview) -> None:
+        raise error
+
+    monkeypatch.setattr(direct, "_write_all", failing)
+    with pytest.raises(type(error)), f:
+        f.write(b"z" * (BUFFER + ALIGN))  # fills the buffer: a drain, which fails
+    assert f.fd == -1 and f.buf is None

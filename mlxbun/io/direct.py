@@ -107,8 +107,13 @@ class DirectFile:
             os.close(self.fd)
             self.fd = -1
         if self.buf is not None:
-            self.buf.close()
-            self.buf = None
+            buf, self.buf = self.buf, None
+            try:
+                buf.close()
+            except BufferError:
+                # A failed write's traceback still holds a view of the buffer: the mapping is
+                # freed with the last view, and the write's own error is the one to raise.
+                pass
 
 
 def _write_all(fd: int, data: memoryview) -> None:
