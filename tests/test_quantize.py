@@ -471,6 +471,18 @@ def test_moe_experts_stacked_by_sanitize_match_mlx_lm(tmp_path):
     assert (mine.out / "config.json").read_text() == (ref / "config.json").read_text()
 
 
+def test_moe_experts_take_a_rounding_method(tmp_path):
+    """clip on stacked experts (3-D SwitchLinear weights): each expert rounded on its own, in
+    mlx-lm's layout."""
+    src = make_mixtral(tmp_path / "src")
+    rtn = quantize_model_dir(src, tmp_path / "rtn", bits=3, group_size=64, threads=2)
+    clip = quantize_model_dir(src, tmp_path / "clip", bits=3, group_size=64, threads=2, method="clip")
+    a, b = tensors(rtn.out), tensors(clip.out)
+    name = "model.layers.1.block_sparse_moe.switch_mlp.down_proj.weight"
+    assert {k: (v.shape, v.dtype) for k, v in a.items()} == {k: (v.shape, v.dtype) for k, v in b.items()}
+    assert not mx.array_equal(a[name], b[name])
+
+
 @pytest.mark.slow
 def test_cli_rerun_after_sigkill_resumes_into_the_new_run_dir(tmp_path):
     src = make_hf_model(tmp_path / "src", "llama")

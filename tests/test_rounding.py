@@ -272,3 +272,15 @@ def test_cli_quantize_with_clip_and_bad_method(tmp_path):
     assert bad.returncode == 2 and "needs mode affine" in bad.stderr and "Traceback" not in bad.stderr
     no_h = run_cli(*common, "quant.method=gptq", f"quant.out={tmp_path / 'g'}", tmp=tmp_path)
     assert no_h.returncode == 2 and "needs quant.hessians" in no_h.stderr and not (tmp_path / "g").exists()
+
+
+def test_stacked_experts_are_rounded_one_matrix_at_a_time():
+    """A SwitchLinear weight (experts, out, in): clip works on each expert's matrix, and the
+    results stack in mx.quantize's layout."""
+    w = mx.stack([_weight(seed=s, rows=32) for s in range(3)])
+    whole = rounding.quantize(w, bits=3, group_size=64, method="clip")
+    each = [rounding.quantize(w[e], bits=3, group_size=64, method="clip") for e in range(3)]
+    ref = mx.quantize(w, group_size=64, bits=3)
+    assert [a.shape for a in whole] == [a.shape for a in ref]
+    for k in range(3):
+        assert mx.array_equal(whole[k], mx.stack([p[k] for p in each]))

@@ -190,7 +190,9 @@ def quantize(
     """``mx.quantize(w, group_size, bits)`` (affine) with the rounding chosen by ``method``.
 
     Args:
-        w: 2-D weight (out, in); scales and biases come back in its dtype.
+        w: weight (out, in), or stacked experts (..., out, in) rounded one matrix at a time
+            (each with the module's ``importance`` and ``hessian``); scales and biases come
+            back in its dtype.
         bits, group_size: as in ``mx.quantize``.
         method: "rtn" (``mx.quantize`` itself), "clip", "gptq" or "awq" (= "clip" here: the
             activation-aware scales are folded into the weight before; module docstring).
@@ -203,6 +205,14 @@ def quantize(
     check_method(method)
     if method == "rtn":
         return tuple(mx.quantize(w, group_size=group_size, bits=bits))
+    if w.ndim > 2:  # stacked experts (SwitchLinear): each (out, in) matrix on its own
+        parts = [
+            quantize(
+                w[e], bits=bits, group_size=group_size, method=method, importance=importance, hessian=hessian
+            )
+            for e in range(w.shape[0])
+        ]
+        return tuple(mx.stack([p[k] for p in parts]) for k in range(3))
     if method == "gptq" and hessian is not None:
         codes, s, b = _gptq(w, hessian, bits=bits, group_size=group_size)
         return mx.array(pack(codes, bits)), s.astype(w.dtype), b.astype(w.dtype)
