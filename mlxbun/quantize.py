@@ -524,7 +524,7 @@ def run(cfg: Any) -> Any:
         plan=q.plan,
         mixed=q.mixed,
         dtype=q.dtype,
-        shard_bytes=int(cfg.io.shard_gb * (1 << 30)),
+        shard_bytes=cfg.io.shard_bytes,
         resume=q.resume,
         threads=q.threads,
         partial_root=partial_root,

@@ -462,7 +462,7 @@ def run(cfg: Any) -> Any:
         out,
         seed=cfg.fold.seed,
         dtype=cfg.fold.dtype,
-        shard_bytes=int(cfg.io.shard_gb * (1 << 30)),
+        shard_bytes=cfg.io.shard_bytes,
         verify=cfg.fold.verify,
         partial_root=stable_root(cfg.paths.outputs, out),  # a re-run into a new run dir resumes
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sqlite3
 from pathlib import Path
 
@@ -92,3 +93,14 @@ def test_the_filesystem_root_is_refused_as_outputs_root(tmp_path: Path) -> None:
         timeout=60,
     )
     assert res.returncode == 2 and "paths.outputs='/' is the filesystem root" in res.stderr
+
+
+def test_a_shard_ceiling_under_a_byte_gives_one_tensor_per_shard(tmp_path: Path) -> None:
+    """io.shard_gb > 0 is allowed; under one byte it means one tensor per shard, for every command
+    (quantize once read it as a 0-byte ceiling and failed naming an internal parameter)."""
+    res = run_cli("command=quantize", "model.synthetic=true", "synth.preset=tiny", "io.shard_gb=1e-10",
+                  tmp=tmp_path, timeout=120)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    (model,) = (tmp_path / "outputs").rglob("model.safetensors.index.json")
+    index = json.loads(model.read_text())
+    assert len(set(index["weight_map"].values())) == len(index["weight_map"])

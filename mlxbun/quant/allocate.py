@@ -494,7 +494,7 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
         protect=list(a.protect),
         default=default,
         out_dtype=cfg.quant.dtype,
-        shard_bytes=int(cfg.io.shard_gb * (1 << 30)),
+        shard_bytes=cfg.io.shard_bytes,
         max_states=a.max_states,
     )
 
@@ -521,7 +521,7 @@ def _check_from_cfg(cfg: Any, plan: Allocation, plan_path: Path, src: Path, sens
     check = check_plan(
         plan, plan_path, model_dir=src, out=run_dir / "model", calib_path=c.path, samples=c.samples,
         seq_len=c.seq_len, seed=c.seed, out_dtype=cfg.quant.dtype,
-        shard_bytes=int(cfg.io.shard_gb * (1 << 30)), expected_calibration=sens.calibration_fingerprint,
+        shard_bytes=cfg.io.shard_bytes, expected_calibration=sens.calibration_fingerprint,
         hessians=cfg.quant.hessians,
     )  # fmt: skip
     atomic_write_json(run_dir / "check.json", check.to_json(base=run_dir))
