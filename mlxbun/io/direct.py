@@ -35,6 +35,7 @@ class DirectFile:
 
     def __init__(self, path: str | Path) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+        self.path = str(path)
         self.fd = -1
         if O_DIRECT:
             try:
@@ -59,6 +60,12 @@ class DirectFile:
             self.abandon()
 
     def write(self, data: Any) -> None:
+        try:
+            self._write(data)
+        except OSError as e:
+            raise self._named(e) from e
+
+    def _write(self, data: Any) -> None:
         data = memoryview(data).cast("B")
         self.size += data.nbytes
         if not self.direct:
@@ -74,6 +81,16 @@ class DirectFile:
 
     def close(self) -> None:
         """Write what is buffered, fsync, close."""
+        try:
+            self._close()
+        except OSError as e:
+            raise self._named(e) from e
+
+    def _named(self, e: OSError) -> OSError:
+        """``e`` naming this file (os.write and os.fsync errors carry no path)."""
+        return e if e.filename is not None else OSError(e.errno, e.strerror, self.path)
+
+    def _close(self) -> None:
         try:
             if self.direct and self.fill:
                 whole = self.fill - self.fill % ALIGN
