@@ -5,7 +5,7 @@ Run: .venv/bin/python bench/synth_bench.py [--arch gemma3_text --preset 1b] [--b
 
 Each task runs in a fresh child process (peak RSS from wait4) in a temp dir on the work disk:
   synth        - ``mlxbun.synth.synthesize`` of the model (~2 GB bf16 for gemma3_text 1b), shards
-                 of ``--shard-mib``, with and without ``overlap`` (shard writes on a thread).
+                 of ``--shard-mib`` (each tensor written as it is generated).
   raw          - write+fsync of the same number of bytes into files of the same sizes (random
                  bytes prepared before the clock starts): the disk's ceiling.
   mlx-lm       - the usual way to make a random model with mlx-lm: its own model class built
@@ -39,12 +39,12 @@ MIB = 1 << 20
 # ---------------------------------------------------------------- child tasks (fresh process)
 
 
-def task_synth(out: Path, arch: str, preset: str, shard_bytes: int, overlap: bool, layers: int = 0) -> float:
+def task_synth(out: Path, arch: str, preset: str, shard_bytes: int, layers: int = 0) -> float:
     from mlxbun import synth
 
     start = time.perf_counter()
     dims = {"num_layers": layers} if layers else {}
-    synth.synthesize(out, arch=arch, preset=preset, shard_bytes=shard_bytes, overlap=overlap, **dims)
+    synth.synthesize(out, arch=arch, preset=preset, shard_bytes=shard_bytes, **dims)
     return time.perf_counter() - start
 
 
@@ -84,7 +84,7 @@ def task_mlx_lm(out: Path, config_path: Path) -> float:
 def child(argv: list[str]) -> None:
     task, out, *args = argv
     if task == "synth":
-        seconds = task_synth(Path(out), args[0], args[1], int(args[2]), args[3] == "1", int(args[4]))
+        seconds = task_synth(Path(out), args[0], args[1], int(args[2]), int(args[3]))
     elif task == "raw":
         seconds = task_raw(Path(out), [int(s) for s in args])
     else:
@@ -146,27 +146,22 @@ def shard_sizes(model: Path) -> list[int]:
 def bench(args: argparse.Namespace, tmp: Path) -> dict:
     shard_bytes = args.shard_mib * MIB
     ref = tmp / "reference"
-    run_child("synth", str(ref), args.arch, args.preset, str(shard_bytes), "0", "0")
+    run_child("synth", str(ref), args.arch, args.preset, str(shard_bytes), "0")
     sizes, total = shard_sizes(ref), sum(shard_sizes(ref))
     print(f"model: {total / 1e9:.2f} GB in {len(sizes)} shards", flush=True)
     r = {"total": total, "shards": len(sizes)}
     r["raw"] = rounds_of(args.rounds, tmp / "raw", "raw", *map(str, sizes))
-    for overlap in ("0", "1"):
-        r[f"synth{overlap}"] = rounds_of(
-            args.rounds, tmp / "s", "synth", args.arch, args.preset, str(shard_bytes), overlap, "0"
-        )
+    r["synth"] = rounds_of(args.rounds, tmp / "s", "synth", args.arch, args.preset, str(shard_bytes), "0")
     r["mlx_lm"] = rounds_of(args.rounds, tmp / "m", "mlx_lm", str(ref / "config.json"))
     shutil.rmtree(ref)
     print("small model done", flush=True)
     big = tmp / "big"
-    r["big"] = run_child("synth", str(big), "llama", args.big_preset, str(shard_bytes), "0", "0")
+    r["big"] = run_child("synth", str(big), "llama", args.big_preset, str(shard_bytes), "0")
     r["big_total"] = sum(shard_sizes(big))
     shutil.rmtree(big)
     if args.gemma27_layers:  # Gemma 3 27B tensor shapes, fewer layers, mlx-lm's 5 GiB shards
         g27 = tmp / "g27"
-        r["g27"] = run_child(
-            "synth", str(g27), "gemma3_text", "27b", str(5 << 30), "0", str(args.gemma27_layers)
-        )
+        r["g27"] = run_child("synth", str(g27), "gemma3_text", "27b", str(5 << 30), str(args.gemma27_layers))
         r["g27_total"] = sum(shard_sizes(g27))
         shutil.rmtree(g27)
     r["rates"] = generator_rates()
@@ -200,8 +195,7 @@ def report(args: argparse.Namespace, r: dict) -> str:
     ]
     names = {
         "raw": "raw write+fsync of the same bytes (random bytes ready in memory)",
-        "synth0": "mlxbun synth (generate + write + fsync)",
-        "synth1": "mlxbun synth, overlap=True",
+        "synth": "mlxbun synth (generate + write + fsync)",
         "mlx_lm": "mlx-lm model class random init, bf16, `save_model` + fsync",
     }
     for kind, label in names.items():
@@ -214,7 +208,7 @@ def report(args: argparse.Namespace, r: dict) -> str:
         "",
         "| model | bytes | seconds | peak RSS | largest tensor |",
         "|---|---|---|---|---|",
-        f"| {args.arch} {args.preset} | {gb:.2f} GB | {r['synth0'][0]:.1f} | {r['synth0'][1] / MIB:,.0f} MiB |"
+        f"| {args.arch} {args.preset} | {gb:.2f} GB | {r['synth'][0]:.1f} | {r['synth'][1] / MIB:,.0f} MiB |"
         f" {largest_tensor(args.arch, args.preset) / MIB:,.0f} MiB |",
         f"| llama {args.big_preset} | {r['big_total'] / 1e9:.2f} GB | {big_secs:.1f} | {big_rss / MIB:,.0f} MiB |"
         f" {largest_tensor('llama', args.big_preset) / MIB:,.0f} MiB |",

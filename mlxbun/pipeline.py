@@ -95,7 +95,7 @@ def _check_synth_room(cfg: Any) -> None:
 
     spec = synth.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "synth" / "model"
-    synth.check_room(spec, out=out, partial_root=None, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap)
+    synth.check_room(spec, out=out, partial_root=None)
 
 
 def run_steps(cfg: Any, steps: list[str]) -> RunResult:

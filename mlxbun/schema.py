@@ -106,8 +106,6 @@ class PathsCfg:
 class IoCfg:
     # Ceiling of tensor data per shard in GiB (mlx-lm: 5); see mlxbun.io.shards.
     shard_gb: float = 5.0
-    # Write a full shard on a background thread while the next fills (peak memory: two shards).
-    overlap: bool = False
 
     def __post_init__(self) -> None:
         positive("io.shard_gb", self.shard_gb)

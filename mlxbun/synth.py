@@ -2,7 +2,8 @@
 
 Run ``python -m mlxbun command=synth synth.arch=qwen3 synth.preset=tiny`` (or ``+recipe=quickstart``).
 Random weights with real shapes and Hugging Face tensor names, written tensor by tensor through
-:class:`mlxbun.io.shards.ShardedWriter` (memory stays near one shard), plus a byte-level BPE
+:class:`mlxbun.io.shards.ShardedWriter`, told every tensor in advance (memory stays near the
+largest tensor), plus a byte-level BPE
 tokenizer built offline, so ``mlx_lm.load`` and ``generate`` work on the result (or, without
 writing any weights, :class:`SyntheticSource` generates each tensor when a reader such as
 ``command=quantize model.synthetic=true`` asks for it, with the same bytes)::
@@ -34,6 +35,7 @@ from typing import Any
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json, file_lock, publish_dir
+from mlxbun.io.dtypes import CODES
 from mlxbun.io.dtypes import OUTPUT_DTYPES as DTYPES
 from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, reached, stable_root, staging_dir, weights_written
@@ -200,15 +202,15 @@ def _spec_record(spec: Spec) -> dict[str, Any]:
     return {**spec.to_dict(), "planted_channels": planted_channels(spec)}
 
 
-def _write_weights(spec: Spec, partial: Path, *, shard_bytes: int, overlap: bool) -> None:
-
+def _write_weights(spec: Spec, partial: Path, *, shard_bytes: int) -> None:
+    """Generate and write every tensor, each written as it is made (no shard is held)."""
     if weights_written(partial):
         return
     tensors, channels = plan(spec), planted_channels(spec)
     progress = Progress(total=sum(t.nbytes for t in tensors), unit="B", desc=f"synth {spec.arch}")
-    meta = SAFETENSORS_METADATA
+    declared = [(t.name, CODES[t.dtype], t.shape) for t in tensors]
     with ShardedWriter(
-        partial, shard_bytes=shard_bytes, metadata=meta, resume=True, overlap=overlap
+        partial, shard_bytes=shard_bytes, metadata=SAFETENSORS_METADATA, resume=True, tensors=declared
     ) as writer:
         if writer.done_names:
             log.info(
@@ -246,7 +248,6 @@ def write_spec(
     out_dir: str | Path,
     *,
     shard_bytes: int = 5 << 30,
-    overlap: bool = False,
     partial_root: str | Path | None = None,
 ) -> Path:
     """Write ``spec`` into ``out_dir`` (must not exist) through a hidden partial directory.
@@ -262,7 +263,7 @@ def write_spec(
         _refuse_existing(out_dir)  # a waiter finds the first build published
         stage.claim()
         atomic_write_json(stage.dir / SPEC_FILE, _spec_record(spec))
-        _write_weights(spec, stage.dir, shard_bytes=shard_bytes, overlap=overlap)
+        _write_weights(spec, stage.dir, shard_bytes=shard_bytes)
         reached("weights")
         _write_side_files(spec, stage.dir)
         stage.publish()
@@ -273,7 +274,6 @@ def synthesize(
     out_dir: str | Path,
     *,
     shard_bytes: int = 5 << 30,
-    overlap: bool = False,
     **fields: Any,
 ) -> Path:
     """Write a random-weight checkpoint of ``arch`` at ``preset`` size into ``out_dir``.
@@ -281,8 +281,6 @@ def synthesize(
     Args:
         out_dir: the model directory to create (must not exist; built under a hidden name).
         shard_bytes: shard ceiling (mlx-lm's default 5 GiB).
-        overlap: write a full shard on a background thread while the next is generated
-            (faster; peak memory two shards instead of one).
         fields: the keyword arguments of :func:`resolve_spec` (arch, preset, seed, dtype,
             outliers, norm_jitter and dims overriding the preset).
 
@@ -290,7 +288,7 @@ def synthesize(
         >>> synthesize(tmp / "m", arch="gemma3_text", preset="tiny", outlier_channels=4)
         >>> mlx_lm.load(str(tmp / "m"))
     """
-    return write_spec(resolve_spec(**fields), Path(out_dir), shard_bytes=shard_bytes, overlap=overlap)
+    return write_spec(resolve_spec(**fields), Path(out_dir), shard_bytes=shard_bytes)
 
 
 def ensure_synthetic(*, cache_dir: str | Path, shard_bytes: int = 5 << 30, **fields: Any) -> Path:
@@ -333,11 +331,11 @@ def available_memory() -> int | None:
     return avail
 
 
-def check_room(spec: Spec, *, out: Path, partial_root: Path | None, shard_bytes: int, overlap: bool) -> None:
+def check_room(spec: Spec, *, out: Path, partial_root: Path | None) -> None:
     """Refuse, before writing, a checkpoint that cannot fit the free disk or memory.
 
-    Disk: every tensor, less what a killed build of the same spec already wrote. Memory: one
-    shard (two with ``overlap``) plus the largest tensor, generated whole.
+    Disk: every tensor, less what a killed build of the same spec already wrote. Memory: the
+    largest tensor, generated whole, and its bytes on their way to the file.
     """
 
     tensors = plan(spec)
@@ -353,13 +351,12 @@ def check_room(spec: Spec, *, out: Path, partial_root: Path | None, shard_bytes:
             f"{what} needs {human_bytes(total - done)} of disk under {where}, which has {human_bytes(free)}"
             " free; choose smaller synth.* dimensions or another synth.out / paths.outputs"
         )
-    peak = (2 if overlap else 1) * max(min(shard_bytes, total), largest) + largest
+    peak = 2 * largest
     avail = available_memory()
     if avail is not None and peak > avail:
         raise InputError(
-            f"{what} needs about {human_bytes(peak)} of memory (a shard of io.shard_gb and the largest"
-            f" tensor, {human_bytes(largest)}), {human_bytes(avail)} is available; lower io.shard_gb or"
-            " the synth.* dimensions"
+            f"{what} needs about {human_bytes(peak)} of memory (twice its largest tensor,"
+            f" {human_bytes(largest)}), {human_bytes(avail)} is available; lower the synth.* dimensions"
         )
 
 
@@ -395,9 +392,9 @@ def run(cfg: Any) -> Any:
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "model"
     # Into a fresh run dir: keep the partial build at a stable place so a re-run resumes it.
     root = None if cfg.synth.out else stable_root(cfg.paths.outputs, out)
-    check_room(spec, out=out, partial_root=root, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap)
+    check_room(spec, out=out, partial_root=root)
     start = time.perf_counter()
-    path = write_spec(spec, out, shard_bytes=cfg.io.shard_bytes, overlap=cfg.io.overlap, partial_root=root)
+    path = write_spec(spec, out, shard_bytes=cfg.io.shard_bytes, partial_root=root)
     seconds = time.perf_counter() - start
     tensors = plan(spec)
     nbytes, params = sum(t.nbytes for t in tensors), sum(t.numel for t in tensors)

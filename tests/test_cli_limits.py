@@ -28,9 +28,9 @@ def test_synth_larger_than_memory_is_refused(tmp_path: Path, monkeypatch: pytest
     spec = synth.resolve_spec(arch="llama", preset="tiny", vocab_size=1_000_000)
     monkeypatch.setattr(synth, "available_memory", lambda: 100 << 20)
     with pytest.raises(InputError, match=r"needs about .* of memory .* 100.0 MiB is available"):
-        synth.check_room(spec, out=tmp_path / "m", partial_root=None, shard_bytes=5 << 30, overlap=False)
+        synth.check_room(spec, out=tmp_path / "m", partial_root=None)
     monkeypatch.setattr(synth, "available_memory", lambda: 8 << 30)
-    synth.check_room(spec, out=tmp_path / "m", partial_root=None, shard_bytes=5 << 30, overlap=False)
+    synth.check_room(spec, out=tmp_path / "m", partial_root=None)
 
 
 def test_bytes_already_written_by_a_killed_build_count_as_room(
@@ -43,10 +43,10 @@ def test_bytes_already_written_by_a_killed_build_count_as_room(
     (partial / "model-00001-of-00002.safetensors").write_bytes(b"\0" * (need // 2))
     usage = type("U", (), {"free": need - need // 2 + 1})
     monkeypatch.setattr(synth.shutil, "disk_usage", lambda _: usage)
-    synth.check_room(spec, out=tmp_path / "m", partial_root=None, shard_bytes=5 << 30, overlap=False)
+    synth.check_room(spec, out=tmp_path / "m", partial_root=None)
     (partial / "model-00001-of-00002.safetensors").unlink()
     with pytest.raises(InputError, match="of disk under"):
-        synth.check_room(spec, out=tmp_path / "m", partial_root=None, shard_bytes=5 << 30, overlap=False)
+        synth.check_room(spec, out=tmp_path / "m", partial_root=None)
 
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llama-text-3m"

@@ -128,6 +128,22 @@ def test_same_spec_same_bytes(tmp_path):
     assert not list(tmp_path.glob(".*"))  # no partial directories left behind
 
 
+def test_each_tensor_is_written_as_it_is_generated(tmp_path, monkeypatch):
+    """No shard is held: after every add the writer has nothing pending, with a shard ceiling
+    larger than the model."""
+    from mlxbun.io import shards
+
+    class Watching(shards.ShardedWriter):
+        def add(self, name, array):
+            added = super().add(name, array)
+            assert not self._pending, name
+            return added
+
+    monkeypatch.setattr(synth, "ShardedWriter", Watching)
+    out = synth.synthesize(tmp_path / "m", arch="llama", preset="tiny", shard_bytes=1 << 40)
+    assert [p.name for p in out.glob("model*.safetensors")] == ["model.safetensors"]
+
+
 def test_values_do_not_depend_on_threads_or_order(monkeypatch):
     spec = synth.resolve_spec(arch="llama", outlier_channels=4)
     t = next(t for t in synth.plan(spec) if t.name.endswith("o_proj.weight"))
