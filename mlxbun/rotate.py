@@ -289,7 +289,11 @@ def _stream(
 
     hashes: dict[str, tuple[str, list[int], str]] = {}
     progress = Progress(total=sum(m.info(s).nbytes for _, _, s in fp.roles.values()), unit="B", desc="rotate")
-    with ShardedWriter(tmp, shard_bytes=shard_bytes, resume=True) as writer:
+    declared = []  # the fold keeps every shape; the writer writes each tensor as it comes
+    for name, (_, _, source) in fp.roles.items():
+        info = m.info(source)
+        declared.append((name, dtype or info.dtype, tuple(info.shape)))
+    with ShardedWriter(tmp, shard_bytes=shard_bytes, resume=True, tensors=declared) as writer:
         if writer.done_names:
             log.info(
                 "rotate: resuming %s, %d of %d tensors already written",
