@@ -3,10 +3,10 @@
 Run ``python -m mlxbun command=synth synth.arch=qwen3 synth.preset=tiny`` (or ``+recipe=quickstart``).
 Random weights with real shapes and Hugging Face tensor names, written tensor by tensor through
 :class:`mlxbun.io.shards.ShardedWriter`, told every tensor in advance (memory stays near the
-largest tensor), plus a byte-level BPE
-tokenizer built offline, so ``mlx_lm.load`` and ``generate`` work on the result (or, without
-writing any weights, :class:`SyntheticSource` generates each tensor when a reader such as
-``command=quantize model.synthetic=true`` asks for it, with the same bytes)::
+largest tensor), plus a byte-level BPE tokenizer built offline, so ``mlx_lm.load`` and
+``generate`` work on the result (or, without writing any weights, :class:`SyntheticSource`
+generates each tensor when a reader such as ``command=quantize model.synthetic=true`` asks for
+it, with the same bytes)::
 
     <out>/                                  staged by mlxbun.io.staging, renamed when complete
         synth.json                          resolved spec, planted channels, format version

@@ -21,7 +21,7 @@ passes over the calibration set, whatever the depth or the number of candidates:
    An embedding lookup's dY_t is the row of dW its token selects; a tied head adds its own
    term to the same dot product. A batch's gradients and module inputs go to a temporary
    directory: memory is the model plus one batch of activations (batches shrink to keep them
-   under ``ACTIVATION_BYTES``). When all batches' fit in ``POOL_MEMORY_BYTES`` they stay in memory.
+   under ``ACTIVATION_BYTES``). When the whole pass's fit in ``POOL_MEMORY_BYTES`` they stay in memory.
 2. **Scores** per (module, candidate), once per pool of batches (``POOL_BYTES`` on disk; every
    batch at the sizes tried): quantize -> dequantize the weight once, then one matmul with the
    pooled inputs. A new candidate costs one quantization and about one forward.
