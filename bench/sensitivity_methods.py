@@ -2,6 +2,7 @@
 
 Run: .venv/bin/python bench/sensitivity_methods.py [--fixtures llama-text-3m llama-text-12l]
          [--methods exact fisher fisher+refine] [--samples 8] [--seq-len 256] [--reuse]
+         [--label-seed K]
          [--lock /work/timing.lock]
          [--out bench/results/sensitivity_methods.md]
 
@@ -21,7 +22,9 @@ after another, on the built-in calibration set, bits 2,3,4,5,6,8 affine g64):
 
 Held-out text: CPython modules that neither fixture was trained on (``HELD_OUT``) and that are not
 in the calibration set. ``--reuse`` keeps the sensitivities (and their timings) of an earlier run
-in ``--work``; delete a method's directory to remeasure it.
+in ``--work``; delete a method's directory to remeasure it. ``--label-seed K`` draws fisher's
+sampled labels from seed + 1000 K (the calibration tokens, and so exact, stay the same): the
+spread of its plans over K is the estimate's own noise.
 """
 
 from __future__ import annotations
@@ -65,6 +68,15 @@ def stage_sensitivity(args: argparse.Namespace) -> dict:
     from mlxbun.quant.sensitivity import sensitivity
 
     dest = args.work / args.method
+    if args.label_seed:
+        from mlxbun.quant import fisher
+
+        estimate = fisher.estimate
+
+        def relabelled(*a, seed: int, **kw):
+            return estimate(*a, seed=seed + 1000 * args.label_seed, **kw)
+
+        fisher.estimate = relabelled  # sensitivity imports it when it runs
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     doc = sensitivity(
@@ -93,7 +105,7 @@ def run_stage(args: argparse.Namespace, method: str) -> dict:
     cmd = ["flock", str(args.lock)] if args.lock else []  # timed stages never overlap other timings
     cmd += [sys.executable, __file__, "--stage", "sens", "--method", method, "--model", str(args.model)]
     cmd += ["--work", str(args.work), "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
-    cmd += ["--batch-size", str(args.batch_size)]
+    cmd += ["--batch-size", str(args.batch_size), "--label-seed", str(args.label_seed)]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode:
         sys.stderr.write(out.stderr)
@@ -291,6 +303,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/mlxbun-bench-sensitivity"))
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "sensitivity_methods.md")
     ap.add_argument("--reuse", action="store_true")
+    ap.add_argument("--label-seed", type=int, default=0, help="fisher's labels from seed + 1000 K")
     ap.add_argument("--lock", type=Path, default=None, help="run each timed stage under flock LOCK")
     ap.add_argument("--stage", choices=["sens"], default=None)
     ap.add_argument("--method", default=None)
