@@ -51,3 +51,18 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory):
         return synth.ensure_synthetic(cache_dir=cache, arch=arch, **fields)
 
     return make
+
+
+@pytest.fixture
+def nothing_pending(monkeypatch: pytest.MonkeyPatch):
+    """``install(module)``: the module's ShardedWriter checks, after every add, that it holds no
+    tensor (each one was written as it came)."""
+    from mlxbun.io import shards
+
+    class Watching(shards.ShardedWriter):
+        def add(self, name, array):
+            added = super().add(name, array)
+            assert not self._pending, name
+            return added
+
+    return lambda module: monkeypatch.setattr(module, "ShardedWriter", Watching)

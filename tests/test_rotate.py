@@ -164,18 +164,11 @@ def test_o_proj_and_down_proj_biases_are_rotated(tiny_model, tmp_path):
     assert np.max(np.abs(ref - got)) <= 1e-4 * np.std(ref)
 
 
-def test_each_folded_tensor_is_written_as_it_comes(tiny_model, tmp_path, monkeypatch):
+def test_each_folded_tensor_is_written_as_it_comes(tiny_model, tmp_path, nothing_pending):
     """No shard is held: after every add the writer has nothing pending."""
     from mlxbun import rotate
-    from mlxbun.io import shards
 
-    class Watching(shards.ShardedWriter):
-        def add(self, name, array):
-            added = super().add(name, array)
-            assert not self._pending, name
-            return added
-
-    monkeypatch.setattr(rotate, "ShardedWriter", Watching)
+    nothing_pending(rotate)
     src = tiny_model("llama")
     res = rotate_model_dir(src, tmp_path / "rot", seed=0, verify=False, shard_bytes=1 << 40)
     assert [p.name for p in res.out.glob("model*.safetensors")] == ["model.safetensors"]

@@ -128,18 +128,10 @@ def test_same_spec_same_bytes(tmp_path):
     assert not list(tmp_path.glob(".*"))  # no partial directories left behind
 
 
-def test_each_tensor_is_written_as_it_is_generated(tmp_path, monkeypatch):
+def test_each_tensor_is_written_as_it_is_generated(tmp_path, nothing_pending):
     """No shard is held: after every add the writer has nothing pending, with a shard ceiling
     larger than the model."""
-    from mlxbun.io import shards
-
-    class Watching(shards.ShardedWriter):
-        def add(self, name, array):
-            added = super().add(name, array)
-            assert not self._pending, name
-            return added
-
-    monkeypatch.setattr(synth, "ShardedWriter", Watching)
+    nothing_pending(synth)
     out = synth.synthesize(tmp_path / "m", arch="llama", preset="tiny", shard_bytes=1 << 40)
     assert [p.name for p in out.glob("model*.safetensors")] == ["model.safetensors"]
 

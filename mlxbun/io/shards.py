@@ -256,25 +256,33 @@ class _OpenShard:
         self.tmp.unlink(missing_ok=True)
 
 
+def pack(sizes: Sequence[int], shard_bytes: int) -> list[list[int]]:
+    """The writer's shard split replayed on tensor sizes: each shard's indices into ``sizes``
+    (:func:`opens_shard`). Used for declared tensors and by size prediction."""
+    shards: list[list[int]] = []
+    filled = 0
+    for i, nbytes in enumerate(sizes):
+        if not shards or opens_shard(filled, len(shards[-1]), nbytes, shard_bytes):
+            shards.append([])
+            filled = 0
+        shards[-1].append(i)
+        filled += nbytes
+    return shards
+
+
 def _declared_shards(
     tensors: Sequence[tuple[str, str, tuple[int, ...]]], shard_bytes: int
 ) -> list[list[tuple[str, str, tuple[int, ...], int]]]:
-    """The packing rule replayed on declared tensors: each shard's (name, dtype, shape, nbytes)."""
-    shards: list[list[tuple[str, str, tuple[int, ...], int]]] = []
-    filled, names = 0, set()
+    """Each shard's (name, dtype, shape, nbytes) for declared tensors."""
+    entries, names = [], set()
     for name, dtype, shape in tensors:
         if name in names:
             raise InputError(f"tensors: {name!r} is declared twice; names must be unique")
         if dtype not in ITEMSIZE:
             raise InputError(f"tensors: {name!r} has dtype {dtype!r}; choose one of {', '.join(ITEMSIZE)}")
         names.add(name)
-        nbytes = math.prod(shape) * ITEMSIZE[dtype]
-        if not shards or opens_shard(filled, len(shards[-1]), nbytes, shard_bytes):
-            shards.append([])
-            filled = 0
-        shards[-1].append((name, dtype, tuple(int(d) for d in shape), nbytes))
-        filled += nbytes
-    return shards
+        entries.append((name, dtype, tuple(int(d) for d in shape), math.prod(shape) * ITEMSIZE[dtype]))
+    return [[entries[i] for i in shard] for shard in pack([e[3] for e in entries], shard_bytes)]
 
 
 class ShardedWriter:

@@ -31,7 +31,7 @@ from typing import Any
 
 from mlxbun.io.dtypes import CODES, FLOAT_CODES, ITEMSIZE
 from mlxbun.io.safetensors import open_model
-from mlxbun.io.shards import header_bytes, opens_shard
+from mlxbun.io.shards import header_bytes, pack
 from mlxbun.quant.plan import build_skeleton
 from mlxbun.quant.spec import UINT8_SCALE_MODES, QuantSpec
 
@@ -169,16 +169,8 @@ def file_size(specs: list[TensorSpec], metadata: Mapping[str, str] | None) -> in
 
 
 def make_shards(specs: list[TensorSpec], *, shard_bytes: int) -> list[list[TensorSpec]]:
-    """The writer's shard split, replayed on sizes (:func:`mlxbun.io.shards.opens_shard`)."""
-    shards: list[list[TensorSpec]] = [[]]
-    size = 0
-    for spec in specs:
-        if opens_shard(size, len(shards[-1]), spec.nbytes, shard_bytes):
-            shards.append([])
-            size = 0
-        shards[-1].append(spec)
-        size += spec.nbytes
-    return shards if shards[0] else []
+    """The writer's shard split, replayed on sizes (:func:`mlxbun.io.shards.pack`)."""
+    return [[specs[i] for i in shard] for shard in pack([s.nbytes for s in specs], shard_bytes)]
 
 
 @dataclass(frozen=True)
