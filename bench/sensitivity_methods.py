@@ -1,7 +1,8 @@
 """Sensitivity methods compared: cost, agreement with exact KL, and the held-out KL of their plans.
 
 Run: .venv/bin/python bench/sensitivity_methods.py [--fixtures llama-text-3m llama-text-12l]
-         [--methods exact fisher fisher+refine] [--samples 8] [--seq-len 256] [--reuse]
+         [--methods exact fisher fisher+refine exact@calib1 fisher@calib1]
+         [--samples 8] [--seq-len 256] [--reuse]
          [--label-seed K]
          [--lock /work/timing.lock]
          [--out bench/results/sensitivity_methods.md]
@@ -22,7 +23,9 @@ after another, on the built-in calibration set, bits 2,3,4,5,6,8 affine g64):
 
 Held-out text: CPython modules that neither fixture was trained on (``HELD_OUT``) and that are not
 in the calibration set. ``--reuse`` keeps the sensitivities (and their timings) of an earlier run
-in ``--work``; delete a method's directory to remeasure it. ``--label-seed K`` draws fisher's
+in ``--work``; delete a method's directory to remeasure it. A method named ``<method>@calib<K>``
+runs on calibration samples drawn with seed K; with exact run on the same draws, the report adds
+each method's plan KL averaged over the draws against exact's, and exact's own spread. ``--label-seed K`` draws fisher's
 sampled labels from seed + 1000 K (the calibration tokens, and so exact, stay the same): the
 spread of its plans over K is the estimate's own noise.
 """
@@ -47,6 +50,19 @@ BITS = [2, 3, 4, 5, 6, 8]
 VARIANTS = {  # bench names that are not a sensitivity.method: the keyword arguments they stand for
     "fisher+refine": {"method": "fisher", "refine": 1.0, "refine_bits": [4]},
 }
+
+
+def variant(name: str) -> dict:
+    """The sensitivity() keyword arguments of a bench name: a method, a VARIANTS name, or either
+    followed by ``@calib<K>`` (calibration samples drawn with seed K: exact@calib1 against exact
+    is the method's own spread over calibration draws)."""
+    base, _, calib = name.partition("@calib")
+    kw = dict(VARIANTS.get(base, {"method": base}))
+    if calib:
+        kw["seed"] = int(calib)
+    return kw
+
+
 HELD_OUT = ["locale", "zipfile", "tarfile", "mailbox", "doctest", "ftplib"]
 SIZES = [  # label, quantize keyword arguments (the mlx-lm option whose size is the budget)
     ("q3", {"bits": 3, "group_size": 64}),
@@ -81,7 +97,7 @@ def stage_sensitivity(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     doc = sensitivity(
         model_dir=args.model, out_dir=dest, work_dir=dest / "cache", bits=BITS, samples=args.samples,
-        seq_len=args.seq_len, batch_size=args.batch_size, **VARIANTS.get(args.method, {"method": args.method}),
+        seq_len=args.seq_len, batch_size=args.batch_size, **variant(args.method),
     )  # fmt: skip
     seconds = time.perf_counter() - t0
     fpe = doc.get("estimate", {}).get("forward_equivalents") or exact_forward_equivalents(doc)
@@ -290,6 +306,40 @@ def _fixture_table(name: str, res: dict) -> list[str]:
     for m, ag in res["agreement"].items():
         per = ", ".join(f"{b}-bit {v:.3f}" for b, v in ag["per_bit"].items())
         lines.append(f"Spearman of {m} vs exact per bit width: {per}.")
+    return lines + [""] + _draws_table(stats, sizes, labels)
+
+
+def _draws_table(stats: dict, sizes: dict, labels: list[str]) -> list[str]:
+    """Per method, its plans' KL averaged over the calibration draws run (``@calib<K>``; the plain
+    name is draw 0) / exact's averaged over the same draws, and the spread of single draws."""
+    draws: dict[str, list[str]] = {}
+    for m in stats:
+        draws.setdefault(m.partition("@calib")[0], []).append(m)
+    if all(len(ms) == 1 for ms in draws.values()):
+        return []
+    ks = {m: m.partition("@calib")[2] or "0" for m in stats}
+    lines = [
+        "Over calibration draws (each method's mean plan KL / exact's mean over the same draws; "
+        "in brackets the range of single draws, each / exact at the same draw; for exact, each "
+        "draw / draw 0, its own spread):",
+        "",
+        "| method | draws |" + "".join(f" {lb} |" for lb in labels),
+        "|---" * (2 + len(labels)) + "|",
+    ]
+    exact_at = {ks[m]: m for m in draws.get("exact", [])}
+    for base, ms in draws.items():
+        same = [m for m in ms if ks[m] in exact_at]
+        if not same:
+            continue
+        cells = []
+        for lb in labels:
+            mean = np.mean([sizes[lb][m]["kl"] for m in same])
+            ref = np.mean([sizes[lb][exact_at[ks[m]]]["kl"] for m in same])
+            single = [sizes[lb][m]["kl"] / sizes[lb][exact_at[ks[m]]]["kl"] for m in same]
+            if base == "exact":  # exact's own spread: each draw against draw 0
+                single = [sizes[lb][m]["kl"] / sizes[lb]["exact"]["kl"] for m in same]
+            cells.append(f"{mean / ref:.3f} ({min(single):.2f}-{max(single):.2f})")
+        lines.append(f"| {base} | {', '.join(ks[m] for m in same)} | " + " | ".join(cells) + " |")
     return lines + [""]
 
 
