@@ -21,6 +21,7 @@ from mlxbun import kl  # noqa: E402
 from mlxbun.progress import Progress  # noqa: E402
 from mlxbun.quant import fisher  # noqa: E402
 from mlxbun.quant import sensitivity as sens  # noqa: E402
+from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
 CAL = {"samples": 4, "seq_len": 64, "seed": 0}
 
@@ -92,15 +93,31 @@ def test_fisher_cost_does_not_grow_with_candidates(monkeypatch):
     est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0)
     n_samples, n_batches = 4, 2
     n_sub = max(1, n_samples // fisher.CALIB_FRACTION)  # calibration samples, one batch here
-    n_groups = 2 * 29 + 4 * 8  # bits 2, 3: roles x depth quarters; 4, 5, 6, 8: roles (8 with embedding)
+    n_groups = 2 * 29 + 3 * 8  # bits 2, 3: roles x depth quarters; 4, 5, 6: roles (8 with embedding)
     starts = 3  # the fixture's 4 blocks: depth quarters start at blocks 1, 2 and 3 (entries kept)
     assert calls[0] == 1 + n_batches + n_groups + starts
     # A quarter starting at block k runs blocks k..3 and the head: (5 - k) / 5 of a forward;
     # each start's entry costs k / 5 once. Roles (and the first quarter) run everything.
-    calibration = 2 * 7 * (4 + 3 + 2) / 5 + 2 * (7 + 1) + 4 * 8 + (1 + 2 + 3) / 5
+    calibration = 2 * 7 * (4 + 3 + 2) / 5 + 2 * (7 + 1) + 3 * 8 + (1 + 2 + 3) / 5
     want = 3 + len(s.cands) + calibration * n_sub / n_samples
     assert est.forward_equivalents == pytest.approx(want)
     assert est.forward_equivalents < 3 + len(s.cands) + n_groups * n_sub / n_samples
+    # 8 bits is not measured: it takes 6 bits' factors, group by group.
+    assert "8" not in est.measured and est.factors["8"] == est.factors["6"]
+    for t in s.targets:
+        key = {b: next(k for k, ts in g.items() if t in ts) for b, g in groups_by_bits(s).items()}
+        row = {b: est.raw[t.path][b] * est.factors[b][key[b]] for b in est.raw[t.path]}
+        assert est.kl[t.path] == pytest.approx(fisher._monotone(row))
+
+
+def groups_by_bits(s: sens.Setup) -> dict[str, dict]:
+    return {str(c.bits): fisher.calibration_groups(s.targets, c) for c in s.cands}
+
+
+def test_carried_needs_six_bits():
+    specs = {b: QuantSpec(bits=b, group_size=64, mode="affine") for b in (4, 6, 8)}
+    assert fisher.carried([specs[4], specs[6], specs[8]]) == {"8": "6"}
+    assert fisher.carried([specs[4], specs[8]]) == {}  # 8 bits is measured without a 6-bit source
 
 
 def test_fisher_untied_head_and_weights_restored(tmp_path):
@@ -136,6 +153,10 @@ def test_cache_key_changes_with_blas_and_method(tmp_path, monkeypatch):
     assert fish["_stats"]["groups_resumed"] == 0
     keys = {Path(d["_stats"]["checkpoints"]).name for d in (first, other, fish)}
     assert len(keys) == 3
+    # A changed estimator does not reuse what the older one cached.
+    monkeypatch.setattr(fisher, "VERSION", fisher.VERSION + 1)
+    newer = run_sens(FIXTURE, tmp_path / "e", tmp_path / "w", **(cheap | {"method": "fisher"}))
+    assert newer["_stats"]["groups_resumed"] == 0 and newer["_stats"]["groups_computed"] > 0
 
 
 # ------------------------------------------------------------------ progress

@@ -616,7 +616,7 @@ def prepare(
         "group_size": cands[0].group_size,
         "mode": mode,
         "batch_size": batch_size if method != "reference" else 1,
-        **({"refine": refine, "refine_bits": sorted(refine_bits or [])} if method == "fisher" else {}),
+        **(_fisher_settings(refine, refine_bits) if method == "fisher" else {}),
         "runtime": runtime(),
         "model": {
             "fingerprint": model_fingerprint(model_dir),
@@ -627,6 +627,12 @@ def prepare(
         "calibration": calib.to_dict(),
     }
     return Setup(model=model, tokens=calib.tokens, targets=tgts, cands=cands, settings=settings)
+
+
+def _fisher_settings(refine: float, refine_bits: list[int] | None) -> dict[str, Any]:
+    from mlxbun.quant.fisher import VERSION  # deferred: fisher.py builds on this module
+
+    return {"refine": refine, "refine_bits": sorted(refine_bits or []), "estimator": VERSION}
 
 
 def _config(model_dir: str | Path) -> dict:
