@@ -25,9 +25,9 @@ Held-out text: CPython modules that neither fixture was trained on (``HELD_OUT``
 in the calibration set. ``--reuse`` keeps the sensitivities (and their timings) of an earlier run
 in ``--work``; delete a method's directory to remeasure it. A method named ``<method>@calib<K>``
 runs on calibration samples drawn with seed K; with exact run on the same draws, the report adds
-each method's plan KL averaged over the draws against exact's, and exact's own spread. ``--label-seed K`` draws fisher's
-sampled labels from seed + 1000 K (the calibration tokens, and so exact, stay the same): the
-spread of its plans over K is the estimate's own noise.
+each method's plan KL averaged over the draws against exact's, and exact's own spread.
+``--label-seed K`` draws fisher's sampled labels from seed + 1000 K (the calibration tokens, and
+so exact, stay the same): the spread of its plans over K is the estimate's own noise.
 """
 
 from __future__ import annotations
