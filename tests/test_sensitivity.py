@@ -205,15 +205,14 @@ def test_resume_after_interrupt(tmp_path):
     assert again["_stats"]["groups_computed"] == 0
 
 
-@pytest.mark.slow
-def test_quantized_source(tmp_path):
+def quantized_fixture(qdir: Path, bits: int) -> Path:
+    """FIXTURE quantized by mlx-lm to ``bits`` (g64) in ``qdir``: a quantized source."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load, quantize_model, save_config
 
     model, _ = load(str(FIXTURE))
     config = json.loads((FIXTURE / "config.json").read_text())
-    model, qconfig = quantize_model(model, config, group_size=64, bits=4)
-    qdir = tmp_path / "q4"
+    model, qconfig = quantize_model(model, config, group_size=64, bits=bits)
     qdir.mkdir()
     mx.save_safetensors(
         str(qdir / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}
@@ -221,6 +220,12 @@ def test_quantized_source(tmp_path):
     save_config(qconfig, qdir / "config.json")
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(FIXTURE / f, qdir / f)
+    return qdir
+
+
+@pytest.mark.slow
+def test_quantized_source(tmp_path):
+    qdir = quantized_fixture(tmp_path / "q4", 4)
     doc = run_sens(qdir, tmp_path / "out", tmp_path / "w", bits=[3, 4, 8], samples=3, seq_len=32)
     assert doc["model"]["quantized"]
     assert all(row["kl"]["4"] == 0.0 and row["current"]["bits"] == 4 for row in doc["layers"])

@@ -15,7 +15,7 @@ from mlxbun import blas
 blas.load()
 
 import mlx.core as mx  # noqa: E402
-from test_sensitivity import FIXTURE, by_path, run_sens, tiny_qwen3  # noqa: E402
+from test_sensitivity import FIXTURE, by_path, quantized_fixture, run_sens, tiny_qwen3  # noqa: E402
 
 from mlxbun import kl  # noqa: E402
 from mlxbun.progress import Progress  # noqa: E402
@@ -112,6 +112,29 @@ def test_fisher_cost_does_not_grow_with_candidates(monkeypatch):
 
 def groups_by_bits(s: sens.Setup) -> dict[str, dict]:
     return {str(c.bits): fisher.calibration_groups(s.targets, c) for c in s.cands}
+
+
+def test_a_source_at_six_bits_measures_eight_and_keeps_its_own_setting_at_zero(tmp_path):
+    """Quantized to 6 bits already, nothing is quantized at 6: there is no factor to carry, so
+    8 bits is measured; the source's own setting keeps KL 0 (out of the monotone fit)."""
+    qdir = quantized_fixture(tmp_path / "q6", 6)
+    doc = run_sens(qdir, tmp_path / "out", tmp_path / "w", bits=[4, 6, 8], method="fisher", **CAL)
+    assert doc["estimator"] == fisher.VERSION and doc["refine"] == 0 and doc["batch_size"] == 3
+    measured = doc["estimate"]["measured"]
+    assert "6" not in measured and set(measured["8"]) == {fisher.role(r["path"]) for r in doc["layers"]}
+    assert all(row["kl"]["6"] == 0.0 and row["kl"]["8"] > 0 and row["kl"]["4"] > 0 for row in doc["layers"])
+    exact = run_sens(qdir, tmp_path / "exact", tmp_path / "w", bits=[4, 6, 8], method="exact", **CAL)
+    fisher_8 = sum(row["kl"]["8"] for row in doc["layers"])
+    exact_8 = sum(row["kl"]["8"] for row in exact["layers"])
+    assert 0.5 < fisher_8 / exact_8 < 1.6, (fisher_8, exact_8)  # carried placeholders: 2x
+
+
+def test_monotone_keeps_the_current_setting():
+    row = {"4": 3.0, "6": 0.0, "8": 1.0}  # a source at 6 bits: re-quantizing to 8 adds error
+    assert fisher._monotone(row, keep={"6"}) == pytest.approx(row)
+    assert fisher._monotone({"4": 1.0, "6": 2.0, "8": 0.5}, keep=set()) == pytest.approx(
+        {"4": 2.0**0.5, "6": 2.0**0.5, "8": 0.5}
+    )
 
 
 def test_carried_needs_six_bits():

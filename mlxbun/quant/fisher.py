@@ -76,6 +76,7 @@ class Estimate:
     measured: dict[str, dict[str, float]]  # bits -> group -> KL with the group's modules quantized
     forward_equivalents: float
     probes: dict[str, dict[str, float]] = None  # path -> {bits: exact KL on the calibration subset}
+    current: dict[str, set[str]] = None  # path -> the candidates it already is (KL 0, kept out of fits)
 
 
 # ---------------------------------------------------------------- taps
@@ -479,8 +480,9 @@ def role(path: str) -> str:
 
 CARRY_BITS = 6  # affine candidates above take this candidate's factors (when it is one)
 # Part of the resume cache key: bump it whenever the estimate's numbers change, so that a warm
-# run never returns what an older estimator cached (2: 8 bits takes 6 bits' factors).
-VERSION = 2
+# run never returns what an older estimator cached (2: 8 bits takes 6 bits' factors; 3: only
+# measured factors are carried, and a quantized source's own setting stays at KL 0).
+VERSION = 3
 
 
 def carried(cands: list[QuantSpec]) -> dict[str, str]:
@@ -488,6 +490,27 @@ def carried(cands: list[QuantSpec]) -> dict[str, str]:
     if not any(c.mode == "affine" and c.bits == CARRY_BITS for c in cands):
         return {}
     return {str(c.bits): str(CARRY_BITS) for c in cands if c.mode == "affine" and c.bits > CARRY_BITS}
+
+
+def to_measure(groups: dict[str, dict[str, list[Target]]], cands: list[QuantSpec]) -> dict[str, dict]:
+    """The calibration groups measured, per candidate: those that change some module (a quantized
+    source's own setting changes nothing: KL 0), except a carried candidate's groups whose source
+    group is measured (where it is not, e.g. a source already at 6 bits, there is no factor to
+    carry and the group is measured itself)."""
+    by_bits = {str(c.bits): c for c in cands}
+
+    def changes(b: str, ts: list[Target]) -> bool:
+        return any(not by_bits[b].matches(t.current) for t in ts)
+
+    out = {}
+    for b, by_key in groups.items():
+        source = carried(cands).get(b)
+        out[b] = {
+            k: ts
+            for k, ts in by_key.items()
+            if changes(b, ts) and (source is None or not changes(source, groups[source][k]))
+        }
+    return out
 
 
 def calibration_groups(tgts: list[Target], cand: QuantSpec) -> dict[str, list[Target]]:
@@ -544,14 +567,13 @@ def estimate(
     n_sub = max(1, n // CALIB_FRACTION)
     sub = [mx.array(tokens[i : min(i + batch_size, n_sub)]) for i in range(0, n_sub, batch_size)]
     groups = {str(c.bits): calibration_groups(tgts, c) for c in cands}
-    carry = carried(cands)
-    calibrated = [c for c in cands if str(c.bits) not in carry]
+    todo = to_measure(groups, cands)
     probes = probe_plan(tgts, cands, refine=refine, refine_bits=refine_bits)
     refs = _Spill()
     calib = Calibration(model, sub, refs)
     # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
     fwd = (3 + len(cands)) * n
-    fwd += calib.cost([ts for c in calibrated for ts in groups[str(c.bits)].values()]) * n_sub
+    fwd += calib.cost([ts for c in cands for ts in todo[str(c.bits)].values()]) * n_sub
     fwd += probe_cost(tgts, probes, n_blocks=max(t.group for t in tgts)) * n_sub  # in samples
 
     if hint is not None:
@@ -561,13 +583,14 @@ def estimate(
             refs.put(f"ref{j}", fp.run(b))
         raw = fp.scores()
         measured = {
-            str(c.bits): {k: calib.kl(ts, c, tick) for k, ts in groups[str(c.bits)].items()}
-            for c in calibrated
+            str(c.bits): {k: calib.kl(ts, c, tick) for k, ts in todo[str(c.bits)].items()} for c in cands
         }
     finally:
         refs.close()
         fp.close()
-    est = _calibrate(raw, measured, groups, carry, forward_equivalents=fwd / n)
+    measured = {b: kls for b, kls in measured.items() if kls}
+    current = {t.path: {str(c.bits) for c in cands if c.matches(t.current)} for t in tgts}
+    est = _calibrate(raw, measured, groups, carried(cands), current, forward_equivalents=fwd / n)
     if not probes:
         return est
     exact = exact_probes(model, tokens[:n_sub], tgts, probes, batch_size=batch_size, tick=tick)
@@ -648,10 +671,11 @@ def refine_kl(est: Estimate, exact: dict, groups: dict) -> Estimate:
         xs = sorted(ratios)
         logs = [np.log(ratios[x]) for x in xs]
         pre = {b: est.raw[path][b] * est.factors[b][group_of[b][path]] for b in row}
-        kl[path] = _monotone({b: v * float(np.exp(np.interp(int(b), xs, logs))) for b, v in pre.items()})
+        scaled = {b: v * float(np.exp(np.interp(int(b), xs, logs))) for b, v in pre.items()}
+        kl[path] = _monotone(scaled, keep=est.current.get(path, set()))
     fpe = est.forward_equivalents
     return Estimate(kl=kl, raw=est.raw, factors=est.factors, measured=est.measured, forward_equivalents=fpe,
-                    probes=exact)  # fmt: skip
+                    probes=exact, current=est.current)  # fmt: skip
 
 
 def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
@@ -667,11 +691,18 @@ def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
 
 
 def _calibrate(
-    raw: dict, measured: dict, groups: dict, carry: dict[str, str], *, forward_equivalents: float
+    raw: dict,
+    measured: dict,
+    groups: dict,
+    carry: dict[str, str],
+    current: dict[str, set[str]],
+    *,
+    forward_equivalents: float,
 ) -> Estimate:
     """Scale each calibration group's scores by its KL measured on the calibration subset / its
-    estimate over all samples (a ``carry`` candidate: by its source's factor for the same group);
-    then make each module's KL non-increasing in bits (the factors of
+    estimate over all samples (a ``carry`` candidate's unmeasured group: by its source's factor
+    for the same group); then make each module's KL non-increasing in bits, apart from the
+    ``current`` settings (a quantized source's own setting stays at KL 0; the factors of
     neighbouring bits are measured apart). The denominator is the all-sample estimate: the Fisher
     scores of a small subset are noisy (sampled labels), and dividing by a noisy estimate biases
     every factor upwards (on llama-text-3m, by 1.4-2.3x at 2-8 bits with a 1/4 subset)."""
@@ -682,21 +713,24 @@ def _calibrate(
         for key, value in kls.items():
             den = sum(raw[t.path][b] for t in groups[b][key])
             factors[b][key] = value / den if den > 0 else 1.0
-    for b, source in carry.items():
-        factors[b] = dict(factors[source])
+    for b in sorted(groups, key=lambda b: b in carry):  # sources first
+        source = factors.get(carry.get(b), {})  # a group not measured: its source's, or no change
+        factors[b] = {k: factors.get(b, {}).get(k, source.get(k, 1.0)) for k in groups[b]}
     for b, by_group in factors.items():
         for key, factor in by_group.items():
             for t in groups[b][key]:
                 kl[t.path][b] = raw[t.path][b] * factor
-    kl = {p: _monotone(row) for p, row in kl.items()}
+    kl = {p: _monotone(row, keep=current.get(p, set())) for p, row in kl.items()}
     return Estimate(
-        kl=kl, raw=raw, factors=factors, measured=measured, forward_equivalents=forward_equivalents
-    )
+        kl=kl, raw=raw, factors=factors, measured=measured, forward_equivalents=forward_equivalents,
+        current=current,
+    )  # fmt: skip
 
 
-def _monotone(row: dict[str, float]) -> dict[str, float]:
-    """KL non-increasing in bits: adjacent violators pooled (geometric mean), as in isotonic fits."""
-    bits = sorted(row, key=int)
+def _monotone(row: dict[str, float], keep: set[str] = frozenset()) -> dict[str, float]:
+    """KL non-increasing in bits: adjacent violators pooled (geometric mean), as in isotonic fits;
+    the bits in ``keep`` are left as they are and out of the fit."""
+    bits = sorted((b for b in row if b not in keep), key=int)
     blocks = [[row[b]] for b in bits]
     merged: list[list[float]] = []
     for blk in blocks:
@@ -704,8 +738,8 @@ def _monotone(row: dict[str, float]) -> dict[str, float]:
         while len(merged) > 1 and _gmean(merged[-1]) > _gmean(merged[-2]):
             last = merged.pop()
             merged[-1] = merged[-1] + last
-    values = [_gmean(m) for m in merged for _ in m]
-    return dict(zip(bits, values, strict=True))
+    fitted = dict(zip(bits, (_gmean(m) for m in merged for _ in m), strict=True))
+    return {b: fitted.get(b, row[b]) for b in sorted(row, key=int)}
 
 
 def _gmean(xs: list[float]) -> float:
