@@ -82,6 +82,8 @@ log = logging.getLogger("mlxbun.sensitivity")
 SCHEMA_VERSION = 1
 KIND = "mlxbun.sensitivity"
 METRIC = "kl(ref||cur) of float32 logits (float64 softmax), mean over tokens, then over samples"
+# The method's own settings that change the numbers, kept in sensitivity.json (fisher: the last three).
+METHOD_SETTINGS = ("batch_size", "refine", "refine_bits", "estimator")
 
 
 @dataclass(frozen=True)
@@ -514,6 +516,7 @@ def document(
         "model": settings["model"],
         "calibration": settings["calibration"],
         "runtime": settings["runtime"],
+        **{k: settings[k] for k in METHOD_SETTINGS if k in settings},
         "all_layers": [t.path for t in tgts],
         "layers": layers,
         "shard": shard,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.quant.sensitivity import KIND, SCHEMA_VERSION, write_reports
+from mlxbun.quant.sensitivity import KIND, METHOD_SETTINGS, SCHEMA_VERSION, write_reports
 
 SAME = (
     "version",
@@ -37,6 +37,7 @@ SAME = (
     "model",
     "calibration",
     "runtime",
+    *METHOD_SETTINGS,
     "estimate",
     "all_layers",
 )
