@@ -159,6 +159,9 @@ def _config_error(e: Exception) -> str:
         if key:
             return schema.unknown_key_message(str(key))
         return f"unknown config key ({first}); `python -m mlxbun command=<name> help=true` lists the keys"
+    if key and "is not a ListConfig" in first:  # a scalar where a list goes
+        value = getattr(cause, "value", None)
+        return f"{key}={value} is not a list; give one, e.g. '{key}=[{value}]'"
     return f"{key}: {first}" if key and str(key) not in first else first
 
 
