@@ -226,7 +226,7 @@ class CalibCfg:
 class SensitivityCfg:
     bits: list[int] = field(default_factory=lambda: [4, 8])
     # None: the mode's default (affine 64, mxfp4 32, nvfp4 16, mxfp8 32).
-    group_size: int | None = 64
+    group_size: int | None = None
     mode: str = "affine"
     # fisher: estimated from one backward pass + one forward per candidate (mlxbun/quant/fisher.py);
     # exact: every (module, candidate) measured; reference: exact, one forward per sample (slow).

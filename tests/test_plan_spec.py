@@ -159,6 +159,10 @@ def test_schema_checks_group_size_per_mode():
         QuantCfg(group_size=16)
     with pytest.raises(InputError, match=r"sensitivity.group_size=16 is not allowed for mode=affine"):
         SensitivityCfg(group_size=16)
+    # Unset, the group size is the mode's own (it defaulted to 64, which mxfp4 refuses).
+    assert SensitivityCfg(mode="mxfp4", bits=[4]).group_size is None
+    assert spec_for("mxfp4", 4, SensitivityCfg(mode="mxfp4", bits=[4]).group_size).group_size == 32
+    assert spec_for("affine", 4, SensitivityCfg().group_size).group_size == 64
     with pytest.raises(InputError, match=r"sensitivity.bits=4 is not allowed for mode=mxfp8"):
         SensitivityCfg(mode="mxfp8", group_size=None, bits=[4, 8])
     assert SensitivityCfg(mode="nvfp4", group_size=None, bits=[4]).group_size is None
