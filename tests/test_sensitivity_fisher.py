@@ -129,6 +129,21 @@ def test_a_source_at_six_bits_measures_eight_and_keeps_its_own_setting_at_zero(t
     assert 0.5 < fisher_8 / exact_8 < 1.6, (fisher_8, exact_8)  # carried placeholders: 2x
 
 
+@pytest.mark.slow
+def test_a_two_bit_source_is_not_fitted_to_fall_with_bits(tmp_path, caplog):
+    """2 bits' grid fits in 4 bits' (15 = 3 x 5): re-quantizing a 2-bit source to 4 bits loses
+    far less than to 5, as exact measures; a fit that forces KL to fall with bits hid that."""
+    qdir = quantized_fixture(tmp_path / "q2", 2)
+    with caplog.at_level(logging.WARNING, logger="mlxbun"):
+        doc = run_sens(qdir, tmp_path / "out", tmp_path / "w", bits=[2, 4, 5], method="fisher",
+                       refine=1.0, refine_bits=[2], **CAL)  # fmt: skip
+    kl4 = sum(row["kl"]["4"] for row in doc["layers"])
+    kl5 = sum(row["kl"]["5"] for row in doc["layers"])
+    assert all(row["kl"]["2"] == 0.0 for row in doc["layers"])
+    assert kl4 < 0.5 * kl5, (kl4, kl5)
+    assert any("probes nothing" in r.getMessage() for r in caplog.records)
+
+
 def test_monotone_keeps_the_current_setting():
     row = {"4": 3.0, "6": 0.0, "8": 1.0}  # a source at 6 bits: re-quantizing to 8 adds error
     assert fisher._monotone(row, keep={"6"}) == pytest.approx(row)

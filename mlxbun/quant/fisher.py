@@ -76,7 +76,10 @@ class Estimate:
     measured: dict[str, dict[str, float]]  # bits -> group -> KL with the group's modules quantized
     forward_equivalents: float
     probes: dict[str, dict[str, float]] = None  # path -> {bits: exact KL on the calibration subset}
-    current: dict[str, set[str]] = None  # path -> the candidates it already is (KL 0, kept out of fits)
+    # path -> bits kept out of the monotone fit: every candidate of a module whose source is
+    # quantized (its own setting is KL 0, and re-quantizing to a grid the source's fits in, 2 bits
+    # to 4, loses less than to 5: exact KL need not fall with bits there)
+    unfitted: dict[str, set[str]] = None
 
 
 # ---------------------------------------------------------------- taps
@@ -481,8 +484,9 @@ def role(path: str) -> str:
 CARRY_BITS = 6  # affine candidates above take this candidate's factors (when it is one)
 # Part of the resume cache key: bump it whenever the estimate's numbers change, so that a warm
 # run never returns what an older estimator cached (2: 8 bits takes 6 bits' factors; 3: only
-# measured factors are carried, and a quantized source's own setting stays at KL 0).
-VERSION = 3
+# measured factors are carried, and a quantized source's own setting stays at KL 0; 4: a quantized
+# source's modules are not fitted to fall with bits).
+VERSION = 4
 
 
 def carried(cands: list[QuantSpec]) -> dict[str, str]:
@@ -569,6 +573,13 @@ def estimate(
     groups = {str(c.bits): calibration_groups(tgts, c) for c in cands}
     todo = to_measure(groups, cands)
     probes = probe_plan(tgts, cands, refine=refine, refine_bits=refine_bits)
+    if refine > 0 and not any(probes.values()):
+        log.warning(
+            "sensitivity.refine=%g probes nothing: the modules chosen are already at refine_bits=%s;"
+            " choose other sensitivity.refine_bits",
+            refine,
+            refine_bits or "the middle candidate",
+        )
     refs = _Spill()
     calib = Calibration(model, sub, refs)
     # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
@@ -589,8 +600,8 @@ def estimate(
         refs.close()
         fp.close()
     measured = {b: kls for b, kls in measured.items() if kls}
-    current = {t.path: {str(c.bits) for c in cands if c.matches(t.current)} for t in tgts}
-    est = _calibrate(raw, measured, groups, carried(cands), current, forward_equivalents=fwd / n)
+    unfitted = {t.path: {str(c.bits) for c in cands} if t.current is not None else set() for t in tgts}
+    est = _calibrate(raw, measured, groups, carried(cands), unfitted, forward_equivalents=fwd / n)
     if not probes:
         return est
     exact = exact_probes(model, tokens[:n_sub], tgts, probes, batch_size=batch_size, tick=tick)
@@ -672,10 +683,10 @@ def refine_kl(est: Estimate, exact: dict, groups: dict) -> Estimate:
         logs = [np.log(ratios[x]) for x in xs]
         pre = {b: est.raw[path][b] * est.factors[b][group_of[b][path]] for b in row}
         scaled = {b: v * float(np.exp(np.interp(int(b), xs, logs))) for b, v in pre.items()}
-        kl[path] = _monotone(scaled, keep=est.current.get(path, set()))
+        kl[path] = _monotone(scaled, keep=est.unfitted.get(path, set()))
     fpe = est.forward_equivalents
     return Estimate(kl=kl, raw=est.raw, factors=est.factors, measured=est.measured, forward_equivalents=fpe,
-                    probes=exact, current=est.current)  # fmt: skip
+                    probes=exact, unfitted=est.unfitted)  # fmt: skip
 
 
 def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
@@ -695,14 +706,14 @@ def _calibrate(
     measured: dict,
     groups: dict,
     carry: dict[str, str],
-    current: dict[str, set[str]],
+    unfitted: dict[str, set[str]],
     *,
     forward_equivalents: float,
 ) -> Estimate:
     """Scale each calibration group's scores by its KL measured on the calibration subset / its
     estimate over all samples (a ``carry`` candidate's unmeasured group: by its source's factor
     for the same group); then make each module's KL non-increasing in bits, apart from the
-    ``current`` settings (a quantized source's own setting stays at KL 0; the factors of
+    ``unfitted`` bits (a quantized source's module: see ``Estimate.unfitted``; the factors of
     neighbouring bits are measured apart). The denominator is the all-sample estimate: the Fisher
     scores of a small subset are noisy (sampled labels), and dividing by a noisy estimate biases
     every factor upwards (on llama-text-3m, by 1.4-2.3x at 2-8 bits with a 1/4 subset)."""
@@ -720,10 +731,10 @@ def _calibrate(
         for key, factor in by_group.items():
             for t in groups[b][key]:
                 kl[t.path][b] = raw[t.path][b] * factor
-    kl = {p: _monotone(row, keep=current.get(p, set())) for p, row in kl.items()}
+    kl = {p: _monotone(row, keep=unfitted.get(p, set())) for p, row in kl.items()}
     return Estimate(
         kl=kl, raw=raw, factors=factors, measured=measured, forward_equivalents=forward_equivalents,
-        current=current,
+        unfitted=unfitted,
     )  # fmt: skip
 
 
