@@ -159,6 +159,8 @@ def _config_error(e: Exception) -> str:
         if key:
             return schema.unknown_key_message(str(key))
         return f"unknown config key ({first}); `python -m mlxbun command=<name> help=true` lists the keys"
+    if first.startswith("Ambiguous value for argument"):  # Hydra's hint is on the next lines
+        return f"{first}; give a list as key=[a,b], quote a string with a comma, or sweep it with -m"
     if key and "is not a ListConfig" in first:  # a scalar where a list goes
         value = getattr(cause, "value", None)
         return f"{key}={value} is not a list; give one, e.g. '{key}=[{value}]'"
@@ -195,6 +197,7 @@ def _task(dcfg: Any) -> None:
             try:
                 schema.check_keys(OmegaConf.to_container(dcfg, resolve=False))
                 cfg = OmegaConf.to_object(dcfg)
+                schema.check_strings(cfg)
             except InputError:
                 raise
             except Exception as e:

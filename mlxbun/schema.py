@@ -21,7 +21,7 @@ import difflib
 import math
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
@@ -58,6 +58,22 @@ def choose(key: str, value: Any, allowed: tuple | list) -> None:
     if value not in allowed:
         shown = ", ".join(str(a) for a in allowed)
         raise InputError(f"{key}={value!r} is not allowed; choose one of {shown}")
+
+
+def check_strings(cfg: Any, prefix: str = "") -> None:
+    """Raise an InputError where a list-of-strings key holds something else (``key=[[a]]``:
+    OmegaConf keeps the nested list)."""
+    hints = get_type_hints(type(cfg))
+    for f in fields(cfg):
+        value, key = getattr(cfg, f.name), f"{prefix}{f.name}"
+        if is_dataclass(value):
+            check_strings(value, key + ".")
+        elif hints.get(f.name) == list[str]:
+            for item in value or ():
+                if not isinstance(item, str):
+                    raise InputError(
+                        f"{key} has {item!r}, not a string; give {key}=[a,b] (one pair of brackets)"
+                    )
 
 
 def positive(key: str, value: float | int | None, *, allow_zero: bool = False) -> None:

@@ -67,6 +67,15 @@ def test_unknown_recipe_is_an_error_listing_recipes(tmp_path: Path) -> None:
         (["command=nosuch"], "command='nosuch'"),
         (["command=sensitivity", "sensitivity.shard=3", "sensitivity.num_shards=2"], "sensitivity.shard=3"),
         (["command=sensitivity", "sensitivity.bits=4"], "give one, e.g. 'sensitivity.bits=[4]'"),
+        (
+            ["command=sensitivity_merge", "sensitivity.inputs=[[x]]"],
+            "sensitivity.inputs has ['x'], not a string",
+        ),
+        (
+            ["command=pipeline", "pipeline.steps=[[quantize]]"],
+            "pipeline.steps has ['quantize'], not a string",
+        ),
+        (["command=sensitivity", "sensitivity.bits=4,8"], "give a list as key=[a,b]"),
     ],
 )
 def test_bad_value_is_one_line_exit_2(tmp_path: Path, args: list[str], needle: str) -> None:
