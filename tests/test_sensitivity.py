@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -205,14 +206,15 @@ def test_resume_after_interrupt(tmp_path):
     assert again["_stats"]["groups_computed"] == 0
 
 
-def quantized_fixture(qdir: Path, bits: int) -> Path:
-    """FIXTURE quantized by mlx-lm to ``bits`` (g64) in ``qdir``: a quantized source."""
+def quantized_fixture(qdir: Path, bits: int, predicate: Any = None) -> Path:
+    """FIXTURE quantized by mlx-lm to ``bits`` (g64) in ``qdir``: a quantized source
+    (``predicate``: mlx-lm's quant_predicate, for a mixed one)."""
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load, quantize_model, save_config
 
     model, _ = load(str(FIXTURE))
     config = json.loads((FIXTURE / "config.json").read_text())
-    model, qconfig = quantize_model(model, config, group_size=64, bits=bits)
+    model, qconfig = quantize_model(model, config, group_size=64, bits=bits, quant_predicate=predicate)
     qdir.mkdir()
     mx.save_safetensors(
         str(qdir / "model.safetensors"), dict(tree_flatten(model.parameters())), metadata={"format": "mlx"}

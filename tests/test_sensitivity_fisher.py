@@ -6,6 +6,7 @@ import io
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -127,6 +128,23 @@ def test_a_source_at_six_bits_measures_eight_and_keeps_its_own_setting_at_zero(t
     fisher_8 = sum(row["kl"]["8"] for row in doc["layers"])
     exact_8 = sum(row["kl"]["8"] for row in exact["layers"])
     assert 0.5 < fisher_8 / exact_8 < 1.6, (fisher_8, exact_8)  # carried placeholders: 2x
+
+
+def test_a_group_partly_at_six_bits_is_measured_at_eight(tmp_path):
+    """k_proj at 6 bits in blocks 0-1 and 4 bits in 2-3: 6 bits' k_proj factor is measured on
+    blocks 2-3 only, so 8 bits (which changes all four) is measured, not carried; the rest is."""
+
+    def mixed(path: str, module: Any) -> Any:
+        return (
+            {"bits": 6, "group_size": 64}
+            if path.endswith(("0.self_attn.k_proj", "1.self_attn.k_proj"))
+            else True
+        )
+
+    qdir = quantized_fixture(tmp_path / "mixed", 4, mixed)
+    doc = run_sens(qdir, tmp_path / "out", tmp_path / "w", bits=[4, 6, 8], method="fisher", **CAL)
+    assert set(doc["estimate"]["measured"]["8"]) == {"k_proj"}
+    assert doc["estimate"]["factors"]["8"]["down_proj"] == doc["estimate"]["factors"]["6"]["down_proj"]
 
 
 @pytest.mark.slow

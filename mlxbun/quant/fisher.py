@@ -485,8 +485,9 @@ CARRY_BITS = 6  # affine candidates above take this candidate's factors (when it
 # Part of the resume cache key: bump it whenever the estimate's numbers change, so that a warm
 # run never returns what an older estimator cached (2: 8 bits takes 6 bits' factors; 3: only
 # measured factors are carried, and a quantized source's own setting stays at KL 0; 4: a quantized
-# source's modules are not fitted to fall with bits).
-VERSION = 4
+# source's modules are not fitted to fall with bits; 5: 8 bits is measured where 6 bits leaves
+# some of its modules unchanged).
+VERSION = 5
 
 
 def carried(cands: list[QuantSpec]) -> dict[str, str]:
@@ -499,12 +500,12 @@ def carried(cands: list[QuantSpec]) -> dict[str, str]:
 def to_measure(groups: dict[str, dict[str, list[Target]]], cands: list[QuantSpec]) -> dict[str, dict]:
     """The calibration groups measured, per candidate: those that change some module (a quantized
     source's own setting changes nothing: KL 0), except a carried candidate's groups whose source
-    group is measured (where it is not, e.g. a source already at 6 bits, there is no factor to
-    carry and the group is measured itself)."""
+    group changes every module they change (where it does not, e.g. a source already at 6 bits
+    in some layers, the source's factor was measured on other modules: the group is measured)."""
     by_bits = {str(c.bits): c for c in cands}
 
-    def changes(b: str, ts: list[Target]) -> bool:
-        return any(not by_bits[b].matches(t.current) for t in ts)
+    def changed(b: str, ts: list[Target]) -> set[str]:
+        return {t.path for t in ts if not by_bits[b].matches(t.current)}
 
     out = {}
     for b, by_key in groups.items():
@@ -512,7 +513,7 @@ def to_measure(groups: dict[str, dict[str, list[Target]]], cands: list[QuantSpec
         out[b] = {
             k: ts
             for k, ts in by_key.items()
-            if changes(b, ts) and (source is None or not changes(source, groups[source][k]))
+            if changed(b, ts) and (source is None or not changed(b, ts) <= changed(source, groups[source][k]))
         }
     return out
 
