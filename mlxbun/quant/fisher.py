@@ -601,7 +601,7 @@ def estimate(
     if hint is not None:
         hint(timed_forward(model, tokens, batch_size) * fwd / min(batch_size, n))
     try:
-        for b in batches:
+        for j, b in enumerate(batches):
             fp.run(b)
         raw = fp.scores()
         measured = {
