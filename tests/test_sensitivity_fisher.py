@@ -67,7 +67,7 @@ def test_group_kl_is_exact(tmp_path):
                      method="fisher", batch_size=1, **CAL)  # fmt: skip
     est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=1, seed=0)
     ref, _, _ = sens.load_model(FIXTURE)  # float32, as the exact method runs
-    sub = s.tokens[fisher.calibration_samples(len(s.tokens))]
+    sub = s.tokens[: max(1, len(s.tokens) // fisher.CALIB_FRACTION)]
     want_ref = [kl.log_probs(ref(mx.array(sub[i : i + 1]))) for i in range(len(sub))]
     for t in s.targets:
         if fisher.role(t.path) == "down_proj":
@@ -96,13 +96,13 @@ def test_fisher_cost_does_not_grow_with_candidates(monkeypatch):
     n_sub = max(1, n_samples // fisher.CALIB_FRACTION)  # calibration samples, one batch here
     n_groups = 2 * 29 + 3 * 8  # bits 2, 3: roles x depth quarters; 4, 5, 6: roles (8 with embedding)
     starts = 3  # the fixture's 4 blocks: depth quarters start at blocks 1, 2 and 3 (entries kept)
-    assert calls[0] == 1 + n_batches + 1 + n_groups + starts  # the 1: the subset's reference
+    assert calls[0] == 1 + n_batches + n_groups + starts
     # A quarter starting at block k runs blocks k..3 and the head: (5 - k) / 5 of a forward;
     # each start's entry costs k / 5 once. Roles (and the first quarter) run everything.
-    calibration = 1 + 2 * 7 * (4 + 3 + 2) / 5 + 2 * (7 + 1) + 3 * 8 + (1 + 2 + 3) / 5
+    calibration = 2 * 7 * (4 + 3 + 2) / 5 + 2 * (7 + 1) + 3 * 8 + (1 + 2 + 3) / 5
     want = 3 + len(s.cands) + calibration * n_sub / n_samples
     assert est.forward_equivalents == pytest.approx(want)
-    assert est.forward_equivalents < 3 + len(s.cands) + (1 + n_groups) * n_sub / n_samples
+    assert est.forward_equivalents < 3 + len(s.cands) + n_groups * n_sub / n_samples
     # 8 bits is not measured: it takes 6 bits' factors, group by group.
     assert "8" not in est.measured and est.factors["8"] == est.factors["6"]
     for t in s.targets:
@@ -168,13 +168,6 @@ def test_monotone_keeps_the_current_setting():
     assert fisher._monotone({"4": 1.0, "6": 2.0, "8": 0.5}, keep=set()) == pytest.approx(
         {"4": 2.0**0.5, "6": 2.0**0.5, "8": 0.5}
     )
-
-
-def test_calibration_samples_are_spread():
-    """Windows are in stream order: the subset takes 1 in 4 across them, not the first quarter."""
-    assert list(fisher.calibration_samples(24)) == [0, 4, 8, 12, 16, 20]
-    assert list(fisher.calibration_samples(8)) == [0, 4]
-    assert list(fisher.calibration_samples(3)) == [0]
 
 
 def test_carried_needs_six_bits():
@@ -278,7 +271,7 @@ def test_refine_probes_modules_exactly_and_scales_their_estimates():
     assert len(probed) == -(-len(s.targets) // 2) and est.probes.keys() == probed.keys()
     # A probe is KL(ref || that one module at 4 bits) on the calibration subset, by plain forwards.
     ref, _, _ = sens.load_model(FIXTURE)
-    sub = s.tokens[fisher.calibration_samples(len(s.tokens))]
+    sub = s.tokens[: max(1, len(s.tokens) // fisher.CALIB_FRACTION)]
     path = sorted(probed)[0]
     want_ref = [kl.log_probs(ref(mx.array(sub[i : i + 1]))) for i in range(len(sub))]
     mod = sens.module_at(ref, path)

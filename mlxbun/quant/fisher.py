@@ -408,7 +408,7 @@ class Calibration:
 
     A group's forward starts at the first block it changes: the hidden state entering that block
     is computed once per batch with the original weights and kept (a deep group skips the blocks
-    before it). The reference's softmax statistics come from one forward per batch, spilled."""
+    before it). The reference's softmax statistics are computed once per batch and spilled."""
 
     def __init__(self, model: Any, batches: list, refs: _Spill) -> None:
         self.stack = Stack(model)
@@ -417,12 +417,11 @@ class Calibration:
         self._stats: set[int] = set()
 
     def cost(self, groups: list[list[Target]]) -> float:
-        """Forward-pass equivalents per calibration sample: the reference forward, each group
-        from its first block (blocks run + head over blocks + head), and one partial forward per
-        distinct start."""
+        """Forward-pass equivalents per calibration sample: each group from its first block
+        (blocks run + head over blocks + head), and one partial forward per distinct start."""
         whole = self.stack.n + 1
         starts = [self.start(ts) for ts in groups]
-        return 1 + sum((whole - s) / whole for s in starts) + sum(s / whole for s in set(starts))
+        return sum((whole - s) / whole for s in starts) + sum(s / whole for s in set(starts))
 
     def start(self, tgts: list[Target]) -> int:
         return min(min(t.group for t in tgts), self.stack.n)
@@ -434,12 +433,6 @@ class Calibration:
         start = self.start(tgts)
         share = (self.stack.n + 1 - start) / (self.stack.n + 1)
         for j, b in enumerate(self.batches):
-            if j not in self._stats:  # with the original weights
-                p, neg_entropy = ref_stats(np.array(self.stack.forward(b).astype(mx.float32)))
-                self.refs.put(f"p{j}", p)
-                self.refs.put(f"negent{j}", neg_entropy)
-                self._stats.add(j)
-                tick(b.shape[0])
             if start > 0 and (start, j) not in self._entry:
                 self._entry[(start, j)] = self.stack.forward(b, stop=start)
                 mx.eval(self._entry[(start, j)])
@@ -457,7 +450,7 @@ class Calibration:
             for j, b in enumerate(self.batches):
                 logits = self.stack.forward(b, start=start, h=self._entry.get((start, j))).astype(mx.float32)
                 mx.eval(logits)
-                kl = kl_from_stats((self.refs.get(f"p{j}"), self.refs.get(f"negent{j}")), logits)
+                kl = kl_from_stats(self._ref_stats(j, b.shape[0]), logits)
                 total, n = total + float(kl.sum()), n + len(kl)
                 tick(b.shape[0] * share)
             return total / max(n, 1)
@@ -465,22 +458,20 @@ class Calibration:
             for mod, w in saved:
                 mod.weight = w
 
+    def _ref_stats(self, j: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
+        if j not in self._stats:
+            p, neg_entropy = ref_stats(self.refs.get(f"ref{j}")[:rows])
+            self.refs.put(f"p{j}", p)
+            self.refs.put(f"negent{j}", neg_entropy)
+            self._stats.add(j)
+            return p, neg_entropy
+        return self.refs.get(f"p{j}"), self.refs.get(f"negent{j}")
+
 
 # ---------------------------------------------------------------- entry point
 
 
-CALIB_FRACTION = 4  # calibration runs on 1/4 of the calibration samples (at least one), spread
-
-
-def calibration_samples(n: int) -> np.ndarray:
-    """Which of ``n`` samples the calibration runs on: 1 in CALIB_FRACTION, spread over all of
-    them. The windows are in stream order (documents shuffled, then concatenated), so the first
-    quarter would be the first quarter of the documents: on llama-text-3m with 24 x 512 tokens
-    that subset put fisher's q3 plans at 1.11-1.14x exact's."""
-    count = max(1, n // CALIB_FRACTION)
-    return (np.arange(count) * n) // count
-
-
+CALIB_FRACTION = 4  # calibration runs on the first 1/4 of the calibration samples (at least one)
 LOW_BITS = 3  # at and below, the second-order estimate breaks down by depth: calibrate per depth too
 DEPTH_BUCKETS = 4
 
@@ -495,8 +486,8 @@ CARRY_BITS = 6  # affine candidates above take this candidate's factors (when it
 # run never returns what an older estimator cached (2: 8 bits takes 6 bits' factors; 3: only
 # measured factors are carried, and a quantized source's own setting stays at KL 0; 4: a quantized
 # source's modules are not fitted to fall with bits; 5: 8 bits is measured where 6 bits leaves
-# some of its modules unchanged; 6: the calibration subset is spread over the samples).
-VERSION = 6
+# some of its modules unchanged).
+VERSION = 5
 
 
 def carried(cands: list[QuantSpec]) -> dict[str, str]:
@@ -578,9 +569,8 @@ def estimate(
         )
         batch_size = fewer
     batches = [mx.array(tokens[i : i + batch_size]) for i in range(0, n, batch_size)]
-    spread = calibration_samples(n)
-    n_sub = len(spread)
-    sub = [mx.array(tokens[spread[i : i + batch_size]]) for i in range(0, n_sub, batch_size)]
+    n_sub = max(1, n // CALIB_FRACTION)
+    sub = [mx.array(tokens[i : min(i + batch_size, n_sub)]) for i in range(0, n_sub, batch_size)]
     groups = {str(c.bits): calibration_groups(tgts, c) for c in cands}
     todo = to_measure(groups, cands)
     probes = probe_plan(tgts, cands, refine=refine, refine_bits=refine_bits)
@@ -602,7 +592,7 @@ def estimate(
         hint(timed_forward(model, tokens, batch_size) * fwd / min(batch_size, n))
     try:
         for j, b in enumerate(batches):
-            fp.run(b)
+            refs.put(f"ref{j}", fp.run(b))
         raw = fp.scores()
         measured = {
             str(c.bits): {k: calib.kl(ts, c, tick) for k, ts in todo[str(c.bits)].items()} for c in cands
@@ -615,7 +605,7 @@ def estimate(
     est = _calibrate(raw, measured, groups, carried(cands), unfitted, forward_equivalents=fwd / n)
     if not probes:
         return est
-    exact = exact_probes(model, tokens[spread], tgts, probes, batch_size=batch_size, tick=tick)
+    exact = exact_probes(model, tokens[:n_sub], tgts, probes, batch_size=batch_size, tick=tick)
     return refine_kl(est, exact, groups)
 
 
