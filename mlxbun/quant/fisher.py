@@ -502,20 +502,16 @@ def to_measure(groups: dict[str, dict[str, list[Target]]], cands: list[QuantSpec
     source's own setting changes nothing: KL 0), except a carried candidate's groups whose source
     group changes every module they change (where it does not, e.g. a source already at 6 bits
     in some layers, the source's factor was measured on other modules: the group is measured)."""
-    by_bits = {str(c.bits): c for c in cands}
+    by_bits, carry = {str(c.bits): c for c in cands}, carried(cands)
 
     def changed(b: str, ts: list[Target]) -> set[str]:
         return {t.path for t in ts if not by_bits[b].matches(t.current)}
 
-    out = {}
-    for b, by_key in groups.items():
-        source = carried(cands).get(b)
-        out[b] = {
-            k: ts
-            for k, ts in by_key.items()
-            if changed(b, ts) and (source is None or not changed(b, ts) <= changed(source, groups[source][k]))
-        }
-    return out
+    def measure(b: str, k: str) -> bool:
+        mine = changed(b, groups[b][k])
+        return bool(mine) and (b not in carry or not mine <= changed(carry[b], groups[carry[b]][k]))
+
+    return {b: {k: ts for k, ts in by_key.items() if measure(b, k)} for b, by_key in groups.items()}
 
 
 def calibration_groups(tgts: list[Target], cand: QuantSpec) -> dict[str, list[Target]]:
