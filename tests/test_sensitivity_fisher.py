@@ -387,3 +387,19 @@ def test_scores_sum_dot_products_across_row_slices(monkeypatch):
     for path, row in whole.items():
         for bits, value in row.items():
             assert value > 0 and sliced[path][bits] == pytest.approx(value, rel=1e-4), (path, bits)
+
+
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_spill_put_again_replaces_only_that_name(in_memory):
+    spill = fisher._Spill()
+    spill.in_memory = in_memory
+    try:
+        spill.put("a", np.zeros(2))
+        spill.put("b", np.ones(2))
+        spill.put("a", np.full(3, 7.0))  # a second put of a name must not write over another's file
+        spill.put("c", np.full(1, 5.0))
+        assert spill.get("a").tolist() == [7.0, 7.0, 7.0]
+        assert spill.get("b").tolist() == [1.0, 1.0]
+        assert spill.get("c").tolist() == [5.0]
+    finally:
+        spill.close()

@@ -370,6 +370,7 @@ class _Spill:
     def __init__(self) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="mlxbun-fisher-")
         self._names: dict[str, Path | np.ndarray] = {}
+        self._files = 0  # files ever written: a name put again gets a new file, not another's
         self.in_memory = False
 
     def put(self, name: str, value: Any) -> int:
@@ -378,8 +379,11 @@ class _Spill:
         if self.in_memory:
             self._names[name] = arr
             return arr.nbytes
-        path = Path(self._dir.name) / f"{len(self._names)}.npy"
+        self._files += 1
+        path = Path(self._dir.name) / f"{self._files}.npy"
         np.save(path, arr)
+        if isinstance(old := self._names.get(name), Path):
+            old.unlink()
         self._names[name] = path
         return arr.nbytes
 
