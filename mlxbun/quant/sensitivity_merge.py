@@ -86,10 +86,13 @@ def combine(docs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
     for doc, name in zip(docs[1:], names[1:], strict=True):
         for key in SAME:
             if doc.get(key) != first.get(key):
-                raise InputError(
-                    f"sensitivity.inputs: {name!r} differs from {names[0]!r} in {key!r};"
-                    " merge only shards of one sweep (same model, calibration and settings)"
+                lacking = [n for d, n in ((first, names[0]), (doc, name)) if key not in d]
+                why = (
+                    f"{lacking[0]!r} does not record it (written before {key!r} was recorded); rerun that shard"
+                    if len(lacking) == 1
+                    else "merge only shards of one sweep (same model, calibration and settings)"
                 )
+                raise InputError(f"sensitivity.inputs: {name!r} differs from {names[0]!r} in {key!r}; {why}")
     rows: dict[str, dict] = {}
     for doc, name in zip(docs, names, strict=True):
         for row in doc["layers"]:
