@@ -19,7 +19,10 @@ after another, on the built-in calibration set, bits 2,3,4,5,6,8 affine g64):
   (module, bits) pairs and per bit width (the minimum is shown);
 - the held-out KL of the plan it yields at the byte size of each of mlx-lm's q3, mixed_3_6, q4,
   mixed_4_6, q4 g32 and q6 (each quantized by the project's quantize, size read from disk; the
-  plan is allocated with that size as ``budget_bytes``), and that plan's KL / exact's.
+  plan is allocated with that size as ``budget_bytes``), and that plan's KL / exact's;
+- the allocator's objective by exact's numbers (exact's per-module KLs summed over each plan's
+  choices) / exact's plan's: how well the method reproduces what exact optimizes, apart from
+  what neither sees (how modules interact; ``bench/plan_interactions.py``).
 
 Held-out text: CPython modules that neither fixture was trained on (``HELD_OUT``) and that are not
 in the calibration set. ``--reuse`` keeps the sensitivities (and their timings) of an earlier run
@@ -250,7 +253,27 @@ def fixture(args: argparse.Namespace) -> dict:
         sizes[label] = row
         print(f"{args.model.name} {label}: {json.dumps(row)}", flush=True)
     agree = {m: agreement(args.work, m) for m in stats if m != "exact"}
+    for label, row in sizes.items():
+        limit = row["mlx-lm"]["file_bytes"]
+        for m in stats:
+            ref = next(
+                (e for e in stats if e.partition("@calib")[0] == "exact" and draw(e) == draw(m)), "exact"
+            )
+            row[m]["summed"] = summed(args.work, m, ref, limit)
+            row[m]["summed_ref"] = summed(args.work, ref, ref, limit)
     return {"stats": stats, "sizes": sizes, "agreement": agree}
+
+
+def draw(method: str) -> str:
+    return method.partition("@calib")[2] or "0"
+
+
+def summed(work: Path, method: str, ref: str, limit: int) -> float:
+    """The allocator's objective at ``ref``'s numbers: ``ref``'s per-module KL summed over the
+    choices of ``method``'s plan at ``limit`` bytes."""
+    kl = {r["path"]: r["kl"] for r in json.loads((work / ref / "sensitivity.json").read_text())["layers"]}
+    plan = json.loads((work / "plans" / f"{method}_{limit}.json").read_text())
+    return sum(kl[p][str(c["bits"])] for p, c in plan["choices"].items() if p in kl)
 
 
 # ------------------------------------------------------------------------------- report
@@ -306,6 +329,22 @@ def _fixture_table(name: str, res: dict) -> list[str]:
     for m, ag in res["agreement"].items():
         per = ", ".join(f"{b}-bit {v:.3f}" for b, v in ag["per_bit"].items())
         lines.append(f"Spearman of {m} vs exact per bit width: {per}.")
+    if all("summed" in sizes[lb][m] for lb in labels for m in stats):
+        lines += [
+            "",
+            "The allocator's objective by exact's numbers (exact's per-module KL at the same calibration "
+            "draw, summed over each plan's choices) / exact's plan's; and, for exact's plan, its "
+            "held-out KL / that sum (the sum leaves out how modules interact, and is taken on the "
+            "calibration text; `bench/plan_interactions.py` measures single decisions):",
+            "",
+            "| method |" + "".join(f" {lb} |" for lb in labels),
+            "|---" * (1 + len(labels)) + "|",
+        ]
+        for m in stats:
+            cells = " | ".join(f"{sizes[lb][m]['summed'] / sizes[lb][m]['summed_ref']:.3f}" for lb in labels)
+            lines.append(f"| {m} | {cells} |")
+        ratio = " | ".join(f"{sizes[lb]['exact']['kl'] / sizes[lb]['exact']['summed']:.2f}" for lb in labels)
+        lines.append(f"| exact: held-out KL / the sum | {ratio} |")
     return lines + [""] + _draws_table(stats, sizes, labels)
 
 
@@ -317,7 +356,7 @@ def _draws_table(stats: dict, sizes: dict, labels: list[str]) -> list[str]:
         draws.setdefault(m.partition("@calib")[0], []).append(m)
     if all(len(ms) == 1 for ms in draws.values()):
         return []
-    ks = {m: m.partition("@calib")[2] or "0" for m in stats}
+    ks = {m: draw(m) for m in stats}
     lines = [
         "Over calibration draws (each method's mean plan KL / exact's mean over the same draws; "
         "in brackets the range of single draws, each / exact at the same draw; for exact, each "
