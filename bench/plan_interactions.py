@@ -63,7 +63,8 @@ def main() -> None:
         seed=calib["seed"],
     ).tokens  # fmt: skip
     on_calib = Evaluator(model, tokens)
-    held = held_out_tokens(model, Path(tempfile.mkdtemp()), samples=args.samples, seq_len=args.seq_len)
+    scratch = tempfile.TemporaryDirectory(prefix="plan-interactions-")
+    held = held_out_tokens(model, Path(scratch.name), samples=args.samples, seq_len=args.seq_len)
     on_held = Evaluator(model, held)
     with (args.work / args.base / "sensitivity.csv").open() as f:
         kl = {
@@ -98,6 +99,7 @@ def main() -> None:
         c, h = measure(plan, [on_calib, on_held])
         summed = sum(kl[p][str(ch["bits"])] for p, ch in plan["choices"].items())
         print(f"{name}: summed {summed:.5f}, calibration {c:.5f}, held-out {h:.5f}")
+    scratch.cleanup()
 
 
 if __name__ == "__main__":
