@@ -253,7 +253,7 @@ def fixture(args: argparse.Namespace) -> dict:
         sizes[label] = row
         print(f"{args.model.name} {label}: {json.dumps(row)}", flush=True)
     agree = {m: agreement(args.work, m) for m in stats if m != "exact"}
-    for label, row in sizes.items():
+    for row in sizes.values():
         limit = row["mlx-lm"]["file_bytes"]
         for m in stats:
             ref = next(
