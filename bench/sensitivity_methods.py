@@ -211,13 +211,15 @@ def spearman(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def agreement(work: Path, method: str) -> dict:
-    exact = {
-        r["path"]: r["kl"] for r in json.loads((work / "exact" / "sensitivity.json").read_text())["layers"]
-    }
-    mine = {
+def module_kls(work: Path, method: str) -> dict[str, dict[str, float]]:
+    """``method``'s per-module KL by bit width, from its sensitivity.json."""
+    return {
         r["path"]: r["kl"] for r in json.loads((work / method / "sensitivity.json").read_text())["layers"]
     }
+
+
+def agreement(work: Path, method: str) -> dict:
+    exact, mine = module_kls(work, "exact"), module_kls(work, method)
     paths = sorted(exact)
     per_bit = {}
     for b in map(str, BITS):
@@ -253,14 +255,15 @@ def fixture(args: argparse.Namespace) -> dict:
         sizes[label] = row
         print(f"{args.model.name} {label}: {json.dumps(row)}", flush=True)
     agree = {m: agreement(args.work, m) for m in stats if m != "exact"}
+    numbers = {m: module_kls(args.work, m) for m in stats}
     for row in sizes.values():
         limit = row["mlx-lm"]["file_bytes"]
         for m in stats:
             ref = next(
                 (e for e in stats if e.partition("@calib")[0] == "exact" and draw(e) == draw(m)), "exact"
             )
-            row[m]["summed"] = summed(args.work, m, ref, limit)
-            row[m]["summed_ref"] = summed(args.work, ref, ref, limit)
+            row[m]["summed"] = summed(args.work, m, numbers[ref], limit)
+            row[m]["summed_ref"] = summed(args.work, ref, numbers[ref], limit)
     return {"stats": stats, "sizes": sizes, "agreement": agree}
 
 
@@ -268,10 +271,9 @@ def draw(method: str) -> str:
     return method.partition("@calib")[2] or "0"
 
 
-def summed(work: Path, method: str, ref: str, limit: int) -> float:
-    """The allocator's objective at ``ref``'s numbers: ``ref``'s per-module KL summed over the
-    choices of ``method``'s plan at ``limit`` bytes."""
-    kl = {r["path"]: r["kl"] for r in json.loads((work / ref / "sensitivity.json").read_text())["layers"]}
+def summed(work: Path, method: str, kl: dict[str, dict[str, float]], limit: int) -> float:
+    """The allocator's objective at the numbers ``kl`` (a reference's :func:`module_kls`), summed
+    over the choices of ``method``'s plan at ``limit`` bytes."""
     plan = json.loads((work / "plans" / f"{method}_{limit}.json").read_text())
     return sum(kl[p][str(c["bits"])] for p, c in plan["choices"].items() if p in kl)
 
@@ -337,8 +339,7 @@ def _fixture_table(name: str, res: dict) -> list[str]:
             "held-out KL / that sum (the sum leaves out how modules interact, and is taken on the "
             "calibration text; `bench/plan_interactions.py` measures single decisions):",
             "",
-            "| method |" + "".join(f" {lb} |" for lb in labels),
-            "|---" * (1 + len(labels)) + "|",
+            *_head(["method"], labels),
         ]
         for m in stats:
             cells = " | ".join(f"{sizes[lb][m]['summed'] / sizes[lb][m]['summed_ref']:.3f}" for lb in labels)
@@ -346,6 +347,12 @@ def _fixture_table(name: str, res: dict) -> list[str]:
         ratio = " | ".join(f"{sizes[lb]['exact']['kl'] / sizes[lb]['exact']['summed']:.2f}" for lb in labels)
         lines.append(f"| exact: held-out KL / the sum | {ratio} |")
     return lines + [""] + _draws_table(stats, sizes, labels)
+
+
+def _head(first: list[str], labels: list[str]) -> list[str]:
+    """A markdown table's header and rule: the ``first`` columns, then one per size label."""
+    head = "| " + " | ".join(first) + " |" + "".join(f" {lb} |" for lb in labels)
+    return [head, "|---" * (len(first) + len(labels)) + "|"]
 
 
 def _draws_table(stats: dict, sizes: dict, labels: list[str]) -> list[str]:
@@ -362,8 +369,7 @@ def _draws_table(stats: dict, sizes: dict, labels: list[str]) -> list[str]:
         "in brackets the range of single draws, each / exact at the same draw; for exact, each "
         "draw / draw 0, its own spread):",
         "",
-        "| method | draws |" + "".join(f" {lb} |" for lb in labels),
-        "|---" * (2 + len(labels)) + "|",
+        *_head(["method", "draws"], labels),
     ]
     exact_at = {ks[m]: m for m in draws.get("exact", [])}
     for base, ms in draws.items():
