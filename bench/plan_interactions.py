@@ -9,7 +9,7 @@ Run (after ``bench/sensitivity_methods.py --work W``, on its plans and sensitivi
 The allocator minimizes the summed per-module KL, each module measured (exact) or estimated with
 the rest of the model at full precision. For every module where ``--other``'s plan differs from
 ``--base``'s, the script prints the change of that sum by the reference sensitivities (``--base``'s
-``sensitivity.csv``), and the change of the whole model's KL on the calibration set when that one
+``sensitivity.json``), and the change of the whole model's KL on the calibration set when that one
 decision of ``--other`` is put into ``--base``'s plan (quantized for real). Then both plans' KL on
 the calibration set and on the held-out text of the sensitivity bench.
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import json
 import sys
 import tempfile
@@ -50,7 +49,7 @@ def main() -> None:
 
     blas.load()
     from mlx_lm.tokenizer_utils import load as load_tokenizer
-    from sensitivity_methods import Evaluator, held_out_tokens
+    from sensitivity_methods import Evaluator, held_out_tokens, module_kls
 
     from mlxbun.quant.calib import load_calibration
     from mlxbun.quantize import quantize_model_dir
@@ -66,11 +65,7 @@ def main() -> None:
     scratch = tempfile.TemporaryDirectory(prefix="plan-interactions-")
     held = held_out_tokens(model, Path(scratch.name), samples=args.samples, seq_len=args.seq_len)
     on_held = Evaluator(model, held)
-    with (args.work / args.base / "sensitivity.csv").open() as f:
-        kl = {
-            r["path"]: {k[3:]: float(v) for k, v in r.items() if k.startswith("kl_")}
-            for r in csv.DictReader(f)
-        }
+    kl = module_kls(args.work, args.base)
     base = json.loads((args.work / "plans" / f"{args.base}_{args.size}.json").read_text())
     other = json.loads((args.work / "plans" / f"{args.other}_{args.size}.json").read_text())
 
