@@ -391,7 +391,7 @@ def test_scores_sum_dot_products_across_row_slices(monkeypatch):
 
 @pytest.mark.parametrize("in_memory", [False, True])
 def test_spill_put_again_replaces_only_that_name(in_memory):
-    spill = fisher._Spill()
+    spill = fisher.Spill()
     spill.in_memory = in_memory
     try:
         spill.put("a", np.zeros(2))

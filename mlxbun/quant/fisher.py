@@ -198,7 +198,7 @@ class FisherPass:
         self.key = seed
         self.sums: dict[str, dict[str, float]] = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
         self.tokens = 0
-        self.pool = _Spill()
+        self.pool = Spill()
         self._pooled: list[int] = []  # samples of each pooled batch
         self._pool_bytes = 0
 
@@ -363,7 +363,7 @@ class FisherPass:
 # ---------------------------------------------------------------- 3. calibration
 
 
-class _Spill:
+class Spill:
     """Arrays kept in a temporary directory by name (.npy): reference logits, pooled gradients;
     or in memory (``in_memory``, set before the first ``put``)."""
 
@@ -414,7 +414,7 @@ class Calibration:
     is computed once per batch with the original weights and kept (a deep group skips the blocks
     before it). The reference's softmax statistics are computed once per batch and spilled."""
 
-    def __init__(self, model: Any, batches: list, refs: _Spill) -> None:
+    def __init__(self, model: Any, batches: list, refs: Spill) -> None:
         self.stack = Stack(model)
         self.model, self.batches, self.refs = model, batches, refs
         self._entry: dict[tuple[int, int], Any] = {}  # (block, batch) -> hidden state entering it
@@ -581,7 +581,7 @@ def estimate(
             refine,
             refine_bits or "the middle candidate",
         )
-    refs = _Spill()
+    refs = Spill()
     calib = Calibration(model, sub, refs)
     # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
     fwd = (3 + len(cands)) * n
