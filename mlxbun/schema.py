@@ -309,6 +309,10 @@ class AllocateCfg:
     protect: list[str] = field(default_factory=list)
     # Knapsack DP states before option sizes get rounded up (see mlxbun/quant/knapsack.py).
     max_states: int = 65536
+    # Steps near the knapsack's threshold re-measured in the model quantized as planned, per
+    # round; the plan is solved again with those costs (mlxbun/quant/interactions.py). 0: off.
+    interactions: int = 16
+    interaction_rounds: int = 2
     # Quantize with the plan and measure the mixed model's KL against the reference.
     check: bool = True
 
@@ -325,6 +329,8 @@ class AllocateCfg:
             choose("allocate.modes", m, MODES)
         spec_for(self.default_mode, self.default_bits, self.default_group_size, key="allocate.default")
         positive("allocate.max_states", self.max_states)
+        positive("allocate.interactions", self.interactions, allow_zero=True)
+        positive("allocate.interaction_rounds", self.interaction_rounds)
         for rule in self.protect:
             Rule.parse(rule)
 

@@ -395,6 +395,9 @@ def test_run_writes_a_plan_and_checks_it(model, measured, tmp_path):
     assert check["size_exact"] and check["measured"]["file_bytes"] == plan["predicted_bytes"]
     assert check["calibration_matches_sensitivity"]
     assert check["measured_kl"] > 0 and plan["predicted_kl_sum"] > 0
+    it = plan["interactions"]  # on by default, measured on sensitivity.calib
+    assert it["decisions"] == 16 and it["kl_after"] <= it["kl_before"] and it["rounds"]
+    assert check["measured_kl"] == pytest.approx(it["kl_after"], rel=0.05)  # RTN in both, bf16 on disk
     # Same inputs in another run directory (sensitivity given as file, not dir): same bytes.
     cfg2 = command_cfg(
         tmp_path / "again", model, sensitivity=str(measured), budget_bpw=4.5, protect=["lm_head:8"]
@@ -403,6 +406,21 @@ def test_run_writes_a_plan_and_checks_it(model, measured, tmp_path):
     for name in ("plan.json", "check.json", "model/model.safetensors"):
         assert (tmp_path / "again" / "run" / name).read_bytes() == (tmp_path / "run" / name).read_bytes()
     assert check["model"] == "model"
+
+
+def test_run_skips_interactions_that_would_not_fit_in_memory(model, measured, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(al, "available_memory", lambda: 1000)
+    cfg = command_cfg(tmp_path, model, sensitivity=str(measured.parent), budget_bpw=4.5, check=False)
+    al.run(cfg)
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert "the float32 model needs" in plan["interactions"]["skipped"]
+    assert "allocate.interactions=16 skipped" in caplog.text
+    off = command_cfg(
+        tmp_path / "off", model, sensitivity=str(measured.parent), budget_bpw=4.5, check=False, interactions=0
+    )
+    al.run(off)
+    plain = json.loads((tmp_path / "off" / "run" / "plan.json").read_text())
+    assert "interactions" not in plain and plain["layers"] == plan["layers"]
 
 
 def test_run_rejects_bad_input_before_writing(model, measured, tmp_path):

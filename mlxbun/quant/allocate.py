@@ -13,9 +13,17 @@ choice is a multiple-choice knapsack solved exactly or with a stated bound
                        "predicted_bytes", "predicted_bpw", "predicted_kl_sum",
                        "predicted": {tensor_bytes, file_bytes, parameters, shards, bpw},
                        "budget": {...}, "solver": {exact, unit, lower_bound, gap, ...},
-                       "choices": {path: {bits, group_size, mode, kl, bytes}}, "source": {...}}
+                       "choices": {path: {bits, group_size, mode, kl, bytes}}, "source": {...},
+                       "interactions": {decisions, rounds, kl_before, kl_after, forwards}
+                                       | {skipped}}       with allocate.interactions
         check.json    with allocate.check: the plan quantized, measured KL vs the reference
         model/        with allocate.check: that quantized model
+
+With ``allocate.interactions`` (default 16) the plan is then improved in the quantized model
+itself: the steps nearest the knapsack's threshold are measured with every other module quantized
+as planned, and the knapsack solved again with those costs (``mlxbun.quant.interactions``); the
+model's KL on the calibration set before and after is in plan.json. It needs the float32 model in
+memory and is skipped (with a warning, and said in plan.json) when that does not fit.
 
 The check and the per-quantizer corrections of the objective live in ``mlxbun.quant.check``; this
 module stays one because the command, the sensitivity it reads and the plan it writes are one step.
@@ -28,21 +36,33 @@ import logging
 import math
 import re
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES
+from mlxbun.progress import human_bytes
 from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport, Source
+from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.check import CheckResult, check_plan, correction_key
+from mlxbun.quant.interactions import (
+    BARRED,
+    InModel,
+    Round,
+    Step,
+    measured_only,
+    near_threshold,
+    scaled_costs,
+)
 from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.sensitivity import model_fingerprint
 from mlxbun.quant.spec import AFFINE_BITS, Plan, QuantSpec, Rule, check_budget
 from mlxbun.quantize import resolve_dtype
+from mlxbun.synth import available_memory
 
 log = logging.getLogger("mlxbun")
 
@@ -199,6 +219,7 @@ class Allocation:
     budget: Mapping[str, Any] = field(default_factory=dict)
     solver: Mapping[str, Any] = field(default_factory=dict)
     source: Mapping[str, Any] = field(default_factory=dict)
+    interactions: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def layers(self) -> dict[str, QuantSpec | None]:
@@ -221,6 +242,7 @@ class Allocation:
             "solver": dict(self.solver),
             "source": dict(self.source),
             "choices": {p: c.to_json() for p, c in sorted(self.choices.items())},
+            **({"interactions": dict(self.interactions)} if self.interactions else {}),
         }
 
 
@@ -315,6 +337,9 @@ def allocate(
     out_dtype: str | None = "bfloat16",
     shard_bytes: int = 5 << 30,
     max_states: int = 1 << 16,
+    in_model: InModel | None = None,
+    decisions: int = 16,
+    rounds: int = 2,
 ) -> Allocation:
     """Choose one setting per measured module, minimising summed KL within the budget.
 
@@ -333,6 +358,10 @@ def allocate(
             config.json as ``quantize`` does.
         shard_bytes: the writer's shard limit (headers are per shard).
         max_states: knapsack DP states before sizes are rounded (see ``knapsack``).
+        in_model: the model to measure how modules interact in (``mlxbun.quant.interactions``);
+            None: the summed objective alone.
+        decisions: steps near the threshold measured per round in ``in_model``.
+        rounds: re-solves at most (each kept only when the model's KL is lower).
 
     Example:
         >>> plan = allocate(load_sensitivity(run), model_dir=src, budget_bpw=4.5, protect=["lm_head:6"])
@@ -350,10 +379,17 @@ def allocate(
     if budget_bpw is not None:
         key, value, limit = "allocate.budget_bpw", budget_bpw, math.floor(budget_bpw * source.parameters / 8)
         capacity = limit - fixed_bytes
-        sol = solve(_items(prob), capacity, max_states=max_states) if capacity >= 0 else None
+
+        def solver(p: _Problem) -> Solution | None:
+            return solve(_items(p), capacity, max_states=max_states) if capacity >= 0 else None
+
     else:
         key, value, limit = "allocate.budget_bytes", budget_bytes, budget_bytes
-        sol = _solve_file_budget(prob, source, default, budget_bytes, fixed_bytes, lo, max_states, kw)
+
+        def solver(p: _Problem) -> Solution | None:
+            return _solve_file_budget(p, source, default, budget_bytes, fixed_bytes, lo, max_states, kw)
+
+    sol = solver(prob)
     if sol is None:
         raise _range_error(key, value, lo, hi)
     if (hi.tensor_bytes if budget_bpw is not None else hi.file_bytes) < limit:
@@ -362,7 +398,54 @@ def allocate(
             " its lowest-KL candidate and the plan is smaller than the budget", key, value, hi.bpw, hi.file_bytes,
         )  # fmt: skip
     limits = {"key": key, "value": value, "limit_bytes": limit, "unit": "tensor" if budget_bpw else "file"}
-    return _plan(prob, sol, source, default, kw, sens, limits=limits)
+    report: dict[str, Any] = {}
+    if in_model is not None and decisions > 0:
+        sol, report = _interactions(prob, sol, solver, in_model, decisions=decisions, rounds=rounds)
+    return _plan(prob, sol, source, default, kw, sens, limits=limits, interactions=report)
+
+
+def _measured(prob: _Problem, steps: list[Step], in_model: InModel, kl: float) -> list[Step]:
+    """Each step's change of the model's KL, measured in block order (one pass of hidden states)."""
+    order = sorted(range(len(steps)), key=lambda k: (in_model.start(steps[k].path), k))
+    out = list(steps)
+    for k in order:
+        s = steps[k]
+        out[k] = replace(s, measured=in_model.kl_with(s.path, prob.options[s.item][s.to][0]) - kl)
+    return out
+
+
+def _interactions(
+    prob: _Problem, sol: Solution, solver: Any, in_model: InModel, *, decisions: int, rounds: int
+) -> tuple[Solution, dict[str, Any]]:
+    """Rounds of ``mlxbun.quant.interactions``: measure the steps nearest the threshold in the
+    quantized model, solve with the rescaled costs, keep the new plan when its KL is lower."""
+    first, done = sol, []
+    kl = in_model.set({**prob.fixed, **_chosen(prob, sol)})
+    kl_before = kl
+    for _ in range(rounds):
+        steps = _measured(prob, near_threshold(prob.options, sol.choice, prob.paths, decisions), in_model, kl)
+        tried: list[float] = []
+        for costs in (scaled_costs, measured_only):
+            new = solver(_Problem(prob.paths, costs(prob.options, sol.choice, steps), prob.fixed))
+            if new is None or new.choice == sol.choice or new.cost >= BARRED:
+                continue
+            tried.append(in_model.set({**prob.fixed, **_chosen(prob, new)}))
+            if tried[-1] < kl:
+                break
+        kept = bool(tried) and tried[-1] < kl
+        done.append(Round(kl, steps, [sol.choice[s.item] for s in steps], tried, kept))
+        if not kept:
+            break
+        sol, kl = new, tried[-1]
+    cost = sum(opts[j][2] for opts, j in zip(prob.options, sol.choice, strict=True))
+    report: dict[str, Any] = {
+        "decisions": decisions,
+        "rounds": [r.to_json(prob.options) for r in done],
+        "kl_before": kl_before,
+        "kl_after": kl,
+        "forwards": in_model.forwards,
+    }
+    return replace(sol, cost=cost, lower_bound=first.lower_bound), report
 
 
 def _dtype_code(dtype: str | None, model_dir: Path) -> str | None:
@@ -422,6 +505,7 @@ def _plan(
     sens: Sensitivity,
     *,
     limits: Mapping[str, Any],
+    interactions: Mapping[str, Any],
 ) -> Allocation:
     shapes, dtypes = source.shapes, source.weight_dtypes(kw["out_dtype"])
     choices: dict[str, Choice] = {}
@@ -446,7 +530,7 @@ def _plan(
         "out_dtype": kw["out_dtype"],
         "shard_bytes": kw["shard_bytes"],
     }
-    return Allocation(default, choices, size, sol.cost, dict(limits), solver, src)
+    return Allocation(default, choices, size, sol.cost, dict(limits), solver, src, dict(interactions))
 
 
 # ------------------------------------------------------------------------------- command
@@ -485,6 +569,45 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
 
 def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -> Allocation:
     a = cfg.allocate
+    if a.interactions == 0:
+        return _allocate_from_cfg(cfg, src, sens, default, None)
+    need, avail = 4 * budget.read_source(src).parameters, available_memory()
+    if avail is not None and need > MEMORY_SHARE * avail:
+        why = (
+            f"the float32 model needs {human_bytes(need)} and {human_bytes(avail)} is available;"
+            " the plan minimises the summed KL alone"
+        )
+        log.warning(
+            "allocate.interactions=%d skipped: %s (allocate.interactions=0 says so)", a.interactions, why
+        )
+        return replace(_allocate_from_cfg(cfg, src, sens, default, None), interactions={"skipped": why})
+    with InModel(src, _calibration(cfg, src, sens), batch_size=cfg.sensitivity.batch_size) as in_model:
+        return _allocate_from_cfg(cfg, src, sens, default, in_model)
+
+
+MEMORY_SHARE = 0.8  # interactions load the float32 model: at most this share of available memory
+
+
+def _calibration(cfg: Any, src: Path, sens: Sensitivity) -> Any:
+    """The tokens interactions are measured on: ``sensitivity.calib``, as the check's."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    c = cfg.sensitivity.calib
+    calib = load_calibration(
+        tokenizer=load_tokenizer(src), path=c.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed
+    )
+    if sens.calibration_fingerprint and calib.fingerprint != sens.calibration_fingerprint:
+        log.warning(
+            "allocate.interactions: sensitivity.calib differs from the calibration %s was measured on;"
+            " interactions are measured on sensitivity.calib", sens.path,
+        )  # fmt: skip
+    return calib.tokens
+
+
+def _allocate_from_cfg(
+    cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec, in_model: InModel | None
+) -> Allocation:
+    a = cfg.allocate
     return allocate(
         sens,
         model_dir=src,
@@ -496,6 +619,9 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
         out_dtype=cfg.quant.dtype,
         shard_bytes=cfg.io.shard_bytes,
         max_states=a.max_states,
+        in_model=in_model,
+        decisions=a.interactions,
+        rounds=a.interaction_rounds,
     )
 
 

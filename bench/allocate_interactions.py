@@ -1,0 +1,155 @@
+"""Plans with and without ``allocate.interactions``: held-out KL at mlx-lm's sizes, per method and draw.
+
+Run: .venv/bin/python bench/allocate_interactions.py --work W
+         [--fixtures llama-text-3m llama-text-12l] [--methods exact fisher] [--draws 0 1]
+         [--sizes q3 mixed_3_6 q4 mixed_4_6 "q4 g32" q6] [--decisions 16] [--rounds 2]
+         [--out bench/results/allocate_interactions.md]
+
+``W`` is the ``--work`` directory of a ``bench/sensitivity_methods.py`` run: its sensitivities
+(``W/<fixture>/<method>`` for draw 0, ``<method>@calib<K>`` for draw K) are read, not measured
+again. For each fixture, draw and size (the bytes of an mlx-lm option, quantized here first):
+
+- the plan ``allocate`` makes from the summed objective alone ("summed"), and the plan it makes
+  with ``interactions`` (steps near the threshold re-measured in the quantized model on the
+  sensitivity's own calibration draw; ``mlxbun/quant/interactions.py``);
+- each quantized by the project's quantize and scored by KL on held-out text (the same text and
+  scoring as ``sensitivity_methods.py``), each / exact's summed plan at the same draw;
+- the interactions' cost: forward-pass equivalents over the calibration set and seconds.
+
+The summary table gives each method's mean held-out KL over the draws with interactions against
+exact's with interactions, and against exact's summed plan (the reference of the last report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+
+import sensitivity_methods as sm  # noqa: E402
+
+MODES = ("summed", "interactions")
+
+
+def sensitivity_dir(work: Path, method: str, d: int) -> Path:
+    return work / (method if d == 0 else f"{method}@calib{d}")
+
+
+def fixture(args: argparse.Namespace, name: str) -> dict:
+    """{size: {draw: {method: {mode: {kl, forwards, seconds}}}}} for one fixture."""
+    import shutil
+
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxbun.io.atomic import atomic_write_json
+    from mlxbun.quant.allocate import allocate, load_sensitivity
+    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.interactions import InModel
+
+    work = args.work / name
+    calib = load_sensitivity(sensitivity_dir(work, "exact", 0)).calibration
+    scratch = work / "interactions"
+    shutil.rmtree(scratch, ignore_errors=True)
+    ns = argparse.Namespace(model=REPO / "tests" / "fixtures" / name, work=scratch, samples=calib["samples"], seq_len=calib["seq_len"])
+    plans = sm.Plans(ns)
+    sizes = {label: plans.quantize(**kw)["file_bytes"] for label, kw in sm.SIZES if label in args.sizes}
+    tok = load_tokenizer(ns.model)
+    out: dict = {label: {} for label in sizes}
+    for d in args.draws:
+        tokens = load_calibration(tokenizer=tok, samples=calib["samples"], seq_len=calib["seq_len"], seed=d).tokens
+        with InModel(ns.model, tokens) as in_model:
+            for label, limit in sizes.items():
+                row = out[label].setdefault(str(d), {})
+                for method in args.methods:
+                    sens = load_sensitivity(sensitivity_dir(work, method, d))
+                    if sens.calibration_fingerprint != load_sensitivity(sensitivity_dir(work, "exact", d)).calibration_fingerprint:
+                        raise SystemExit(f"{name}: {method} at draw {d} was measured on another calibration than exact")
+                    for mode in MODES:
+                        f0, t0 = in_model.forwards, time.perf_counter()
+                        plan = allocate(
+                            sens, model_dir=ns.model, budget_bytes=limit, in_model=in_model if mode == "interactions" else None,
+                            decisions=args.decisions, rounds=args.rounds,
+                        )  # fmt: skip
+                        seconds = time.perf_counter() - t0
+                        path = scratch / "plans" / f"{method}_{d}_{mode}_{limit}.json"
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        atomic_write_json(path, plan.to_json())
+                        res = plans.quantize(plan=path)
+                        assert res["file_bytes"] <= limit, (res, limit)
+                        row.setdefault(method, {})[mode] = {
+                            "kl": res["kl"], "forwards": in_model.forwards - f0, "seconds": seconds,
+                            "calib": [plan.interactions.get("kl_before"), plan.interactions.get("kl_after")],
+                        }  # fmt: skip
+                        print(f"{name} {label} draw {d} {method} {mode}: {json.dumps(row[method][mode])}", flush=True)
+    return out
+
+
+def report(args: argparse.Namespace, results: dict) -> str:
+    lines = [
+        "# allocate.interactions: held-out KL of plans with and without",
+        "",
+        f"Command: `{' '.join(['.venv/bin/python', 'bench/allocate_interactions.py', *sys.argv[1:]])}`",
+        f"decisions={args.decisions} rounds={args.rounds}; sizes are the bytes of mlx-lm's options.",
+        "",
+    ]
+    for name, res in results.items():
+        lines += [f"## {name}", "", "Held-out KL, each / exact's summed plan at the same draw; cost of the interactions:", ""]
+        lines += ["| size | draw | method | summed | interactions | forwards | seconds |", "|---|---|---|---|---|---|---|"]
+        for label, draws in res.items():
+            for d, row in draws.items():
+                ref = row["exact"]["summed"]["kl"]
+                for method, modes in row.items():
+                    s, i = modes["summed"], modes["interactions"]
+                    lines.append(
+                        f"| {label} | {d} | {method} | {s['kl']:.5f} ({s['kl'] / ref:.3f}) | {i['kl']:.5f} ({i['kl'] / ref:.3f})"
+                        f" | {i['forwards']:.1f} | {i['seconds']:.0f} |"
+                    )
+        lines += ["", "Mean over draws: method with interactions / exact with interactions (/ exact summed):", ""]
+        labels = list(res)
+        lines += ["| method | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
+        for method in args.methods:
+            cells = []
+            for label in labels:
+                draws = res[label].values()
+                mine = statistics.mean(r[method]["interactions"]["kl"] for r in draws)
+                ctx = statistics.mean(r["exact"]["interactions"]["kl"] for r in draws)
+                summed = statistics.mean(r["exact"]["summed"]["kl"] for r in draws)
+                cells.append(f"{mine / ctx:.3f} ({mine / summed:.3f})")
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--fixtures", nargs="+", default=["llama-text-3m", "llama-text-12l"])
+    ap.add_argument("--methods", nargs="+", default=["exact", "fisher"])
+    ap.add_argument("--draws", nargs="+", type=int, default=[0])
+    ap.add_argument("--sizes", nargs="+", default=[label for label, _ in sm.SIZES])
+    ap.add_argument("--decisions", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "allocate_interactions.md")
+    args = ap.parse_args()
+    if "exact" not in args.methods:
+        args.methods.insert(0, "exact")
+    from mlxbun import blas
+
+    blas.load()
+    results = {name: fixture(args, name) for name in args.fixtures}
+    text = report(args, results)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
+    (args.out.with_suffix(".json")).write_text(json.dumps(results, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

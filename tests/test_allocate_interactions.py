@@ -1,0 +1,224 @@
+"""allocate.interactions: steps near the threshold measured in the quantized model, then solved again."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from mlxbun import blas
+
+blas.load()
+
+from mlxbun.quant import allocate as al  # noqa: E402
+from mlxbun.quant import interactions as ia  # noqa: E402
+from mlxbun.quant.spec import QuantSpec  # noqa: E402
+
+
+def q(bits: int) -> QuantSpec:
+    return QuantSpec(bits=bits, group_size=64)
+
+
+# ---------------------------------------------------------------- the choice of steps and the costs
+
+
+OPTIONS = [  # (setting, bytes, summed KL) per module; each is at 4 bits in the plan below
+    [(q(2), 100, 8.0), (q(4), 200, 2.0), (q(8), 400, 1.0)],  # down: 6.0/100, up: 1.0/200
+    [(q(2), 100, 3.0), (q(4), 200, 1.0), (q(8), 400, 0.2)],  # down: 2.0/100, up: 0.8/200
+    [(q(2), 100, 5.0), (q(4), 200, 4.0), (q(8), 400, 0.4)],  # down: 1.0/100, up: 3.6/200
+]
+PLAN = (1, 1, 1)
+PATHS = ["a", "b", "c"]
+
+
+def test_near_threshold_alternates_cheapest_downgrades_and_best_upgrades():
+    steps = ia.near_threshold(OPTIONS, PLAN, PATHS, 4)
+    assert [(s.path, s.down) for s in steps] == [("c", True), ("c", False), ("b", True), ("a", False)]
+    assert steps[0].summed == pytest.approx(1.0) and steps[1].summed == pytest.approx(-3.6)
+    assert ia.near_threshold(OPTIONS, PLAN, PATHS, 0) == []
+    assert len(ia.near_threshold(OPTIONS, PLAN, PATHS, 99)) == 6
+
+
+def test_near_threshold_moves_along_the_front_only():
+    dominated = [[(q(2), 100, 8.0), (q(3), 150, 9.0), (q(4), 200, 2.0)]]  # 3 bits costs more than 2
+    (down,) = ia.near_threshold(dominated, (2,), ["a"], 4)
+    assert down.to == 0 and down.summed == pytest.approx(6.0)
+
+
+def test_scaled_costs_scales_each_side_by_its_ratio_and_the_rest_by_the_median():
+    steps = [
+        ia.Step(0, "a", 0, 6.0, measured=24.0),  # a's downgrade costs 4x its sum
+        ia.Step(1, "b", 2, -0.8, measured=-0.4),  # b's upgrade saves half its sum
+        ia.Step(2, "c", 0, 1.0, measured=2.0),
+    ]
+    out = ia.scaled_costs(OPTIONS, PLAN, steps)
+    assert [o[2] for o in out[0]] == pytest.approx([2.0 + 4 * 6.0, 2.0, 2.0 - 2 * 1.0])  # median 2
+    assert [o[2] for o in out[1]] == pytest.approx([1.0 + 2 * 2.0, 1.0, 1.0 - 0.5 * 0.8])
+    assert [o[2] for o in out[2]] == pytest.approx([4.0 + 2 * 1.0, 4.0, 4.0 - 2 * 3.6])
+    assert [[o[:2] for o in row] for row in out] == [[o[:2] for o in row] for row in OPTIONS]
+
+
+def test_scaled_costs_scale_beyond_a_measured_step_by_the_median():
+    wide = [[(q(2), 100, 9.0), (q(3), 150, 5.0), (q(4), 200, 2.0)], [(q(2), 100, 4.0), (q(4), 200, 1.0)]]
+    steps = [
+        ia.Step(0, "a", 1, 3.0, measured=12.0),
+        ia.Step(1, "b", 0, 3.0, measured=3.0),
+    ]  # 4x, 1x: median 2.5
+    out = ia.scaled_costs(wide, (2, 1), steps)
+    assert [o[2] for o in out[0]] == pytest.approx([2.0 + 4 * 3.0 + 2.5 * 4.0, 2.0 + 4 * 3.0, 2.0])
+
+
+def test_measured_only_allows_the_measured_steps_at_their_measured_cost():
+    steps = [ia.Step(0, "a", 0, 6.0, measured=24.0), ia.Step(2, "c", 2, -3.6, measured=-0.1)]
+    out = ia.measured_only(OPTIONS, PLAN, steps)
+    assert [o[2] for o in out[0]] == pytest.approx([26.0, 2.0, ia.BARRED])
+    assert [o[2] for o in out[1]] == pytest.approx([ia.BARRED, 1.0, ia.BARRED])
+    assert [o[2] for o in out[2]] == pytest.approx([ia.BARRED, 4.0, 4.0 - 3.6 * ia.RATIO_RANGE[0]])
+
+
+def test_a_step_measured_as_harmless_or_harmful_keeps_a_positive_bounded_ratio():
+    assert ia.Step(0, "a", 0, 2.0, measured=-1.0).ratio == ia.RATIO_RANGE[0]
+    assert ia.Step(0, "a", 2, -2.0, measured=1.0).ratio == ia.RATIO_RANGE[0]
+    assert ia.Step(0, "a", 0, 1e-9, measured=1.0).ratio == ia.RATIO_RANGE[1]
+
+
+# ---------------------------------------------------------------- the quantized model
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from mlxbun import synth
+
+    cache = tmp_path_factory.mktemp("interactions-synth")
+    return synth.ensure_synthetic(cache_dir=cache, arch="llama", preset="tiny", tie_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def tokens(model):
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from mlxbun.quant.calib import load_calibration
+
+    return load_calibration(tokenizer=load_tokenizer(model), samples=3, seq_len=32, seed=0).tokens
+
+
+def uniform(model, bits):
+    from mlxbun.quant import budget
+
+    return {p: q(bits) for p in budget.read_source(model).shapes}
+
+
+def test_in_model_partial_forward_equals_the_whole_model(model, tokens):
+    layers = uniform(model, 4)
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        assert m.set({p: None for p in layers}) == pytest.approx(0.0, abs=1e-9)
+        base = m.set(layers)
+        assert base > 0
+        for path in [
+            "model.embed_tokens",
+            "model.layers.0.mlp.down_proj",
+            "model.layers.1.self_attn.q_proj",
+            "lm_head",
+        ]:
+            for spec in (q(2), None):
+                partial = m.kl_with(path, spec)
+                whole = m.set({**layers, path: spec})
+                m.set(layers)
+                assert partial == pytest.approx(whole, rel=1e-5), (path, spec)
+        assert m.set(layers) == pytest.approx(base, rel=1e-6)  # every move was put back
+
+
+def test_in_model_counts_forward_equivalents(model, tokens):
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        assert m.forwards == 1.0
+        m.set(uniform(model, 4))
+        m.kl_with("lm_head", q(2))  # the head alone: 1 / (blocks + 1), plus the blocks to reach it
+        assert m.forwards == pytest.approx(3.0)
+
+
+# ---------------------------------------------------------------- allocate with interactions
+
+
+@pytest.fixture(scope="module")
+def measured(model, tmp_path_factory):
+    from mlxbun.quant.sensitivity import sensitivity
+
+    out = tmp_path_factory.mktemp("sens")
+    sensitivity(
+        model_dir=model,
+        out_dir=out,
+        work_dir=out / "work",
+        bits=[2, 4, 8],
+        samples=3,
+        seq_len=32,
+        batch_size=2,
+    )
+    return al.load_sensitivity(out / "sensitivity.json")
+
+
+def understated(sens, path, factor):
+    """The sensitivity with one module's KLs divided by ``factor``: a wrong summed objective."""
+    layers = dict(sens.layers)
+    old = layers[path]
+    layers[path] = al.LayerSensitivity(path, old.params, {s: v / factor for s, v in old.kl.items()})
+    return al.Sensitivity(
+        layers, sens.model_fingerprint, sens.calibration_fingerprint, sens.path, sens.calibration
+    )
+
+
+def test_interactions_correct_a_step_the_sum_got_wrong(model, tokens, measured):
+    """The sum says one module is 10x less sensitive than it is: the first plan drops it to 2 bits;
+    measured in the model, that step is put back, within the same budget, and the KL falls to
+    that of the plan the true sum gives."""
+    path = "model.layers.0.mlp.down_proj"
+    wrong = understated(measured, path, 10)
+    plain = al.allocate(wrong, model_dir=model, budget_bpw=4.5)
+    assert plain.layers[path].bits == 2
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        fixed = al.allocate(wrong, model_dir=model, budget_bpw=4.5, in_model=m, decisions=8)
+        assert m.set(fixed.layers) == pytest.approx(fixed.interactions["kl_after"], rel=1e-6)
+    it = fixed.interactions
+    assert fixed.layers[path].bits > 2
+    assert fixed.size.bpw <= 4.5 and it["kl_after"] < it["kl_before"]
+    first = it["rounds"][0]
+    assert first["kept"] and len(first["steps"]) <= 8
+    step = next(s for s in first["steps"] if s["path"] == path)
+    assert step["ratio"] > 5  # the 10x understatement
+    true = al.allocate(measured, model_dir=model, budget_bpw=4.5)
+    assert fixed.layers == true.layers
+    assert fixed.kl_sum == pytest.approx(sum(c.kl for c in fixed.choices.values() if c.kl is not None))
+    doc = fixed.to_json()
+    assert (
+        doc["interactions"] == it
+        and json.loads(json.dumps(doc))["interactions"]["kl_after"] == it["kl_after"]
+    )
+
+
+def test_interactions_never_keep_a_worse_plan(model, tokens, measured):
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        for bpw in (3.0, 4.5, 6.0):
+            plan = al.allocate(measured, model_dir=model, budget_bpw=bpw, in_model=m, decisions=4, rounds=3)
+            it = plan.interactions
+            assert plan.size.bpw <= bpw
+            assert it["kl_after"] <= it["kl_before"]
+            for r in it["rounds"]:
+                assert r["kept"] == bool(r["tried"] and r["tried"][-1] < r["kl_before"])
+                assert all(t >= r["kl_before"] for t in r["tried"][:-1])
+            assert m.set(plan.layers) == pytest.approx(it["kl_after"], rel=1e-6)
+
+
+def test_no_in_model_or_zero_decisions_is_the_summed_plan(model, tokens, measured):
+    plain = al.allocate(measured, model_dir=model, budget_bpw=4.5)
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        off = al.allocate(measured, model_dir=model, budget_bpw=4.5, in_model=m, decisions=0)
+    assert off.to_json() == plain.to_json() and "interactions" not in plain.to_json()
+
+
+def test_spill_of_references_is_removed(model, tokens):
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        where = m.refs._dir.name
+        assert np.load(next(iter(m.refs._names.values()))).size
+    import os
+
+    assert not os.path.exists(where)
