@@ -57,20 +57,32 @@ def fixture(args: argparse.Namespace, name: str) -> dict:
     calib = load_sensitivity(sensitivity_dir(work, "exact", 0)).calibration
     scratch = work / "interactions"
     shutil.rmtree(scratch, ignore_errors=True)
-    ns = argparse.Namespace(model=REPO / "tests" / "fixtures" / name, work=scratch, samples=calib["samples"], seq_len=calib["seq_len"])
+    ns = argparse.Namespace(
+        model=REPO / "tests" / "fixtures" / name,
+        work=scratch,
+        samples=calib["samples"],
+        seq_len=calib["seq_len"],
+    )
     plans = sm.Plans(ns)
     sizes = {label: plans.quantize(**kw)["file_bytes"] for label, kw in sm.SIZES if label in args.sizes}
     tok = load_tokenizer(ns.model)
     out: dict = {label: {} for label in sizes}
     for d in args.draws:
-        tokens = load_calibration(tokenizer=tok, samples=calib["samples"], seq_len=calib["seq_len"], seed=d).tokens
+        tokens = load_calibration(
+            tokenizer=tok, samples=calib["samples"], seq_len=calib["seq_len"], seed=d
+        ).tokens
         with InModel(ns.model, tokens) as in_model:
             for label, limit in sizes.items():
                 row = out[label].setdefault(str(d), {})
                 for method in args.methods:
                     sens = load_sensitivity(sensitivity_dir(work, method, d))
-                    if sens.calibration_fingerprint != load_sensitivity(sensitivity_dir(work, "exact", d)).calibration_fingerprint:
-                        raise SystemExit(f"{name}: {method} at draw {d} was measured on another calibration than exact")
+                    if (
+                        sens.calibration_fingerprint
+                        != load_sensitivity(sensitivity_dir(work, "exact", d)).calibration_fingerprint
+                    ):
+                        raise SystemExit(
+                            f"{name}: {method} at draw {d} was measured on another calibration than exact"
+                        )
                     for mode in MODES:
                         f0, t0 = in_model.forwards, time.perf_counter()
                         plan = allocate(
@@ -87,7 +99,10 @@ def fixture(args: argparse.Namespace, name: str) -> dict:
                             "kl": res["kl"], "forwards": in_model.forwards - f0, "seconds": seconds,
                             "calib": [plan.interactions.get("kl_before"), plan.interactions.get("kl_after")],
                         }  # fmt: skip
-                        print(f"{name} {label} draw {d} {method} {mode}: {json.dumps(row[method][mode])}", flush=True)
+                        print(
+                            f"{name} {label} draw {d} {method} {mode}: {json.dumps(row[method][mode])}",
+                            flush=True,
+                        )
     return out
 
 
@@ -100,8 +115,16 @@ def report(args: argparse.Namespace, results: dict) -> str:
         "",
     ]
     for name, res in results.items():
-        lines += [f"## {name}", "", "Held-out KL, each / exact's summed plan at the same draw; cost of the interactions:", ""]
-        lines += ["| size | draw | method | summed | interactions | forwards | seconds |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {name}",
+            "",
+            "Held-out KL, each / exact's summed plan at the same draw; cost of the interactions:",
+            "",
+        ]
+        lines += [
+            "| size | draw | method | summed | interactions | forwards | seconds |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for label, draws in res.items():
             for d, row in draws.items():
                 ref = row["exact"]["summed"]["kl"]
@@ -111,7 +134,11 @@ def report(args: argparse.Namespace, results: dict) -> str:
                         f"| {label} | {d} | {method} | {s['kl']:.5f} ({s['kl'] / ref:.3f}) | {i['kl']:.5f} ({i['kl'] / ref:.3f})"
                         f" | {i['forwards']:.1f} | {i['seconds']:.0f} |"
                     )
-        lines += ["", "Mean over draws: method with interactions / exact with interactions (/ exact summed):", ""]
+        lines += [
+            "",
+            "Mean over draws: method with interactions / exact with interactions (/ exact summed):",
+            "",
+        ]
         labels = list(res)
         lines += ["| method | " + " | ".join(labels) + " |", "|---" * (len(labels) + 1) + "|"]
         for method in args.methods:

@@ -112,7 +112,7 @@ def uniform(model, bits):
 def test_in_model_partial_forward_equals_the_whole_model(model, tokens):
     layers = uniform(model, 4)
     with ia.InModel(model, tokens, batch_size=2) as m:
-        assert m.set({p: None for p in layers}) == pytest.approx(0.0, abs=1e-9)
+        assert m.set({p: None for p in layers}) == pytest.approx(0.0, abs=1e-6)  # float32 reference p
         base = m.set(layers)
         assert base > 0
         for path in [

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxbun.kl import kl_from_stats, ref_stats
+from mlxbun.kl import kl_from_stats, log_probs
 from mlxbun.quant.fisher import Spill
 from mlxbun.quant.knapsack import _pareto
 from mlxbun.quant.sensitivity import (
@@ -196,9 +196,10 @@ class InModel:
         self.n_samples = len(tokens)
         self.refs = Spill()
         for j, b in enumerate(self.batches):
-            p, neg_entropy = ref_stats(self.model(b))
-            self.refs.put(f"p{j}", p.astype(np.float32))  # half the spill; differences are what count
-            self.refs.put(f"negent{j}", neg_entropy)
+            logp = log_probs(self.model(b))
+            p = np.exp(logp).astype(np.float32)  # half the spill; the entropy term uses the same p,
+            self.refs.put(f"p{j}", p)  # so the reference itself still scores 0
+            self.refs.put(f"negent{j}", (p * logp).sum(axis=-1))
         self.forwards = 1.0
         self._original: dict[str, Any] = {}
         self._layers: dict[str, QuantSpec | None] = {}
