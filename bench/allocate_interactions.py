@@ -3,7 +3,7 @@
 Run: .venv/bin/python bench/allocate_interactions.py --work W
          [--fixtures llama-text-3m llama-text-12l] [--methods exact fisher] [--draws 0 1]
          [--sizes q3 mixed_3_6 q4 mixed_4_6 "q4 g32" q6] [--decisions 16] [--rounds 2]
-         [--out bench/results/allocate_interactions.md]
+         [--out bench/results/allocate_interactions.md] [--from-json R.json ...]
 
 ``W`` is the ``--work`` directory of a ``bench/sensitivity_methods.py`` run: its sensitivities
 (``W/<fixture>/<method>`` for draw 0, ``<method>@calib<K>`` for draw K) are read, not measured
@@ -57,6 +57,7 @@ def fixture(args: argparse.Namespace, name: str) -> dict:
     calib = load_sensitivity(sensitivity_dir(work, "exact", 0)).calibration
     scratch = work / "interactions"
     shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
     ns = argparse.Namespace(
         model=REPO / "tests" / "fixtures" / name,
         work=scratch,
@@ -163,6 +164,7 @@ def main() -> None:
     ap.add_argument("--sizes", nargs="+", default=[label for label, _ in sm.SIZES])
     ap.add_argument("--decisions", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--from-json", type=Path, nargs="+", help="report these results files instead of running")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "allocate_interactions.md")
     args = ap.parse_args()
     if "exact" not in args.methods:
@@ -170,7 +172,10 @@ def main() -> None:
     from mlxbun import blas
 
     blas.load()
-    results = {name: fixture(args, name) for name in args.fixtures}
+    if args.from_json:  # results of runs made one fixture at a time, reported together
+        results = {k: v for f in args.from_json for k, v in json.loads(f.read_text()).items()}
+    else:
+        results = {name: fixture(args, name) for name in args.fixtures}
     text = report(args, results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text + "\n")

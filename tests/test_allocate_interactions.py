@@ -222,3 +222,18 @@ def test_spill_of_references_is_removed(model, tokens):
     import os
 
     assert not os.path.exists(where)
+
+
+def test_interactions_skip_candidates_they_cannot_measure(model, tokens, measured, caplog):
+    """Fake quantization rounds to nearest: a gptq candidate's measurement would be another's."""
+    path = "model.layers.0.mlp.down_proj"
+    layers = dict(measured.layers)
+    old = layers[path]
+    gptq = QuantSpec(bits=4, group_size=64, method="gptq")
+    layers[path] = al.LayerSensitivity(path, old.params, {**old.kl, gptq: old.kl[q(4)] / 2})
+    sens = al.Sensitivity(layers, measured.model_fingerprint, measured.calibration_fingerprint)
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        plan = al.allocate(sens, model_dir=model, budget_bpw=4.5, in_model=m)
+        assert m.forwards == 1.0  # nothing measured beyond the reference
+    assert plan.interactions == {"skipped": "candidates round by gptq; interactions measure rtn only"}
+    assert "allocate.interactions skipped" in caplog.text

@@ -400,7 +400,11 @@ def allocate(
     limits = {"key": key, "value": value, "limit_bytes": limit, "unit": "tensor" if budget_bpw else "file"}
     report: dict[str, Any] = {}
     if in_model is not None and decisions > 0:
-        sol, report = _interactions(prob, sol, solver, in_model, decisions=decisions, rounds=rounds)
+        if rounding := sorted({o[0].method for opts in prob.options for o in opts} - {"rtn"}):
+            report = {"skipped": f"candidates round by {', '.join(rounding)}; interactions measure rtn only"}
+            log.warning("allocate.interactions skipped: %s", report["skipped"])
+        else:
+            sol, report = _interactions(prob, sol, solver, in_model, decisions=decisions, rounds=rounds)
     return _plan(prob, sol, source, default, kw, sens, limits=limits, interactions=report)
 
 
