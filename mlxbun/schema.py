@@ -236,6 +236,11 @@ class CalibCfg:
     def __post_init__(self) -> None:
         positive("sensitivity.calib.samples", self.samples)
         positive("sensitivity.calib.seq_len", self.seq_len)
+        if self.seq_len < 2:
+            raise InputError(
+                f"sensitivity.calib.seq_len={self.seq_len} is out of range; it must be >= 2"
+                " (with one token per sample attention sees nothing to mix, and q/k score 0)"
+            )
 
 
 @dataclass

@@ -55,6 +55,12 @@ def test_negative_seeds_are_refused(key: str) -> None:
         schema.check_config(cfg)
 
 
+def test_one_token_calibration_samples_are_refused() -> None:
+    with pytest.raises(InputError, match=r"^sensitivity.calib.seq_len=1 is out of range; it must be >= 2"):
+        schema.CalibCfg(seq_len=1)
+    schema.CalibCfg(seq_len=2)
+
+
 @pytest.mark.parametrize("root", ["/", "//", "/.."])
 def test_the_filesystem_root_is_not_an_outputs_root(root: str) -> None:
     with pytest.raises(InputError, match=r"paths.outputs=.* is the filesystem root"):
