@@ -20,7 +20,7 @@ from typing import Any
 from mlxbun import registry
 from mlxbun.errors import InputError
 from mlxbun.io.safetensors import ModelDir, TensorInfo, open_model, quant_params, quantization_block
-from mlxbun.progress import human_bytes
+from mlxbun.progress import human_bytes, human_count
 from mlxbun.provenance import RunResult
 from mlxbun.source import model_dir
 
@@ -120,13 +120,6 @@ def _tensor_row(info: TensorInfo) -> dict[str, Any]:
         "bytes": info.nbytes,
         "shard": info.file.name,
     }
-
-
-def human_count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
 
 
 def _tensor_table(rows: list[dict[str, Any]]) -> list[str]:

@@ -24,6 +24,15 @@ def human_bytes(n: float, *, digits: int = 1) -> str:
     return f"{n:.{digits}f} PiB"
 
 
+def human_count(n: int) -> str:
+    """A count (parameters) in the largest decimal unit that keeps it >= 1, three significant
+    digits: 950, 12.6K, 494M, 1.54B. The project's one count formatter."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 def human_seconds(s: float) -> str:
     """A duration as 45s, 12m05s or 3h07m (never 3,147s)."""
     if s != s or s in (float("inf"), float("-inf")):

@@ -13,7 +13,7 @@ import pytest
 from cli_util import REPO, isolated_args, run_cli
 
 from mlxbun import cli, schema
-from mlxbun.progress import human_bytes, human_seconds
+from mlxbun.progress import human_bytes, human_count, human_seconds
 
 FIXTURE = REPO / "tests" / "fixtures" / "llama-text-3m"
 
@@ -90,6 +90,12 @@ def test_human_units() -> None:
     assert human_bytes(1_800_000) == "1.7 MiB"
     assert human_bytes(5 << 30) == "5.0 GiB"
     assert human_bytes(1.2e15) == "1.1 PiB"
+    assert [human_count(n) for n in (950, 12_600, 494_032_768, 1_543_714_304)] == [
+        "950",
+        "12.6K",
+        "494M",
+        "1.54B",
+    ]
     assert human_seconds(42.4) == "42s"
     assert human_seconds(3147) == "52m27s"
     assert human_seconds(7 * 3600 + 125) == "7h02m"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxbun.progress import human_bytes
+from mlxbun.progress import human_bytes, human_count
 from mlxbun.registry.memory import FitReport
 
 
@@ -14,9 +14,8 @@ def _human(n: int | None) -> str:
 
 
 def _count(n: int | None) -> str:
-    if not n:
-        return "?"
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else str(n)
+    """A parameter-count cell, ``?`` when the count is unknown."""
+    return human_count(n) if n else "?"
 
 
 def _display_name(r: dict[str, Any]) -> str:
