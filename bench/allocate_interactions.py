@@ -172,8 +172,12 @@ def main() -> None:
     from mlxbun import blas
 
     blas.load()
-    if args.from_json:  # results of runs made one fixture at a time, reported together
-        results = {k: v for f in args.from_json for k, v in json.loads(f.read_text()).items()}
+    if args.from_json:  # results of runs made one fixture or draw at a time, reported together
+        results: dict = {}
+        for f in args.from_json:
+            for name, sizes in json.loads(f.read_text()).items():
+                for label, draws in sizes.items():
+                    results.setdefault(name, {}).setdefault(label, {}).update(draws)
     else:
         results = {name: fixture(args, name) for name in args.fixtures}
     text = report(args, results)

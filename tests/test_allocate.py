@@ -395,6 +395,8 @@ def test_run_writes_a_plan_and_checks_it(model, measured, tmp_path):
     assert check["size_exact"] and check["measured"]["file_bytes"] == plan["predicted_bytes"]
     assert check["calibration_matches_sensitivity"]
     assert check["measured_kl"] > 0 and plan["predicted_kl_sum"] > 0
+    assert "interactions: KL of the quantized model on the calibration text" in result.message
+    assert result.metrics["interactions_kl_after"] <= result.metrics["interactions_kl_before"]
     it = plan["interactions"]  # on by default, measured on sensitivity.calib
     assert it["decisions"] == 16 and it["kl_after"] <= it["kl_before"] and it["rounds"]
     assert check["measured_kl"] == pytest.approx(it["kl_after"], rel=0.05)  # RTN in both, bf16 on disk
@@ -415,6 +417,7 @@ def test_run_skips_interactions_that_would_not_fit_in_memory(model, measured, tm
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
     assert "the float32 model needs" in plan["interactions"]["skipped"]
     assert "allocate.interactions=16 skipped" in caplog.text
+    assert "interactions: skipped (the float32 model needs" in al.run(cfg).message
     off = command_cfg(
         tmp_path / "off", model, sensitivity=str(measured.parent), budget_bpw=4.5, check=False, interactions=0
     )

@@ -637,11 +637,23 @@ def _summary(plan: Allocation, plan_path: Path) -> tuple[dict[str, Any], str]:
         "exact": plan.solver["exact"],
         "gap_bound": plan.solver["gap_bound"],
     }
+    it = plan.interactions
+    kept = sum(r["kept"] for r in it.get("rounds", []))
+    solved = "moved by interactions" if kept else "optimal" if plan.solver["exact"] else "near-optimal"
     msg = (
         f"plan: {plan.size.bpw:.4f} bpw, {plan.size.file_bytes} bytes on disk, summed KL {plan.kl_sum:.5g}"
-        f" ({'optimal' if plan.solver['exact'] else 'near-optimal'}; LP bound {plan.solver['lower_bound']:.5g})"
-        f" -> {plan_path}"
+        f" ({solved}; LP bound {plan.solver['lower_bound']:.5g}) -> {plan_path}"
     )
+    if "skipped" in it:
+        msg += f"\ninteractions: skipped ({it['skipped']})"
+    elif it:
+        metrics |= {"interactions_kl_before": it["kl_before"], "interactions_kl_after": it["kl_after"]}
+        steps = sum(len(r["steps"]) for r in it["rounds"])
+        msg += (
+            f"\ninteractions: KL of the quantized model on the calibration text {it['kl_before']:.5g} ->"
+            f" {it['kl_after']:.5g} ({steps} steps measured in {len(it['rounds'])} round(s), {kept} kept;"
+            f" {it['forwards']:.1f} forward passes)"
+        )
     return metrics, msg
 
 
