@@ -237,3 +237,69 @@ def test_interactions_skip_candidates_they_cannot_measure(model, tokens, measure
         assert m.forwards == 1.0  # nothing measured beyond the reference
     assert plan.interactions == {"skipped": "candidates round by gptq; interactions measure rtn only"}
     assert "allocate.interactions skipped" in caplog.text
+
+
+def test_modules_the_default_group_does_not_fit_stay_unquantized_in_the_model(model, tokens, tmp_path):
+    """At group 128 the 64-wide projections are not probed and keep the default, which they
+    cannot take: the plan leaves them unquantized and so must the model interactions measure."""
+    from mlxbun.quant.sensitivity import sensitivity
+
+    sensitivity(
+        model_dir=model,
+        out_dir=tmp_path,
+        work_dir=tmp_path / "work",
+        bits=[2, 4, 8],
+        group_size=128,
+        samples=3,
+        seq_len=32,
+        batch_size=2,
+    )
+    sens = al.load_sensitivity(tmp_path / "sensitivity.json")
+    default = QuantSpec(bits=4, group_size=128)
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        plan = al.allocate(sens, model_dir=model, budget_bpw=14.7, default=default, in_model=m, decisions=4)
+        unfit = [p for p, c in plan.choices.items() if c.setting is None]
+        assert unfit and plan.interactions["kl_after"] <= plan.interactions["kl_before"]
+        assert m.set(plan.layers) == pytest.approx(plan.interactions["kl_after"], rel=1e-6)
+
+
+def command_cfg(tmp_path, model, **allocate):
+    from mlxbun import schema
+
+    cfg = schema.Config()
+    cfg.command.name = "allocate"
+    cfg.model.name = str(model)
+    cfg.paths.run_dir = str(tmp_path / "run")
+    cfg.sensitivity.calib = schema.CalibCfg(samples=3, seq_len=32)
+    cfg.allocate = schema.AllocateCfg(check=False, **allocate)
+    return cfg
+
+
+def test_bad_input_is_refused_before_the_model_is_loaded(model, measured, tmp_path, monkeypatch):
+    from mlxbun.errors import InputError
+
+    def refuse(*a, **k):
+        raise AssertionError("InModel built")
+
+    monkeypatch.setattr(al, "InModel", refuse)
+    with pytest.raises(InputError, match="allocate.budget_bpw=1.0 cannot be met"):
+        al.run(command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=1.0))
+
+
+def test_a_budget_every_module_fits_at_its_largest_skips_interactions(model, measured, tmp_path, monkeypatch):
+    monkeypatch.setattr(al, "InModel", lambda *a, **k: pytest.fail("InModel built"))
+    al.run(command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=16.0))
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["interactions"] == {"skipped": "every module already takes its largest candidate"}
+
+
+def test_memory_counts_both_weight_copies_and_a_batch_of_float64_logits(model, monkeypatch):
+    from mlxbun.quant import budget
+
+    cfg = command_cfg(model.parent, model)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    need = 8 * budget.read_source(model).parameters + 24 * cfg.sensitivity.batch_size * 32 * vocab
+    monkeypatch.setattr(al, "available_memory", lambda: need / al.MEMORY_SHARE)
+    assert al._memory_skip(cfg, model) is None
+    monkeypatch.setattr(al, "available_memory", lambda: need / al.MEMORY_SHARE - 64)
+    assert al._memory_skip(cfg, model).startswith("they need about")

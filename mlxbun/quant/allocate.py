@@ -399,13 +399,31 @@ def allocate(
         )  # fmt: skip
     limits = {"key": key, "value": value, "limit_bytes": limit, "unit": "tensor" if budget_bpw else "file"}
     report: dict[str, Any] = {}
+    largest = all(j == _pick_index(opts, max) for opts, j in zip(prob.options, sol.choice, strict=True))
     if in_model is not None and decisions > 0:
-        if rounding := sorted({o[0].method for opts in prob.options for o in opts} - {"rtn"}):
-            report = {"skipped": f"candidates round by {', '.join(rounding)}; interactions measure rtn only"}
-            log.warning("allocate.interactions skipped: %s", report["skipped"])
+        if why := interactions_skip({o[0] for opts in prob.options for o in opts}, largest=largest):
+            report = {"skipped": why}
+            log.warning("allocate.interactions skipped: %s", why)
         else:
-            sol, report = _interactions(prob, sol, solver, in_model, decisions=decisions, rounds=rounds)
-    return _plan(prob, sol, source, default, kw, sens, limits=limits, interactions=report)
+            fixed = {p: budget.resolve(p, source.shapes[p], s, {}) for p, s in prob.fixed.items()}
+            sol, report = _interactions(
+                prob, fixed, sol, solver, in_model, decisions=decisions, rounds=rounds
+            )
+    plan = _plan(prob, sol, source, default, kw, sens, limits=limits, interactions=report)
+    return replace(plan, solver={**plan.solver, "largest": largest})
+
+
+def interactions_skip(settings: Collection[QuantSpec], *, largest: bool) -> str | None:
+    """Why interactions cannot help a plan over these candidates (None: they can)."""
+    if rounding := sorted({s.method for s in settings} - {"rtn"}):
+        return f"candidates round by {', '.join(rounding)}; interactions measure rtn only"
+    if largest:
+        return "every module already takes its largest candidate"
+    return None
+
+
+def _pick_index(opts: list[tuple[QuantSpec, int, float]], by: Any) -> int:
+    return by(range(len(opts)), key=lambda k: (opts[k][1], -opts[k][2]))
 
 
 def _measured(prob: _Problem, steps: list[Step], in_model: InModel, kl: float) -> list[Step]:
@@ -419,12 +437,20 @@ def _measured(prob: _Problem, steps: list[Step], in_model: InModel, kl: float) -
 
 
 def _interactions(
-    prob: _Problem, sol: Solution, solver: Any, in_model: InModel, *, decisions: int, rounds: int
+    prob: _Problem,
+    fixed: Mapping[str, QuantSpec | None],
+    sol: Solution,
+    solver: Any,
+    in_model: InModel,
+    *,
+    decisions: int,
+    rounds: int,
 ) -> tuple[Solution, dict[str, Any]]:
     """Rounds of ``mlxbun.quant.interactions``: measure the steps nearest the threshold in the
-    quantized model, solve with the rescaled costs, keep the new plan when its KL is lower."""
+    quantized model, solve with the rescaled costs, keep the new plan when its KL is lower.
+    ``fixed``: the unmeasured modules' settings as written (None where the group does not fit)."""
     first, done = sol, []
-    kl = in_model.set({**prob.fixed, **_chosen(prob, sol)})
+    kl = in_model.set({**fixed, **_chosen(prob, sol)})
     kl_before = kl
     for _ in range(rounds):
         steps = _measured(prob, near_threshold(prob.options, sol.choice, prob.paths, decisions), in_model, kl)
@@ -433,7 +459,7 @@ def _interactions(
             new = solver(_Problem(prob.paths, costs(prob.options, sol.choice, steps), prob.fixed))
             if new is None or new.choice == sol.choice or new.cost >= BARRED:
                 continue
-            tried.append(in_model.set({**prob.fixed, **_chosen(prob, new)}))
+            tried.append(in_model.set({**fixed, **_chosen(prob, new)}))
             if tried[-1] < kl:
                 break
         kept = bool(tried) and tried[-1] < kl
@@ -449,7 +475,8 @@ def _interactions(
         "kl_after": kl,
         "forwards": in_model.forwards,
     }
-    return replace(sol, cost=cost, lower_bound=first.lower_bound), report
+    moved = sol is not first  # the optimum of other costs: not of the summed KL, LP bound still one
+    return replace(sol, cost=cost, lower_bound=first.lower_bound, exact=first.exact and not moved), report
 
 
 def _dtype_code(dtype: str | None, model_dir: Path) -> str | None:
@@ -573,23 +600,36 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
 
 def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -> Allocation:
     a = cfg.allocate
+    plan = _allocate_from_cfg(cfg, src, sens, default, None)  # checks the input before any loading
     if a.interactions == 0:
-        return _allocate_from_cfg(cfg, src, sens, default, None)
-    need, avail = 4 * budget.read_source(src).parameters, available_memory()
-    if avail is not None and need > MEMORY_SHARE * avail:
-        why = (
-            f"the float32 model needs {human_bytes(need)} and {human_bytes(avail)} is available;"
-            " the plan minimises the summed KL alone"
-        )
-        log.warning(
-            "allocate.interactions=%d skipped: %s (allocate.interactions=0 says so)", a.interactions, why
-        )
-        return replace(_allocate_from_cfg(cfg, src, sens, default, None), interactions={"skipped": why})
+        return plan
+    cands = candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes)
+    why = interactions_skip(cands, largest=plan.solver["largest"]) or _memory_skip(cfg, src)
+    if why:
+        log.warning("allocate.interactions=%d skipped: %s", a.interactions, why)
+        return replace(plan, interactions={"skipped": why})
     with InModel(src, _calibration(cfg, src, sens), batch_size=cfg.sensitivity.batch_size) as in_model:
         return _allocate_from_cfg(cfg, src, sens, default, in_model)
 
 
-MEMORY_SHARE = 0.8  # interactions load the float32 model: at most this share of available memory
+MEMORY_SHARE = 0.8  # what interactions may take of the available memory
+
+
+def _memory_skip(cfg: Any, src: Path) -> str | None:
+    """Why interactions would not fit in memory: the float32 model twice (original and
+    fake-quantized weights) and a batch's float64 logits, probabilities and their product."""
+    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    c = cfg.sensitivity
+    need = 8 * budget.read_source(src).parameters + 24 * c.batch_size * c.calib.seq_len * int(
+        config.get("vocab_size", 0)
+    )
+    avail = available_memory()
+    if avail is None or need <= MEMORY_SHARE * avail:
+        return None
+    return (
+        f"they need about {human_bytes(need)} and {human_bytes(avail)} is available;"
+        " the plan minimises the summed KL alone (allocate.interactions=0 says so without this warning)"
+    )
 
 
 def _calibration(cfg: Any, src: Path, sens: Sensitivity) -> Any:
