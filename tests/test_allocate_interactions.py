@@ -303,3 +303,16 @@ def test_memory_counts_both_weight_copies_and_a_batch_of_float64_logits(model, m
     assert al._memory_skip(cfg, model) is None
     monkeypatch.setattr(al, "available_memory", lambda: need / al.MEMORY_SHARE - 64)
     assert al._memory_skip(cfg, model).startswith("they need about")
+
+
+def test_batches_shrink_for_large_vocabularies(model, tmp_path):
+    import shutil
+
+    cfg = command_cfg(tmp_path, model)
+    assert al._batch(cfg, model) == cfg.sensitivity.batch_size
+    big = tmp_path / "big"
+    shutil.copytree(model, big)
+    config = json.loads((big / "config.json").read_text())
+    (big / "config.json").write_text(json.dumps({**config, "vocab_size": 151936}))
+    cfg.sensitivity.calib.seq_len = 512
+    assert al._batch(cfg, big) == 1  # 24 B x 512 x 151,936 = 1.87 GB per sample: one at a time

@@ -608,21 +608,32 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
     if why:
         log.warning("allocate.interactions=%d skipped: %s", a.interactions, why)
         return replace(plan, interactions={"skipped": why})
-    with InModel(src, _calibration(cfg, src, sens), batch_size=cfg.sensitivity.batch_size) as in_model:
+    with InModel(src, _calibration(cfg, src, sens), batch_size=_batch(cfg, src)) as in_model:
         return _allocate_from_cfg(cfg, src, sens, default, in_model)
 
 
 MEMORY_SHARE = 0.8  # what interactions may take of the available memory
+LOGITS_BYTES = 1 << 30  # a batch's float64 logits and probabilities: at most this (>= 1 sample)
+
+
+def _vocab(src: Path) -> int:
+    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
+    return int(config.get("vocab_size", 0))
+
+
+def _batch(cfg: Any, src: Path) -> int:
+    """Samples per forward: ``sensitivity.batch_size``, fewer when a batch's float64 logits,
+    probabilities and their product would pass ``LOGITS_BYTES`` (large vocabularies)."""
+    per_sample = 24 * cfg.sensitivity.calib.seq_len * max(_vocab(src), 1)
+    return max(1, min(cfg.sensitivity.batch_size, LOGITS_BYTES // per_sample))
 
 
 def _memory_skip(cfg: Any, src: Path) -> str | None:
     """Why interactions would not fit in memory: the float32 model twice (original and
-    fake-quantized weights) and a batch's float64 logits, probabilities and their product."""
-    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
-    c = cfg.sensitivity
-    need = 8 * budget.read_source(src).parameters + 24 * c.batch_size * c.calib.seq_len * int(
-        config.get("vocab_size", 0)
-    )
+    fake-quantized weights) and one batch's float64 logits, probabilities and their product."""
+    need = 8 * budget.read_source(src).parameters + 24 * _batch(
+        cfg, src
+    ) * cfg.sensitivity.calib.seq_len * _vocab(src)
     avail = available_memory()
     if avail is None or need <= MEMORY_SHARE * avail:
         return None
