@@ -449,7 +449,7 @@ def _interactions(
     """Rounds of ``mlxbun.quant.interactions``: measure the steps nearest the threshold in the
     quantized model, solve with the rescaled costs, keep the new plan when its KL is lower.
     ``fixed``: the unmeasured modules' settings as written (None where the group does not fit)."""
-    first, done = sol, []
+    first, done, spent = sol, [], in_model.forwards
     kl = in_model.set({**fixed, **_chosen(prob, sol)})
     kl_before = kl
     for _ in range(rounds):
@@ -473,7 +473,7 @@ def _interactions(
         "rounds": [r.to_json(prob.options) for r in done],
         "kl_before": kl_before,
         "kl_after": kl,
-        "forwards": in_model.forwards,
+        "forwards": in_model.forwards - spent,  # the reference's one pass is the InModel's
     }
     moved = sol is not first  # the optimum of other costs: not of the summed KL, LP bound still one
     return replace(sol, cost=cost, lower_bound=first.lower_bound, exact=first.exact and not moved), report
@@ -631,9 +631,8 @@ def _batch(cfg: Any, src: Path) -> int:
 def _memory_skip(cfg: Any, src: Path) -> str | None:
     """Why interactions would not fit in memory: the float32 model twice (original and
     fake-quantized weights) and one batch's float64 logits, probabilities and their product."""
-    need = 8 * budget.read_source(src).parameters + 24 * _batch(
-        cfg, src
-    ) * cfg.sensitivity.calib.seq_len * _vocab(src)
+    logits = 24 * _batch(cfg, src) * cfg.sensitivity.calib.seq_len * _vocab(src)
+    need = 8 * budget.read_source(src).parameters + logits
     avail = available_memory()
     if avail is None or need <= MEMORY_SHARE * avail:
         return None
@@ -703,7 +702,7 @@ def _summary(plan: Allocation, plan_path: Path) -> tuple[dict[str, Any], str]:
         msg += (
             f"\ninteractions: KL of the quantized model on the calibration text {it['kl_before']:.5g} ->"
             f" {it['kl_after']:.5g} ({steps} steps measured in {len(it['rounds'])} round(s), {kept} kept;"
-            f" {it['forwards']:.1f} forward passes)"
+            f" {it['forwards']:.1f} forward passes and one for the reference)"
         )
     return metrics, msg
 
