@@ -19,7 +19,8 @@ after another, on the built-in calibration set, bits 2,3,4,5,6,8 affine g64):
   (module, bits) pairs and per bit width (the minimum is shown);
 - the held-out KL of the plan it yields at the byte size of each of mlx-lm's q3, mixed_3_6, q4,
   mixed_4_6, q4 g32 and q6 (each quantized by the project's quantize, size read from disk; the
-  plan is allocated with that size as ``budget_bytes``), and that plan's KL / exact's;
+  plan is allocated with that size as ``budget_bytes``, by the summed objective alone: what
+  ``allocate.interactions`` adds is ``bench/allocate_interactions.py``), and that plan's KL / exact's;
 - the allocator's objective by exact's numbers (exact's per-module KLs summed over each plan's
   choices) / exact's plan's: how well the method reproduces what exact optimizes, apart from
   what neither sees (how modules interact; ``bench/plan_interactions.py``).
