@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import logging
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -43,10 +42,10 @@ import numpy as np
 
 from mlxbun.kl import kl_from_stats, log_probs
 from mlxbun.quant.fisher import Spill
-from mlxbun.quant.knapsack import _pareto
+from mlxbun.quant.knapsack import pareto
 from mlxbun.quant.sensitivity import (
     Stack,
-    _group,
+    block_of,
     fake_quant,
     find_blocks,
     load_model,
@@ -54,8 +53,6 @@ from mlxbun.quant.sensitivity import (
     source_dtypes,
 )
 from mlxbun.quant.spec import QuantSpec
-
-log = logging.getLogger("mlxbun")
 
 RATIO_RANGE = (1 / 4, 32.0)  # a measured step against its summed change, clipped: below, luck, not signal
 Option = tuple[QuantSpec, int, float]  # setting, bytes, summed KL
@@ -105,7 +102,7 @@ def near_threshold(
     (descending), taken alternately; steps run along each module's Pareto front."""
     downs, ups = [], []
     for i, (opts, j) in enumerate(zip(options, choice, strict=True)):
-        front = _pareto([o[1] for o in opts], [o[2] for o in opts])
+        front = pareto([o[1] for o in opts], [o[2] for o in opts])
         if j not in front:
             continue
         k = front.index(j)
@@ -237,7 +234,7 @@ class InModel:
 
     def start(self, path: str) -> int:
         """The first block a change of ``path`` runs (the head's index for the head)."""
-        return min(_group(path, prefix=self._prefix, n_blocks=self.stack.n), self.stack.n)
+        return min(block_of(path, prefix=self._prefix, n_blocks=self.stack.n), self.stack.n)
 
     def _put(self, path: str, spec: QuantSpec | None) -> None:
         import mlx.core as mx

@@ -42,7 +42,7 @@ class Solution:
     slack_bound: int
 
 
-def _pareto(nbytes: Sequence[int], cost: Sequence[float]) -> list[int]:
+def pareto(nbytes: Sequence[int], cost: Sequence[float]) -> list[int]:
     """Indices of the undominated options, by increasing bytes (and so decreasing cost)."""
     order = sorted(range(len(nbytes)), key=lambda j: (nbytes[j], cost[j], j))
     keep: list[int] = []
@@ -56,7 +56,7 @@ def lp_lower_bound(items: Sequence[tuple[Sequence[int], Sequence[float]]], capac
     """The LP relaxation's optimum: cheapest options, then hull upgrades by cost saved per byte."""
     base_cost, left, steps = 0.0, capacity, []
     for nbytes, cost in items:
-        keep = _pareto(nbytes, cost)
+        keep = pareto(nbytes, cost)
         hull = [keep[0]]
         for j in keep[1:]:
             # Lower convex hull: drop points above the segment to the next one.
@@ -100,7 +100,7 @@ def solve(
         >>> solve([([1, 2], [5.0, 1.0]), ([1, 3], [4.0, 3.5])], 4).choice
         (1, 0)
     """
-    fronts = [_pareto(b, c) for b, c in items]
+    fronts = [pareto(b, c) for b, c in items]
     low = [b[f[0]] for (b, _), f in zip(items, fronts, strict=True)]
     extra_cap = capacity - sum(low)
     if extra_cap < 0:

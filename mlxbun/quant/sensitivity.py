@@ -170,7 +170,7 @@ def targets(model: Any, *, group_size: int, source: dict[str, dict], dtypes: dic
         out.append(
             Target(
                 path=path,
-                group=_group(path, prefix=prefix, n_blocks=n),
+                group=block_of(path, prefix=prefix, n_blocks=n),
                 in_features=int(mod.weight.shape[-1]),
                 out_features=int(mod.weight.shape[0]),
                 dtype=dtypes.get(path, "bfloat16"),
@@ -180,7 +180,8 @@ def targets(model: Any, *, group_size: int, source: dict[str, dict], dtypes: dic
     return sorted(out, key=lambda t: (t.group, t.path != "lm_head", _natural(t.path)))
 
 
-def _group(path: str, *, prefix: str, n_blocks: int) -> int:
+def block_of(path: str, *, prefix: str, n_blocks: int) -> int:
+    """The first block a change of ``path`` runs: its own block, ``n_blocks`` for the head."""
     if path.startswith(prefix):
         return int(path[len(prefix) :].split(".")[0])
     if path == "lm_head" or path.endswith(".lm_head"):
