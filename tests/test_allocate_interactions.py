@@ -316,3 +316,12 @@ def test_batches_shrink_for_large_vocabularies(model, tmp_path):
     (big / "config.json").write_text(json.dumps({**config, "vocab_size": 151936}))
     cfg.sensitivity.calib.seq_len = 512
     assert al._batch(cfg, big) == 1  # 24 B x 512 x 151,936 = 1.87 GB per sample: one at a time
+
+
+def test_the_command_says_what_it_is_doing(model, measured, tmp_path, caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="mlxbun")
+    al.run(command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=4.5))
+    assert "allocate.interactions: the reference over 3 x 32 calibration tokens" in caplog.text
+    assert "interactions" in caplog.text and " steps/32 steps " in caplog.text  # the progress line

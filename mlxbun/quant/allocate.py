@@ -43,7 +43,7 @@ from typing import Any
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES
-from mlxbun.progress import human_bytes
+from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport, Source
@@ -426,13 +426,16 @@ def _pick_index(opts: list[tuple[QuantSpec, int, float]], by: Any) -> int:
     return by(range(len(opts)), key=lambda k: (opts[k][1], -opts[k][2]))
 
 
-def _measured(prob: _Problem, steps: list[Step], in_model: InModel, kl: float) -> list[Step]:
+def _measured(
+    prob: _Problem, steps: list[Step], in_model: InModel, kl: float, progress: Progress
+) -> list[Step]:
     """Each step's change of the model's KL, measured in block order (one pass of hidden states)."""
     order = sorted(range(len(steps)), key=lambda k: (in_model.start(steps[k].path), k))
     out = list(steps)
     for k in order:
         s = steps[k]
         out[k] = replace(s, measured=in_model.kl_with(s.path, prob.options[s.item][s.to][0]) - kl)
+        progress.update(1)
     return out
 
 
@@ -450,10 +453,45 @@ def _interactions(
     quantized model, solve with the rescaled costs, keep the new plan when its KL is lower.
     ``fixed``: the unmeasured modules' settings as written (None where the group does not fit)."""
     first, done, spent = sol, [], in_model.forwards
-    kl = in_model.set({**fixed, **_chosen(prob, sol)})
-    kl_before = kl
+    progress = Progress(total=rounds * decisions, unit="steps", desc="interactions", heartbeat=True)
+    try:
+        kl = in_model.set({**fixed, **_chosen(prob, sol)})
+        kl_before = kl
+        sol, kl = _rounds(
+            prob, fixed, sol, kl, solver, in_model, done, progress, decisions=decisions, rounds=rounds
+        )
+    finally:
+        progress.close()
+    cost = sum(opts[j][2] for opts, j in zip(prob.options, sol.choice, strict=True))
+    report: dict[str, Any] = {
+        "decisions": decisions,
+        "rounds": [r.to_json(prob.options) for r in done],
+        "kl_before": kl_before,
+        "kl_after": kl,
+        "forwards": in_model.forwards - spent,  # the reference's one pass is the InModel's
+    }
+    moved = sol is not first  # the optimum of other costs: not of the summed KL, LP bound still one
+    return replace(sol, cost=cost, lower_bound=first.lower_bound, exact=first.exact and not moved), report
+
+
+def _rounds(
+    prob: _Problem,
+    fixed: Mapping[str, QuantSpec | None],
+    sol: Solution,
+    kl: float,
+    solver: Any,
+    in_model: InModel,
+    done: list[Round],
+    progress: Progress,
+    *,
+    decisions: int,
+    rounds: int,
+) -> tuple[Solution, float]:
+    """Up to ``rounds`` rounds from ``sol`` (model KL ``kl``); each is appended to ``done``."""
     for _ in range(rounds):
-        steps = _measured(prob, near_threshold(prob.options, sol.choice, prob.paths, decisions), in_model, kl)
+        steps = _measured(
+            prob, near_threshold(prob.options, sol.choice, prob.paths, decisions), in_model, kl, progress
+        )
         tried: list[float] = []
         for costs in (scaled_costs, measured_only):
             new = solver(_Problem(prob.paths, costs(prob.options, sol.choice, steps), prob.fixed))
@@ -467,16 +505,7 @@ def _interactions(
         if not kept:
             break
         sol, kl = new, tried[-1]
-    cost = sum(opts[j][2] for opts, j in zip(prob.options, sol.choice, strict=True))
-    report: dict[str, Any] = {
-        "decisions": decisions,
-        "rounds": [r.to_json(prob.options) for r in done],
-        "kl_before": kl_before,
-        "kl_after": kl,
-        "forwards": in_model.forwards - spent,  # the reference's one pass is the InModel's
-    }
-    moved = sol is not first  # the optimum of other costs: not of the summed KL, LP bound still one
-    return replace(sol, cost=cost, lower_bound=first.lower_bound, exact=first.exact and not moved), report
+    return sol, kl
 
 
 def _dtype_code(dtype: str | None, model_dir: Path) -> str | None:
@@ -608,6 +637,12 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
     if why:
         log.warning("allocate.interactions=%d skipped: %s", a.interactions, why)
         return replace(plan, interactions={"skipped": why})
+    c = cfg.sensitivity.calib
+    log.info(
+        "allocate.interactions: the reference over %d x %d calibration tokens, then the plan in the model",
+        c.samples,
+        c.seq_len,
+    )
     with InModel(src, _calibration(cfg, src, sens), batch_size=_batch(cfg, src)) as in_model:
         return _allocate_from_cfg(cfg, src, sens, default, in_model)
 
