@@ -69,21 +69,15 @@ def fixture(args: argparse.Namespace, name: str) -> dict:
     tok = load_tokenizer(ns.model)
     out: dict = {label: {} for label in sizes}
     for d in args.draws:
-        tokens = load_calibration(
-            tokenizer=tok, samples=calib["samples"], seq_len=calib["seq_len"], seed=d
-        ).tokens
-        with InModel(ns.model, tokens) as in_model:
+        drawn = load_calibration(tokenizer=tok, samples=calib["samples"], seq_len=calib["seq_len"], seed=d)
+        measured = {m: load_sensitivity(sensitivity_dir(work, m, d)) for m in args.methods}
+        for method, sens in measured.items():
+            if sens.calibration_fingerprint != drawn.fingerprint:
+                raise SystemExit(f"{name}: {method} at draw {d} was not measured on calibration draw {d}")
+        with InModel(ns.model, drawn.tokens) as in_model:
             for label, limit in sizes.items():
                 row = out[label].setdefault(str(d), {})
-                for method in args.methods:
-                    sens = load_sensitivity(sensitivity_dir(work, method, d))
-                    if (
-                        sens.calibration_fingerprint
-                        != load_sensitivity(sensitivity_dir(work, "exact", d)).calibration_fingerprint
-                    ):
-                        raise SystemExit(
-                            f"{name}: {method} at draw {d} was measured on another calibration than exact"
-                        )
+                for method, sens in measured.items():
                     for mode in MODES:
                         f0, t0 = in_model.forwards, time.perf_counter()
                         plan = allocate(

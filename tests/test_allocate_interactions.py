@@ -87,11 +87,8 @@ def test_a_step_measured_as_harmless_or_harmful_keeps_a_positive_bounded_ratio()
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    from mlxbun import synth
-
-    cache = tmp_path_factory.mktemp("interactions-synth")
-    return synth.ensure_synthetic(cache_dir=cache, arch="llama", preset="tiny", tie_embeddings=False)
+def model(tiny_model):
+    return tiny_model(arch="llama", preset="tiny", tie_embeddings=False)
 
 
 @pytest.fixture(scope="module")
@@ -140,11 +137,10 @@ def test_in_model_counts_forward_equivalents(model, tokens):
 # ---------------------------------------------------------------- allocate with interactions
 
 
-@pytest.fixture(scope="module")
-def measured(model, tmp_path_factory):
+def sensitivity_of(model, out, **kw):
+    """Exact sensitivity of ``model`` at bits 2/4/8 on the calibration of ``tokens`` (3 x 32)."""
     from mlxbun.quant.sensitivity import sensitivity
 
-    out = tmp_path_factory.mktemp("sens")
     sensitivity(
         model_dir=model,
         out_dir=out,
@@ -153,8 +149,14 @@ def measured(model, tmp_path_factory):
         samples=3,
         seq_len=32,
         batch_size=2,
+        **kw,
     )
     return al.load_sensitivity(out / "sensitivity.json")
+
+
+@pytest.fixture(scope="module")
+def measured(model, tmp_path_factory):
+    return sensitivity_of(model, tmp_path_factory.mktemp("sens"))
 
 
 def understated(sens, path, factor):
@@ -242,19 +244,7 @@ def test_interactions_skip_candidates_they_cannot_measure(model, tokens, measure
 def test_modules_the_default_group_does_not_fit_stay_unquantized_in_the_model(model, tokens, tmp_path):
     """At group 128 the 64-wide projections are not probed and keep the default, which they
     cannot take: the plan leaves them unquantized and so must the model interactions measure."""
-    from mlxbun.quant.sensitivity import sensitivity
-
-    sensitivity(
-        model_dir=model,
-        out_dir=tmp_path,
-        work_dir=tmp_path / "work",
-        bits=[2, 4, 8],
-        group_size=128,
-        samples=3,
-        seq_len=32,
-        batch_size=2,
-    )
-    sens = al.load_sensitivity(tmp_path / "sensitivity.json")
+    sens = sensitivity_of(model, tmp_path, group_size=128)
     default = QuantSpec(bits=4, group_size=128)
     with ia.InModel(model, tokens, batch_size=2) as m:
         plan = al.allocate(sens, model_dir=model, budget_bpw=14.7, default=default, in_model=m, decisions=4)
@@ -300,9 +290,9 @@ def test_memory_counts_both_weight_copies_and_a_batch_of_float64_logits(model, m
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     need = 8 * budget.read_source(model).parameters + 24 * cfg.sensitivity.batch_size * 32 * vocab
     monkeypatch.setattr(al, "available_memory", lambda: need / al.MEMORY_SHARE)
-    assert al._memory_skip(cfg, model) is None
+    assert al._memory_skip(cfg, model, budget.read_source(model).parameters) is None
     monkeypatch.setattr(al, "available_memory", lambda: need / al.MEMORY_SHARE - 64)
-    assert al._memory_skip(cfg, model).startswith("they need about")
+    assert al._memory_skip(cfg, model, budget.read_source(model).parameters).startswith("they need about")
 
 
 def test_batches_shrink_for_large_vocabularies(model, tmp_path):

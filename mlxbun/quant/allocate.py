@@ -633,7 +633,9 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
     if a.interactions == 0:
         return plan
     cands = candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes)
-    why = interactions_skip(cands, largest=plan.solver["largest"]) or _memory_skip(cfg, src)
+    why = interactions_skip(cands, largest=plan.solver["largest"]) or _memory_skip(
+        cfg, src, plan.size.parameters
+    )
     if why:
         log.warning("allocate.interactions=%d skipped: %s", a.interactions, why)
         return replace(plan, interactions={"skipped": why})
@@ -663,11 +665,11 @@ def _batch(cfg: Any, src: Path) -> int:
     return max(1, min(cfg.sensitivity.batch_size, LOGITS_BYTES // per_sample))
 
 
-def _memory_skip(cfg: Any, src: Path) -> str | None:
+def _memory_skip(cfg: Any, src: Path, parameters: int) -> str | None:
     """Why interactions would not fit in memory: the float32 model twice (original and
     fake-quantized weights) and one batch's float64 logits, probabilities and their product."""
     logits = 24 * _batch(cfg, src) * cfg.sensitivity.calib.seq_len * _vocab(src)
-    need = 8 * budget.read_source(src).parameters + logits
+    need = 8 * parameters + logits
     avail = available_memory()
     if avail is None or need <= MEMORY_SHARE * avail:
         return None

@@ -35,6 +35,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from itertools import islice, zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -117,10 +118,8 @@ def near_threshold(
             into.append((per_byte, Step(i, paths[i], other, summed)))
     downs.sort(key=lambda e: (e[0], e[1].path))
     ups.sort(key=lambda e: (-e[0], e[1].path))
-    picked: list[Step] = []
-    for pair in zip(downs + [None] * len(ups), ups + [None] * len(downs), strict=False):
-        picked += [e[1] for e in pair if e is not None]
-    return picked[:n]
+    alternate = (e[1] for pair in zip_longest(downs, ups) for e in pair if e is not None)
+    return list(islice(alternate, n))
 
 
 def scaled_costs(
