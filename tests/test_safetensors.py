@@ -190,6 +190,20 @@ def test_hostile_file_is_rejected(tmp_path: Path, case: str) -> None:
     assert message in str(err.value)
 
 
+def test_trailing_bytes_are_rejected(tmp_path: Path) -> None:
+    """Data past the header's largest offset is no tensor's: refused with both numbers."""
+    path = craft(
+        tmp_path / "t.safetensors", {"a": entry(), "__metadata__": {"format": "pt"}}, bytes(8 + 5000)
+    )
+    with pytest.raises(InputError) as err:
+        SafetensorsFile(path)
+    assert str(path) in str(err.value)
+    assert "data section is 5008 bytes but the header's tensors end at byte 8" in str(err.value)
+    empty = craft(tmp_path / "e.safetensors", {"__metadata__": {"format": "pt"}}, b"x")
+    with pytest.raises(InputError, match="data section is 1 bytes but the header's tensors end at byte 0"):
+        SafetensorsFile(empty)
+
+
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="cannot open"):
         SafetensorsFile(tmp_path / "nope.safetensors")

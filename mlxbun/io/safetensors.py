@@ -207,6 +207,14 @@ def _check_overlaps(path: Path, infos: dict[str, TensorInfo]) -> None:
             raise _bad(path, f"tensors {a!r} and {b!r} have overlapping byte ranges")
 
 
+def _check_data_end(path: Path, infos: dict[str, TensorInfo], data_start: int, size: int) -> None:
+    """The data section ends exactly where the header's largest offset says (as the reference
+    reader requires): trailing bytes are data no tensor accounts for."""
+    end, data_len = max((i.end for i in infos.values()), default=data_start) - data_start, size - data_start
+    if data_len != end:
+        raise _bad(path, f"data section is {data_len} bytes but the header's tensors end at byte {end}")
+
+
 class SafetensorsFile:
     """One safetensors file: validated at open, tensors read lazily from a read-only mmap.
 
@@ -234,6 +242,7 @@ class SafetensorsFile:
                 for name, entry in header.items()
             }
             _check_overlaps(self.path, self._infos)
+            _check_data_end(self.path, self._infos, data_start, size)
             self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
 
     def __enter__(self) -> SafetensorsFile:
