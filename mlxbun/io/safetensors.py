@@ -333,7 +333,7 @@ class ModelDir:
         self.path = path
         self._files = files
         self._owner = owner
-        self.config = _read_config(path)
+        self.config = read_config(path)
 
     def __enter__(self) -> ModelDir:
         return self
@@ -397,7 +397,9 @@ class ModelDir:
         return count_parameters(shapes, quantization=quantization_block(self.config), strict=False)
 
 
-def _read_config(path: Path) -> dict[str, Any]:
+def read_config(path: Path) -> dict[str, Any]:
+    """``<path>/config.json`` as a dict ({} when absent): the one reader, so every command names a
+    broken file the same way."""
     cfg = path / "config.json"
     if not cfg.is_file():
         return {}

@@ -43,6 +43,7 @@ from typing import Any
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES
+from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
@@ -510,8 +511,7 @@ def _rounds(
 
 def _dtype_code(dtype: str | None, model_dir: Path) -> str | None:
     """The safetensors code of the dtype ``quantize`` will write, by its own rule."""
-    cfg = model_dir / "config.json"
-    resolved = resolve_dtype(dtype, json.loads(cfg.read_text()) if cfg.is_file() else {})
+    resolved = resolve_dtype(dtype, read_config(model_dir))
     return CODES[resolved] if resolved else None
 
 
@@ -654,8 +654,7 @@ LOGITS_BYTES = 1 << 30  # a batch's float64 logits and probabilities: at most th
 
 
 def _vocab(src: Path) -> int:
-    config = json.loads((src / "config.json").read_text()) if (src / "config.json").is_file() else {}
-    return int(config.get("vocab_size", 0))
+    return int(read_config(src).get("vocab_size", 0))
 
 
 def _batch(cfg: Any, src: Path) -> int:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
+from mlxbun.io.safetensors import read_config
 
 _FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
 
@@ -100,7 +101,7 @@ def encode_tagged_floats(obj: Any) -> Any:
 
 def load_config(model_path: Path) -> dict[str, Any]:
     """config.json as mlx-lm reads it: tagged floats decoded, generation_config's eos_token_id."""
-    config = decode_tagged_floats(json.loads((model_path / "config.json").read_text()))
+    config = decode_tagged_floats(read_config(model_path))
     gen = model_path / "generation_config.json"
     if gen.exists():
         try:

@@ -67,7 +67,7 @@ from mlxbun import blas
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, dumps_json
 from mlxbun.io.dtypes import OUTPUT_NAMES
-from mlxbun.io.safetensors import open_model
+from mlxbun.io.safetensors import open_model, read_config
 from mlxbun.kl import kl_from_stats, ref_stats
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
@@ -640,8 +640,7 @@ def _fisher_settings(refine: float, refine_bits: list[int] | None) -> dict[str, 
 
 
 def _config(model_dir: str | Path) -> dict:
-    p = Path(model_dir) / "config.json"
-    return json.loads(p.read_text()) if p.exists() else {}
+    return read_config(Path(model_dir))
 
 
 def _vocab_size(model: Any) -> int:
