@@ -20,6 +20,15 @@ class DriftError(Exception):
     exit_code = 1
 
 
+class NumericFailure(Exception):
+    """A computation gave values that must not be published (a NaN or Inf scale): exit code 1.
+
+    The message names the module; nothing is published and the run is recorded as failed.
+    """
+
+    exit_code = 1
+
+
 class EnvironmentFailure(Exception):
     """The machine, not the input, stopped the run (disk, permissions, database): exit code 1.
 

@@ -132,10 +132,14 @@ class Converter:
         method: str = "rtn",
         hessians: Mapping | None = None,
         fold: Any = None,
+        *,
+        hessians_file: Path | None = None,
     ) -> None:
         """``tensors``: the source's tensor reader (``mlxbun.source``); ``fold``: an
-        :class:`mlxbun.quant.awq.Fold` applied to every tensor as it is read."""
+        :class:`mlxbun.quant.awq.Fold` applied to every tensor as it is read; ``hessians_file``:
+        where ``hessians`` came from, to name in errors."""
         self.sk, self.src, self.method, self.hessians = sk, tensors, method, hessians or {}
+        self.hessians_file = hessians_file
         self.fold = fold
         self.dtype = getattr(mx, dtype) if dtype else None
         self.cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)
@@ -263,14 +267,19 @@ class Converter:
         if not self.varies(q, path):
             return tuple(mx.quantize(w, q["group_size"], q["bits"], mode=q.get("mode", "affine")))
         h = self.hessians.get(path)
-        return rounding.quantize(
-            w, bits=q["bits"], group_size=q["group_size"], method=self.method_of(path), hessian=h
-        )
+        try:
+            return rounding.quantize(
+                w, bits=q["bits"], group_size=q["group_size"], method=self.method_of(path), hessian=h
+            )
+        except rounding.NotPositiveDefinite as e:
+            raise hessian.refused(self.hessians_file, path, str(e)) from None
 
     def finish(self, unit: Unit, out: dict[str, Any]) -> list[tuple[str, Any]]:
         mx.eval([v for v in out.values() if isinstance(v, mx.array)])
         if set(out) != set(unit.outputs):
             raise RuntimeError(f"{unit.path}: produced {sorted(out)}, expected {sorted(unit.outputs)}")
+        if unit.quant is not None:
+            rounding.check_finite(unit.path, out)
         return [(n, out[n]) for n in unit.outputs]
 
 
@@ -305,9 +314,10 @@ def _write_shards(
     written = 0
     with open_tensors(source) as tensors:
         fold = _awq_fold(sk, tensors, hessians) if method == "awq" else None
+        h_file = getattr(hessians, "path", None)
         if fold is not None:
             hessians = fold.hessians(hessians or {})
-        convert = Converter(sk, tensors, dtype, method, hessians, fold)
+        convert = Converter(sk, tensors, dtype, method, hessians, fold, hessians_file=h_file)
         writer = ShardedWriter(
             partial,
             shard_bytes=shard_bytes,
@@ -429,6 +439,8 @@ def quantize_model_dir(
             f"quant.plan gives {next(p for p, m in sk.methods.items() if m == 'gptq')!r}"
             " method 'gptq', which needs quant.hessians (a hessians.safetensors file)"
         )
+    if hessians is not None:
+        _check_hessian_shapes(sk, hessians)
     dtype = resolve_dtype(dtype, sk.config)
     settings = _settings(spec, plan, mixed, dtype, shard_bytes)
     tensors = None if isinstance(source, (str, Path)) else identity(source)
@@ -457,6 +469,16 @@ def quantize_model_dir(
     seconds = time.monotonic() - t0
     q = sk.quantization or {}
     return QuantizeResult(out, files, q, w.source_bytes, w.output_bytes, seconds, digests=w.sha256)
+
+
+def _check_hessian_shapes(sk: Skeleton, path: str | Path) -> None:
+    """Before any work: the file is a Hessians file whose every H fits its module's inputs."""
+    in_features = {n[: -len(".weight")]: w.shape[-1] for n, w in sk.weights.items() if n.endswith(".weight")}
+    h = hessian.Hessians(path)
+    try:
+        h.check_shapes(in_features)
+    finally:
+        h.file.close()
 
 
 def _convert(

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from mlxbun.errors import DriftError, EnvironmentFailure, InputError, Interrupted
+from mlxbun.errors import DriftError, EnvironmentFailure, InputError, Interrupted, NumericFailure
 from mlxbun.provenance import Manifest
 
 
@@ -52,7 +52,7 @@ def describe(e: BaseException, *, registry: str = "database") -> tuple[str, int,
         return f"interrupted by {e}", e.exit_code, "interrupted"
     if isinstance(e, KeyboardInterrupt):
         return "interrupted by SIGINT", 128 + signal.SIGINT, "interrupted"
-    if isinstance(e, (InputError, DriftError, EnvironmentFailure)):
+    if isinstance(e, (InputError, DriftError, EnvironmentFailure, NumericFailure)):
         return one_line(e), e.exit_code, "failed"
     if isinstance(e, OSError) and e.filename is not None:
         where = f"{e.filename} -> {e.filename2}" if e.filename2 is not None else str(e.filename)

@@ -3,9 +3,13 @@ missing tokenizers, stale fisher spills, and two jobs sharing one ``quant.out``.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
+import numpy as np
+import pytest
 from cli_util import run_cli
 
 
@@ -24,3 +28,115 @@ def test_broken_config_json_is_one_line_as_inspect_says_it(tmp_path, tiny_model)
     assert line in seen.stderr and line in q.stderr
     assert "JSONDecodeError" not in q.stderr and "Traceback" not in q.stderr
     assert not (tmp_path / "outputs" / "quantize").exists()
+
+
+# ---------------------------------------------------------------- hostile Hessians
+
+
+def _hessians(src: Path, path: Path, corrupt=None) -> Path:
+    """A valid H (A A^T) for every 2-D weight of ``src``; ``corrupt(name, H)`` may spoil one."""
+    from mlxbun.io.safetensors import open_model
+    from mlxbun.quant import hessian
+
+    rng = np.random.default_rng(0)
+    hs = {}
+    with open_model(src) as m:
+        for name, info in sorted(m.infos().items()):
+            if name.endswith(".weight") and len(info.shape) == 2:
+                a = rng.standard_normal((info.shape[1], info.shape[1] + 8)).astype(np.float32)
+                hs[name[: -len(".weight")]] = a @ a.T
+    if corrupt is not None:
+        corrupt(hs)
+    hessian.save(hs, path, tokens=64)
+    return path
+
+
+DOWN = "model.layers.1.mlp.down_proj"
+
+
+def _not_psd(hs: dict) -> None:
+    h = np.eye(hs[DOWN].shape[0], dtype=np.float32)
+    h[:3, :3] = [[1, 0.9, 0.9], [0.9, 1, -0.9], [0.9, -0.9, 1]]  # |H_ij| <= 1, yet indefinite
+    h *= 1e4  # beyond GPTQ's dampening
+    hs[DOWN] = h
+
+
+SPOILED = {
+    "nan": (lambda hs: hs[DOWN].__setitem__((3, 5), np.nan), "holds 1 NaN or Inf value(s)"),
+    "inf": (lambda hs: hs[DOWN].__setitem__((0, 0), np.inf), "holds 1 NaN or Inf value(s)"),
+    "negative_diag": (lambda hs: hs[DOWN].__setitem__((7, 7), -1.0), "negative diagonal entry H[7,7]=-1"),
+    "asymmetric": (lambda hs: hs[DOWN].__setitem__((2, 9), hs[DOWN][2, 9] + 50), "is not symmetric"),
+    "outside_bound": (
+        lambda hs: hs[DOWN].__setitem__(
+            (slice(None), slice(None)), np.diag(np.diag(hs[DOWN])) + 1e6 * (1 - np.eye(hs[DOWN].shape[0]))
+        ),
+        "is not positive semi-definite",
+    ),
+    "indefinite": (_not_psd, "is not positive definite (its Cholesky failed after dampening)"),
+    "shape": (
+        lambda hs: hs.__setitem__(DOWN, np.eye(64, dtype=np.float32)),
+        "has shape (64, 64); the model's in_features is 128",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SPOILED))
+def test_gptq_refuses_a_spoiled_hessian_naming_file_and_module(tmp_path, tiny_model, case):
+    from mlxbun.errors import InputError
+    from mlxbun.quantize import quantize_model_dir
+
+    corrupt, what = SPOILED[case]
+    src = tiny_model()
+    h = _hessians(src, tmp_path / "h.safetensors", corrupt)
+    with pytest.raises(InputError) as err:
+        quantize_model_dir(src, tmp_path / "out", bits=4, group_size=64, method="gptq", hessians=h)
+    line = str(err.value)
+    assert f"quant.hessians={str(h)!r}: {DOWN!r}" in line and what in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_valid_hessians_pass_the_checks(tmp_path, tiny_model):
+    from mlxbun.quantize import quantize_model_dir
+
+    src = tiny_model()
+    h = _hessians(src, tmp_path / "h.safetensors")
+    res = quantize_model_dir(src, tmp_path / "out", bits=4, group_size=64, method="gptq", hessians=h)
+    assert (res.out / "config.json").is_file()
+
+
+def test_cli_gptq_with_a_nan_hessian_exits_2_and_leaves_no_run(tmp_path, tiny_model):
+    src = tiny_model()
+    h = _hessians(src, tmp_path / "h.safetensors", SPOILED["nan"][0])
+    r = run_cli(
+        "command=quantize", f"model.name={src}", "quant.method=gptq", f"quant.hessians={h}", "blas=off",
+        tmp=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{DOWN!r} holds 1 NaN or Inf value(s)" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "outputs" / "quantize").exists()
+
+
+def test_non_finite_scales_are_never_published(tmp_path, tiny_model):
+    """Any rounding: an Inf weight makes mx.quantize's scales NaN; the run fails naming the module."""
+    from mlxbun.errors import NumericFailure
+    from mlxbun.quantize import quantize_model_dir
+
+    src = _copy(tiny_model(), tmp_path / "src")
+    (f,) = src.glob("model*.safetensors")
+    weights = dict(mx.load(str(f)))
+    w = np.array(weights[DOWN + ".weight"].astype(mx.float32))
+    w[4, 9] = np.inf
+    weights[DOWN + ".weight"] = mx.array(w).astype(weights[DOWN + ".weight"].dtype)
+    mx.save_safetensors(str(f), weights, metadata={"format": "pt"})
+    for method in ("rtn", "clip"):
+        with pytest.raises(
+            NumericFailure, match=rf"{DOWN}.scales holds 1 NaN or Inf value\(s\) \(module '{DOWN}'\)"
+        ):
+            quantize_model_dir(src, tmp_path / f"out-{method}", bits=4, group_size=64, method=method)
+        assert not (tmp_path / f"out-{method}").exists()
+    r = run_cli("command=quantize", f"model.name={src}", "blas=off", tmp=tmp_path)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"module '{DOWN}'" in r.stderr and "Traceback" not in r.stderr
+    (run,) = (tmp_path / "outputs" / "quantize").iterdir()
+    assert json.loads((run / "manifest.json").read_text())["status"] == "failed"
+    assert not (run / "model").exists()

@@ -335,6 +335,7 @@ def load(path: str | Path) -> dict[str, Any]:
             raise InputError(
                 f"quant.hessians={str(path)!r}: {name!r} has shape {tuple(h.shape)}; expected (n, n)"
             )
+        check(np.asarray(h.astype(mx.float32)), file=path, module=name)
     return arrays
 
 
@@ -343,6 +344,7 @@ class Hessians(Mapping):
     dropped after): quantizing holds only the Hessians of the modules in flight. Thread-safe."""
 
     def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
         self.file = SafetensorsFile(path)
         if self.file.metadata.get("format") != FORMAT:
             raise InputError(
@@ -361,13 +363,57 @@ class Hessians(Mapping):
             raise KeyError(path)
         out = np.array(self.file.numpy(path), dtype=np.float32, copy=True)
         self.file.release(path)
+        check(out, file=self.file.path, module=path)
         return out
+
+    def check_shapes(self, in_features: Mapping[str, int]) -> None:
+        """Each module's H is (in, in) for the ``in_features`` of that module in the model."""
+        for module, info in self.file.infos().items():
+            n = in_features.get(module)
+            if n is not None and info.shape[0] != n:
+                raise refused(
+                    self.file.path, module, f"has shape {tuple(info.shape)}; the model's in_features is {n}"
+                )
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.file.names())
 
     def __len__(self) -> int:
         return len(self.file.names())
+
+
+SYMMETRY_TOL = 1e-4  # |H - H^T| relative to max diag(H): float32 accumulation stays far below
+ROWS = 1024  # rows compared at a time, so a check holds no second copy of a large H
+
+
+def refused(file: str | Path, module: str, what: str) -> InputError:
+    """The one line for a module's Hessian that cannot be used."""
+    return InputError(
+        f"quant.hessians={str(file)!r}: {module!r} {what}; capture the Hessians again"
+        " (mlxbun.quant.hessian.capture_model_dir)"
+    )
+
+
+def check(h: np.ndarray, *, file: str | Path, module: str) -> None:
+    """Refuse an H that no set of inputs gives: a NaN or Inf, a negative diagonal, an asymmetry,
+    or an entry beyond sqrt(H_ii H_jj) (not positive semi-definite). The rest of positive
+    definiteness is the Cholesky GPTQ takes (:func:`mlxbun.quant.rounding.inverse_factor`)."""
+    finite = np.isfinite(h)
+    if not finite.all():
+        raise refused(file, module, f"holds {int(h.size - finite.sum())} NaN or Inf value(s)")
+    d = np.diag(h).astype(np.float64)
+    if (d < 0).any():
+        i = int(np.argmin(d))
+        raise refused(file, module, f"has a negative diagonal entry H[{i},{i}]={d[i]:.6g}")
+    scale = max(float(d.max(initial=0.0)), 1e-30)
+    root = np.sqrt(d)
+    for r0 in range(0, h.shape[0], ROWS):
+        rows = h[r0 : r0 + ROWS].astype(np.float64)
+        if np.abs(rows - h[:, r0 : r0 + ROWS].T).max(initial=0.0) > SYMMETRY_TOL * scale:
+            raise refused(file, module, "is not symmetric")
+        bound = np.outer(root[r0 : r0 + ROWS], root) * (1 + SYMMETRY_TOL) + SYMMETRY_TOL * scale
+        if (np.abs(rows) > bound).any():
+            raise refused(file, module, "is not positive semi-definite (|H_ij| > sqrt(H_ii H_jj))")
 
 
 def output_error(dw: Any, h: Any) -> float:

@@ -33,6 +33,10 @@ REFITS = 2
 BLOCK_ELEMENTS = 1 << 22  # rows are searched in blocks of about this many weights
 
 
+class NotPositiveDefinite(ValueError):
+    """GPTQ's Cholesky of a dampened H failed: H is not positive semi-definite."""
+
+
 def check_method(method: str, *, mode: str = "affine", key: str = "quant.method") -> None:
     """Reject an unknown method, or a non-default one for a mode other than affine."""
     from mlxbun.errors import InputError
@@ -130,7 +134,16 @@ def _inverse_factor(h: np.ndarray) -> np.ndarray:
     H[dead, dead] = 1.0
     H[np.diag_indices_from(H)] += DAMP * max(float(diag.mean()), 1e-12)
     L = mx.linalg.cholesky(mx.array(H[::-1, ::-1].astype(np.float32)), stream=mx.cpu)
+    _check_factor(np.asarray(L))
     return np.asarray(mx.linalg.tri_inv(L, upper=False, stream=mx.cpu))[::-1, ::-1].copy()
+
+
+def _check_factor(L: np.ndarray) -> None:
+    """LAPACK stops at the first non-positive pivot and mlx returns what it has: a factor whose
+    diagonal is not finite and positive throughout is a failed one."""
+    d = np.diag(L)
+    if not (np.isfinite(d).all() and (d > 0).all()):
+        raise NotPositiveDefinite("is not positive definite (its Cholesky failed after dampening)")
 
 
 def _gptq_group(
@@ -176,6 +189,22 @@ def _gptq(w: Any, h: Any, *, bits: int, group_size: int) -> tuple[np.ndarray, An
         if j < cols:
             W[:, j:] -= np.asarray(mx.array(err) @ mx.array(U[i:j, j:]))
     return codes, mx.concatenate(scales, axis=-1), mx.concatenate(biases, axis=-1)
+
+
+def check_finite(path: str, arrays: dict[str, Any]) -> None:
+    """Refuse to publish a quantized module whose scales or biases hold a NaN or Inf (whatever
+    rounded it: an Inf weight makes ``mx.quantize`` give NaN scales too)."""
+    import mlx.core as mx
+
+    from mlxbun.errors import NumericFailure
+
+    for name in (f"{path}.scales", f"{path}.biases"):
+        a = arrays.get(name)
+        if a is not None and mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
+            bad = int(mx.sum(~mx.isfinite(a)).item())
+            raise NumericFailure(
+                f"quantize: {name} holds {bad} NaN or Inf value(s) (module {path!r}); nothing was published"
+            )
 
 
 def quantize(
