@@ -22,12 +22,16 @@ def test_broken_config_json_is_one_line_as_inspect_says_it(tmp_path, tiny_model)
     src = _copy(tiny_model(), tmp_path / "src")
     (src / "config.json").write_text('{"model_type": "llama",')
     seen = run_cli("command=inspect", f"model.name={src}", tmp=tmp_path)
-    q = run_cli("command=quantize", f"model.name={src}", "blas=off", tmp=tmp_path)
-    assert seen.returncode == 2 and q.returncode == 2, q.stderr[-2000:]
-    line = f"{src / 'config.json'}: not valid JSON"
-    assert line in seen.stderr and line in q.stderr
-    assert "JSONDecodeError" not in q.stderr and "Traceback" not in q.stderr
-    assert not (tmp_path / "outputs" / "quantize").exists()
+    line = f"error: {src / 'config.json'}: not valid JSON (Expecting"
+    assert seen.returncode == 1 and seen.stderr.strip().splitlines()[-1].startswith(line), seen.stderr
+    commands = {"quantize": [], "sensitivity": [], "kv_save": ["kv.name=x", "kv.prompt=hello"]}
+    for command, extra in commands.items():  # a corrupt file: exit 1, the run recorded failed
+        r = run_cli(f"command={command}", f"model.name={src}", "blas=off", *extra, tmp=tmp_path)
+        assert r.returncode == 1, r.stderr[-2000:]
+        assert r.stderr.strip().splitlines()[-1].startswith(line), r.stderr[-2000:]
+        assert "JSONDecodeError" not in r.stderr and "Traceback" not in r.stderr
+        (run,) = (tmp_path / "outputs" / command).iterdir()
+        assert json.loads((run / "manifest.json").read_text())["status"] == "failed"
 
 
 # ---------------------------------------------------------------- hostile Hessians

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from mlxbun.errors import InputError
+from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.io.safetensors import HEADER_CAP, SafetensorsFile, count_parameters, open_model
 from mlxbun.io.shards import ShardedWriter, write_sharded
 
@@ -270,7 +270,7 @@ def test_model_dir_errors(tmp_path: Path) -> None:
         open_model(tmp_path / "n")
     (tmp_path / "n" / "model.safetensors.index.json").unlink()
     (tmp_path / "n" / "config.json").write_text("[1]")
-    with pytest.raises(InputError, match="config.json: expected a JSON object"):
+    with pytest.raises(EnvironmentFailure, match="config.json: expected a JSON object"):
         open_model(tmp_path / "n")
 
 

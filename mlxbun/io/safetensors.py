@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxbun.errors import InputError
+from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.io.dtypes import ITEMSIZE
 
 HEADER_CAP = 100 << 20  # bytes; real headers are < 10 MiB even for 100k-tensor checkpoints
@@ -399,16 +399,16 @@ class ModelDir:
 
 def read_config(path: Path) -> dict[str, Any]:
     """``<path>/config.json`` as a dict ({} when absent): the one reader, so every command names a
-    broken file the same way."""
+    broken file the same way (a corrupt file: exit 1, a recording command's run ends failed)."""
     cfg = path / "config.json"
     if not cfg.is_file():
         return {}
     try:
         data = json.loads(cfg.read_text())
     except (UnicodeDecodeError, ValueError) as e:
-        raise InputError(f"{cfg}: not valid JSON ({e})") from None
+        raise EnvironmentFailure(f"{cfg}: not valid JSON ({e})") from None
     if not isinstance(data, dict):
-        raise InputError(f"{cfg}: expected a JSON object, got {type(data).__name__}")
+        raise EnvironmentFailure(f"{cfg}: expected a JSON object, got {type(data).__name__}")
     return data
 
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import atomic_write_json
+from mlxbun.io.safetensors import read_config
 from mlxbun.kv import format as fmt
 from mlxbun.kv.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.kv.state import cache_state
@@ -78,6 +79,7 @@ def load_model(path: Path, *, cache_dir: Path | None = None) -> Loaded:
     ``cache_dir``)."""
     import mlx_lm
 
+    read_config(path)  # a broken config.json: the one reader's line, not mlx-lm's
     model, tokenizer = mlx_lm.load(str(path))
     fp = model_fingerprint(path, cache_dir=cache_dir)
     return Loaded(model, tokenizer, path, fp, tokenizer_fingerprint(path))

@@ -40,7 +40,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_open
-from mlxbun.io.safetensors import SafetensorsFile
+from mlxbun.io.safetensors import SafetensorsFile, read_config
 from mlxbun.quant.calib import load_calibration
 
 FORMAT = "mlxbun-hessians"
@@ -230,6 +230,7 @@ def load_lazy(model_dir: str | Path) -> tuple[Any, Any]:
     """mlx-lm model (float32, weights read from disk only when a block first runs) and tokenizer."""
     from mlx_lm.utils import dequantize_model, load
 
+    read_config(Path(model_dir))  # a broken config.json: the one reader's line, not mlx-lm's
     try:
         model, tokenizer = load(str(model_dir), lazy=True)
     except (FileNotFoundError, ValueError) as e:

@@ -137,6 +137,7 @@ def load_model(model_dir: str | Path) -> tuple[Any, Any, dict[str, dict]]:
     import mlx.nn as nn
     from mlx_lm.utils import dequantize_model, load
 
+    read_config(Path(model_dir))  # a broken config.json: the one reader's line, not mlx-lm's
     try:
         model, tokenizer = load(str(model_dir))
     except (FileNotFoundError, ValueError) as e:
