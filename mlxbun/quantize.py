@@ -452,7 +452,7 @@ def quantize_model_dir(
             settings["hessians"] = hashlib.file_digest(f, "sha256").hexdigest()
     key = fingerprint(src, settings, tensors=tensors)
     # Two runs of the same conversion: the second waits, then reuses the first one's output.
-    with Stage.locked(out, kind="quantize", key=key, root=partial_root) as stage:
+    with Stage.locked(out, kind="quantize", key=key, root=partial_root, setting="quant.out") as stage:
         if (done := reusable(out, identity_doc)) is not None:
             return QuantizeResult(out, done[1], done[0], 0, 0, 0.0, reused=True)
         stage.claim(resume=resume)

@@ -259,7 +259,7 @@ def write_spec(
     """
     out_dir = Path(out_dir).expanduser().absolute()
     _refuse_existing(out_dir)
-    with Stage.locked(out_dir, kind="synth", key=spec.hash, root=partial_root) as stage:
+    with Stage.locked(out_dir, kind="synth", key=spec.hash, root=partial_root, setting="synth.out") as stage:
         _refuse_existing(out_dir)  # a waiter finds the first build published
         stage.claim()
         atomic_write_json(stage.dir / SPEC_FILE, _spec_record(spec))

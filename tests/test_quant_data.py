@@ -4,6 +4,7 @@ missing tokenizers, stale fisher spills, and two jobs sharing one ``quant.out``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -144,3 +145,29 @@ def test_non_finite_scales_are_never_published(tmp_path, tiny_model):
     (run,) = (tmp_path / "outputs" / "quantize").iterdir()
     assert json.loads((run / "manifest.json").read_text())["status"] == "failed"
     assert not (run / "model").exists()
+
+
+# ---------------------------------------------------------------- a read-only quant.out
+
+
+def _read_only_dir(tmp_path: Path) -> Path:
+    """A directory this process cannot write in (root ignores modes: sysfs refuses everyone)."""
+    if os.geteuid() == 0:
+        return Path("/sys")
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    return d
+
+
+def test_read_only_quant_out_names_the_directory_given_not_the_lock(tmp_path, tiny_model):
+    out = _read_only_dir(tmp_path) / "mlxbun-quant-out"
+    r = run_cli(
+        "command=quantize", f"model.name={tiny_model()}", f"quant.out={out}", "blas=off", tmp=tmp_path
+    )
+    assert r.returncode == 1, r.stderr[-2000:]
+    line = r.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: quant.out={str(out)!r}: cannot write in {out.parent} ("), line
+    assert ".lock" not in r.stderr and ".partial" not in r.stderr and "Traceback" not in r.stderr
+    (run,) = (tmp_path / "outputs" / "quantize").iterdir()
+    assert json.loads((run / "manifest.json").read_text())["status"] == "failed"

@@ -55,6 +55,7 @@ from typing import IO, Any
 
 import xxhash
 
+from mlxbun.errors import EnvironmentFailure
 from mlxbun.io.atomic import atomic_write_json, fsync_dir, publish_dir
 from mlxbun.io.shards import JOURNAL
 
@@ -219,11 +220,15 @@ class Stage:
 
     @classmethod
     @contextlib.contextmanager
-    def locked(cls, out: Path, *, kind: str, key: str, root: str | Path | None = None) -> Iterator[Stage]:
-        """Hold the lock of the staging dir for ``key`` (waiting for a run that holds it)."""
+    def locked(
+        cls, out: Path, *, kind: str, key: str, root: str | Path | None = None, setting: str | None = None
+    ) -> Iterator[Stage]:
+        """Hold the lock of the staging dir for ``key`` (waiting for a run that holds it).
+
+        ``setting``: the config key that named ``out`` (``quant.out``), to name when the
+        directory cannot be written."""
         stage = cls(out, kind=kind, key=key, root=root)
-        stage.dir.parent.mkdir(parents=True, exist_ok=True)
-        f = _open_locked(stage.lock, wait=True)
+        f = stage._take_lock(setting)
         try:
             reached("locked")
             yield stage
@@ -232,6 +237,18 @@ class Stage:
                 stage.lock.unlink(missing_ok=True)  # a waiter re-checks the name after locking
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
             f.close()
+
+    def _take_lock(self, setting: str | None) -> IO[str]:
+        """The lock, or an error naming the directory the user gave (not the hidden lock file)."""
+        try:
+            self.dir.parent.mkdir(parents=True, exist_ok=True)
+            f = _open_locked(self.lock, wait=True)
+        except OSError as e:
+            named = f"{setting}={str(self.out)!r}" if setting else str(self.out)
+            raise EnvironmentFailure(
+                f"{named}: cannot write in {self.dir.parent} ({e.strerror or e}); choose a writable directory"
+            ) from None
+        return f  # waited for it: never None
 
     def claim(self, *, resume: bool = True) -> bool:
         """Sweep stale dirs, then keep (resume) or empty the staging dir and mark it ours.
