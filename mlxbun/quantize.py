@@ -62,6 +62,7 @@ from mlxbun.quant.outdir import (
     fingerprint,
     reusable,
     source_identity,
+    tokenizer_warning,
     write_record,
     write_side_files,
 )
@@ -94,6 +95,7 @@ class QuantizeResult:
     reused: bool = False
     # shard file name -> sha256, computed while the shard was written (empty when reused)
     digests: dict[str, str] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()  # e.g. no tokenizer: the output will not load in mlx_lm
 
 
 # ------------------------------------------------------------------------------- settings
@@ -454,7 +456,7 @@ def quantize_model_dir(
     # Two runs of the same conversion: the second waits, then reuses the first one's output.
     with Stage.locked(out, kind="quantize", key=key, root=partial_root, setting="quant.out") as stage:
         if (done := reusable(out, identity_doc)) is not None:
-            return QuantizeResult(out, done[1], done[0], 0, 0, 0.0, reused=True)
+            return QuantizeResult(out, done[1], done[0], 0, 0, 0.0, reused=True, warnings=_warnings(src))
         stage.claim(resume=resume)
         state = "complete" if weights_written(stage.dir) else "writing"
         w = _convert(
@@ -468,7 +470,18 @@ def quantize_model_dir(
     files = sorted(p.name for p in out.glob("model*.safetensors"))
     seconds = time.monotonic() - t0
     q = sk.quantization or {}
-    return QuantizeResult(out, files, q, w.source_bytes, w.output_bytes, seconds, digests=w.sha256)
+    warnings = _warnings(src)
+    return QuantizeResult(
+        out, files, q, w.source_bytes, w.output_bytes, seconds, digests=w.sha256, warnings=warnings
+    )
+
+
+def _warnings(src: Path) -> tuple[str, ...]:
+    """What makes the output less than a stock mlx-lm model, each logged once."""
+    found = tuple(w for w in (tokenizer_warning(src),) if w is not None)
+    for w in found:
+        log.warning("quantize: %s", w)
+    return found
 
 
 def _check_hessian_shapes(sk: Skeleton, path: str | Path) -> None:
@@ -564,6 +577,8 @@ def run(cfg: Any) -> Any:
         "reused": res.reused,
         "threads": q.threads or default_threads(),
     }
+    if res.warnings:
+        metrics["warnings"] = list(res.warnings)
     verb = "reused" if res.reused else f"wrote {human_bytes(res.output_bytes)} in {res.seconds:.1f}s"
     name = f"synthetic {cfg.synth.arch} {cfg.synth.preset}" if cfg.model.synthetic else src.name
     return RunResult(

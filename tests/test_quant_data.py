@@ -171,3 +171,21 @@ def test_read_only_quant_out_names_the_directory_given_not_the_lock(tmp_path, ti
     assert ".lock" not in r.stderr and ".partial" not in r.stderr and "Traceback" not in r.stderr
     (run,) = (tmp_path / "outputs" / "quantize").iterdir()
     assert json.loads((run / "manifest.json").read_text())["status"] == "failed"
+
+
+# ---------------------------------------------------------------- a source without a tokenizer
+
+
+def test_quantize_without_tokenizer_files_warns_and_records_it(tmp_path, tiny_model):
+    src = _copy(tiny_model(), tmp_path / "src")
+    for f in src.glob("tokenizer*"):
+        f.unlink()
+    r = run_cli("command=quantize", f"model.name={src}", "blas=off", tmp=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    (line,) = [x for x in r.stderr.splitlines() if "no tokenizer files" in x]
+    assert str(src) in line and "tokenizer.json" in line and "mlx_lm" in line
+    (run,) = (tmp_path / "outputs" / "quantize").iterdir()
+    (recorded,) = json.loads((run / "manifest.json").read_text())["metrics"]["warnings"]
+    assert "no tokenizer files" in recorded
+    ok = run_cli("command=quantize", f"model.name={tiny_model()}", "blas=off", tmp=tmp_path)
+    assert ok.returncode == 0 and "no tokenizer files" not in ok.stderr

@@ -126,6 +126,21 @@ def config_text(sk: Skeleton) -> str:
     return json.dumps(encode_tagged_floats(dict(sorted(config.items()))), indent=4)
 
 
+# Any one of these is a vocabulary transformers' AutoTokenizer (so mlx_lm.load) can build from.
+VOCABULARY = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "tiktoken.model", "*.tiktoken")
+
+
+def tokenizer_warning(src: Path) -> str | None:
+    """One line when ``src`` has no tokenizer vocabulary: its output would not load in mlx_lm."""
+    if any(f.is_file() for pattern in VOCABULARY for f in src.glob(pattern)):
+        return None
+    return (
+        f"{src} has no tokenizer files ({', '.join(VOCABULARY)}; none found): the output loads in"
+        " mlx_lm only once the model's tokenizer files (one of those, with tokenizer_config.json)"
+        " are copied into it"
+    )
+
+
 def copy_side_files(src: Path, dst: Path) -> list[str]:
     """Copy tokenizer, generation config and code files; each fsync'd."""
     copied = []
