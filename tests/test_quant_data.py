@@ -3,15 +3,19 @@ missing tokenizers, stale fisher spills, and two jobs sharing one ``quant.out``.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
-from cli_util import run_cli
+from cli_util import REPO, run_cli
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -189,3 +193,44 @@ def test_quantize_without_tokenizer_files_warns_and_records_it(tmp_path, tiny_mo
     assert "no tokenizer files" in recorded
     ok = run_cli("command=quantize", f"model.name={tiny_model()}", "blas=off", tmp=tmp_path)
     assert ok.returncode == 0 and "no tokenizer files" not in ok.stderr
+
+
+# ---------------------------------------------------------------- fisher spills of killed runs
+
+KILLED_SPILL = """
+import os, signal
+import numpy as np
+from mlxbun.quant.fisher import Spill
+s = Spill()
+s.put("logits", np.zeros((256, 1024), np.float32))
+print(s._dir.name, flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_sigkilled_fishers_spill_is_removed_by_the_next_run(tmp_path, monkeypatch):
+    from mlxbun.quant.fisher import Spill
+
+    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    killed = subprocess.run([sys.executable, "-c", KILLED_SPILL], capture_output=True, text=True, env=env)
+    assert killed.returncode == -9, killed.stderr
+    stale = Path(killed.stdout.strip())
+    assert stale.parent == tmp_path and any(stale.glob("*.npy"))
+    # a live process of another pid namespace: its pid looks gone, its lock is held
+    other = tmp_path / "mlxbun-fisher-999999999-abc"
+    other.mkdir()
+    held = open(other / ".lock", "a")  # noqa: SIM115
+    fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    spill = Spill()
+    try:
+        assert not stale.exists() and other.is_dir()
+        mine = Path(spill._dir.name)
+        assert mine.parent == tmp_path and mine.name.startswith(f"mlxbun-fisher-{os.getpid()}-")
+        again = Spill()  # a second spill of a live process keeps the first
+        assert mine.is_dir()
+        again.close()
+    finally:
+        spill.close()
+        held.close()
+    assert not mine.exists()

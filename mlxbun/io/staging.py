@@ -34,6 +34,10 @@ What a re-run finds and does, holding the lock:
   ``<out>``, which can never be published now): removed, unless a live run holds their lock.
   Staging dirs of other targets are other runs' resumable progress and are never touched.
 
+Scratch space (fisher's spills) follows the same idea without a target: a :class:`ScratchDir`
+``$TMPDIR/<prefix><pid>-<random>/`` holds its own ``.lock`` while its process lives; making one
+removes those of dead processes whose lock is free.
+
 A job that may reuse an existing ``<out>`` (quantize) records :func:`digest_files` of its files
 in its own record before publishing and reuses ``<out>`` only when :func:`damaged_files` finds
 nothing; a damaged ``<out>`` of its own is removed with :func:`discard_dir` and built again.
@@ -48,6 +52,8 @@ import logging
 import os
 import re
 import shutil
+import tempfile
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -331,5 +337,72 @@ def sweep_stale(root: Path, *, out: Path, kind: str, keep: Path) -> list[Path]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
             f.close()
         log.info("removed %s: an earlier %s into %s that was never finished", d, kind, out)
+        removed.append(d)
+    return removed
+
+
+# ---------------------------------------------------------------------------- scratch dirs
+
+SCRATCH_LOCK = ".lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+class ScratchDir:
+    """A private temporary directory, ``$TMPDIR/<prefix><pid>-<random>/``, locked (``.lock``
+    inside, flock held) for as long as this object lives. Making one first removes the ones
+    left by processes that are gone (a SIGKILL never runs a cleanup): see :func:`sweep_scratch`.
+
+    Example:
+        >>> scratch = ScratchDir("mlxbun-fisher-")
+        >>> np.save(Path(scratch.name) / "1.npy", a)
+        >>> scratch.cleanup()
+    """
+
+    def __init__(self, prefix: str) -> None:
+        sweep_scratch(prefix)
+        self.name = tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+        self._lock = _open_locked(Path(self.name) / SCRATCH_LOCK, wait=True)
+        self._finalizer = weakref.finalize(self, _remove_scratch, self.name, self._lock)
+
+    def cleanup(self) -> None:
+        self._finalizer()
+
+
+def _remove_scratch(name: str, lock: IO[str] | None) -> None:
+    shutil.rmtree(name, ignore_errors=True)
+    if lock is not None:
+        lock.close()
+
+
+def sweep_scratch(prefix: str) -> list[Path]:
+    """Remove ``$TMPDIR/<prefix><pid>-*`` dirs whose process is gone and whose lock is free
+    (the lock keeps a live process of another pid namespace's dir)."""
+    name = re.compile(re.escape(prefix) + r"(\d+)-")
+    removed = []
+    for d in sorted(Path(tempfile.gettempdir()).glob(f"{prefix}*")):
+        m = name.match(d.name)
+        if m is None or not d.is_dir() or d.is_symlink() or _alive(int(m[1])):
+            continue
+        try:
+            f = _open_locked(d / SCRATCH_LOCK, wait=False)
+        except OSError:  # removed meanwhile by another sweeper
+            continue
+        if f is None:
+            continue
+        try:
+            size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+            shutil.rmtree(d, ignore_errors=True)
+        finally:
+            f.close()
+        log.info("removed %s (%d bytes): scratch of process %s, which is gone", d, size, m[1])
         removed.append(d)
     return removed

@@ -51,7 +51,6 @@ Example:
 from __future__ import annotations
 
 import logging
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -60,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from mlxbun.io.staging import ScratchDir
 from mlxbun.kl import kl_from_stats, ref_stats
 from mlxbun.progress import human_bytes
 from mlxbun.quant.sensitivity import Stack, Sweep, Target, fake_quant, module_at
@@ -368,7 +368,7 @@ class Spill:
     or in memory (``in_memory``, set before the first ``put``)."""
 
     def __init__(self) -> None:
-        self._dir = tempfile.TemporaryDirectory(prefix="mlxbun-fisher-")
+        self._dir = ScratchDir("mlxbun-fisher-")  # a killed run's spill goes at the next one
         self._names: dict[str, Path | np.ndarray] = {}
         self._files = 0  # files ever written: a name put again gets a new file, not another's
         self.in_memory = False
