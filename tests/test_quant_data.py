@@ -234,3 +234,28 @@ def test_a_sigkilled_fishers_spill_is_removed_by_the_next_run(tmp_path, monkeypa
         spill.close()
         held.close()
     assert not mine.exists()
+
+
+# ---------------------------------------------------------------- two jobs into one quant.out
+
+
+def test_another_settings_job_keeps_the_killed_jobs_progress_until_it_publishes(
+    tmp_path, monkeypatch, caplog
+):
+    from test_quantize import _killed_after_three_shards
+
+    from mlxbun import quantize
+
+    src, out, partial = _killed_after_three_shards(tmp_path)
+
+    def fails(*a, **k):
+        raise RuntimeError("stopped before publishing")
+
+    with monkeypatch.context() as m:
+        m.setattr(quantize, "_convert", fails)
+        with pytest.raises(RuntimeError, match="stopped before publishing"):
+            quantize.quantize_model_dir(src, out, bits=8, group_size=64, shard_bytes=40000)
+    assert len(list(partial.glob(".mlxbun-shard-*.safetensors"))) == 3  # still resumable
+    with caplog.at_level("INFO", logger="mlxbun"):
+        quantize.quantize_model_dir(src, out, bits=4, group_size=64, shard_bytes=40000)
+    assert "already written" in caplog.text  # the killed job resumed

@@ -331,8 +331,12 @@ def test_stale_partial_of_another_conversion_is_removed(tmp_path):
     mine.mkdir()
     with open(busy.with_name(busy.name + ".lock"), "a") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
-        quantize_model_dir(src, out, bits=8, group_size=64, shard_bytes=40000)  # other settings
-    assert not stale.exists() and busy.is_dir() and mine.is_dir()
+        with pytest.raises(InputError, match=r"quant.out=.* is being built by another quantize job"):
+            quantize_model_dir(src, out, bits=8, group_size=64, shard_bytes=40000)  # other settings
+    assert stale.is_dir() and busy.is_dir()  # refused before any work: nothing removed
+    # the killed job can still resume until another job publishes into the same out
+    quantize_model_dir(src, out, bits=8, group_size=64, shard_bytes=40000)  # other settings
+    assert not stale.exists() and not busy.exists() and mine.is_dir()
     assert (out / "config.json").is_file()
 
 

@@ -133,15 +133,19 @@ def test_rotate_cli_rerun_after_sigkill_resumes(tiny_model, tmp_path):
 # ---------------------------------------------------------------------------- the protocol itself
 
 
-def _claimed(out: Path, key: str, root: Path, *, kind: str = "synth") -> Path:
-    with Stage.locked(out, kind=kind, key=key, root=root) as stage:
+def _claimed(out: Path, key: str, root: Path, *, kind: str = "synth", setting: str | None = None) -> Path:
+    with Stage.locked(out, kind=kind, key=key, root=root, setting=setting) as stage:
         stage.claim()
         (stage.dir / "part").write_text(key)
         return stage.dir
 
 
 def test_stale_sweep_removes_only_earlier_jobs_into_the_same_out(tmp_path):
+    """Another job's progress into the same out is kept until this job publishes; a live one
+    (lock held) refuses this job before any work."""
     import fcntl
+
+    from mlxbun.errors import InputError
 
     root, out = tmp_path / "root", tmp_path / "run1" / "model"
     earlier = _claimed(out, "a" * 64, root)
@@ -152,10 +156,17 @@ def test_stale_sweep_removes_only_earlier_jobs_into_the_same_out(tmp_path):
     foreign.mkdir()
     with open(held.with_name(held.name + ".lock"), "a") as f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)  # a live run
-        mine = _claimed(out, "f" * 64, root)
+        with pytest.raises(InputError, match=rf"is being built by another synth job .*{held.name}"):
+            _claimed(out, "f" * 64, root, setting="synth.out")
+    assert not list(root.glob(".model.partial-ffff*"))
+    with Stage.locked(out, kind="synth", key="f" * 64, root=root) as stage:
+        stage.claim()
+        assert earlier.is_dir() and held.is_dir()  # resumable until this job publishes
+        assert read_marker(stage.dir) == {"version": 1, "kind": "synth", "key": "f" * 64, "target": str(out)}
+        stage.publish()
     assert not earlier.exists() and not earlier.with_name(earlier.name + ".lock").exists()
-    assert all(d.is_dir() for d in (held, other_run, other_kind, foreign, mine))
-    assert read_marker(mine) == {"version": 1, "kind": "synth", "key": "f" * 64, "target": str(out)}
+    assert not held.exists()
+    assert all(d.is_dir() for d in (other_run, other_kind, foreign)) and out.is_dir()
 
 
 def test_a_rerun_with_another_target_resumes_and_retargets(tmp_path):

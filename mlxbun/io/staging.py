@@ -30,9 +30,13 @@ What a re-run finds and does, holding the lock:
 - a staging dir with this job's marker: resumed (unless ``resume=False``: emptied);
 - a staging dir without a readable marker (a kill at ``created``, while the marker was being
   written, or at ``unmarked``): its name carries this job's key, so it is emptied and reused;
-- staging dirs of the same kind and target with another key (an earlier job into this same
-  ``<out>``, which can never be published now): removed, unless a live run holds their lock.
-  Staging dirs of other targets are other runs' resumable progress and are never touched.
+- a staging dir of the same kind and target with another key whose lock a live run holds:
+  this job is refused before any work (only one of the two could publish ``<out>``);
+- staging dirs of the same kind and target with another key and a free lock (an earlier job
+  into this same ``<out>``): kept, so that job can still resume, until this one publishes; then
+  removed (they can never be published now). Staging dirs of other targets are other runs'
+  resumable progress and are never touched.
+
 
 Scratch space (fisher's spills) follows the same idea without a target: a :class:`ScratchDir`
 ``$TMPDIR/<prefix><pid>-<random>/`` holds its own ``.lock`` while its process lives; making one
@@ -61,7 +65,7 @@ from typing import IO, Any
 
 import xxhash
 
-from mlxbun.errors import EnvironmentFailure
+from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.io.atomic import atomic_write_json, fsync_dir, publish_dir
 from mlxbun.io.shards import JOURNAL
 
@@ -222,6 +226,7 @@ class Stage:
         self.dir = staging_dir(self.out, key, root)
         self.lock = self.dir.with_name(self.dir.name + ".lock")
         self.resumed = False
+        self.setting: str | None = None
         self._state = "locked"
 
     @classmethod
@@ -234,6 +239,7 @@ class Stage:
         ``setting``: the config key that named ``out`` (``quant.out``), to name when the
         directory cannot be written."""
         stage = cls(out, kind=kind, key=key, root=root)
+        stage.setting = setting
         f = stage._take_lock(setting)
         try:
             reached("locked")
@@ -250,9 +256,9 @@ class Stage:
             self.dir.parent.mkdir(parents=True, exist_ok=True)
             f = _open_locked(self.lock, wait=True)
         except OSError as e:
-            named = f"{setting}={str(self.out)!r}" if setting else str(self.out)
             raise EnvironmentFailure(
-                f"{named}: cannot write in {self.dir.parent} ({e.strerror or e}); choose a writable directory"
+                f"{self._named()}: cannot write in {self.dir.parent} ({e.strerror or e}); choose a writable"
+                " directory"
             ) from None
         return f  # waited for it: never None
 
@@ -262,7 +268,7 @@ class Stage:
         Returns whether a previous run's progress is kept.
         """
         self._require("locked", "claim")
-        sweep_stale(self.dir.parent, out=self.out, kind=self.kind, keep=self.dir)
+        self._refuse_live_others()
         marker = read_marker(self.dir)
         self.resumed = (
             resume and marker is not None and (marker.get("kind"), marker.get("key")) == (self.kind, self.key)
@@ -299,7 +305,25 @@ class Stage:
         publish_dir(self.dir, self.out)
         reached("published")
         self._state = "published"
+        sweep_stale(self.dir.parent, out=self.out, kind=self.kind, keep=self.dir)
         return self.out
+
+    def _named(self) -> str:
+        """The output as the user named it: ``quant.out='<dir>'``, or the path alone."""
+        return f"{self.setting}={str(self.out)!r}" if self.setting else str(self.out)
+
+    def _refuse_live_others(self) -> None:
+        """Another job of this kind building the same ``out`` with other settings, still running:
+        only one of the two could publish, so this one stops before any work."""
+        for d in _same_target(self.dir.parent, out=self.out, kind=self.kind, keep=self.dir):
+            f = _open_locked(d.with_name(d.name + ".lock"), wait=False)
+            if f is None:
+                raise InputError(
+                    f"{self._named()} is being built by another {self.kind} job with other settings"
+                    f" (its staging dir {d} is locked by a running process); wait for it, or choose"
+                    f" another {self.setting or 'output directory'}"
+                )
+            f.close()
 
     def discard(self) -> None:
         """Delete the staging dir (the job failed in a way a resume would repeat)."""
@@ -311,6 +335,19 @@ class Stage:
             raise RuntimeError(f"{call}() on a stage that is {self._state} ({self.dir})")
 
 
+def _same_target(root: Path, *, out: Path, kind: str, keep: Path) -> list[Path]:
+    """Staging dirs in ``root`` of jobs of ``kind`` into ``out`` other than ``keep``."""
+    name = re.compile(re.escape(f".{out.name}.partial-") + f"[0-9a-f]{{{KEY_CHARS}}}")
+    found = []
+    for d in sorted(root.iterdir()) if root.is_dir() else []:
+        if d == keep or not name.fullmatch(d.name) or not d.is_dir():
+            continue
+        marker = read_marker(d)
+        if marker is not None and (marker.get("kind"), marker.get("target")) == (kind, str(out)):
+            found.append(d)
+    return found
+
+
 def sweep_stale(root: Path, *, out: Path, kind: str, keep: Path) -> list[Path]:
     """Remove staging dirs in ``root`` of the same ``kind`` and target ``out`` but another key.
 
@@ -318,14 +355,8 @@ def sweep_stale(root: Path, *, out: Path, kind: str, keep: Path) -> list[Path]:
     live run, dirs of other targets (other runs' resumable progress) and dirs without a readable
     marker are kept.
     """
-    name = re.compile(re.escape(f".{out.name}.partial-") + f"[0-9a-f]{{{KEY_CHARS}}}")
     removed = []
-    for d in sorted(root.iterdir()) if root.is_dir() else []:
-        if d == keep or not name.fullmatch(d.name) or not d.is_dir():
-            continue
-        marker = read_marker(d)
-        if marker is None or (marker.get("kind"), marker.get("target")) != (kind, str(out)):
-            continue
+    for d in _same_target(root, out=out, kind=kind, keep=keep):
         lock = d.with_name(d.name + ".lock")
         f = _open_locked(lock, wait=False)
         if f is None:
