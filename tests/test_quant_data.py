@@ -256,6 +256,29 @@ def test_another_settings_job_keeps_the_killed_jobs_progress_until_it_publishes(
         with pytest.raises(RuntimeError, match="stopped before publishing"):
             quantize.quantize_model_dir(src, out, bits=8, group_size=64, shard_bytes=40000)
     assert len(list(partial.glob(".mlxbun-shard-*.safetensors"))) == 3  # still resumable
+    (partial / ".config.json.tmp-123-abcd").write_text("{half")  # a kill inside an atomic write
     with caplog.at_level("INFO", logger="mlxbun"):
         quantize.quantize_model_dir(src, out, bits=4, group_size=64, shard_bytes=40000)
     assert "already written" in caplog.text  # the killed job resumed
+    assert not [p.name for p in out.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_job_whose_out_was_published_meanwhile_names_it_and_leaves_no_staging(
+    tmp_path, tiny_model, monkeypatch
+):
+    from mlxbun import quantize
+    from mlxbun.errors import EnvironmentFailure
+
+    out = tmp_path / "q"
+    real = quantize.write_record
+
+    def publish_theirs_first(d, *a, **k):
+        real(d, *a, **k)
+        out.mkdir()
+        (out / "model.safetensors").write_bytes(b"theirs")
+
+    monkeypatch.setattr(quantize, "write_record", publish_theirs_first)
+    with pytest.raises(EnvironmentFailure, match=rf"quant.out='{out}': another job published"):
+        quantize.quantize_model_dir(tiny_model(), out, bits=4, group_size=64)
+    assert (out / "model.safetensors").read_bytes() == b"theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]

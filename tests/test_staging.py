@@ -169,6 +169,30 @@ def test_stale_sweep_removes_only_earlier_jobs_into_the_same_out(tmp_path):
     assert all(d.is_dir() for d in (other_run, other_kind, foreign)) and out.is_dir()
 
 
+def test_a_second_job_publishing_into_a_taken_out_is_named_and_cleaned(tmp_path):
+    from mlxbun.errors import EnvironmentFailure
+
+    root, out = tmp_path / "root", tmp_path / "run1" / "model"
+    with Stage.locked(out, kind="synth", key="a" * 64, root=root, setting="synth.out") as stage:
+        stage.claim()
+        (stage.dir / "part").write_text("a")
+        out.mkdir(parents=True)  # another job published meanwhile
+        (out / "theirs").write_text("b")
+        with pytest.raises(EnvironmentFailure, match=rf"synth.out='{out}': another job published"):
+            stage.publish()
+    assert (out / "theirs").read_text() == "b" and list(root.iterdir()) == []
+
+
+def test_a_resumed_stage_never_adopts_an_unfinished_atomic_write(tmp_path):
+    root, out = tmp_path / "root", tmp_path / "run1" / "model"
+    d = _claimed(out, "a" * 64, root)
+    (d / ".config.json.tmp-123-abcd").write_text("{half")  # a kill inside atomic_write_bytes
+    with Stage.locked(out, kind="synth", key="a" * 64, root=root) as stage:
+        assert stage.claim()
+        stage.publish()
+    assert sorted(p.name for p in out.iterdir()) == ["part"]
+
+
 def test_a_rerun_with_another_target_resumes_and_retargets(tmp_path):
     root = tmp_path / "root"
     first = _claimed(tmp_path / "run1" / "model", "a" * 64, root)

@@ -27,7 +27,8 @@ process there and check that a re-run gives the same bytes):
 
 What a re-run finds and does, holding the lock:
 
-- a staging dir with this job's marker: resumed (unless ``resume=False``: emptied);
+- a staging dir with this job's marker: resumed (unless ``resume=False``: emptied), without
+  the unfinished atomic writes (``.<name>.tmp-*``) a kill left in it;
 - a staging dir without a readable marker (a kill at ``created``, while the marker was being
   written, or at ``unmarked``): its name carries this job's key, so it is emptied and reused;
 - a staging dir of the same kind and target with another key whose lock a live run holds:
@@ -36,7 +37,8 @@ What a re-run finds and does, holding the lock:
   into this same ``<out>``): kept, so that job can still resume, until this one publishes; then
   removed (they can never be published now). Staging dirs of other targets are other runs'
   resumable progress and are never touched.
-
+- at publish, an ``<out>`` that appeared meanwhile (a job that slipped past the check): nothing
+  is published, the staging dir is removed, and the error names ``<out>``.
 
 Scratch space (fisher's spills) follows the same idea without a target: a :class:`ScratchDir`
 ``$TMPDIR/<prefix><pid>-<random>/`` holds its own ``.lock`` while its process lives; making one
@@ -66,7 +68,7 @@ from typing import IO, Any
 import xxhash
 
 from mlxbun.errors import EnvironmentFailure, InputError
-from mlxbun.io.atomic import atomic_write_json, fsync_dir, publish_dir
+from mlxbun.io.atomic import TMP_MARK, atomic_write_json, fsync_dir, publish_dir
 from mlxbun.io.shards import JOURNAL
 
 log = logging.getLogger("mlxbun")
@@ -275,6 +277,8 @@ class Stage:
         )
         if not self.resumed and self.dir.exists():
             shutil.rmtree(self.dir)
+        if self.resumed:
+            drop_temp_files(self.dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         reached("created")
         mine = {"version": MARKER_VERSION, "kind": self.kind, "key": self.key, "target": str(self.out)}
@@ -302,6 +306,12 @@ class Stage:
         fsync_dir(self.dir)
         reached("unmarked")
         self.out.parent.mkdir(parents=True, exist_ok=True)
+        if os.path.lexists(self.out):  # another job published here while this one ran
+            self.discard()
+            raise EnvironmentFailure(
+                f"{self._named()}: another job published {self.out} while this one ran; nothing of this"
+                " job was published and its staging dir was removed"
+            )
         publish_dir(self.dir, self.out)
         reached("published")
         self._state = "published"
@@ -333,6 +343,14 @@ class Stage:
     def _require(self, state: str, call: str) -> None:
         if self._state != state:
             raise RuntimeError(f"{call}() on a stage that is {self._state} ({self.dir})")
+
+
+def drop_temp_files(d: Path) -> None:
+    """Remove unfinished atomic writes (``.<name>.tmp-*``) a killed run left in ``d``: a resumed
+    staging dir never adopts them (they would be published with it)."""
+    for p in sorted(d.rglob(f".*{TMP_MARK}*")):
+        if p.is_file() or p.is_symlink():
+            p.unlink(missing_ok=True)
 
 
 def _same_target(root: Path, *, out: Path, kind: str, keep: Path) -> list[Path]:
