@@ -384,7 +384,7 @@ class Hessians(Mapping):
 
 
 SYMMETRY_TOL = 1e-4  # |H - H^T| relative to max diag(H): float32 accumulation stays far below
-ROWS = 1024  # rows compared at a time, so a check holds no second copy of a large H
+TILE = 512  # compared a square tile at a time: no second copy of a large H, cache-friendly
 
 
 def refused(file: str | Path, module: str, what: str) -> InputError:
@@ -406,15 +406,15 @@ def check(h: np.ndarray, *, file: str | Path, module: str) -> None:
     if (d < 0).any():
         i = int(np.argmin(d))
         raise refused(file, module, f"has a negative diagonal entry H[{i},{i}]={d[i]:.6g}")
-    scale = max(float(d.max(initial=0.0)), 1e-30)
-    root = np.sqrt(d)
-    for r0 in range(0, h.shape[0], ROWS):
-        rows = h[r0 : r0 + ROWS].astype(np.float64)
-        if np.abs(rows - h[:, r0 : r0 + ROWS].T).max(initial=0.0) > SYMMETRY_TOL * scale:
-            raise refused(file, module, "is not symmetric")
-        bound = np.outer(root[r0 : r0 + ROWS], root) * (1 + SYMMETRY_TOL) + SYMMETRY_TOL * scale
-        if (np.abs(rows) > bound).any():
-            raise refused(file, module, "is not positive semi-definite (|H_ij| > sqrt(H_ii H_jj))")
+    tol = np.float32(SYMMETRY_TOL * max(float(d.max(initial=0.0)), 1e-30))
+    root = np.sqrt(d).astype(np.float32) * np.float32(np.sqrt(1 + SYMMETRY_TOL))
+    for i in range(0, h.shape[0], TILE):  # square tiles of the upper half, each against its mirror
+        for j in range(i, h.shape[0], TILE):
+            tile = h[i : i + TILE, j : j + TILE]
+            if np.abs(tile - h[j : j + TILE, i : i + TILE].T).max(initial=0) > tol:
+                raise refused(file, module, "is not symmetric")
+            if (np.abs(tile) > root[i : i + TILE, None] * root[None, j : j + TILE] + tol).any():
+                raise refused(file, module, "is not positive semi-definite (|H_ij| > sqrt(H_ii H_jj))")
 
 
 def output_error(dw: Any, h: Any) -> float:
