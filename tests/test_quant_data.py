@@ -43,7 +43,7 @@ def test_broken_config_json_is_one_line_as_inspect_says_it(tmp_path, tiny_model)
 
 
 def _hessians(src: Path, path: Path, corrupt=None) -> Path:
-    """A valid H (A A^T) for every 2-D weight of ``src``; ``corrupt(name, H)`` may spoil one."""
+    """A valid H (A A^T) for every 2-D weight of ``src``; ``corrupt(hessians)`` may spoil one."""
     from mlxbun.io.safetensors import open_model
     from mlxbun.quant import hessian
 
