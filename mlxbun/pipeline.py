@@ -17,7 +17,7 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlxbun import cli, synth
+from mlxbun import cli, schema, synth
 from mlxbun.errors import InputError
 from mlxbun.provenance import RunResult
 
@@ -84,6 +84,8 @@ def check_steps(cfg: Any, steps: list[str]) -> None:
                     f"pipeline.steps: step {i} ({step}) needs {' or '.join(group)}, which is not set and"
                     " no earlier step provides; set it (nothing was run)"
                 )
+        if step == "quantize" and "quant.plan" in provided:
+            schema.check_plan_overrides(cfg.quant, plan="<allocate's plan.json>")
         provided.update(PROVIDES.get(step, ()))
     if "synth" in steps:
         _check_synth_room(cfg)

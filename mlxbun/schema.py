@@ -526,6 +526,108 @@ def check_config(cfg: Config) -> None:
         )
     if q.mixed is not None and q.plan is not None:
         raise InputError(f"quant.plan={q.plan!r} and quant.mixed={q.mixed!r} are both set; choose one")
+    check_plan_overrides(q, plan=q.plan)
+
+
+def check_plan_overrides(q: QuantCfg, *, plan: str | None) -> None:
+    """A plan sets every layer's mode, bits and group size: refuse the uniform keys beside it."""
+    if plan is None:
+        return
+    for key, value, default in (
+        ("bits", q.bits, None),
+        ("group_size", q.group_size, None),
+        ("mode", q.mode, "affine"),
+    ):
+        if value != default:
+            raise InputError(
+                f"quant.{key}={value!r} is ignored by quant.plan={plan!r}, which sets every layer's"
+                " mode, bits and group size; drop one of them"
+            )
+
+
+# Keys every command reads: where runs go and are recorded, where models are found.
+COMMON_KEYS = (
+    "command", "seed", "verbose", "json", "blas", "help", "paths",
+    "registry.url", "registry.path", "registry.hub_cache", "registry.paths",
+)  # fmt: skip
+# model.synthetic=true builds the model from the synth section (recipes keep both ready)
+MODEL_KEYS = ("model", "synth")
+# The keys each command reads besides COMMON_KEYS: whole sections or single keys. A key set to
+# something other than its default that the command does not read is refused (check_unread);
+# `help=true` lists these keys. A pipeline reads what its steps read.
+READS: dict[str, tuple[str, ...]] = {
+    "help": (),
+    "pipeline": ("pipeline",),
+    "synth": ("synth", "io"),
+    "inspect": ("inspect", *MODEL_KEYS),
+    "quantize": (*MODEL_KEYS, "quant", "io"),
+    "sensitivity": (*MODEL_KEYS, "sensitivity"),
+    "sensitivity_merge": ("sensitivity.inputs",),
+    "allocate": (
+        *MODEL_KEYS,
+        "allocate",
+        "quant.dtype",
+        "quant.hessians",
+        "io",
+        "sensitivity.calib",
+        "sensitivity.batch_size",
+    ),  # fmt: skip
+    "rotate": (*MODEL_KEYS, "fold", "io"),
+    "kv_save": (*MODEL_KEYS, "kv"),
+    "kv_generate": (*MODEL_KEYS, "kv"),
+    "kv_ls": ("kv",),
+    "kv_verify": ("kv",),
+    "kv_gc": ("kv",),
+    "kv_import": (*MODEL_KEYS, "kv"),
+    "kv_export": (*MODEL_KEYS, "kv"),
+    "registry_scan": ("registry",),
+    "registry_ls": ("registry",),
+    "registry_resolve": (*MODEL_KEYS, "registry"),
+    "registry_fit": (*MODEL_KEYS, "registry"),
+    "runs": ("runs", "registry"),
+    "verify": ("runs",),
+}
+
+
+def reads(command: str, data: dict[str, Any]) -> tuple[str, ...]:
+    """The keys and sections ``command`` reads with the composed config ``data`` (a pipeline:
+    its steps')."""
+    found = list(COMMON_KEYS) + list(READS.get(command, ()))
+    if command == "pipeline":
+        for step in (data.get("pipeline") or {}).get("steps") or ():
+            found += READS.get(step, ())
+    return tuple(found)
+
+
+def is_read(key: str, read: tuple[str, ...]) -> bool:
+    """Whether dotted ``key`` is one of ``read`` or inside a section of it."""
+    return any(key == r or key.startswith(r + ".") for r in read)
+
+
+def check_unread(data: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """Refuse a key set away from its default that the chosen command does not read: it would
+    be silently ignored (``command=allocate quant.method=gptq``)."""
+    command = str((data.get("command") or {}).get("name"))
+    if command not in READS:
+        return
+    read = reads(command, data)
+    for key, value, default in _leaves(data, defaults):
+        if value != default and not is_read(key, read):
+            raise InputError(
+                f"{key}={value!r} is not read by command={command}, so it would be ignored; drop it"
+                f" (`python -m mlxbun command={command} help=true` lists the keys it reads)"
+            )
+
+
+def _leaves(data: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    out = []
+    for key, value in data.items():
+        default = defaults.get(key) if isinstance(defaults, dict) else None
+        if isinstance(value, dict) and isinstance(default, dict):
+            out += _leaves(value, default, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value, default))
+    return out
 
 
 def check_keys(data: dict[str, Any], cls: type = None, prefix: str = "") -> None:
