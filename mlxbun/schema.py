@@ -87,6 +87,13 @@ def positive(key: str, value: float | int | None, *, allow_zero: bool = False) -
         raise InputError(f"{key}={value!r} is out of range; it must be {bound}")
 
 
+def not_empty(key: str, value: str | None) -> None:
+    """Raise an InputError when a path key is set to an empty string (``quant.out=``): that is no
+    path, and taking it as the default location would ignore the setting."""
+    if value is not None and not str(value).strip():
+        raise InputError(f"{key}={value!r} is empty; give a path, or leave {key} unset for its default")
+
+
 def at_most(key: str, value: float | int | None, limit: float | int, why: str = "") -> None:
     """Raise an InputError when ``value`` is above ``limit`` (``why`` says where it comes from)."""
     if value is not None and value > limit:
@@ -185,6 +192,7 @@ class SynthCfg:
         positive("synth.outlier_scale", self.outlier_scale)
         positive("synth.norm_jitter", self.norm_jitter, allow_zero=True)
         choose("synth.outlier_target", self.outlier_target, ("weights", "activations", "both"))
+        not_empty("synth.out", self.out)
 
 
 @dataclass
@@ -221,6 +229,8 @@ class QuantCfg:
             choose("quant.dtype", self.dtype, OUTPUT_DTYPES)
         check_mixed(self.mixed, mode=self.mode, plan=self.plan)
         positive("quant.threads", self.threads)
+        for key in ("out", "plan", "hessians"):
+            not_empty(f"quant.{key}", getattr(self, key))
         check_method(self.method, mode=self.mode)
 
 
@@ -322,6 +332,7 @@ class AllocateCfg:
     check: bool = True
 
     def __post_init__(self) -> None:
+        not_empty("allocate.sensitivity", self.sensitivity)
         positive("allocate.budget_bpw", self.budget_bpw)
         positive("allocate.budget_bytes", self.budget_bytes)
         check_budget(self.budget_bpw, self.budget_bytes, required=False)

@@ -86,3 +86,20 @@ def test_help_lists_the_single_keys_a_command_reads(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     assert "quant.hessians" in res.stdout and "sensitivity.calib.samples" in res.stdout
     assert "quant.method" not in res.stdout and "sensitivity.bits" not in res.stdout
+
+
+@pytest.mark.parametrize(
+    "key", ["quant.out", "quant.plan", "quant.hessians", "synth.out", "allocate.sensitivity"]
+)
+def test_an_empty_path_is_refused_naming_the_key(key: str) -> None:
+    command = {"quant": "quantize", "synth": "synth", "allocate": "allocate"}[key.partition(".")[0]]
+    with pytest.raises(InputError, match=f"{key}='' is empty"):
+        _check([f"command={command}", f"{key}="])
+
+
+def test_cli_refuses_an_empty_quant_out(tmp_path: Path) -> None:
+    res = run_cli("command=quantize", "model.synthetic=true", "quant.out=", tmp=tmp_path)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        "error: quant.out='' is empty; give a path, or leave quant.out unset for its default"
+    ]
