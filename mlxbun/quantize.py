@@ -66,7 +66,7 @@ from mlxbun.quant.outdir import (
     write_side_files,
 )
 from mlxbun.quant.plan import Skeleton, prepare
-from mlxbun.quant.spec import Plan, QuantSpec, load_plan
+from mlxbun.quant.spec import HESSIANS_FILE, Plan, QuantSpec, input_file, load_plan
 from mlxbun.quant.units import Unit, plan_units, stream
 from mlxbun.source import identity, lazy_weights, model_source, open_tensors, source_dir
 
@@ -418,6 +418,8 @@ def quantize_model_dir(
     rounding.check_method(method)
     if method in ("gptq", "awq") and hessians is None:
         raise InputError(f"quant.method={method!r} needs quant.hessians (a hessians.safetensors file)")
+    if hessians is not None:
+        hessians = input_file("quant.hessians", hessians, what=HESSIANS_FILE)
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     source, src = src, source_dir(src)

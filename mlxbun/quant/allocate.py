@@ -60,7 +60,7 @@ from mlxbun.quant.interactions import (
 )
 from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.sensitivity import model_fingerprint
-from mlxbun.quant.spec import AFFINE_BITS, Plan, QuantSpec, Rule, check_budget
+from mlxbun.quant.spec import AFFINE_BITS, HESSIANS_FILE, Plan, QuantSpec, Rule, check_budget, input_file
 from mlxbun.quantize import resolve_dtype
 from mlxbun.synth import available_memory
 
@@ -111,11 +111,10 @@ def load_sensitivity(path: str | Path, *, key: str = "allocate.sensitivity") -> 
         >>> sens = load_sensitivity("outputs/sensitivity/2026-12-02_10-00-00/sensitivity.json")
         >>> sens.layers["model.layers.0.mlp.down_proj"].kl[QuantSpec(bits=4, group_size=64)]
     """
-    p = Path(path).expanduser()
+    what = "a sensitivity.json or its run dir"
+    p = input_file(key, path, what=what, directory=True)
     if p.is_dir():
-        p = p / SENSITIVITY_FILE
-    if not p.is_file():
-        raise InputError(f"{key}={str(path)!r} does not exist; pass a sensitivity.json or its run dir")
+        p = input_file(key, p / SENSITIVITY_FILE, what=what)
     try:
         data = json.loads(p.read_text())
         entries = data["layers"]
@@ -616,6 +615,8 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
     if not a.sensitivity:
         raise InputError("allocate.sensitivity is not set; pass a sensitivity.json or the run dir holding it")
     sens = load_sensitivity(a.sensitivity)
+    if cfg.quant.hessians is not None:
+        input_file("quant.hessians", cfg.quant.hessians, what=HESSIANS_FILE)
     if a.extra_sensitivity:
         extra = [load_sensitivity(x, key="allocate.extra_sensitivity") for x in a.extra_sensitivity]
         sens = merge_sensitivities([sens, *extra])

@@ -39,6 +39,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -59,6 +60,7 @@ ALL_GROUPS = tuple(sorted({g for gs in MODE_GROUPS.values() for g in gs}))
 UINT8_SCALE_MODES = frozenset({"mxfp4", "mxfp8", "nvfp4"})
 MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 PLAN_VERSION = 1
+HESSIANS_FILE = "a Hessians file (hessians.safetensors, mlxbun.quant.hessian)"
 
 
 @functools.total_ordering
@@ -296,11 +298,34 @@ class Plan:
         return {"version": PLAN_VERSION, "default": self.default.to_dict(), "layers": layers}
 
 
+def input_file(key: str, path: str | Path, *, what: str, directory: bool = False) -> Path:
+    """``path`` (``~`` expanded), or an InputError naming ``key`` when it does not exist or is not a
+    regular file (a FIFO or device would block or never end when read); ``directory`` allows one.
+
+    Example:
+        >>> input_file("quant.plan", "/dev/zero", what="a plan.json from `allocate`")
+        Traceback (most recent call last):
+        mlxbun.errors.InputError: quant.plan='/dev/zero' is a device, not a regular file; pass a plan.json ...
+    """
+    p = Path(path).expanduser()
+    try:
+        mode = p.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise InputError(f"{key}={str(path)!r} does not exist; pass {what}") from None
+    if stat.S_ISREG(mode) or (directory and stat.S_ISDIR(mode)):
+        return p
+    kind = (
+        "a directory" if stat.S_ISDIR(mode)
+        else "a FIFO" if stat.S_ISFIFO(mode)
+        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a socket"
+    )  # fmt: skip
+    raise InputError(f"{key}={str(path)!r} is {kind}, not a regular file; pass {what}")
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read and check a plan.json; errors name the file and the entry."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise InputError(f"quant.plan={str(path)!r} does not exist; pass a plan.json from `allocate`")
+    p = input_file("quant.plan", path, what="a plan.json from `allocate`")
     try:
         data = json.loads(p.read_text())
     except (OSError, ValueError) as e:
