@@ -11,7 +11,7 @@ from cli_util import run_cli
 
 from mlxbun.errors import InputError
 from mlxbun.quant.allocate import load_sensitivity
-from mlxbun.quant.spec import input_file, load_plan
+from mlxbun.quant.spec import Plan, QuantSpec, input_file, load_plan
 from mlxbun.quantize import quantize_model_dir
 
 
@@ -61,3 +61,15 @@ def test_cli_missing_hessians_is_exit_2_and_leaves_no_run(tmp_path: Path) -> Non
     assert len(lines) == 1 and f"quant.hessians='{missing}' does not exist" in lines[0]
     outputs = tmp_path / "outputs"
     assert not outputs.exists() or not any(p.is_file() for p in outputs.rglob("*"))
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_a_plan_entry_needing_hessians_is_refused_without_them(
+    tiny_model, tmp_path: Path, method: str
+) -> None:
+    plan = Plan(default=QuantSpec(), layers={"model.layers.0.mlp.up_proj": QuantSpec(bits=4, method=method)})
+    with pytest.raises(
+        InputError, match=f"'model.layers.0.mlp.up_proj' method '{method}', which needs quant.hessians"
+    ):
+        quantize_model_dir(tiny_model(), tmp_path / "out", plan=plan)
+    assert not (tmp_path / "out").exists()

@@ -323,6 +323,24 @@ def input_file(key: str, path: str | Path, *, what: str, directory: bool = False
     raise InputError(f"{key}={str(path)!r} is {kind}, not a regular file; pass {what}")
 
 
+# Rounding methods that need the layers' input Hessians (quant.hessians); see mlxbun.quant.rounding.
+HESSIAN_METHODS = ("gptq", "awq")
+
+
+def check_hessians(method: str, plan: Plan | None, hessians: Any) -> None:
+    """Refuse a run whose ``quant.method``, or a plan entry's method, needs Hessians when none are given."""
+    if hessians is not None:
+        return
+    if method in HESSIAN_METHODS:
+        raise InputError(f"quant.method={method!r} needs quant.hessians ({HESSIANS_FILE})")
+    entries = {} if plan is None else {"default": plan.default, **plan.layers}
+    for path, spec in entries.items():
+        if spec is not None and spec.method in HESSIAN_METHODS:
+            raise InputError(
+                f"quant.plan gives {path!r} method {spec.method!r}, which needs quant.hessians ({HESSIANS_FILE})"
+            )
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read and check a plan.json; errors name the file and the entry."""
     p = input_file("quant.plan", path, what="a plan.json from `allocate`")
