@@ -26,7 +26,16 @@ from typing import Any, get_type_hints
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
 from mlxbun.quant.rounding import check_method
-from mlxbun.quant.spec import ALL_BITS, ALL_GROUPS, MODES, Rule, check_budget, check_mixed, spec_for
+from mlxbun.quant.spec import (
+    ALL_BITS,
+    ALL_GROUPS,
+    MIXED_RULES,
+    MODES,
+    Rule,
+    check_budget,
+    check_mixed,
+    spec_for,
+)
 
 # Model dimensions a synth spec may set explicitly (each overrides the preset's value).
 SYNTH_DIMS = (
@@ -208,8 +217,10 @@ class QuantCfg:
     mode: str = "affine"
     bits: int | None = None
     group_size: int | None = None
-    # Per-layer plan file (from `allocate` or hand-written) or an mlx-lm mixed rule.
+    # Per-layer plan file (from `allocate` or hand-written) or an mlx-lm mixed rule (mixed_2_6,
+    # mixed_3_4, mixed_3_6, mixed_4_6: the same as quant.mixed).
     plan: str | None = None
+    # mlx-lm's mixed rule: mixed_2_6, mixed_3_4, mixed_3_6 or mixed_4_6 (affine; quant.group_size applies).
     mixed: str | None = None
     # dtype of the tensors left unquantized; None follows config.json's torch_dtype (as mlx-lm).
     dtype: str | None = None
@@ -224,6 +235,12 @@ class QuantCfg:
     hessians: str | None = None
 
     def __post_init__(self) -> None:
+        if self.plan in MIXED_RULES:  # quant.plan=mixed_3_6 names mlx-lm's rule, as quant.mixed does
+            if self.mixed is not None:
+                raise InputError(
+                    f"quant.plan={self.plan!r} and quant.mixed={self.mixed!r} are both set; choose one"
+                )
+            self.plan, self.mixed = None, self.plan
         spec_for(self.mode, self.bits, self.group_size, key="quant")
         if self.dtype is not None:
             choose("quant.dtype", self.dtype, OUTPUT_DTYPES)

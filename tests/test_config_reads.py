@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,23 @@ def test_cli_refuses_an_empty_quant_out(tmp_path: Path) -> None:
     assert res.stderr.strip().splitlines() == [
         "error: quant.out='' is empty; give a path, or leave quant.out unset for its default"
     ]
+
+
+@pytest.mark.parametrize("rule", ["mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6"])
+def test_quant_plan_takes_an_mlx_lm_mixed_rule_as_its_help_says(rule: str) -> None:
+    q = schema.QuantCfg(plan=rule)
+    assert (q.plan, q.mixed) == (None, rule)
+    with pytest.raises(InputError, match="both set"):
+        schema.QuantCfg(plan=rule, mixed="mixed_3_6")
+    with pytest.raises(InputError, match="quant.bits=8 is ignored by quant.mixed"):
+        _check(["command=quantize", f"quant.plan={rule}", "quant.bits=8"])
+
+
+def test_cli_quantizes_with_quant_plan_mixed_3_6(tmp_path: Path) -> None:
+    out = tmp_path / "q"
+    res = run_cli(
+        "command=quantize", "model.synthetic=true", "quant.plan=mixed_3_6", f"quant.out={out}", tmp=tmp_path
+    )
+    assert res.returncode == 0, res.stderr
+    quantization = json.loads((out / "config.json").read_text())["quantization"]
+    assert {3, 6} <= {e["bits"] for e in quantization.values() if isinstance(e, dict)}
