@@ -60,7 +60,16 @@ from mlxbun.quant.interactions import (
 )
 from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.sensitivity import model_fingerprint
-from mlxbun.quant.spec import AFFINE_BITS, HESSIANS_FILE, Plan, QuantSpec, Rule, check_budget, input_file
+from mlxbun.quant.spec import (
+    AFFINE_BITS,
+    HESSIANS_FILE,
+    Plan,
+    QuantSpec,
+    Rule,
+    check_budget,
+    check_sensitivity,
+    input_file,
+)
 from mlxbun.quantize import resolve_dtype
 from mlxbun.synth import available_memory
 
@@ -117,6 +126,7 @@ def load_sensitivity(path: str | Path, *, key: str = "allocate.sensitivity") -> 
         p = input_file(key, p / SENSITIVITY_FILE, what=what)
     try:
         data = json.loads(p.read_text())
+        check_sensitivity(data, source=f"{key}={str(path)!r}")
         entries = data["layers"]
         entries = entries.values() if isinstance(entries, dict) else entries
         layers = {
