@@ -47,7 +47,7 @@ from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport, Source
-from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.calib import load_calibration, recorded_settings
 from mlxbun.quant.check import CheckResult, check_plan, correction_key
 from mlxbun.quant.interactions import (
     BARRED,
@@ -656,7 +656,7 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
         c.samples,
         c.seq_len,
     )
-    with InModel(src, _calibration(cfg, src, sens), batch_size=_batch(cfg, src)) as in_model:
+    with InModel(src, _calibration(cfg, src), batch_size=_batch(cfg, src)) as in_model:
         return _allocate_from_cfg(cfg, src, sens, default, in_model)
 
 
@@ -690,7 +690,7 @@ def _memory_skip(cfg: Any, src: Path, parameters: int) -> str | None:
     )
 
 
-def _calibration(cfg: Any, src: Path, sens: Sensitivity) -> Any:
+def _calibration(cfg: Any, src: Path) -> Any:
     """The tokens interactions are measured on: ``sensitivity.calib``, as the check's."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -698,12 +698,30 @@ def _calibration(cfg: Any, src: Path, sens: Sensitivity) -> Any:
     calib = load_calibration(
         tokenizer=load_tokenizer(src), path=c.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed
     )
-    if sens.calibration_fingerprint and calib.fingerprint != sens.calibration_fingerprint:
-        log.warning(
-            "allocate.interactions: sensitivity.calib differs from the calibration %s was measured on;"
-            " interactions are measured on sensitivity.calib", sens.path,
-        )  # fmt: skip
     return calib.tokens
+
+
+def calibration_of(cfg: Any, sens: Sensitivity) -> Any:
+    """``sensitivity.calib`` when set (a difference from the sensitivity's is said once), else the
+    calibration ``sens`` was measured on, as its sensitivity.json records it."""
+    c, recorded = cfg.sensitivity.calib, recorded_settings(sens.calibration)
+    if recorded is None:
+        return c
+    if c != type(c)():
+        given = {k: getattr(c, k) for k in recorded}
+        given["path"] = None if c.path is None else str(Path(c.path).expanduser().resolve())
+        if given != recorded:
+            log.warning(
+                "allocate: sensitivity.calib %s differs from the calibration %s was measured on (%s);"
+                " interactions and the check use sensitivity.calib", given, sens.path, recorded,
+            )  # fmt: skip
+        return c
+    if recorded["path"] is not None and not Path(recorded["path"]).is_file():
+        raise InputError(
+            f"allocate.sensitivity={str(sens.path)!r} was measured on calibration file {recorded['path']!r},"
+            " which does not exist; set sensitivity.calib.path (and samples, seq_len, seed)"
+        )
+    return replace(c, **recorded)
 
 
 def _allocate_from_cfg(
@@ -776,6 +794,7 @@ def run(cfg: Any) -> Any:
 
     src = model_dir(cfg)
     sens, default = _check_boundary(cfg, src)
+    cfg = replace(cfg, sensitivity=replace(cfg.sensitivity, calib=calibration_of(cfg, sens)))
     plan = _plan_from_cfg(cfg, src, sens, default)
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
