@@ -89,6 +89,60 @@ def check_steps(cfg: Any, steps: list[str]) -> None:
         provided.update(PROVIDES.get(step, ()))
     if "synth" in steps:
         _check_synth_room(cfg)
+    _check_before_work(cfg, steps)
+
+
+def _check_before_work(cfg: Any, steps: list[str]) -> None:
+    """What a later step would refuse after earlier steps' work, refused before the first step:
+    a quantize step's missing Hessians, an allocate budget below the smallest plan."""
+    from mlxbun.quant.spec import HESSIANS_FILE, check_hessians, input_file, load_plan
+
+    q, provided = cfg.quant, set()
+    for i, step in enumerate(steps, 1):
+        try:
+            if step == "quantize":
+                plan = load_plan(q.plan) if q.plan and "quant.plan" not in provided else None
+                if q.hessians is not None:
+                    input_file("quant.hessians", q.hessians, what=HESSIANS_FILE)
+                check_hessians(q.method, plan, q.hessians)
+            if step == "allocate" and "model.name" not in provided and not cfg.model.synthetic:
+                _check_budget(cfg, measured_here=set(steps[: i - 1]) & {"sensitivity", "sensitivity_merge"})
+        except InputError as e:
+            raise InputError(f"pipeline.steps: step {i} ({step}): {e} (nothing was run)") from None
+        provided.update(PROVIDES.get(step, ()))
+
+
+def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
+    """The allocate budget against the smallest plan its candidates allow: those of the given
+    sensitivity, or of the settings an earlier sensitivity step measures."""
+    # deferred: MLX and the model's headers, only for an allocate step
+    from mlxbun.quant.allocate import (
+        LayerSensitivity,
+        Sensitivity,
+        candidate_filter,
+        check_reachable,
+        load_sensitivity,
+    )  # fmt: skip
+    from mlxbun.quant.spec import QuantSpec, spec_for
+    from mlxbun.source import model_dir
+
+    a, s = cfg.allocate, cfg.sensitivity
+    if "sensitivity_merge" in measured_here:
+        return  # the shards' settings are known only once they are merged
+    if "sensitivity" in measured_here:
+        kl = {spec_for(s.mode, b, s.group_size, key="sensitivity"): 0.0 for b in s.bits}
+        sens = Sensitivity({"": LayerSensitivity("", 0, kl)})
+    else:
+        sens = load_sensitivity(a.sensitivity)
+    check_reachable(
+        candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes),
+        model_dir=model_dir(cfg),
+        budget_bpw=a.budget_bpw,
+        budget_bytes=a.budget_bytes,
+        default=QuantSpec(bits=a.default_bits, group_size=a.default_group_size, mode=a.default_mode),
+        out_dtype=cfg.quant.dtype,
+        shard_bytes=cfg.io.shard_bytes,
+    )
 
 
 def _check_synth_room(cfg: Any) -> None:

@@ -422,6 +422,37 @@ def allocate(
     return replace(plan, solver={**plan.solver, "largest": largest})
 
 
+def check_reachable(
+    settings: Collection[QuantSpec],
+    *,
+    model_dir: str | Path,
+    budget_bpw: float | None,
+    budget_bytes: int | None,
+    default: QuantSpec = DEFAULT,
+    out_dtype: str | None = "bfloat16",
+    shard_bytes: int = 5 << 30,
+) -> None:
+    """Refuse, before anything is measured, a budget below the smallest plan ``settings`` can give:
+    every module at its smallest fitting setting (others at ``default``; protection rules only add
+    bytes, so they are left out), from the safetensors headers alone. Raises :func:`allocate`'s error."""
+    source = budget.read_source(Path(model_dir))
+    layers = {}
+    for path, shape in source.shapes.items():
+        if fitting := {s: 0.0 for s in settings if s.fits(shape)}:
+            layers[path] = LayerSensitivity(path, 0, fitting)
+    code = _dtype_code(out_dtype, Path(model_dir))
+    prob = _problem(Sensitivity(layers), source, candidates=None, rules=[], default=default, out_dtype=code)
+    kw = {"out_dtype": code, "shard_bytes": shard_bytes}
+    lo = _predict(source, default, {**prob.fixed, **_pick(prob, min)}, **kw)
+    if budget_bpw is not None and lo.tensor_bytes > math.floor(budget_bpw * source.parameters / 8):
+        key, value = "allocate.budget_bpw", budget_bpw
+    elif budget_bytes is not None and lo.file_bytes > budget_bytes:
+        key, value = "allocate.budget_bytes", budget_bytes
+    else:
+        return
+    raise _range_error(key, value, lo, _predict(source, default, {**prob.fixed, **_pick(prob, max)}, **kw))
+
+
 def interactions_skip(settings: Collection[QuantSpec], *, largest: bool) -> str | None:
     """Why interactions cannot help a plan over these candidates (None: they can)."""
     if rounding := sorted({s.method for s in settings} - {"rtn"}):

@@ -375,12 +375,12 @@ def check_hessians(method: str, plan: Plan | None, hessians: Any) -> None:
     if hessians is not None:
         return
     if method in HESSIAN_METHODS:
-        raise InputError(f"quant.method={method!r} needs quant.hessians ({HESSIANS_FILE})")
+        raise InputError(f"quant.method={method!r} needs quant.hessians, {HESSIANS_FILE}")
     entries = {} if plan is None else {"default": plan.default, **plan.layers}
     for path, spec in entries.items():
         if spec is not None and spec.method in HESSIAN_METHODS:
             raise InputError(
-                f"quant.plan gives {path!r} method {spec.method!r}, which needs quant.hessians ({HESSIANS_FILE})"
+                f"quant.plan gives {path!r} method {spec.method!r}, which needs quant.hessians, {HESSIANS_FILE}"
             )
 
 
