@@ -199,7 +199,8 @@ def _task(dcfg: Any) -> None:
                 schema.check_keys(data)
                 cfg = OmegaConf.to_object(dcfg)
                 schema.check_strings(cfg)
-                schema.check_unread(data, OmegaConf.to_container(OmegaConf.structured(schema.Config)))
+                defaults = OmegaConf.to_container(OmegaConf.structured(schema.Config))
+                schema.check_unread(data, defaults, given=_overrides())
             except InputError:
                 raise
             except Exception as e:

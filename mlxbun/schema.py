@@ -632,19 +632,25 @@ def is_read(key: str, read: tuple[str, ...]) -> bool:
     return any(key == r or key.startswith(r + ".") for r in read)
 
 
-def check_unread(data: dict[str, Any], defaults: dict[str, Any]) -> None:
-    """Refuse a key set away from its default that the chosen command does not read: it would
-    be silently ignored (``command=allocate quant.method=gptq``)."""
+def check_unread(data: dict[str, Any], defaults: dict[str, Any], *, given: list[str]) -> None:
+    """Refuse a key given on the command line (``given``: Hydra's overrides), set away from its
+    default, that the chosen command does not read: it would be silently ignored
+    (``command=allocate quant.method=gptq``). Recipes are held to the same rule by a test."""
     command = str((data.get("command") or {}).get("name"))
     if command not in READS:
         return
-    read = reads(command, data)
+    read, keys = reads(command, data), [override_key(o) for o in given]
     for key, value, default in _leaves(data, defaults):
-        if value != default and not is_read(key, read):
+        if value != default and not is_read(key, read) and is_read(key, tuple(keys)):
             raise InputError(
                 f"{key}={value!r} is not read by command={command}, so it would be ignored; drop it"
                 f" (`python -m mlxbun command={command} help=true` lists the keys it reads)"
             )
+
+
+def override_key(override: str) -> str:
+    """The dotted key of a Hydra override: ``+quant.bits=4`` -> ``quant.bits``."""
+    return override.partition("=")[0].lstrip("+~")
 
 
 def _leaves(data: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
