@@ -94,16 +94,17 @@ def check_steps(cfg: Any, steps: list[str]) -> None:
 
 def _check_before_work(cfg: Any, steps: list[str]) -> None:
     """What a later step would refuse after earlier steps' work, refused before the first step:
-    a quantize step's missing Hessians, an allocate budget below the smallest plan."""
+    missing Hessians (or a Hessians path that is no regular file), a plan.json that does not
+    read, an allocate budget below the smallest plan."""
     from mlxbun.quant.spec import HESSIANS_FILE, check_hessians, input_file, load_plan
 
     q, provided = cfg.quant, set()
     for i, step in enumerate(steps, 1):
         try:
+            if step in ("quantize", "allocate") and q.hessians is not None:
+                input_file("quant.hessians", q.hessians, what=HESSIANS_FILE)
             if step == "quantize":
                 plan = load_plan(q.plan) if q.plan and "quant.plan" not in provided else None
-                if q.hessians is not None:
-                    input_file("quant.hessians", q.hessians, what=HESSIANS_FILE)
                 check_hessians(q.method, plan, q.hessians)
             if step == "allocate" and "model.name" not in provided and not cfg.model.synthetic:
                 _check_budget(cfg, measured_here=set(steps[: i - 1]) & {"sensitivity", "sensitivity_merge"})

@@ -75,3 +75,14 @@ def test_cli_pipeline_with_an_unmeetable_budget_leaves_no_run(tmp_path: Path) ->
     assert not outputs.exists() or not any(p.is_file() for p in outputs.rglob("*"))
     runs = run_cli("command=runs", tmp=tmp_path)
     assert "failed" not in runs.stdout
+
+
+def test_an_allocate_step_with_a_missing_hessians_file_is_refused_before_the_first_step(
+    tmp_path: Path,
+) -> None:
+    cfg = _cfg(tmp_path, ["sensitivity", "allocate"], budget_bpw=8.0)
+    cfg.quant.hessians = str(tmp_path / "missing.safetensors")
+    with pytest.raises(
+        InputError, match=r"step 2 \(allocate\): quant.hessians='.*missing.safetensors' does not exist"
+    ):
+        pipeline.check_steps(cfg, cfg.pipeline.steps)
