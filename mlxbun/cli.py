@@ -195,9 +195,12 @@ def _task(dcfg: Any) -> None:
     try:
         with signals_raise():
             try:
-                schema.check_keys(OmegaConf.to_container(dcfg, resolve=False))
+                data = OmegaConf.to_container(dcfg, resolve=False)
+                schema.check_keys(data)
                 cfg = OmegaConf.to_object(dcfg)
                 schema.check_strings(cfg)
+                defaults = OmegaConf.to_container(OmegaConf.structured(schema.Config))
+                schema.check_unread(data, defaults, given=_overrides())
             except InputError:
                 raise
             except Exception as e:

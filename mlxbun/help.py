@@ -14,31 +14,6 @@ from mlxbun import schema
 from mlxbun.cli import COMMANDS, CONF_DIR, available_recipes, recipe_summary
 from mlxbun.provenance import RunResult
 
-# The config sections each command reads (besides COMMON_KEYS), for command=<name> help=true.
-COMMON_KEYS = ("seed", "verbose", "json", "blas", "help", "paths")
-SECTIONS: dict[str, tuple[str, ...]] = {
-    "help": (),
-    "pipeline": ("pipeline",),
-    "synth": ("synth", "io"),
-    "inspect": ("inspect", "model", "registry"),
-    "quantize": ("model", "quant", "io"),
-    "sensitivity": ("model", "sensitivity"),
-    "sensitivity_merge": ("sensitivity",),
-    "allocate": ("model", "allocate", "quant", "io"),
-    "rotate": ("model", "fold", "io"),
-    "kv_save": ("model", "kv"),
-    "kv_generate": ("model", "kv"),
-    "kv_ls": ("kv",),
-    "kv_verify": ("kv",),
-    "kv_gc": ("kv",),
-    "registry_scan": ("registry",),
-    "registry_ls": ("registry",),
-    "registry_resolve": ("model", "registry"),
-    "registry_fit": ("model", "registry"),
-    "runs": ("runs", "registry"),
-    "verify": ("runs",),
-}
-
 
 def command_help(argv: list[str]) -> str:
     """The chosen command's keys: type, value after the overrides and recipe, schema comment."""
@@ -48,10 +23,8 @@ def command_help(argv: list[str]) -> str:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         raw = OmegaConf.to_container(compose("config", overrides=_help_overrides(argv)), resolve=False)
     name = raw["command"]["name"]
-    sections = set(COMMON_KEYS) | set(SECTIONS.get(name, ()))
-    if name == "pipeline":
-        sections |= {s for step in raw["pipeline"]["steps"] for s in SECTIONS.get(step, ())}
-    docs = [d for d in schema.key_docs() if d.key.split(".")[0] in sections]
+    read = schema.reads(name, raw)
+    docs = [d for d in schema.key_docs() if schema.is_read(d.key, read) and d.key != "command.name"]
     rows = [(d.key, d.type, _shown(_lookup(raw, d.key)), d.comment) for d in docs]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"command={name}: {COMMANDS[name][1]}", "", "keys (type, value, what it is):"]

@@ -17,7 +17,7 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlxbun import cli, synth
+from mlxbun import cli, schema, synth
 from mlxbun.errors import InputError
 from mlxbun.provenance import RunResult
 
@@ -84,9 +84,66 @@ def check_steps(cfg: Any, steps: list[str]) -> None:
                     f"pipeline.steps: step {i} ({step}) needs {' or '.join(group)}, which is not set and"
                     " no earlier step provides; set it (nothing was run)"
                 )
+        if step == "quantize" and "quant.plan" in provided:
+            schema.check_plan_overrides(cfg.quant, plan="<allocate's plan.json>")
         provided.update(PROVIDES.get(step, ()))
     if "synth" in steps:
         _check_synth_room(cfg)
+    _check_before_work(cfg, steps)
+
+
+def _check_before_work(cfg: Any, steps: list[str]) -> None:
+    """What a later step would refuse after earlier steps' work, refused before the first step:
+    missing Hessians (or a Hessians path that is no regular file), a plan.json that does not
+    read, an allocate budget below the smallest plan."""
+    from mlxbun.quant.spec import HESSIANS_FILE, check_hessians, input_file, load_plan
+
+    q, provided = cfg.quant, set()
+    for i, step in enumerate(steps, 1):
+        try:
+            if step in ("quantize", "allocate") and q.hessians is not None:
+                input_file("quant.hessians", q.hessians, what=HESSIANS_FILE)
+            if step == "quantize":
+                plan = load_plan(q.plan) if q.plan and "quant.plan" not in provided else None
+                check_hessians(q.method, plan, q.hessians)
+            if step == "allocate" and "model.name" not in provided and not cfg.model.synthetic:
+                _check_budget(cfg, measured_here=set(steps[: i - 1]) & {"sensitivity", "sensitivity_merge"})
+        except InputError as e:
+            raise InputError(f"pipeline.steps: step {i} ({step}): {e} (nothing was run)") from None
+        provided.update(PROVIDES.get(step, ()))
+
+
+def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
+    """The allocate budget against the smallest plan its candidates allow: those of the given
+    sensitivity, or of the settings an earlier sensitivity step measures."""
+    # deferred: MLX and the model's headers, only for an allocate step
+    from mlxbun.quant.allocate import (
+        LayerSensitivity,
+        Sensitivity,
+        candidate_filter,
+        check_reachable,
+        load_sensitivity,
+    )  # fmt: skip
+    from mlxbun.quant.spec import QuantSpec, spec_for
+    from mlxbun.source import model_dir
+
+    a, s = cfg.allocate, cfg.sensitivity
+    if "sensitivity_merge" in measured_here:
+        return  # the shards' settings are known only once they are merged
+    if "sensitivity" in measured_here:
+        kl = {spec_for(s.mode, b, s.group_size, key="sensitivity"): 0.0 for b in s.bits}
+        sens = Sensitivity({"": LayerSensitivity("", 0, kl)})
+    else:
+        sens = load_sensitivity(a.sensitivity)
+    check_reachable(
+        candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes),
+        model_dir=model_dir(cfg),
+        budget_bpw=a.budget_bpw,
+        budget_bytes=a.budget_bytes,
+        default=QuantSpec(bits=a.default_bits, group_size=a.default_group_size, mode=a.default_mode),
+        out_dtype=cfg.quant.dtype,
+        shard_bytes=cfg.io.shard_bytes,
+    )
 
 
 def _check_synth_room(cfg: Any) -> None:

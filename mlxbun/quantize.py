@@ -67,7 +67,7 @@ from mlxbun.quant.outdir import (
     write_side_files,
 )
 from mlxbun.quant.plan import Skeleton, prepare
-from mlxbun.quant.spec import Plan, QuantSpec, load_plan
+from mlxbun.quant.spec import HESSIANS_FILE, Plan, QuantSpec, check_hessians, input_file, load_plan
 from mlxbun.quant.units import Unit, plan_units, stream
 from mlxbun.source import identity, lazy_weights, model_source, open_tensors, source_dir
 
@@ -428,19 +428,15 @@ def quantize_model_dir(
             f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}"
         )
     rounding.check_method(method)
-    if method in ("gptq", "awq") and hessians is None:
-        raise InputError(f"quant.method={method!r} needs quant.hessians (a hessians.safetensors file)")
+    if hessians is not None:
+        hessians = input_file("quant.hessians", hessians, what=HESSIANS_FILE)
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
+    check_hessians(method, plan, hessians)
     source, src = src, source_dir(src)
     sk, spec = prepare(
         src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed, weights=lazy_weights(source)
     )
-    if "gptq" in sk.methods.values() and hessians is None:
-        raise InputError(
-            f"quant.plan gives {next(p for p, m in sk.methods.items() if m == 'gptq')!r}"
-            " method 'gptq', which needs quant.hessians (a hessians.safetensors file)"
-        )
     if hessians is not None:
         _check_hessian_shapes(sk, hessians)
     dtype = resolve_dtype(dtype, sk.config)

@@ -26,7 +26,16 @@ from typing import Any, get_type_hints
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
 from mlxbun.quant.rounding import check_method
-from mlxbun.quant.spec import ALL_BITS, ALL_GROUPS, MODES, Rule, check_budget, check_mixed, spec_for
+from mlxbun.quant.spec import (
+    ALL_BITS,
+    ALL_GROUPS,
+    MIXED_RULES,
+    MODES,
+    Rule,
+    check_budget,
+    check_mixed,
+    spec_for,
+)
 
 # Model dimensions a synth spec may set explicitly (each overrides the preset's value).
 SYNTH_DIMS = (
@@ -85,6 +94,13 @@ def positive(key: str, value: float | int | None, *, allow_zero: bool = False) -
         raise InputError(f"{key}={value!r} is out of range; it must be a finite number {bound}")
     if value < 0 or (value == 0 and not allow_zero):
         raise InputError(f"{key}={value!r} is out of range; it must be {bound}")
+
+
+def not_empty(key: str, value: str | None) -> None:
+    """Raise an InputError when a path key is set to an empty string (``quant.out=``): that is no
+    path, and taking it as the default location would ignore the setting."""
+    if value is not None and not str(value).strip():
+        raise InputError(f"{key}={value!r} is empty; give a path, or leave {key} unset for its default")
 
 
 def at_most(key: str, value: float | int | None, limit: float | int, why: str = "") -> None:
@@ -185,6 +201,7 @@ class SynthCfg:
         positive("synth.outlier_scale", self.outlier_scale)
         positive("synth.norm_jitter", self.norm_jitter, allow_zero=True)
         choose("synth.outlier_target", self.outlier_target, ("weights", "activations", "both"))
+        not_empty("synth.out", self.out)
 
 
 @dataclass
@@ -200,8 +217,10 @@ class QuantCfg:
     mode: str = "affine"
     bits: int | None = None
     group_size: int | None = None
-    # Per-layer plan file (from `allocate` or hand-written) or an mlx-lm mixed rule.
+    # Per-layer plan file (from `allocate` or hand-written) or an mlx-lm mixed rule (mixed_2_6,
+    # mixed_3_4, mixed_3_6, mixed_4_6: the same as quant.mixed).
     plan: str | None = None
+    # mlx-lm's mixed rule: mixed_2_6, mixed_3_4, mixed_3_6 or mixed_4_6 (affine; quant.group_size applies).
     mixed: str | None = None
     # dtype of the tensors left unquantized; None follows config.json's torch_dtype (as mlx-lm).
     dtype: str | None = None
@@ -216,11 +235,19 @@ class QuantCfg:
     hessians: str | None = None
 
     def __post_init__(self) -> None:
+        if self.plan in MIXED_RULES:  # quant.plan=mixed_3_6 names mlx-lm's rule, as quant.mixed does
+            if self.mixed is not None:
+                raise InputError(
+                    f"quant.plan={self.plan!r} and quant.mixed={self.mixed!r} are both set; choose one"
+                )
+            self.plan, self.mixed = None, self.plan
         spec_for(self.mode, self.bits, self.group_size, key="quant")
         if self.dtype is not None:
             choose("quant.dtype", self.dtype, OUTPUT_DTYPES)
         check_mixed(self.mixed, mode=self.mode, plan=self.plan)
         positive("quant.threads", self.threads)
+        for key in ("out", "plan", "hessians"):
+            not_empty(f"quant.{key}", getattr(self, key))
         check_method(self.method, mode=self.mode)
 
 
@@ -322,6 +349,7 @@ class AllocateCfg:
     check: bool = True
 
     def __post_init__(self) -> None:
+        not_empty("allocate.sensitivity", self.sensitivity)
         positive("allocate.budget_bpw", self.budget_bpw)
         positive("allocate.budget_bytes", self.budget_bytes)
         check_budget(self.budget_bpw, self.budget_bytes, required=False)
@@ -526,6 +554,114 @@ def check_config(cfg: Config) -> None:
         )
     if q.mixed is not None and q.plan is not None:
         raise InputError(f"quant.plan={q.plan!r} and quant.mixed={q.mixed!r} are both set; choose one")
+    check_plan_overrides(q, plan=q.plan)
+
+
+def check_plan_overrides(q: QuantCfg, *, plan: str | None) -> None:
+    """A plan sets every layer's mode, bits and group size: refuse the uniform keys beside it."""
+    if plan is None:
+        return
+    for key, value, default in (
+        ("bits", q.bits, None),
+        ("group_size", q.group_size, None),
+        ("mode", q.mode, "affine"),
+    ):
+        if value != default:
+            raise InputError(
+                f"quant.{key}={value!r} is ignored by quant.plan={plan!r}, which sets every layer's"
+                " mode, bits and group size; drop one of them"
+            )
+
+
+# Keys every command reads: where runs go and are recorded, where models are found.
+COMMON_KEYS = (
+    "command", "seed", "verbose", "json", "blas", "help", "paths",
+    "registry.url", "registry.path", "registry.hub_cache", "registry.paths",
+)  # fmt: skip
+# model.synthetic=true builds the model from the synth section (recipes keep both ready)
+MODEL_KEYS = ("model", "synth")
+# The keys each command reads besides COMMON_KEYS: whole sections or single keys. A key set to
+# something other than its default that the command does not read is refused (check_unread);
+# `help=true` lists these keys. A pipeline reads what its steps read.
+READS: dict[str, tuple[str, ...]] = {
+    "help": (),
+    "pipeline": ("pipeline",),
+    "synth": ("synth", "io"),
+    "inspect": ("inspect", *MODEL_KEYS),
+    "quantize": (*MODEL_KEYS, "quant", "io"),
+    "sensitivity": (*MODEL_KEYS, "sensitivity"),
+    "sensitivity_merge": ("sensitivity.inputs",),
+    "allocate": (
+        *MODEL_KEYS,
+        "allocate",
+        "quant.dtype",
+        "quant.hessians",
+        "io",
+        "sensitivity.calib",
+        "sensitivity.batch_size",
+    ),  # fmt: skip
+    "rotate": (*MODEL_KEYS, "fold", "io"),
+    "kv_save": (*MODEL_KEYS, "kv"),
+    "kv_generate": (*MODEL_KEYS, "kv"),
+    "kv_ls": ("kv",),
+    "kv_verify": ("kv",),
+    "kv_gc": ("kv",),
+    "kv_import": (*MODEL_KEYS, "kv"),
+    "kv_export": (*MODEL_KEYS, "kv"),
+    "registry_scan": ("registry",),
+    "registry_ls": ("registry",),
+    "registry_resolve": (*MODEL_KEYS, "registry"),
+    "registry_fit": (*MODEL_KEYS, "registry"),
+    "runs": ("runs", "registry"),
+    "verify": ("runs",),
+}
+
+
+def reads(command: str, data: dict[str, Any]) -> tuple[str, ...]:
+    """The keys and sections ``command`` reads with the composed config ``data`` (a pipeline:
+    its steps')."""
+    found = list(COMMON_KEYS) + list(READS.get(command, ()))
+    if command == "pipeline":
+        for step in (data.get("pipeline") or {}).get("steps") or ():
+            found += READS.get(step, ())
+    return tuple(found)
+
+
+def is_read(key: str, read: tuple[str, ...]) -> bool:
+    """Whether dotted ``key`` is one of ``read`` or inside a section of it."""
+    return any(key == r or key.startswith(r + ".") for r in read)
+
+
+def check_unread(data: dict[str, Any], defaults: dict[str, Any], *, given: list[str]) -> None:
+    """Refuse a key given on the command line (``given``: Hydra's overrides), set away from its
+    default, that the chosen command does not read: it would be silently ignored
+    (``command=allocate quant.method=gptq``). Recipes are held to the same rule by a test."""
+    command = str((data.get("command") or {}).get("name"))
+    if command not in READS:
+        return
+    read, keys = reads(command, data), [override_key(o) for o in given]
+    for key, value, default in _leaves(data, defaults):
+        if value != default and not is_read(key, read) and is_read(key, tuple(keys)):
+            raise InputError(
+                f"{key}={value!r} is not read by command={command}, so it would be ignored; drop it"
+                f" (`python -m mlxbun command={command} help=true` lists the keys it reads)"
+            )
+
+
+def override_key(override: str) -> str:
+    """The dotted key of a Hydra override: ``+quant.bits=4`` -> ``quant.bits``."""
+    return override.partition("=")[0].lstrip("+~")
+
+
+def _leaves(data: dict[str, Any], defaults: dict[str, Any], prefix: str = "") -> list[tuple[str, Any, Any]]:
+    out = []
+    for key, value in data.items():
+        default = defaults.get(key) if isinstance(defaults, dict) else None
+        if isinstance(value, dict) and isinstance(default, dict):
+            out += _leaves(value, default, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value, default))
+    return out
 
 
 def check_keys(data: dict[str, Any], cls: type = None, prefix: str = "") -> None:

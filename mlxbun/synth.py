@@ -29,7 +29,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,7 @@ from mlxbun.synth_arch import (
     SPECIALS,
     Shape,
     Spec,
+    TensorPlan,
     build_tokenizer,
     generation_config,
     hf_config,
@@ -331,6 +332,30 @@ def available_memory() -> int | None:
     return avail
 
 
+def sizes(spec: Spec) -> tuple[int, TensorPlan]:
+    """Bytes of every tensor, and the largest tensor, from one- and two-layer plans (layers
+    repeat): a billion layers are counted, not listed."""
+    one, two = (plan(replace(spec, shape=replace(spec.shape, num_layers=n))) for n in (1, 2))
+    per_layer = sum(t.nbytes for t in two) - sum(t.nbytes for t in one)
+    total = sum(t.nbytes for t in one) + per_layer * (spec.shape.num_layers - 1)
+    return total, max(two, key=lambda t: t.nbytes)
+
+
+def _what(spec: Spec) -> str:
+    s = spec.shape
+    return f"synth {spec.arch} {s.num_layers}x{s.hidden_size} vocab {s.vocab_size} ({spec.dtype})"
+
+
+def check_memory(spec: Spec, *, peak: int, why: str) -> None:
+    """Refuse a spec that needs ``peak`` bytes of memory (``why`` says for what) when less is available."""
+    avail = available_memory()
+    if avail is not None and peak > avail:
+        raise InputError(
+            f"{_what(spec)} needs about {human_bytes(peak)} of memory ({why}), {human_bytes(avail)} is"
+            " available; lower the synth.* dimensions"
+        )
+
+
 def check_room(spec: Spec, *, out: Path, partial_root: Path | None) -> None:
     """Refuse, before writing, a checkpoint that cannot fit the free disk or memory.
 
@@ -338,26 +363,18 @@ def check_room(spec: Spec, *, out: Path, partial_root: Path | None) -> None:
     largest tensor, generated whole, and its bytes on their way to the file.
     """
 
-    tensors = plan(spec)
-    total, largest = sum(t.nbytes for t in tensors), max(t.nbytes for t in tensors)
+    total, largest = sizes(spec)
     root = partial_root or out.parent
     done = sum(f.stat().st_size for f in staging_dir(out, spec.hash, root).glob("*") if f.is_file())
     where = next(p for p in (root, *root.parents) if p.exists())
     free = shutil.disk_usage(where).free
-    s = spec.shape
-    what = f"synth {spec.arch} {s.num_layers}x{s.hidden_size} vocab {s.vocab_size} ({spec.dtype})"
     if total - done > free:
         raise InputError(
-            f"{what} needs {human_bytes(total - done)} of disk under {where}, which has {human_bytes(free)}"
-            " free; choose smaller synth.* dimensions or another synth.out / paths.outputs"
+            f"{_what(spec)} needs {human_bytes(total - done)} of disk under {where}, which has"
+            f" {human_bytes(free)} free; choose smaller synth.* dimensions or another synth.out / paths.outputs"
         )
-    peak = 2 * largest
-    avail = available_memory()
-    if avail is not None and peak > avail:
-        raise InputError(
-            f"{what} needs about {human_bytes(peak)} of memory (twice its largest tensor,"
-            f" {human_bytes(largest)}), {human_bytes(avail)} is available; lower the synth.* dimensions"
-        )
+    why = f"twice its largest tensor, {human_bytes(largest.nbytes)}"
+    check_memory(spec, peak=2 * largest.nbytes, why=why)
 
 
 def ensure_synthetic_source(*, cache_dir: str | Path, **fields: Any) -> SyntheticSource:
@@ -365,6 +382,10 @@ def ensure_synthetic_source(*, cache_dir: str | Path, **fields: Any) -> Syntheti
     tokenizer, synth.json: no weights) is built once into ``cache_dir/<spec hash>.config/``."""
     fields.pop("out", None)
     spec = resolve_spec(**fields)
+    # Tensors are generated as they are read, big ones in row blocks; a quantizer still holds
+    # the largest one's packed output, at least 2 bits a weight.
+    largest = sizes(spec)[1]
+    check_memory(spec, peak=largest.numel // 4, why=f"{largest.name} packed at 2 bits")
     cache_dir = Path(cache_dir).expanduser()
     final = cache_dir / f"{spec.hash}.config"
     if not (final / "config.json").is_file():

@@ -315,3 +315,40 @@ def test_the_command_says_what_it_is_doing(model, measured, tmp_path, caplog):
     al.run(command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=4.5))
     assert "allocate.interactions: the reference over 3 x 32 calibration tokens" in caplog.text
     assert "interactions" in caplog.text and " steps/32 steps " in caplog.text  # the progress line
+
+
+class _Stop(Exception):
+    pass
+
+
+def _tokens_measured_on(cfg, monkeypatch) -> tuple[int, int]:
+    """The (samples, seq_len) allocate would measure interactions on (stopped there)."""
+    seen = []
+
+    def record(src, tokens, **kw):
+        seen.append(tokens.shape)
+        raise _Stop
+
+    monkeypatch.setattr(al, "InModel", record)
+    with pytest.raises(_Stop):
+        al.run(cfg)
+    return seen[0]
+
+
+def test_interactions_take_the_calibration_the_sensitivity_recorded(model, measured, tmp_path, monkeypatch):
+    from mlxbun import schema
+
+    cfg = command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=4.5)
+    cfg.sensitivity.calib = schema.CalibCfg()  # not set: 24 x 512 is only the default
+    assert _tokens_measured_on(cfg, monkeypatch) == (3, 32)
+
+
+def test_an_explicit_calibration_is_used_and_the_difference_said_once(
+    model, measured, tmp_path, monkeypatch, caplog
+):
+    from mlxbun import schema
+
+    cfg = command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=4.5)
+    cfg.sensitivity.calib = schema.CalibCfg(samples=2, seq_len=32)
+    assert _tokens_measured_on(cfg, monkeypatch) == (2, 32)
+    assert caplog.text.count("differs from the calibration") == 1

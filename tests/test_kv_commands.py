@@ -10,7 +10,7 @@ import pytest
 from cli_util import run_cli
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxbun import synth
+from mlxbun import schema, synth
 from mlxbun.errors import InputError
 from mlxbun.kv import commands
 from mlxbun.kv.store import MismatchError, Store
@@ -59,8 +59,9 @@ def test_named_snapshot_for_another_prompt_is_refused(loaded, tmp_path):
     ]
 
 
-def _cli(tmp: Path, *args: str):
-    return run_cli(*args, "model.synthetic=true", f"kv.store={tmp / 'kv'}", tmp=tmp)
+def _cli(tmp: Path, command: str, *args: str):
+    model = ["model.synthetic=true"] if "model" in schema.READS[command.partition("=")[2]] else []
+    return run_cli(command, *args, *model, f"kv.store={tmp / 'kv'}", tmp=tmp)
 
 
 def test_cli_save_generate_verify(tmp_path, loaded):

@@ -48,7 +48,7 @@ from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport, Source
-from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.calib import load_calibration, recorded_settings
 from mlxbun.quant.check import CheckResult, check_plan, correction_key
 from mlxbun.quant.interactions import (
     BARRED,
@@ -61,7 +61,16 @@ from mlxbun.quant.interactions import (
 )
 from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.sensitivity import model_fingerprint
-from mlxbun.quant.spec import AFFINE_BITS, Plan, QuantSpec, Rule, check_budget
+from mlxbun.quant.spec import (
+    AFFINE_BITS,
+    HESSIANS_FILE,
+    Plan,
+    QuantSpec,
+    Rule,
+    check_budget,
+    check_sensitivity,
+    input_file,
+)
 from mlxbun.quantize import resolve_dtype
 from mlxbun.synth import available_memory
 
@@ -112,13 +121,13 @@ def load_sensitivity(path: str | Path, *, key: str = "allocate.sensitivity") -> 
         >>> sens = load_sensitivity("outputs/sensitivity/2026-12-02_10-00-00/sensitivity.json")
         >>> sens.layers["model.layers.0.mlp.down_proj"].kl[QuantSpec(bits=4, group_size=64)]
     """
-    p = Path(path).expanduser()
+    what = "a sensitivity.json or its run dir"
+    p = input_file(key, path, what=what, directory=True)
     if p.is_dir():
-        p = p / SENSITIVITY_FILE
-    if not p.is_file():
-        raise InputError(f"{key}={str(path)!r} does not exist; pass a sensitivity.json or its run dir")
+        p = input_file(key, p / SENSITIVITY_FILE, what=what)
     try:
         data = json.loads(p.read_text())
+        check_sensitivity(data, source=f"{key}={str(path)!r}")
         entries = data["layers"]
         entries = entries.values() if isinstance(entries, dict) else entries
         layers = {
@@ -414,6 +423,37 @@ def allocate(
     return replace(plan, solver={**plan.solver, "largest": largest})
 
 
+def check_reachable(
+    settings: Collection[QuantSpec],
+    *,
+    model_dir: str | Path,
+    budget_bpw: float | None,
+    budget_bytes: int | None,
+    default: QuantSpec = DEFAULT,
+    out_dtype: str | None = "bfloat16",
+    shard_bytes: int = 5 << 30,
+) -> None:
+    """Refuse, before anything is measured, a budget below the smallest plan ``settings`` can give:
+    every module at its smallest fitting setting (others at ``default``; protection rules only add
+    bytes, so they are left out), from the safetensors headers alone. Raises :func:`allocate`'s error."""
+    source = budget.read_source(Path(model_dir))
+    layers = {}
+    for path, shape in source.shapes.items():
+        if fitting := {s: 0.0 for s in settings if s.fits(shape)}:
+            layers[path] = LayerSensitivity(path, 0, fitting)
+    code = _dtype_code(out_dtype, Path(model_dir))
+    prob = _problem(Sensitivity(layers), source, candidates=None, rules=[], default=default, out_dtype=code)
+    kw = {"out_dtype": code, "shard_bytes": shard_bytes}
+    lo = _predict(source, default, {**prob.fixed, **_pick(prob, min)}, **kw)
+    if budget_bpw is not None and lo.tensor_bytes > math.floor(budget_bpw * source.parameters / 8):
+        key, value = "allocate.budget_bpw", budget_bpw
+    elif budget_bytes is not None and lo.file_bytes > budget_bytes:
+        key, value = "allocate.budget_bytes", budget_bytes
+    else:
+        return
+    raise _range_error(key, value, lo, _predict(source, default, {**prob.fixed, **_pick(prob, max)}, **kw))
+
+
 def interactions_skip(settings: Collection[QuantSpec], *, largest: bool) -> str | None:
     """Why interactions cannot help a plan over these candidates (None: they can)."""
     if rounding := sorted({s.method for s in settings} - {"rtn"}):
@@ -616,6 +656,8 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
     if not a.sensitivity:
         raise InputError("allocate.sensitivity is not set; pass a sensitivity.json or the run dir holding it")
     sens = load_sensitivity(a.sensitivity)
+    if cfg.quant.hessians is not None:
+        input_file("quant.hessians", cfg.quant.hessians, what=HESSIANS_FILE)
     if a.extra_sensitivity:
         extra = [load_sensitivity(x, key="allocate.extra_sensitivity") for x in a.extra_sensitivity]
         sens = merge_sensitivities([sens, *extra])
@@ -645,7 +687,7 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
         c.samples,
         c.seq_len,
     )
-    with InModel(src, _calibration(cfg, src, sens), batch_size=_batch(cfg, src)) as in_model:
+    with InModel(src, _calibration(cfg, src), batch_size=_batch(cfg, src)) as in_model:
         return _allocate_from_cfg(cfg, src, sens, default, in_model)
 
 
@@ -678,7 +720,7 @@ def _memory_skip(cfg: Any, src: Path, parameters: int) -> str | None:
     )
 
 
-def _calibration(cfg: Any, src: Path, sens: Sensitivity) -> Any:
+def _calibration(cfg: Any, src: Path) -> Any:
     """The tokens interactions are measured on: ``sensitivity.calib``, as the check's."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
@@ -686,12 +728,30 @@ def _calibration(cfg: Any, src: Path, sens: Sensitivity) -> Any:
     calib = load_calibration(
         tokenizer=load_tokenizer(src), path=c.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed
     )
-    if sens.calibration_fingerprint and calib.fingerprint != sens.calibration_fingerprint:
-        log.warning(
-            "allocate.interactions: sensitivity.calib differs from the calibration %s was measured on;"
-            " interactions are measured on sensitivity.calib", sens.path,
-        )  # fmt: skip
     return calib.tokens
+
+
+def calibration_of(cfg: Any, sens: Sensitivity) -> Any:
+    """``sensitivity.calib`` when set (a difference from the sensitivity's is said once), else the
+    calibration ``sens`` was measured on, as its sensitivity.json records it."""
+    c, recorded = cfg.sensitivity.calib, recorded_settings(sens.calibration)
+    if recorded is None:
+        return c
+    if c != type(c)():
+        given = {k: getattr(c, k) for k in recorded}
+        given["path"] = None if c.path is None else str(Path(c.path).expanduser().resolve())
+        if given != recorded:
+            log.warning(
+                "allocate: sensitivity.calib %s differs from the calibration %s was measured on (%s);"
+                " interactions and the check use sensitivity.calib", given, sens.path, recorded,
+            )  # fmt: skip
+        return c
+    if recorded["path"] is not None and not Path(recorded["path"]).is_file():
+        raise InputError(
+            f"allocate.sensitivity={str(sens.path)!r} was measured on calibration file {recorded['path']!r},"
+            " which does not exist; set sensitivity.calib.path (and samples, seq_len, seed)"
+        )
+    return replace(c, **recorded)
 
 
 def _allocate_from_cfg(
@@ -764,6 +824,7 @@ def run(cfg: Any) -> Any:
 
     src = model_dir(cfg)
     sens, default = _check_boundary(cfg, src)
+    cfg = replace(cfg, sensitivity=replace(cfg.sensitivity, calib=calibration_of(cfg, sens)))
     plan = _plan_from_cfg(cfg, src, sens, default)
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

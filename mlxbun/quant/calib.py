@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,20 @@ def fingerprint(tokens: np.ndarray) -> str:
     arr = np.ascontiguousarray(tokens, dtype="<i4")
     head = json.dumps({"shape": list(arr.shape), "dtype": "int32"}).encode()
     return hashlib.sha256(head + arr.tobytes()).hexdigest()
+
+
+_CHAT_NOTE = re.compile(r" \(chat template on \d+ dialogues\)$")
+
+
+def recorded_settings(record: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The ``{path, samples, seq_len, seed}`` a :meth:`Calibration.to_dict` record was made with
+    (``path`` None for the built-in set), or None when the record does not say."""
+    try:
+        source = _CHAT_NOTE.sub("", str(record["source"]))
+        path = None if source.startswith("builtin:") else source
+        return {k: int(record[k]) for k in ("samples", "seq_len", "seed")} | {"path": path}
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def load_calibration(

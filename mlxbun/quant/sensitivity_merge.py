@@ -25,6 +25,7 @@ from typing import Any
 
 from mlxbun.errors import InputError
 from mlxbun.quant.sensitivity import KIND, METHOD_SETTINGS, SCHEMA_VERSION, write_reports
+from mlxbun.quant.spec import check_sensitivity
 
 SAME = (
     "version",
@@ -77,6 +78,7 @@ def read(path: Path) -> dict[str, Any]:
             f"sensitivity.inputs: {str(path)!r} is not a version-{SCHEMA_VERSION} sensitivity.json"
             f" (kind={doc.get('kind')!r}, version={doc.get('version')!r})"
         )
+    check_sensitivity(doc, source=f"sensitivity.inputs: {str(path)!r}")
     return doc
 
 

@@ -39,6 +39,8 @@ from __future__ import annotations
 import fnmatch
 import functools
 import json
+import math
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -59,6 +61,7 @@ ALL_GROUPS = tuple(sorted({g for gs in MODE_GROUPS.values() for g in gs}))
 UINT8_SCALE_MODES = frozenset({"mxfp4", "mxfp8", "nvfp4"})
 MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 PLAN_VERSION = 1
+HESSIANS_FILE = "a Hessians file (hessians.safetensors, mlxbun.quant.hessian)"
 
 
 @functools.total_ordering
@@ -221,6 +224,48 @@ def check_budget(budget_bpw: float | None, budget_bytes: int | None, *, required
         )
 
 
+# ------------------------------------------------------------------------------- sensitivity.json
+
+# A measured KL may round a hair below zero; anything lower is not a KL.
+KL_TOLERANCE = 1e-9
+
+
+def check_sensitivity(doc: Mapping[str, Any], *, source: str) -> None:
+    """Refuse a sensitivity.json whose setting (mode, bits, group size) MLX does not have, or a
+    module whose KL is not a finite number >= 0 (NaN, Inf, negative): a plan would be built on it.
+    Errors name ``source`` (the key and file), the module and the value."""
+    mode, group = doc.get("mode", "affine"), doc.get("group_size")
+    bits = doc.get("bits") if isinstance(doc.get("bits"), list) else []
+    for b in bits or [None]:
+        _check_setting(mode, b, group, source=source)
+    layers = doc.get("layers")
+    for row in layers.values() if isinstance(layers, Mapping) else layers or ():
+        if not isinstance(row, Mapping):
+            continue  # the reader says what is wrong with its structure
+        for b, value in dict(row.get("kl") or {}).items():
+            _check_setting(mode, _as_bits(b, source=source), group, source=source)
+            if value is not None and not (
+                isinstance(value, (int, float)) and math.isfinite(value) and value >= -KL_TOLERANCE
+            ):
+                raise InputError(
+                    f"{source}: module {row.get('path')!r} has kl[{b!r}]={value!r}; a KL is a finite"
+                    " number >= 0 (remeasure with command=sensitivity)"
+                )
+
+
+def _as_bits(text: Any, *, source: str) -> int:
+    if not str(text).isdigit():
+        raise InputError(f"{source}: kl key {text!r} is not a bit width; choose one of {_choices(ALL_BITS)}")
+    return int(text)
+
+
+def _check_setting(mode: Any, bits: Any, group: Any, *, source: str) -> None:
+    try:
+        spec_for(mode, bits, group, key="sensitivity")
+    except InputError as e:
+        raise InputError(f"{source}: {e}") from None
+
+
 # ------------------------------------------------------------------------------- allocate.protect
 
 
@@ -296,11 +341,52 @@ class Plan:
         return {"version": PLAN_VERSION, "default": self.default.to_dict(), "layers": layers}
 
 
+def input_file(key: str, path: str | Path, *, what: str, directory: bool = False) -> Path:
+    """``path`` (``~`` expanded), or an InputError naming ``key`` when it does not exist or is not a
+    regular file (a FIFO or device would block or never end when read); ``directory`` allows one.
+
+    Example:
+        >>> input_file("quant.plan", "/dev/zero", what="a plan.json from `allocate`")
+        Traceback (most recent call last):
+        mlxbun.errors.InputError: quant.plan='/dev/zero' is a device, not a regular file; pass a plan.json ...
+    """
+    p = Path(path).expanduser()
+    try:
+        mode = p.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise InputError(f"{key}={str(path)!r} does not exist; pass {what}") from None
+    if stat.S_ISREG(mode) or (directory and stat.S_ISDIR(mode)):
+        return p
+    kind = (
+        "a directory" if stat.S_ISDIR(mode)
+        else "a FIFO" if stat.S_ISFIFO(mode)
+        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
+        else "a socket"
+    )  # fmt: skip
+    raise InputError(f"{key}={str(path)!r} is {kind}, not a regular file; pass {what}")
+
+
+# Rounding methods that need the layers' input Hessians (quant.hessians); see mlxbun.quant.rounding.
+HESSIAN_METHODS = ("gptq", "awq")
+
+
+def check_hessians(method: str, plan: Plan | None, hessians: Any) -> None:
+    """Refuse a run whose ``quant.method``, or a plan entry's method, needs Hessians when none are given."""
+    if hessians is not None:
+        return
+    if method in HESSIAN_METHODS:
+        raise InputError(f"quant.method={method!r} needs quant.hessians, {HESSIANS_FILE}")
+    entries = {} if plan is None else {"default": plan.default, **plan.layers}
+    for path, spec in entries.items():
+        if spec is not None and spec.method in HESSIAN_METHODS:
+            raise InputError(
+                f"quant.plan gives {path!r} method {spec.method!r}, which needs quant.hessians, {HESSIANS_FILE}"
+            )
+
+
 def load_plan(path: str | Path) -> Plan:
     """Read and check a plan.json; errors name the file and the entry."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise InputError(f"quant.plan={str(path)!r} does not exist; pass a plan.json from `allocate`")
+    p = input_file("quant.plan", path, what="a plan.json from `allocate`")
     try:
         data = json.loads(p.read_text())
     except (OSError, ValueError) as e:
