@@ -142,3 +142,39 @@ def test_verify_command_prints_json_and_exits_1_on_drift(tmp_path: Path) -> None
     res = provenance.run(cfg)
     got = json.loads(res.message)
     assert res.exit_code == 1 and [d["path"] for d in got["drift"]] == ["plan.json"]
+
+
+def _elsewhere_run(tmp_path: Path, config: dict) -> Path:
+    """A finished run whose model and one file were written outside the run directory."""
+    run_dir, model, snap = (
+        tmp_path / "run",
+        tmp_path / "out" / "model",
+        tmp_path / "kv" / "snapshots" / "s.bin",
+    )
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(os.urandom(64))
+    snap.parent.mkdir(parents=True)
+    snap.write_bytes(b"kv")
+    m = Manifest(
+        run_dir=run_dir, command="pipeline", config=config, overrides=[], recipe=None, seed=0, blas={}
+    )
+    m.finish(status="ok", result=RunResult(outputs=[model, snap, snap]))
+    return run_dir
+
+
+def test_verify_checks_outputs_the_runs_own_config_placed_elsewhere(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # relative config paths are taken from where the run started
+    run_dir = _elsewhere_run(tmp_path, {"quant": {"out": "out/model"}, "kv": {"store": str(tmp_path / "kv")}})
+    assert verify_run(run_dir) == []
+    monkeypatch.chdir(run_dir)
+    assert verify_run(run_dir) == []
+    (tmp_path / "out" / "model" / "model.safetensors").write_bytes(b"changed")
+    assert [d.path for d in verify_run(run_dir)] == [str(tmp_path / "out" / "model" / "model.safetensors")]
+
+
+def test_verify_refuses_paths_outside_the_config_and_lists_each_once(tmp_path: Path) -> None:
+    run_dir = _elsewhere_run(tmp_path, {"quant": {"out": None}, "kv": {"store": str(tmp_path / "elsewhere")}})
+    drift = verify_run(run_dir)
+    paths = [d.path for d in drift]
+    assert len(paths) == len(set(paths)) == 3 and all(d.found == provenance.OUTSIDE for d in drift)
+    assert str(tmp_path / "kv" / "snapshots" / "s.bin") in paths
