@@ -56,6 +56,9 @@ class RunResult:
         exit_code: the process exit code of a read-only command whose answer is "no" (1).
         digests: sha256 the command already knows (file path -> hex digest), e.g. computed
             while it wrote the file; the manifest uses them instead of reading the file again.
+        written: what the command wrote inside ``outputs`` when that is not all they hold (a
+            reused ``quant.out`` may hold files someone added): only these are recorded as
+            outputs; None means every file under ``outputs``.
     """
 
     outputs: list[Path] = field(default_factory=list)
@@ -65,6 +68,7 @@ class RunResult:
     provides: dict[str, str] = field(default_factory=dict)
     exit_code: int = 0
     digests: dict[Path, str] = field(default_factory=dict)
+    written: list[Path] | None = None
 
 
 def sha256_file(path: Path, *, chunk: int = 8 << 20) -> str:
@@ -299,11 +303,18 @@ class Manifest:
             self.inputs = hash_paths(
                 result.inputs, base=self.run_dir, cache_dir=self.digest_cache, known=known
             )
-            self.outputs = hash_paths(result.outputs, base=self.run_dir, known=known)
+            written = [Path(p) for p in (result.outputs if result.written is None else result.written)]
+            visible = [p for p in written if p.is_dir() or not p.name.startswith(".")]
+            self.outputs = hash_paths(visible, base=self.run_dir, known=known)
             self.output_roots = sorted(
                 {_rel(Path(p), self.run_dir) for p in result.outputs if Path(p).exists()}
             )
-            hidden = [f for p in result.outputs for f in _every_file_under(Path(p)) if f.name.startswith(".")]
+            hidden = [
+                f
+                for p in written
+                for f in (_every_file_under(p) if p.is_dir() else [p])
+                if f.name.startswith(".")
+            ]
             self.side_files = hash_paths(hidden, base=self.run_dir)
             self.metrics = result.metrics
         return self.write()
@@ -331,7 +342,8 @@ class Drift:
 
     def describe(self) -> str:
         if self.expected == "absent":
-            return f"{self.path}: added (not in the manifest)"
+            what = "" if self.found == "added" else f" {self.found}"
+            return f"{self.path}:{what} added (not in the manifest)"
         if self.found in ("missing", OUTSIDE) or len(self.found) != 64:
             return f"{self.path}: {self.found}"
         return f"{self.path}: expected {self.expected[:16]}… found {self.found[:16]}"
@@ -420,14 +432,38 @@ def _added(roots: list[Path], output_roots: list[str], outputs: dict[str, Any]) 
         if path is None:
             drift.append(Drift(root, "a directory inside the run", OUTSIDE))
         elif path.is_dir():
-            rels = (_key(f, roots[0]) for f in _every_file_under(path))
-            drift += [Drift(r, "absent", "added") for r in rels if r not in outputs and r != MANIFEST]
+            found = ((_key(f, roots[0]), kind) for f, kind in _entries_under(path))
+            drift += [Drift(r, "absent", kind) for r, kind in found if r not in outputs and r != MANIFEST]
     return drift
 
 
 def _key(path: Path, run_dir: Path) -> str:
     """How the manifest names ``path``: relative to the run directory when inside it."""
     return str(path.relative_to(run_dir)) if path.is_relative_to(run_dir) else str(path)
+
+
+def _entries_under(path: Path) -> list[tuple[Path, str]]:
+    """Everything inside directory ``path`` as (path, kind): "added" for a regular file (not an
+    atomic write's temp name), else what it is: a symbolic link, FIFO, other special file or
+    empty directory. Links are not followed."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        here = Path(dirpath)
+        if here != path and not dirnames and not filenames:
+            found.append((here, "an empty directory"))
+        for name in dirnames + filenames:
+            mode = os.lstat(here / name).st_mode
+            if stat.S_ISREG(mode) and not _is_temp(name):
+                found.append((here / name, "added"))
+            elif not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+                found.append((here / name, _special(mode)))
+    return sorted(found)
+
+
+def _special(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return "a FIFO" if stat.S_ISFIFO(mode) else "a special file"
 
 
 def run(cfg: Any) -> RunResult:

@@ -64,6 +64,7 @@ from mlxbun.quant.outdir import (
     source_identity,
     write_record,
     write_side_files,
+    written_files,
 )
 from mlxbun.quant.plan import Skeleton, prepare
 from mlxbun.quant.spec import Plan, QuantSpec, load_plan
@@ -551,6 +552,7 @@ def run(cfg: Any) -> Any:
         message=f"quantized {name} -> {res.out} ({verb}, {len(res.files)} shard(s))",
         provides={"model.name": str(res.out)},
         digests={**inputs.result(), **{res.out / f: d for f, d in res.digests.items()}},
+        written=written_files(res.out),
     )
 
 

@@ -251,3 +251,19 @@ def test_a_registry_failure_inside_a_command_names_the_database(tmp_path: Path) 
     (m,) = _manifests(tmp_path)
     (row,) = _rows(tmp_path)
     assert m["status"] == row["status"] == "failed"
+
+
+def test_quantize_into_an_existing_out_records_only_its_own_files(tmp_path: Path) -> None:
+    out = tmp_path / "q"
+    first = run_cli("command=quantize", f"model.name={FIXTURE}", f"quant.out={out}", tmp=tmp_path)
+    assert first.returncode == 0, first.stderr
+    (out / "evil.py").write_text("import os\n")
+    (out / "sub").mkdir()
+    (out / "sub" / "f").write_text("x")
+    again = run_cli("command=quantize", f"model.name={FIXTURE}", f"quant.out={out}", tmp=tmp_path)
+    assert again.returncode == 0 and "reused" in again.stdout, again.stderr
+    run_dir = Path(again.stdout.split("outputs:")[1].split()[0])
+    listed = json.loads((run_dir / "manifest.json").read_text())["outputs"]
+    assert listed and not [k for k in listed if k.endswith(("evil.py", "sub/f"))]
+    check = run_cli("command=verify", f"runs.dir={run_dir}", tmp=tmp_path)
+    assert check.returncode == 1 and "evil.py: added" in check.stderr and "sub/f: added" in check.stderr

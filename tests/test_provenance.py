@@ -178,3 +178,40 @@ def test_verify_refuses_paths_outside_the_config_and_lists_each_once(tmp_path: P
     paths = [d.path for d in drift]
     assert len(paths) == len(set(paths)) == 3 and all(d.found == provenance.OUTSIDE for d in drift)
     assert str(tmp_path / "kv" / "snapshots" / "s.bin") in paths
+
+
+def test_verify_reports_links_fifos_and_empty_dirs_added_to_an_output_dir(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _model_run(run_dir)
+    model = run_dir / "model"
+    (model / "link").symlink_to(model / "config.json")
+    (model / "dangling").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(model / "pipe")
+    (model / "empty").mkdir()
+    drift = {d.path: d.describe() for d in verify_run(run_dir)}
+    assert drift == {
+        "model/dangling": "model/dangling: a symbolic link added (not in the manifest)",
+        "model/empty": "model/empty: an empty directory added (not in the manifest)",
+        "model/link": "model/link: a symbolic link added (not in the manifest)",
+        "model/pipe": "model/pipe: a FIFO added (not in the manifest)",
+    }
+
+
+def test_a_run_records_only_what_it_wrote_in_an_output_dir(tmp_path: Path) -> None:
+    run_dir, model = tmp_path / "run", tmp_path / "out"
+    model.mkdir()
+    (model / "weights.bin").write_bytes(b"w")
+    (model / ".record.json").write_text("{}")
+    (model / "evil.py").write_text("import os\n")
+    (model / "sub").mkdir()
+    (model / "sub" / "f").write_text("x")
+    m = Manifest(run_dir=run_dir, command="quantize", config={"quant": {"out": str(model)}}, overrides=[],
+                 recipe=None, seed=0, blas={})  # fmt: skip
+    m.finish(
+        status="ok",
+        result=RunResult(outputs=[model], written=[model / "weights.bin", model / ".record.json"]),
+    )
+    assert list(m.outputs) == [str(model / "weights.bin")] and list(m.side_files) == [
+        str(model / ".record.json")
+    ]
+    assert {d.path for d in verify_run(run_dir)} == {str(model / "evil.py"), str(model / "sub" / "f")}
