@@ -18,7 +18,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import mlxbun
 from mlxbun import blas, schema
@@ -178,14 +178,43 @@ def _missing_launcher(text: str) -> str | None:
 
 
 def _report(func: Any) -> Any:
-    """Replacement for Hydra's run_and_report: config errors become one line and exit 2."""
+    """Replacement for Hydra's run_and_report: config errors become one line and exit 2; a run
+    directory that cannot be made names paths.outputs and exits 1."""
     try:
         return func()
     except Exception as e:
         if "--verbose" in sys.argv or "verbose=true" in sys.argv:
             traceback.print_exc()
-        sys.stderr.write(f"error: {_config_error(e)}\n")
-        sys.exit(2)
+        if (line := _outputs_error(e)) is not None:
+            fail(line, 1)
+        fail(_config_error(e), 2)
+
+
+def _outputs_error(e: Exception) -> str | None:
+    """One line for an OSError while Hydra made the run directory under paths.outputs, else None."""
+    if not isinstance(e, OSError) or e.filename is None:
+        return None
+    given = _argv_value(sys.argv[1:], "paths.outputs") or schema.PathsCfg.outputs
+    outputs, failed = Path(given).expanduser().absolute(), Path(str(e.filename)).absolute()
+    if not (failed.is_relative_to(outputs) or outputs.is_relative_to(failed)):
+        return None
+    return (
+        f"paths.outputs={given!r}: cannot create the run directory ({failed}: {e.strerror}); choose a"
+        " writable directory for paths.outputs"
+    )
+
+
+def fail(line: str, code: int, *, as_json: bool | None = None) -> NoReturn:
+    """Print an error and exit ``code``: ``error: <line>`` on stderr, or with json=true (from the
+    command line unless ``as_json`` says) one JSON document on stdout naming the key it is about."""
+    if as_json is None:
+        as_json = (_argv_value(sys.argv[1:], "json") or "").lower() in ("true", "1", "yes")
+    if not as_json:
+        sys.stderr.write(f"error: {line}\n")
+        sys.exit(code)
+    key = found.group(1) if (found := re.match(r"([\w.]+)=", line)) else None
+    print(json.dumps({"error": line, "exit": code, "key": key}, sort_keys=True), flush=True)
+    sys.exit(code)
 
 
 def _task(dcfg: Any) -> None:
@@ -214,8 +243,7 @@ def _task(dcfg: Any) -> None:
         if isinstance(e, InputError):
             _remove_if_empty(dcfg)
         line, code, _ = describe(e, registry=registry_label(dcfg))
-        sys.stderr.write(f"error: {line}\n")
-        sys.exit(code)
+        fail(line, code, as_json=bool(dcfg.get("json", False)))
     if code:
         sys.exit(code)
 
@@ -340,11 +368,9 @@ def main() -> None:
             _print_or_quit(command_help(argv))
             return
     except InputError as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(2)
+        fail(str(e), 2)
     except Exception as e:
-        sys.stderr.write(f"error: {_config_error(e)}\n")
-        sys.exit(2)
+        fail(_config_error(e), 2)
     hydra_utils.run_and_report = _report
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
     app()

@@ -128,3 +128,36 @@ def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
         stderr = proc.stderr.read().decode()
         assert proc.wait(timeout=120) == 141, stderr
         assert stderr == "", stderr
+
+
+def test_an_unusable_paths_outputs_names_the_key_and_exits_1(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    out, cache = f"paths.outputs={tmp_path / 'a-file' / 'out'}", f"paths.cache={tmp_path / 'cache'}"
+    res = run_cli("command=synth", out, cache, tmp=tmp_path, isolate=False)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"error: paths.outputs='{tmp_path / 'a-file' / 'out'}': cannot create"), (
+        res.stderr
+    )
+
+
+def test_a_registry_that_is_no_database_names_registry_path(tmp_path: Path) -> None:
+    res = run_cli("command=runs", "registry.path=/dev/null", tmp=tmp_path, isolate=False)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: registry.path='/dev/null': not a usable registry database (")
+    assert "rollback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "code"),
+    [
+        (["command=runs", "runs.limit=-1"], "runs.limit", 2),
+        (["command=nope"], "command", 2),
+        (["command=runs", "registry.path=/dev/null"], "registry.path", 1),
+    ],
+)
+def test_with_json_true_an_error_is_a_json_document(
+    tmp_path: Path, args: list[str], key: str, code: int
+) -> None:
+    res = run_cli(*args, "json=true", tmp=tmp_path, isolate=False)
+    doc = json.loads(res.stdout)
+    assert res.returncode == code and doc["exit"] == code and doc["key"] == key and doc["error"], res.stdout
