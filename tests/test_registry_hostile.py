@@ -149,3 +149,19 @@ def test_a_window_of_minus_one_means_no_sliding_window():
     """Some configs write sliding_window=-1 for "none": no window, not a value out of range."""
     fields = hub.config_fields(llama_config(sliding_window=-1))
     assert (fields["sliding_window"], fields["num_sliding_layers"]) == (None, 0)
+
+
+def test_a_symlink_loop_in_the_hub_is_one_warning_and_lookups_go_on(tmp_path):
+    h = Hub(tmp_path / "hub")
+    h.add("acme/model", "r1", model_files(llama_config()))
+    os.symlink("models--evil--loop", h.root / "models--evil--loop")
+    os.symlink("r2", h.repo_dir("acme/model") / "snapshots" / "r2")
+    for args in (
+        ["command=registry_resolve", "model.name=acme/model"],
+        ["command=inspect", "inspect.path=acme/model"],
+    ):
+        res = _cli(tmp_path, *args)
+        assert res.returncode == 0, res.stderr
+        warned = [line for line in res.stderr.splitlines() if "Too many levels of symbolic links" in line]
+        assert len(warned) == 2 and "models--evil--loop" in warned[0] + warned[1], res.stderr
+    assert res.stdout and "model.safetensors" in res.stdout
