@@ -165,3 +165,19 @@ def test_a_symlink_loop_in_the_hub_is_one_warning_and_lookups_go_on(tmp_path):
         warned = [line for line in res.stderr.splitlines() if "Too many levels of symbolic links" in line]
         assert len(warned) == 2 and "models--evil--loop" in warned[0] + warned[1], res.stderr
     assert res.stdout and "model.safetensors" in res.stdout
+
+
+def test_an_exact_repo_id_that_cannot_be_read_never_falls_back_to_a_fuzzy_match(tmp_path):
+    h = Hub(tmp_path / "hub")
+    snap = h.add("acme/model", "r1", model_files(llama_config()))
+    h.add("acme/model-uncensored", "r1", model_files(llama_config()))
+    (snap / "config.json").unlink()
+    (snap / "config.json").write_text("{not json")
+    res = _cli(tmp_path, "command=registry_resolve", "model.name=acme/model")
+    assert res.returncode == 1 and "uncensored" not in res.stdout + res.stderr.splitlines()[-1], res.stdout
+    line = res.stderr.splitlines()[-1]
+    assert line.startswith(f"error: model.name='acme/model' is {snap}, which cannot be used: config.json"), (
+        line
+    )
+    fuzzy = _cli(tmp_path, "command=registry_resolve", "model.name=uncensored")
+    assert fuzzy.returncode == 0 and "acme--model-uncensored" in fuzzy.stdout, fuzzy.stderr
