@@ -44,6 +44,11 @@ GIB = 1 << 30
 MAX_BPW = 32
 # Statuses a run ends in (RunRecord.status, manifest "status"); "running" until then.
 RUN_STATUSES = ("running", "ok", "failed", "interrupted")
+# Sizes at most 8 EiB, the most bytes a signed 64-bit count holds (1e300 GiB is no size).
+MAX_BYTES = 2**63 - 1
+MAX_GB = MAX_BYTES // GIB
+# Tokens at most 2^24 (16,777,216), above any model's context.
+MAX_TOKENS = 2**24
 # Run records `runs` lists at most (sqlite takes a 64-bit LIMIT; no registry holds more).
 MAX_RUNS_LIMIT = 10**9
 
@@ -87,6 +92,12 @@ def positive(key: str, value: float | int | None, *, allow_zero: bool = False) -
         raise InputError(f"{key}={value!r} is out of range; it must be {bound}")
 
 
+def gib_key(key: str, value: float | None) -> None:
+    """Raise an InputError unless ``value`` GiB is None or a size in (0, MAX_GB]."""
+    positive(key, value)
+    at_most(key, value, MAX_GB, "8 EiB, the most bytes a 64-bit count holds")
+
+
 def at_most(key: str, value: float | int | None, limit: float | int, why: str = "") -> None:
     """Raise an InputError when ``value`` is above ``limit`` (``why`` says where it comes from)."""
     if value is not None and value > limit:
@@ -124,7 +135,7 @@ class IoCfg:
     shard_gb: float = 5.0
 
     def __post_init__(self) -> None:
-        positive("io.shard_gb", self.shard_gb)
+        gib_key("io.shard_gb", self.shard_gb)
 
     @property
     def shard_bytes(self) -> int:
@@ -285,6 +296,7 @@ class SensitivityCfg:
                     f"sensitivity.refine_bits has {b}, not a candidate; choose from sensitivity.bits={list(self.bits)}"
                 )
         positive("sensitivity.ref_cache_mb", self.ref_cache_mb, allow_zero=True)
+        at_most("sensitivity.ref_cache_mb", self.ref_cache_mb, MAX_BYTES >> 20, "8 EiB")
         positive("sensitivity.num_shards", self.num_shards)
         if not 0 <= self.shard < self.num_shards:
             raise InputError(
@@ -324,6 +336,7 @@ class AllocateCfg:
     def __post_init__(self) -> None:
         positive("allocate.budget_bpw", self.budget_bpw)
         positive("allocate.budget_bytes", self.budget_bytes)
+        at_most("allocate.budget_bytes", self.budget_bytes, MAX_BYTES, "8 EiB")
         check_budget(self.budget_bpw, self.budget_bytes, required=False)
         # Candidate filters may name any mode's bits and group sizes.
         for b in self.bits:
@@ -384,8 +397,10 @@ class KvCfg:
     def __post_init__(self) -> None:
         choose("kv.layout", self.layout, ("snapshot", "blocks"))
         positive("kv.block_kib", self.block_kib)
-        positive("kv.cap_gb", self.cap_gb)
+        at_most("kv.block_kib", self.block_kib, MAX_BYTES >> 10, "8 EiB")
+        gib_key("kv.cap_gb", self.cap_gb)
         positive("kv.max_tokens", self.max_tokens)
+        at_most("kv.max_tokens", self.max_tokens, MAX_TOKENS, "above any model's context")
 
     @property
     def cap_bytes(self) -> int | None:
@@ -412,7 +427,7 @@ class RegistryFilterCfg:
     broken: bool = False
 
     def __post_init__(self) -> None:
-        positive("registry.filter.max_gb", self.max_gb)
+        gib_key("registry.filter.max_gb", self.max_gb)
 
     @property
     def max_bytes(self) -> int | None:
@@ -429,8 +444,9 @@ class RegistryFitCfg:
     vision: bool = False
 
     def __post_init__(self) -> None:
-        positive("registry.fit.budget_gb", self.budget_gb)
+        gib_key("registry.fit.budget_gb", self.budget_gb)
         positive("registry.fit.context", self.context)
+        at_most("registry.fit.context", self.context, MAX_TOKENS, "above any model's context")
 
     @property
     def budget_bytes(self) -> int:
