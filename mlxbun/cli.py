@@ -135,12 +135,16 @@ def run_runs(cfg: Any) -> Any:
     if cfg.json:
         return RunResult(message=json.dumps(rows, indent=2, sort_keys=True))
     head = f"{'id':>5}  {'command':<18} {'recipe':<22} {'status':<8} {'secs':>8}  output_dir"
-    lines = [head] + [
+    return RunResult(message="\n".join([head] + [_run_line(r) for r in rows]))
+
+
+def _run_line(r: dict[str, Any]) -> str:
+    if "malformed" in r:
+        return f"{r['id']:>5}  malformed row: {r['malformed']}"
+    return (
         f"{r['id']:>5}  {r['command']:<18} {str(r['recipe'] or '-'):<22} {r['status']:<8} "
         f"{(r['duration_s'] or 0):>8.1f}  {r['output_dir']}"
-        for r in rows
-    ]
-    return RunResult(message="\n".join(lines))
+    )
 
 
 # Launcher plugin (as named in a Hydra "Could not load 'hydra/launcher/<x>'" error) -> extra.

@@ -267,3 +267,30 @@ def test_quantize_into_an_existing_out_records_only_its_own_files(tmp_path: Path
     assert listed and not [k for k in listed if k.endswith(("evil.py", "sub/f"))]
     check = run_cli("command=verify", f"runs.dir={run_dir}", tmp=tmp_path)
     assert check.returncode == 1 and "evil.py: added" in check.stderr and "sub/f: added" in check.stderr
+
+
+def test_runs_lists_a_malformed_row_as_such_and_goes_on(tmp_path: Path) -> None:
+    from mlxbun import registry
+
+    registry.open_db(path=tmp_path / "registry.db")
+    good = registry.record_run_start(
+        command="synth", recipe=None, overrides=[], config_hash="h", output_dir="/ok"
+    )
+    db = sqlite3.connect(tmp_path / "registry.db")
+    cols = "command, overrides, config_hash, status, output_dir, metrics, started_at"
+    when = "2026-12-05 03:00:00"
+    for row in [("quantize", "[]", "h", "ok", "/a", "not json", when), ("quantize", "[]", "h", "ok", "/b", "{}", 12345),
+                (b"q\xff", "[]", "h", "ok", "/c", "{}", when)]:  # fmt: skip
+        db.execute(f"INSERT INTO runrecord ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+    db.execute(
+        f"INSERT INTO runrecord ({cols}) VALUES ('x', '[]', 'h', 'ok', CAST(? AS TEXT), '{{}}', ?)",
+        (b"/\xff", when),
+    )
+    db.commit()
+    res = run_cli("command=runs", "json=true", tmp=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)
+    assert [r["id"] for r in rows if "malformed" in r] == [5, 4, 3, 2] and rows[-1]["id"] == good
+    assert res.stderr.count("is malformed") == 4
+    text = run_cli("command=runs", tmp=tmp_path)
+    assert text.returncode == 0 and text.stdout.count("malformed row:") == 4 and "/ok" in text.stdout
