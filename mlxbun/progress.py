@@ -6,9 +6,12 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 log = logging.getLogger("mlxbun")
+# (time, amount done) marks kept for the ETA's rate window; thinned by half when full.
+MAX_MARKS = 256
 
 
 def human_bytes(n: float, *, digits: int = 1) -> str:
@@ -60,6 +63,10 @@ class Progress:
     When items cost unequal work (a deep group's probes vs a shallow one's), ``update(n, work=w)``
     counts ``w`` of ``work_total``: the percentage and ETA follow work, the rate counts items.
 
+    The ETA is the work left at the recent rate: measured from the first update on (setup and
+    warm-up before it are not the work's pace) over the last half of that time (a pace that
+    drifts is followed, one slow item does not swing it); with one update, from the start.
+
     Example:
         >>> p = Progress(total=nbytes, unit="B", desc="quantize")
         >>> p.update(len(chunk)); ...; p.close()
@@ -75,6 +82,7 @@ class Progress:
         log_every: float = 10.0,
         work_total: float | None = None,
         heartbeat: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.total, self.unit, self.desc = total, unit, desc
         self.stream = stream or sys.stderr
@@ -83,7 +91,9 @@ class Progress:
         self.done = 0.0
         self.work_total, self.work = work_total, 0.0
         self.eta_hint: float | None = None  # a caller's estimate of the whole run, until work is done
-        self.start = self._last = time.monotonic()
+        self._clock = clock
+        self.start = self._last = clock()
+        self._marks: list[tuple[float, float]] = []  # (time, amount done) at each update
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
@@ -96,12 +106,31 @@ class Progress:
             return min(self.work / self.work_total, 1.0)
         return min(self.done / self.total, 1.0) if self.total else 1.0
 
+    def _amount(self) -> tuple[float, float]:
+        """(done, total) in what the ETA follows: work when given, else items; ``total`` may grow."""
+        return (self.work, self.work_total) if self.work_total else (self.done, self.total)
+
+    def eta(self) -> float:
+        """Seconds left (inf before any work): see the class docstring."""
+        now, (done, total) = self._clock(), self._amount()
+        if done >= total:
+            return 0.0
+        if done <= 0:
+            return float("inf")
+        if len(self._marks) < 2:
+            return (now - self.start) * (total - done) / done
+        t0 = self._marks[0][0]
+        cutoff = now - (now - t0) / 2
+        tm, dm = max((m for m in self._marks if m[0] <= cutoff), default=self._marks[0])
+        if done <= dm or now <= tm:
+            tm, dm = self._marks[0]
+        return (now - tm) * (total - done) / (done - dm) if done > dm and now > tm else float("inf")
+
     def line(self) -> str:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
+        elapsed = max(self._clock() - self.start, 1e-9)
         rate = self.done / elapsed
         f = self.fraction()
-        eta = elapsed * (1 - f) / f if f > 0 else float("inf")
-        eta_s = human_seconds(eta)
+        eta_s = human_seconds(self.eta())
         if f == 0 and self.eta_hint is not None:
             eta_s = f"~{human_seconds(max(self.eta_hint - elapsed, 0))} (estimated from a timed forward)"
         return (
@@ -113,16 +142,22 @@ class Progress:
         with self._lock:
             self.done += n
             self.work += work
+            self._mark()
             self._report(force=False)
+
+    def _mark(self) -> None:
+        if len(self._marks) >= MAX_MARKS:  # keep the first (warm-up's end) and every other one
+            self._marks = self._marks[:1] + self._marks[2::2]
+        self._marks.append((self._clock(), self._amount()[0]))
 
     def hint(self, seconds: float) -> None:
         """An estimate of the whole run's duration, shown as the ETA until the first work is done."""
         with self._lock:
-            self.eta_hint = time.monotonic() - self.start + seconds
+            self.eta_hint = self._clock() - self.start + seconds
             self._report(force=True)
 
     def _report(self, *, force: bool) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if self.tty and (force or now - self._last >= 0.1):
             self.stream.write("\r" + self.line())
             self.stream.flush()
@@ -134,7 +169,7 @@ class Progress:
     def _beat(self) -> None:
         while not self._stop.wait(min(1.0, self.log_every)):
             with self._lock:
-                if time.monotonic() - self._last >= self.log_every:
+                if self._clock() - self._last >= self.log_every:
                     self._report(force=True)
 
     def close(self) -> None:
