@@ -9,6 +9,7 @@ signal exits 128 + its number, and every run gets a manifest and a RunRecord
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import logging
@@ -36,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("mlxbun.synth", "write a deterministic random checkpoint of a real architecture"),
     "inspect": ("mlxbun.inspect", "tensors, totals, metadata and quantization of a model"),
     "quantize": ("mlxbun.quantize", "stream an HF checkpoint to a quantized MLX model"),
-    "sensitivity": ("mlxbun.quant.sensitivity", "exact per-layer KL at candidate bit widths"),
+    "sensitivity": ("mlxbun.quant.sensitivity", "per-layer KL of candidates: fisher, exact or reference"),
     "sensitivity_merge": ("mlxbun.quant.sensitivity_merge", "combine sharded sensitivity runs"),
     "allocate": ("mlxbun.quant.allocate", "per-layer bits under a true size budget -> plan.json"),
     "rotate": ("mlxbun.rotate", "fold a seeded randomized Hadamard R1 into a checkpoint"),
@@ -98,12 +99,20 @@ def check_recipe(name: str) -> None:
     """Fail before Hydra runs when a recipe does not exist (Hydra would turn it into a string)."""
     recipes = available_recipes()
     if name not in recipes:
-        raise InputError(f"recipe={name!r} does not exist; available recipes: {', '.join(recipes)}")
+        raise InputError(f"recipe={name!r} does not exist; {nearest(name, recipes, 'recipes')}")
 
 
 def check_command(name: str) -> None:
     if name not in COMMANDS:
-        raise InputError(f"command={name!r} does not exist; choose one of {', '.join(COMMANDS)}")
+        raise InputError(f"command={name!r} does not exist; {nearest(name, list(COMMANDS), 'commands')}")
+
+
+def nearest(name: str, choices: list[str], what: str) -> str:
+    """A hint naming the 1-3 closest of ``choices`` ("did you mean a or b?"), or all when none is close."""
+    near = difflib.get_close_matches(name, choices, n=3, cutoff=0.6)
+    if near:
+        return f"did you mean {' or '.join(near)}? (`python -m mlxbun` lists the {what})"
+    return f"available {what}: {', '.join(choices)}"
 
 
 def resolve_command(name: str):
@@ -161,7 +170,7 @@ def _config_error(e: Exception) -> str:
         return plugin
     if "is not in struct" in str(e) or "Could not override" in str(e) or "not in '" in first:
         if key:
-            return schema.unknown_key_message(str(key))
+            return schema.unknown_key_message(_full_key(str(key)))
         return f"unknown config key ({first}); `python -m mlxbun command=<name> help=true` lists the keys"
     if first.startswith("Ambiguous value for argument"):  # Hydra's hint is on the next lines
         return f"{first}; give a list as key=[a,b], quote a string with a comma, or sweep it with -m"
@@ -169,6 +178,16 @@ def _config_error(e: Exception) -> str:
         value = getattr(cause, "value", None)
         return f"{key}={value} is not a list; give one, e.g. '{key}=[{value}]'"
     return f"{key}: {first}" if key and str(key) not in first else first
+
+
+def _full_key(key: str) -> str:
+    """The whole dotted key of the override Hydra names only by its first unknown part
+    (``qunt`` of ``qunt.bits=4``), so the suggestion can match section and name."""
+    for arg in sys.argv[1:]:
+        given = arg.partition("=")[0].lstrip("+~")
+        if given.startswith(key + "."):
+            return given
+    return key
 
 
 def _missing_launcher(text: str) -> str | None:
@@ -359,7 +378,7 @@ def main() -> None:
 
     # transformers (imported by mlx-lm for tokenizers) advises installing PyTorch on every run.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    argv = sys.argv[1:]
+    argv = sys.argv[1:] = multirun_first(sys.argv[1:])
     if "--version" in argv or "-V" in argv:
         print(f"mlxbun {_version()}")
         return
@@ -378,6 +397,12 @@ def main() -> None:
     hydra_utils.run_and_report = _report
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
     app()
+
+
+def multirun_first(argv: list[str]) -> list[str]:
+    """``-m``/``--multirun`` moved before the overrides, where Hydra's parser wants it."""
+    flags = [a for a in argv if a in ("-m", "--multirun")]
+    return flags + [a for a in argv if a not in flags]
 
 
 def _print_or_quit(text: str) -> None:
