@@ -10,7 +10,7 @@ from collections.abc import Callable
 from typing import TextIO
 
 log = logging.getLogger("mlxbun")
-# (time, amount done) marks kept for the ETA's rate window; thinned by half when full.
+# (time, items done, work done) marks kept for the ETA's rate window; thinned by half when full.
 MAX_MARKS = 256
 
 
@@ -65,7 +65,9 @@ class Progress:
 
     The ETA is the work left at the recent rate: measured from the first update on (setup and
     warm-up before it are not the work's pace) over the last half of that time (a pace that
-    drifts is followed, one slow item does not swing it); with one update, from the start.
+    drifts is followed, one slow item does not swing it); with one update, from the start. With
+    ``work_total``, an item's time is fitted as a fixed cost per item plus a cost per unit of work
+    (a probe's logits and KL cost the same in every group), when the window tells them apart.
 
     Example:
         >>> p = Progress(total=nbytes, unit="B", desc="quantize")
@@ -93,7 +95,7 @@ class Progress:
         self.eta_hint: float | None = None  # a caller's estimate of the whole run, until work is done
         self._clock = clock
         self.start = self._last = clock()
-        self._marks: list[tuple[float, float]] = []  # (time, amount done) at each update
+        self._marks: list[tuple[float, float, float]] = []  # (time, done, work) at each update
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
@@ -106,25 +108,56 @@ class Progress:
             return min(self.work / self.work_total, 1.0)
         return min(self.done / self.total, 1.0) if self.total else 1.0
 
-    def _amount(self) -> tuple[float, float]:
-        """(done, total) in what the ETA follows: work when given, else items; ``total`` may grow."""
-        return (self.work, self.work_total) if self.work_total else (self.done, self.total)
-
     def eta(self) -> float:
         """Seconds left (inf before any work): see the class docstring."""
-        now, (done, total) = self._clock(), self._amount()
-        if done >= total:
+        now, f = self._clock(), self.fraction()
+        if f >= 1:
             return 0.0
-        if done <= 0:
+        if f <= 0:
             return float("inf")
         if len(self._marks) < 2:
-            return (now - self.start) * (total - done) / done
-        t0 = self._marks[0][0]
-        cutoff = now - (now - t0) / 2
-        tm, dm = max((m for m in self._marks if m[0] <= cutoff), default=self._marks[0])
-        if done <= dm or now <= tm:
-            tm, dm = self._marks[0]
-        return (now - tm) * (total - done) / (done - dm) if done > dm and now > tm else float("inf")
+            return (now - self.start) * (1 - f) / f
+        window = self._window(now)
+        (ta, _, _), (tl, _, _) = window[0], window[-1]
+        if now <= ta or tl <= ta:
+            return float("inf")
+        costs = self._two_costs(self._marks)
+        if costs is not None:  # the fitted costs, at the window's pace (stretched to now)
+            a, b = costs
+            (_, na, wa), (_, nl, wl) = window[0], window[-1]
+            expected = a * (nl - na) + b * (wl - wa)
+            left = a * max(self.total - self.done, 0.0) + b * max(self.work_total - self.work, 0.0)
+            return left * (now - ta) / expected if expected > 0 else float("inf")
+        amount = (lambda m: m[2] / self.work_total) if self.work_total else (lambda m: m[1] / self.total)
+        moved = f - amount(window[0])
+        return (now - ta) * (1 - f) / moved if moved > 0 else float("inf")
+
+    def _window(self, now: float) -> list[tuple[float, float, float]]:
+        """The marks of the last half of the time since the first update, from the one before it."""
+        cutoff = now - (now - self._marks[0][0]) / 2
+        first = max((i for i, m in enumerate(self._marks) if m[0] <= cutoff), default=0)
+        return self._marks[first:] if len(self._marks) - first >= 2 else self._marks[-2:]
+
+    def _two_costs(self, marks: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+        """(a, b) >= 0: seconds per item and per unit of work, fitted by least squares to the
+        steps between ``marks``; None without work_total or when the steps cannot tell them
+        apart (every step the same work per item)."""
+        if not self.work_total:
+            return None
+        steps = [
+            (t1 - t0, n1 - n0, w1 - w0) for (t0, n0, w0), (t1, n1, w1) in zip(marks, marks[1:], strict=False)
+        ]
+        nn, ww = sum(n * n for _, n, _ in steps), sum(w * w for _, _, w in steps)
+        nw, nt, wt = (
+            sum(n * w for _, n, w in steps),
+            sum(t * n for t, n, _ in steps),
+            sum(t * w for t, _, w in steps),
+        )
+        det = nn * ww - nw * nw
+        if det <= 1e-2 * nn * ww:  # nearly one work per item: the split is noise
+            return None
+        a, b = (nt * ww - wt * nw) / det, (wt * nn - nt * nw) / det
+        return None if a < 0 or b < 0 else (a, b)
 
     def line(self) -> str:
         elapsed = max(self._clock() - self.start, 1e-9)
@@ -148,7 +181,7 @@ class Progress:
     def _mark(self) -> None:
         if len(self._marks) >= MAX_MARKS:  # keep the first (warm-up's end) and every other one
             self._marks = self._marks[:1] + self._marks[2::2]
-        self._marks.append((self._clock(), self._amount()[0]))
+        self._marks.append((self._clock(), self.done, self.work))
 
     def hint(self, seconds: float) -> None:
         """An estimate of the whole run's duration, shown as the ETA until the first work is done."""

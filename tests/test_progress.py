@@ -35,9 +35,9 @@ def _worst_error(setup: float, steps: list[tuple[float, float]]) -> float:
     return max(abs(eta - (end - t)) / (end - t) for t, f, eta in seen if 0.1 <= f < 0.99)
 
 
-def _noisy(n: int, seed: int) -> list[float]:
+def _noisy(n: int, seed: int, spread: float = 0.5) -> list[float]:
     rng = random.Random(seed)
-    return [rng.uniform(0.5, 1.5) for _ in range(n)]
+    return [rng.uniform(1 - spread, 1 + spread) for _ in range(n)]
 
 
 @pytest.mark.parametrize(
@@ -50,6 +50,16 @@ def _noisy(n: int, seed: int) -> list[float]:
         ("weights", 5.0, [(w * 0.1 * s, w) for w, s in zip(_noisy(80, 1), _noisy(80, 2), strict=True)]),
         # the first 5% from the page cache, then from disk at half the pace
         ("cached start", 0.0, [(0.5, 1.0)] * 10 + [(1.0, 1.0)] * 190),
+        # exact sensitivity: a probe in group g runs 17 - g blocks (its work) plus the head and KL,
+        # which cost the same in every group; the deep groups come first
+        (
+            "fixed + per-work cost",
+            3.0,
+            [
+                (s * (1.0 + 0.1 * (17 - g)), 17 - g)
+                for g, s in zip([g for g in range(16) for _ in range(7)], _noisy(112, 4, 0.1), strict=True)
+            ],
+        ),
     ],
 )
 def test_eta_is_within_30_percent_once_a_tenth_is_done(name: str, setup: float, steps: list) -> None:
