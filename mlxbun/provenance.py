@@ -382,8 +382,9 @@ def write_roots(manifest: dict[str, Any], run_dir: Path) -> list[Path]:
         value: Any = manifest.get("config") or {}
         for part in key.split("."):
             value = value.get(part) if isinstance(value, dict) else None
-        if isinstance(value, str) and value:
-            roots.append((cwd / Path(value).expanduser()).resolve())
+        root = (cwd / Path(value).expanduser()).resolve() if isinstance(value, str) and value else None
+        if root is not None and root != Path(root.anchor):  # "/" would let a manifest name any file
+            roots.append(root)
     return roots
 
 

@@ -178,6 +178,11 @@ def test_verify_refuses_paths_outside_the_config_and_lists_each_once(tmp_path: P
     paths = [d.path for d in drift]
     assert len(paths) == len(set(paths)) == 3 and all(d.found == provenance.OUTSIDE for d in drift)
     assert str(tmp_path / "kv" / "snapshots" / "s.bin") in paths
+    mpath = run_dir / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    manifest["config"]["quant"]["out"] = "/"  # an edited config cannot open the whole disk
+    mpath.write_text(json.dumps(manifest))
+    assert {d.path for d in verify_run(run_dir)} == set(paths)
 
 
 def test_verify_reports_links_fifos_and_empty_dirs_added_to_an_output_dir(tmp_path: Path) -> None:
