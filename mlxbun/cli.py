@@ -9,6 +9,7 @@ signal exits 128 + its number, and every run gets a manifest and a RunRecord
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import json
 import logging
@@ -18,7 +19,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import mlxbun
 from mlxbun import blas, schema
@@ -36,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "synth": ("mlxbun.synth", "write a deterministic random checkpoint of a real architecture"),
     "inspect": ("mlxbun.inspect", "tensors, totals, metadata and quantization of a model"),
     "quantize": ("mlxbun.quantize", "stream an HF checkpoint to a quantized MLX model"),
-    "sensitivity": ("mlxbun.quant.sensitivity", "exact per-layer KL at candidate bit widths"),
+    "sensitivity": ("mlxbun.quant.sensitivity", "per-layer KL of candidates: fisher, exact or reference"),
     "sensitivity_merge": ("mlxbun.quant.sensitivity_merge", "combine sharded sensitivity runs"),
     "allocate": ("mlxbun.quant.allocate", "per-layer bits under a true size budget -> plan.json"),
     "rotate": ("mlxbun.rotate", "fold a seeded randomized Hadamard R1 into a checkpoint"),
@@ -98,12 +99,20 @@ def check_recipe(name: str) -> None:
     """Fail before Hydra runs when a recipe does not exist (Hydra would turn it into a string)."""
     recipes = available_recipes()
     if name not in recipes:
-        raise InputError(f"recipe={name!r} does not exist; available recipes: {', '.join(recipes)}")
+        raise InputError(f"recipe={name!r} does not exist; {nearest(name, recipes, 'recipes')}")
 
 
 def check_command(name: str) -> None:
     if name not in COMMANDS:
-        raise InputError(f"command={name!r} does not exist; choose one of {', '.join(COMMANDS)}")
+        raise InputError(f"command={name!r} does not exist; {nearest(name, list(COMMANDS), 'commands')}")
+
+
+def nearest(name: str, choices: list[str], what: str) -> str:
+    """A hint naming the 1-3 closest of ``choices`` ("did you mean a or b?"), or all when none is close."""
+    near = difflib.get_close_matches(name, choices, n=3, cutoff=0.6)
+    if near:
+        return f"did you mean {' or '.join(near)}? (`python -m mlxbun` lists the {what})"
+    return f"available {what}: {', '.join(choices)}"
 
 
 def resolve_command(name: str):
@@ -135,12 +144,16 @@ def run_runs(cfg: Any) -> Any:
     if cfg.json:
         return RunResult(message=json.dumps(rows, indent=2, sort_keys=True))
     head = f"{'id':>5}  {'command':<18} {'recipe':<22} {'status':<8} {'secs':>8}  output_dir"
-    lines = [head] + [
+    return RunResult(message="\n".join([head] + [_run_line(r) for r in rows]))
+
+
+def _run_line(r: dict[str, Any]) -> str:
+    if "malformed" in r:
+        return f"{r['id']:>5}  malformed row: {r['malformed']}"
+    return (
         f"{r['id']:>5}  {r['command']:<18} {str(r['recipe'] or '-'):<22} {r['status']:<8} "
         f"{(r['duration_s'] or 0):>8.1f}  {r['output_dir']}"
-        for r in rows
-    ]
-    return RunResult(message="\n".join(lines))
+    )
 
 
 # Launcher plugin (as named in a Hydra "Could not load 'hydra/launcher/<x>'" error) -> extra.
@@ -157,7 +170,7 @@ def _config_error(e: Exception) -> str:
         return plugin
     if "is not in struct" in str(e) or "Could not override" in str(e) or "not in '" in first:
         if key:
-            return schema.unknown_key_message(str(key))
+            return schema.unknown_key_message(_full_key(str(key)))
         return f"unknown config key ({first}); `python -m mlxbun command=<name> help=true` lists the keys"
     if first.startswith("Ambiguous value for argument"):  # Hydra's hint is on the next lines
         return f"{first}; give a list as key=[a,b], quote a string with a comma, or sweep it with -m"
@@ -165,6 +178,16 @@ def _config_error(e: Exception) -> str:
         value = getattr(cause, "value", None)
         return f"{key}={value} is not a list; give one, e.g. '{key}=[{value}]'"
     return f"{key}: {first}" if key and str(key) not in first else first
+
+
+def _full_key(key: str) -> str:
+    """The whole dotted key of the override Hydra names only by its first unknown part
+    (``qunt`` of ``qunt.bits=4``), so the suggestion can match section and name."""
+    for arg in sys.argv[1:]:
+        given = arg.partition("=")[0].lstrip("+~")
+        if given.startswith(key + "."):
+            return given
+    return key
 
 
 def _missing_launcher(text: str) -> str | None:
@@ -178,14 +201,43 @@ def _missing_launcher(text: str) -> str | None:
 
 
 def _report(func: Any) -> Any:
-    """Replacement for Hydra's run_and_report: config errors become one line and exit 2."""
+    """Replacement for Hydra's run_and_report: config errors become one line and exit 2; a run
+    directory that cannot be made names paths.outputs and exits 1."""
     try:
         return func()
     except Exception as e:
         if "--verbose" in sys.argv or "verbose=true" in sys.argv:
             traceback.print_exc()
-        sys.stderr.write(f"error: {_config_error(e)}\n")
-        sys.exit(2)
+        if (line := _outputs_error(e)) is not None:
+            fail(line, 1)
+        fail(_config_error(e), 2)
+
+
+def _outputs_error(e: Exception) -> str | None:
+    """One line for an OSError while Hydra made the run directory under paths.outputs, else None."""
+    if not isinstance(e, OSError) or e.filename is None:
+        return None
+    given = _argv_value(sys.argv[1:], "paths.outputs") or schema.PathsCfg.outputs
+    outputs, failed = Path(given).expanduser().absolute(), Path(str(e.filename)).absolute()
+    if not (failed.is_relative_to(outputs) or outputs.is_relative_to(failed)):
+        return None
+    return (
+        f"paths.outputs={given!r}: cannot create the run directory ({failed}: {e.strerror}); choose a"
+        " writable directory for paths.outputs"
+    )
+
+
+def fail(line: str, code: int, *, as_json: bool | None = None) -> NoReturn:
+    """Print an error and exit ``code``: ``error: <line>`` on stderr, or with json=true (from the
+    command line unless ``as_json`` says) one JSON document on stdout naming the key it is about."""
+    if as_json is None:
+        as_json = (_argv_value(sys.argv[1:], "json") or "").lower() in ("true", "1", "yes")
+    if not as_json:
+        sys.stderr.write(f"error: {line}\n")
+        sys.exit(code)
+    key = found.group(1) if (found := re.match(r"([\w.]+)=", line)) else None
+    print(json.dumps({"error": line, "exit": code, "key": key}, sort_keys=True), flush=True)
+    sys.exit(code)
 
 
 def _task(dcfg: Any) -> None:
@@ -217,8 +269,7 @@ def _task(dcfg: Any) -> None:
         if isinstance(e, InputError):
             _remove_if_empty(dcfg)
         line, code, _ = describe(e, registry=registry_label(dcfg))
-        sys.stderr.write(f"error: {line}\n")
-        sys.exit(code)
+        fail(line, code, as_json=bool(dcfg.get("json", False)))
     if code:
         sys.exit(code)
 
@@ -330,7 +381,7 @@ def main() -> None:
 
     # transformers (imported by mlx-lm for tokenizers) advises installing PyTorch on every run.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    argv = sys.argv[1:]
+    argv = sys.argv[1:] = multirun_first(sys.argv[1:])
     if "--version" in argv or "-V" in argv:
         print(f"mlxbun {_version()}")
         return
@@ -343,14 +394,18 @@ def main() -> None:
             _print_or_quit(command_help(argv))
             return
     except InputError as e:
-        sys.stderr.write(f"error: {e}\n")
-        sys.exit(2)
+        fail(str(e), 2)
     except Exception as e:
-        sys.stderr.write(f"error: {_config_error(e)}\n")
-        sys.exit(2)
+        fail(_config_error(e), 2)
     hydra_utils.run_and_report = _report
     app = hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")(_task)
     app()
+
+
+def multirun_first(argv: list[str]) -> list[str]:
+    """``-m``/``--multirun`` moved before the overrides, where Hydra's parser wants it."""
+    flags = [a for a in argv if a in ("-m", "--multirun")]
+    return flags + [a for a in argv if a not in flags]
 
 
 def _print_or_quit(text: str) -> None:

@@ -123,6 +123,16 @@ def stat_key(path: str, now_ns: int, *, racy_ns: int = 2_000_000_000) -> str:
     return "" if now_ns - st.st_mtime_ns < racy_ns else f"{st.st_mtime_ns}.{st.st_ino}"
 
 
+def is_dir(entry: os.DirEntry, warn: Any) -> bool:
+    """Whether a scanned entry is a directory (links followed); one that cannot be followed (a
+    symbolic link loop, a denied link) is warned about as ``warn(path, why)`` and is not."""
+    try:
+        return entry.is_dir()
+    except OSError as e:
+        warn(entry.path, f"unreadable ({e.strerror or type(e).__name__}); skipped")
+        return False
+
+
 def iter_snapshots(hub: str | os.PathLike, warn: Any) -> list[Snapshot]:
     """Every model snapshot in the hub cache; repos without snapshots are warned about and skipped.
 
@@ -136,11 +146,11 @@ def iter_snapshots(hub: str | os.PathLike, warn: Any) -> list[Snapshot]:
     now = time.time_ns()
     for entry in entries:
         repo_id = repo_id_of(entry.name)
-        if repo_id is None or not entry.is_dir():
+        if repo_id is None or not is_dir(entry, warn):
             continue
         snaps = os.path.join(entry.path, "snapshots")
         try:
-            revs = sorted(e.name for e in os.scandir(snaps) if e.is_dir())
+            revs = sorted(e.name for e in os.scandir(snaps) if is_dir(e, warn))
         except OSError:
             warn(entry.path, "no snapshots/ directory (partial download?)")
             continue

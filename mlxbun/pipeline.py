@@ -171,6 +171,10 @@ def run_steps(cfg: Any, steps: list[str]) -> RunResult:
         for key, value in result.provides.items():
             cfg = set_key(cfg, key, value)
         total.outputs += result.outputs
+        total.written = [
+            *(total.written or []),
+            *(result.outputs if result.written is None else result.written),
+        ]
         total.inputs += [p for p in result.inputs if not _under(p, run_dir)]
         total.metrics[sub] = result.metrics
         if result.message:

@@ -6,9 +6,12 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import TextIO
 
 log = logging.getLogger("mlxbun")
+# (time, items done, work done) marks kept for the ETA's rate window; thinned by half when full.
+MAX_MARKS = 256
 
 
 def human_bytes(n: float, *, digits: int = 1) -> str:
@@ -60,6 +63,12 @@ class Progress:
     When items cost unequal work (a deep group's probes vs a shallow one's), ``update(n, work=w)``
     counts ``w`` of ``work_total``: the percentage and ETA follow work, the rate counts items.
 
+    The ETA is the work left at the recent rate: measured from the first update on (setup and
+    warm-up before it are not the work's pace) over the last half of that time (a pace that
+    drifts is followed, one slow item does not swing it); with one update, from the start. With
+    ``work_total``, an item's time is fitted as a fixed cost per item plus a cost per unit of work
+    (a probe's logits and KL cost the same in every group), when the window tells them apart.
+
     Example:
         >>> p = Progress(total=nbytes, unit="B", desc="quantize")
         >>> p.update(len(chunk)); ...; p.close()
@@ -75,6 +84,7 @@ class Progress:
         log_every: float = 10.0,
         work_total: float | None = None,
         heartbeat: bool = False,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.total, self.unit, self.desc = total, unit, desc
         self.stream = stream or sys.stderr
@@ -83,7 +93,9 @@ class Progress:
         self.done = 0.0
         self.work_total, self.work = work_total, 0.0
         self.eta_hint: float | None = None  # a caller's estimate of the whole run, until work is done
-        self.start = self._last = time.monotonic()
+        self._clock = clock
+        self.start = self._last = clock()
+        self._marks: list[tuple[float, float, float]] = []  # (time, done, work) at each update
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
@@ -96,12 +108,62 @@ class Progress:
             return min(self.work / self.work_total, 1.0)
         return min(self.done / self.total, 1.0) if self.total else 1.0
 
+    def eta(self) -> float:
+        """Seconds left (inf before any work): see the class docstring."""
+        now, f = self._clock(), self.fraction()
+        if f >= 1:
+            return 0.0
+        if f <= 0:
+            return float("inf")
+        if len(self._marks) < 2:
+            return (now - self.start) * (1 - f) / f
+        window = self._window(now)
+        (ta, _, _), (tl, _, _) = window[0], window[-1]
+        if now <= ta or tl <= ta:
+            return float("inf")
+        costs = self._two_costs(self._marks)
+        if costs is not None:  # the fitted costs, at the window's pace (stretched to now)
+            a, b = costs
+            (_, na, wa), (_, nl, wl) = window[0], window[-1]
+            expected = a * (nl - na) + b * (wl - wa)
+            left = a * max(self.total - self.done, 0.0) + b * max(self.work_total - self.work, 0.0)
+            return left * (now - ta) / expected if expected > 0 else float("inf")
+        amount = (lambda m: m[2] / self.work_total) if self.work_total else (lambda m: m[1] / self.total)
+        moved = f - amount(window[0])
+        return (now - ta) * (1 - f) / moved if moved > 0 else float("inf")
+
+    def _window(self, now: float) -> list[tuple[float, float, float]]:
+        """The marks of the last half of the time since the first update, from the one before it."""
+        cutoff = now - (now - self._marks[0][0]) / 2
+        first = max((i for i, m in enumerate(self._marks) if m[0] <= cutoff), default=0)
+        return self._marks[first:] if len(self._marks) - first >= 2 else self._marks[-2:]
+
+    def _two_costs(self, marks: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+        """(a, b) >= 0: seconds per item and per unit of work, fitted by least squares to the
+        steps between ``marks``; None without work_total or when the steps cannot tell them
+        apart (every step the same work per item)."""
+        if not self.work_total:
+            return None
+        steps = [
+            (t1 - t0, n1 - n0, w1 - w0) for (t0, n0, w0), (t1, n1, w1) in zip(marks, marks[1:], strict=False)
+        ]
+        nn, ww = sum(n * n for _, n, _ in steps), sum(w * w for _, _, w in steps)
+        nw, nt, wt = (
+            sum(n * w for _, n, w in steps),
+            sum(t * n for t, n, _ in steps),
+            sum(t * w for t, _, w in steps),
+        )
+        det = nn * ww - nw * nw
+        if det <= 1e-2 * nn * ww:  # nearly one work per item: the split is noise
+            return None
+        a, b = (nt * ww - wt * nw) / det, (wt * nn - nt * nw) / det
+        return None if a < 0 or b < 0 else (a, b)
+
     def line(self) -> str:
-        elapsed = max(time.monotonic() - self.start, 1e-9)
+        elapsed = max(self._clock() - self.start, 1e-9)
         rate = self.done / elapsed
         f = self.fraction()
-        eta = elapsed * (1 - f) / f if f > 0 else float("inf")
-        eta_s = human_seconds(eta)
+        eta_s = human_seconds(self.eta())
         if f == 0 and self.eta_hint is not None:
             eta_s = f"~{human_seconds(max(self.eta_hint - elapsed, 0))} (estimated from a timed forward)"
         return (
@@ -113,16 +175,22 @@ class Progress:
         with self._lock:
             self.done += n
             self.work += work
+            self._mark()
             self._report(force=False)
+
+    def _mark(self) -> None:
+        if len(self._marks) >= MAX_MARKS:  # keep the first (warm-up's end) and every other one
+            self._marks = self._marks[:1] + self._marks[2::2]
+        self._marks.append((self._clock(), self.done, self.work))
 
     def hint(self, seconds: float) -> None:
         """An estimate of the whole run's duration, shown as the ETA until the first work is done."""
         with self._lock:
-            self.eta_hint = time.monotonic() - self.start + seconds
+            self.eta_hint = self._clock() - self.start + seconds
             self._report(force=True)
 
     def _report(self, *, force: bool) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if self.tty and (force or now - self._last >= 0.1):
             self.stream.write("\r" + self.line())
             self.stream.flush()
@@ -134,7 +202,7 @@ class Progress:
     def _beat(self) -> None:
         while not self._stop.wait(min(1.0, self.log_every)):
             with self._lock:
-                if time.monotonic() - self._last >= self.log_every:
+                if self._clock() - self._last >= self.log_every:
                     self._report(force=True)
 
     def close(self) -> None:

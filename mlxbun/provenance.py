@@ -38,6 +38,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # A run that ended well: "ok" (what runrecord writes); "completed" is accepted too.
 COMPLETED = ("completed", "ok")
 OUTSIDE = "outside the run directory; not read"
+# Config keys that name where a command writes (kv_export writes kv.file): outputs under them are
+# the run's own, verified like those in the run directory.
+WRITE_KEYS = ("quant.out", "synth.out", "kv.store", "kv.file")
 
 
 @dataclass
@@ -53,6 +56,9 @@ class RunResult:
         exit_code: the process exit code of a read-only command whose answer is "no" (1).
         digests: sha256 the command already knows (file path -> hex digest), e.g. computed
             while it wrote the file; the manifest uses them instead of reading the file again.
+        written: what the command wrote inside ``outputs`` when that is not all they hold (a
+            reused ``quant.out`` may hold files someone added): only these are recorded as
+            outputs; None means every file under ``outputs``.
     """
 
     outputs: list[Path] = field(default_factory=list)
@@ -62,6 +68,7 @@ class RunResult:
     provides: dict[str, str] = field(default_factory=dict)
     exit_code: int = 0
     digests: dict[Path, str] = field(default_factory=dict)
+    written: list[Path] | None = None
 
 
 def sha256_file(path: Path, *, chunk: int = 8 << 20) -> str:
@@ -244,6 +251,8 @@ class Manifest:
     metrics: dict[str, Any] = field(default_factory=dict)
     # Where digests of unchanged input files are remembered; outputs are always hashed afresh.
     digest_cache: Path | None = None
+    # Where relative paths in ``config`` (quant.out=out/model) were taken from.
+    cwd: str = field(default_factory=os.getcwd)
 
     def recipe_info(self) -> dict[str, Any] | None:
         if self.recipe is None:
@@ -271,6 +280,7 @@ class Manifest:
                 "python": platform.python_implementation(),
             },
             "blas": self.blas,
+            "cwd": self.cwd,
             "started_at": self.started_at,
             "finished_at": self.finished_at,
             "inputs": self.inputs,
@@ -293,11 +303,18 @@ class Manifest:
             self.inputs = hash_paths(
                 result.inputs, base=self.run_dir, cache_dir=self.digest_cache, known=known
             )
-            self.outputs = hash_paths(result.outputs, base=self.run_dir, known=known)
+            written = [Path(p) for p in (result.outputs if result.written is None else result.written)]
+            visible = [p for p in written if p.is_dir() or not p.name.startswith(".")]
+            self.outputs = hash_paths(visible, base=self.run_dir, known=known)
             self.output_roots = sorted(
                 {_rel(Path(p), self.run_dir) for p in result.outputs if Path(p).exists()}
             )
-            hidden = [f for p in result.outputs for f in _every_file_under(Path(p)) if f.name.startswith(".")]
+            hidden = [
+                f
+                for p in written
+                for f in (_every_file_under(p) if p.is_dir() else [p])
+                if f.name.startswith(".")
+            ]
             self.side_files = hash_paths(hidden, base=self.run_dir)
             self.metrics = result.metrics
         return self.write()
@@ -325,7 +342,8 @@ class Drift:
 
     def describe(self) -> str:
         if self.expected == "absent":
-            return f"{self.path}: added (not in the manifest)"
+            what = "" if self.found == "added" else f" {self.found}"
+            return f"{self.path}:{what} added (not in the manifest)"
         if self.found in ("missing", OUTSIDE) or len(self.found) != 64:
             return f"{self.path}: {self.found}"
         return f"{self.path}: expected {self.expected[:16]}… found {self.found[:16]}"
@@ -336,7 +354,9 @@ def verify_run(run_dir: str | Path) -> list[Drift]:
 
     A run whose status is not completed raises DriftError (a killed run's outputs are empty).
     Every listed output is re-hashed; every file inside an output directory must be listed
-    (hidden files included); a listed path that leads outside ``run_dir`` is refused, not read.
+    (hidden files included); a listed path that leads outside ``run_dir`` and outside every place
+    the run's config told it to write (:data:`WRITE_KEYS`) is refused, not read. Each path is
+    reported once.
     """
     run_dir = Path(run_dir).expanduser()
     manifest = _read_manifest(run_dir)
@@ -345,10 +365,27 @@ def verify_run(run_dir: str | Path) -> list[Drift]:
             f"runs.dir={str(run_dir)!r}: status is {manifest.get('status')!r}, not completed "
             "(killed, failed or still running); there is nothing to verify"
         )
-    base, outputs = run_dir.resolve(), {**manifest["outputs"], **manifest.get("side_files", {})}
-    drift = [d for rel, want in outputs.items() if (d := _check(base, rel, want["sha256"]))]
-    drift += _added(base, manifest.get("output_roots", []), outputs)
-    return sorted(drift, key=lambda d: d.path)
+    roots = write_roots(manifest, run_dir.resolve())
+    outputs = {**manifest["outputs"], **manifest.get("side_files", {})}
+    drift = [d for rel, want in outputs.items() if (d := _check(roots, rel, want["sha256"]))]
+    drift += _added(roots, manifest.get("output_roots", []), outputs)
+    first = {d.path: d for d in reversed(drift)}  # one line per path: the listed file's own check
+    return sorted(first.values(), key=lambda d: d.path)
+
+
+def write_roots(manifest: dict[str, Any], run_dir: Path) -> list[Path]:
+    """``run_dir`` and every path the manifest's config names under :data:`WRITE_KEYS`, resolved
+    from the directory the run started in."""
+    cwd = Path(manifest.get("cwd") or os.getcwd())
+    roots = [run_dir]
+    for key in WRITE_KEYS:
+        value: Any = manifest.get("config") or {}
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        root = (cwd / Path(value).expanduser()).resolve() if isinstance(value, str) and value else None
+        if root is not None and root != Path(root.anchor):  # "/" would let a manifest name any file
+            roots.append(root)
+    return roots
 
 
 def _read_manifest(run_dir: Path) -> dict[str, Any]:
@@ -367,16 +404,15 @@ def _read_manifest(run_dir: Path) -> dict[str, Any]:
     return manifest
 
 
-def _inside(base: Path, rel: str) -> Path | None:
-    """``base / rel`` with links resolved, or None when that leads outside ``base``."""
-    if os.path.isabs(rel):
-        return None
-    path = (base / rel).resolve()
-    return path if path.is_relative_to(base) else None
+def _inside(roots: list[Path], rel: str) -> Path | None:
+    """``rel`` (relative to the run directory ``roots[0]``, or absolute) with links resolved, or
+    None when that leads outside every root."""
+    path = (roots[0] / rel).resolve()
+    return path if any(path.is_relative_to(r) for r in roots) else None
 
 
-def _check(base: Path, rel: str, want: str) -> Drift | None:
-    path = _inside(base, rel)
+def _check(roots: list[Path], rel: str, want: str) -> Drift | None:
+    path = _inside(roots, rel)
     if path is None:
         return Drift(rel, want, OUTSIDE)
     try:
@@ -389,17 +425,46 @@ def _check(base: Path, rel: str, want: str) -> Drift | None:
     return Drift(rel, want, got) if got != want else None
 
 
-def _added(base: Path, roots: list[str], outputs: dict[str, Any]) -> list[Drift]:
+def _added(roots: list[Path], output_roots: list[str], outputs: dict[str, Any]) -> list[Drift]:
     """Files inside the output directories that the manifest does not list."""
     drift = []
-    for root in roots:
-        path = _inside(base, root)
+    for root in output_roots:
+        path = _inside(roots, root)
         if path is None:
             drift.append(Drift(root, "a directory inside the run", OUTSIDE))
         elif path.is_dir():
-            rels = (str(f.relative_to(base)) for f in _every_file_under(path))
-            drift += [Drift(r, "absent", "added") for r in rels if r not in outputs and r != MANIFEST]
+            found = ((_key(f, roots[0]), kind) for f, kind in _entries_under(path))
+            drift += [Drift(r, "absent", kind) for r, kind in found if r not in outputs and r != MANIFEST]
     return drift
+
+
+def _key(path: Path, run_dir: Path) -> str:
+    """How the manifest names ``path``: relative to the run directory when inside it."""
+    return str(path.relative_to(run_dir)) if path.is_relative_to(run_dir) else str(path)
+
+
+def _entries_under(path: Path) -> list[tuple[Path, str]]:
+    """Everything inside directory ``path`` as (path, kind): "added" for a regular file (not an
+    atomic write's temp name), else what it is: a symbolic link, FIFO, other special file or
+    empty directory. Links are not followed."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        here = Path(dirpath)
+        if here != path and not dirnames and not filenames:
+            found.append((here, "an empty directory"))
+        for name in dirnames + filenames:
+            mode = os.lstat(here / name).st_mode
+            if stat.S_ISREG(mode) and not _is_temp(name):
+                found.append((here / name, "added"))
+            elif not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+                found.append((here / name, _special(mode)))
+    return sorted(found)
+
+
+def _special(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "a symbolic link"
+    return "a FIFO" if stat.S_ISFIFO(mode) else "a special file"
 
 
 def run(cfg: Any) -> RunResult:

@@ -45,14 +45,14 @@ import mlx.nn as nn
 import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
-from mlxbun import registry
+from mlxbun import hub, registry
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES as ST_CODES
 from mlxbun.io.dtypes import OUTPUT_DTYPES as CONVERSION_DTYPES
 from mlxbun.io.safetensors import INDEX_FILE
 from mlxbun.io.shards import ShardedWriter
-from mlxbun.io.staging import DIGEST, Stage, reached, stable_root, weights_written
+from mlxbun.io.staging import DIGEST, Stage, reached, read_json_object, stable_root, weights_written
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult, prehash
 from mlxbun.quant import awq, hessian, rounding
@@ -65,6 +65,7 @@ from mlxbun.quant.outdir import (
     tokenizer_warning,
     write_record,
     write_side_files,
+    written_files,
 )
 from mlxbun.quant.plan import Skeleton, prepare
 from mlxbun.quant.spec import HESSIANS_FILE, Plan, QuantSpec, check_hessians, input_file, load_plan
@@ -584,23 +585,53 @@ def run(cfg: Any) -> Any:
         message=f"quantized {name} -> {res.out} ({verb}, {len(res.files)} shard(s))",
         provides={"model.name": str(res.out)},
         digests={**inputs.result(), **{res.out / f: d for f, d in res.digests.items()}},
+        written=written_files(res.out),
     )
 
 
 def registry_name(cfg: Any, quantization: dict[str, Any]) -> str:
-    """A name later recipes can use: ``<source>-<setting>``, e.g. ``Qwen3-4B-4bit-g64``."""
+    """A name later recipes can use: ``<source>-<setting>``, e.g. ``Qwen3-4B-4bit-g64`` or
+    ``llama-text-3m-mixed-4.50bpw``."""
     q = cfg.quant
     if cfg.model.synthetic:
         base = f"synth-{cfg.synth.arch}-{cfg.synth.preset}"
     else:
-        base = str(cfg.model.name).rstrip("/").rpartition("/")[2]
+        base = source_name(str(cfg.model.name))
     if q.plan or q.mixed:
-        tag = q.mixed or f"plan-{Path(q.plan).stem}"
+        tag = q.mixed or plan_tag(Path(q.plan))
     elif quantization.get("mode", "affine") == "affine":
         tag = f"{quantization.get('bits')}bit-g{quantization.get('group_size')}"
     else:
         tag = quantization["mode"]
     return f"{base}-{tag}"
+
+
+def source_name(name: str) -> str:
+    """A readable name of ``model.name``: a repo id's or directory's last part; a hub snapshot's
+    repo name (not its revision); for an mlxbun output directory (``.../model``) the name the
+    registry knows it by, else its config's model_type."""
+    path = Path(name).expanduser()
+    if not path.is_dir():
+        return name.rstrip("/").rpartition("/")[2]
+    path = path.resolve()
+    if path.parent.name == "snapshots" and (repo := hub.repo_id_of(path.parent.parent.name)):
+        return repo.rpartition("/")[2]
+    if path.name != "model":
+        return path.name
+    known = registry.ModelRecord.get_or_none(registry.ModelRecord.path == str(path))
+    if known is not None and known.name != "model":
+        return known.name
+    config = read_json_object(path / "config.json") or {}
+    return str(config.get("model_type") or path.parent.name)
+
+
+def plan_tag(plan: Path) -> str:
+    """``mixed-4.50bpw`` for a plan ``allocate`` wrote (its predicted bits per weight), else
+    ``plan-<file name>`` (``plan`` alone for a file named plan.json)."""
+    bpw = (read_json_object(plan) or {}).get("predicted_bpw")
+    if isinstance(bpw, (int, float)) and not isinstance(bpw, bool):
+        return f"mixed-{bpw:.2f}bpw"
+    return "plan" if plan.stem == "plan" else f"plan-{plan.stem}"
 
 
 def _register(cfg: Any, path: Path, quantization: dict[str, Any]) -> None:

@@ -187,6 +187,8 @@ class RunRecorder:
             call()
         except InputError:
             raise
+        except EnvironmentFailure as e:  # already names the registry key and value
+            return one_line(e)
         except Exception as e:
             return f"registry {self.registry}: {type(e).__name__}: {one_line(e)}"
         return None

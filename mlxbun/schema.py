@@ -53,6 +53,11 @@ GIB = 1 << 30
 MAX_BPW = 32
 # Statuses a run ends in (RunRecord.status, manifest "status"); "running" until then.
 RUN_STATUSES = ("running", "ok", "failed", "interrupted")
+# Sizes at most 8 EiB, the most bytes a signed 64-bit count holds (1e300 GiB is no size).
+MAX_BYTES = 2**63 - 1
+MAX_GB = MAX_BYTES // GIB
+# Tokens at most 2^24 (16,777,216), above any model's context.
+MAX_TOKENS = 2**24
 # Run records `runs` lists at most (sqlite takes a 64-bit LIMIT; no registry holds more).
 MAX_RUNS_LIMIT = 10**9
 
@@ -103,6 +108,12 @@ def not_empty(key: str, value: str | None) -> None:
         raise InputError(f"{key}={value!r} is empty; give a path, or leave {key} unset for its default")
 
 
+def gib_key(key: str, value: float | None) -> None:
+    """Raise an InputError unless ``value`` GiB is None or a size in (0, MAX_GB]."""
+    positive(key, value)
+    at_most(key, value, MAX_GB, "8 EiB, the most bytes a 64-bit count holds")
+
+
 def at_most(key: str, value: float | int | None, limit: float | int, why: str = "") -> None:
     """Raise an InputError when ``value`` is above ``limit`` (``why`` says where it comes from)."""
     if value is not None and value > limit:
@@ -140,7 +151,7 @@ class IoCfg:
     shard_gb: float = 5.0
 
     def __post_init__(self) -> None:
-        positive("io.shard_gb", self.shard_gb)
+        gib_key("io.shard_gb", self.shard_gb)
 
     @property
     def shard_bytes(self) -> int:
@@ -312,6 +323,7 @@ class SensitivityCfg:
                     f"sensitivity.refine_bits has {b}, not a candidate; choose from sensitivity.bits={list(self.bits)}"
                 )
         positive("sensitivity.ref_cache_mb", self.ref_cache_mb, allow_zero=True)
+        at_most("sensitivity.ref_cache_mb", self.ref_cache_mb, MAX_BYTES >> 20, "8 EiB")
         positive("sensitivity.num_shards", self.num_shards)
         if not 0 <= self.shard < self.num_shards:
             raise InputError(
@@ -352,6 +364,7 @@ class AllocateCfg:
         not_empty("allocate.sensitivity", self.sensitivity)
         positive("allocate.budget_bpw", self.budget_bpw)
         positive("allocate.budget_bytes", self.budget_bytes)
+        at_most("allocate.budget_bytes", self.budget_bytes, MAX_BYTES, "8 EiB")
         check_budget(self.budget_bpw, self.budget_bytes, required=False)
         # Candidate filters may name any mode's bits and group sizes.
         for b in self.bits:
@@ -412,8 +425,10 @@ class KvCfg:
     def __post_init__(self) -> None:
         choose("kv.layout", self.layout, ("snapshot", "blocks"))
         positive("kv.block_kib", self.block_kib)
-        positive("kv.cap_gb", self.cap_gb)
+        at_most("kv.block_kib", self.block_kib, MAX_BYTES >> 10, "8 EiB")
+        gib_key("kv.cap_gb", self.cap_gb)
         positive("kv.max_tokens", self.max_tokens)
+        at_most("kv.max_tokens", self.max_tokens, MAX_TOKENS, "above any model's context")
 
     @property
     def cap_bytes(self) -> int | None:
@@ -440,7 +455,7 @@ class RegistryFilterCfg:
     broken: bool = False
 
     def __post_init__(self) -> None:
-        positive("registry.filter.max_gb", self.max_gb)
+        gib_key("registry.filter.max_gb", self.max_gb)
 
     @property
     def max_bytes(self) -> int | None:
@@ -457,8 +472,9 @@ class RegistryFitCfg:
     vision: bool = False
 
     def __post_init__(self) -> None:
-        positive("registry.fit.budget_gb", self.budget_gb)
+        gib_key("registry.fit.budget_gb", self.budget_gb)
         positive("registry.fit.context", self.context)
+        at_most("registry.fit.context", self.context, MAX_TOKENS, "above any model's context")
 
     @property
     def budget_bytes(self) -> int:

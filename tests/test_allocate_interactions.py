@@ -314,7 +314,9 @@ def test_the_command_says_what_it_is_doing(model, measured, tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="mlxbun")
     al.run(command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=4.5))
     assert "allocate.interactions: the reference over 3 x 32 calibration tokens" in caplog.text
-    assert "interactions" in caplog.text and " steps/32 steps " in caplog.text  # the progress line
+    # the progress line counts the current round only: this plan keeps nothing, so round 2 never runs
+    assert "interactions (round 1 of at most 2)" in caplog.text and " 16 steps/16 steps " in caplog.text
+    assert "round 2" not in caplog.text
 
 
 class _Stop(Exception):

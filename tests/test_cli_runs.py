@@ -251,3 +251,46 @@ def test_a_registry_failure_inside_a_command_names_the_database(tmp_path: Path) 
     (m,) = _manifests(tmp_path)
     (row,) = _rows(tmp_path)
     assert m["status"] == row["status"] == "failed"
+
+
+def test_quantize_into_an_existing_out_records_only_its_own_files(tmp_path: Path) -> None:
+    out = tmp_path / "q"
+    first = run_cli("command=quantize", f"model.name={FIXTURE}", f"quant.out={out}", tmp=tmp_path)
+    assert first.returncode == 0, first.stderr
+    (out / "evil.py").write_text("import os\n")
+    (out / "sub").mkdir()
+    (out / "sub" / "f").write_text("x")
+    again = run_cli("command=quantize", f"model.name={FIXTURE}", f"quant.out={out}", tmp=tmp_path)
+    assert again.returncode == 0 and "reused" in again.stdout, again.stderr
+    run_dir = Path(again.stdout.split("outputs:")[1].split()[0])
+    listed = json.loads((run_dir / "manifest.json").read_text())["outputs"]
+    assert listed and not [k for k in listed if k.endswith(("evil.py", "sub/f"))]
+    check = run_cli("command=verify", f"runs.dir={run_dir}", tmp=tmp_path)
+    assert check.returncode == 1 and "evil.py: added" in check.stderr and "sub/f: added" in check.stderr
+
+
+def test_runs_lists_a_malformed_row_as_such_and_goes_on(tmp_path: Path) -> None:
+    from mlxbun import registry
+
+    registry.open_db(path=tmp_path / "registry.db")
+    good = registry.record_run_start(
+        command="synth", recipe=None, overrides=[], config_hash="h", output_dir="/ok"
+    )
+    db = sqlite3.connect(tmp_path / "registry.db")
+    cols = "command, overrides, config_hash, status, output_dir, metrics, started_at"
+    when = "2026-12-05 03:00:00"
+    for row in [("quantize", "[]", "h", "ok", "/a", "not json", when), ("quantize", "[]", "h", "ok", "/b", "{}", 12345),
+                (b"q\xff", "[]", "h", "ok", "/c", "{}", when)]:  # fmt: skip
+        db.execute(f"INSERT INTO runrecord ({cols}) VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+    db.execute(
+        f"INSERT INTO runrecord ({cols}) VALUES ('x', '[]', 'h', 'ok', CAST(? AS TEXT), '{{}}', ?)",
+        (b"/\xff", when),
+    )
+    db.commit()
+    res = run_cli("command=runs", "json=true", tmp=tmp_path)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)
+    assert [r["id"] for r in rows if "malformed" in r] == [5, 4, 3, 2] and rows[-1]["id"] == good
+    assert res.stderr.count("is malformed") == 4
+    text = run_cli("command=runs", tmp=tmp_path)
+    assert text.returncode == 0 and text.stdout.count("malformed row:") == 4 and "/ok" in text.stdout

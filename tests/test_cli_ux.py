@@ -128,3 +128,72 @@ def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
         stderr = proc.stderr.read().decode()
         assert proc.wait(timeout=120) == 141, stderr
         assert stderr == "", stderr
+
+
+def test_an_unusable_paths_outputs_names_the_key_and_exits_1(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    out, cache = f"paths.outputs={tmp_path / 'a-file' / 'out'}", f"paths.cache={tmp_path / 'cache'}"
+    res = run_cli("command=synth", out, cache, tmp=tmp_path, isolate=False)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(f"error: paths.outputs='{tmp_path / 'a-file' / 'out'}': cannot create"), (
+        res.stderr
+    )
+
+
+def test_a_registry_that_is_no_database_names_registry_path(tmp_path: Path) -> None:
+    res = run_cli("command=runs", "registry.path=/dev/null", tmp=tmp_path, isolate=False)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: registry.path='/dev/null': not a usable registry database (")
+    assert "rollback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "key", "code"),
+    [
+        (["command=runs", "runs.limit=-1"], "runs.limit", 2),
+        (["command=nope"], "command", 2),
+        (["command=runs", "registry.path=/dev/null"], "registry.path", 1),
+    ],
+)
+def test_with_json_true_an_error_is_a_json_document(
+    tmp_path: Path, args: list[str], key: str, code: int
+) -> None:
+    res = run_cli(*args, "json=true", tmp=tmp_path, isolate=False)
+    doc = json.loads(res.stdout)
+    assert res.returncode == code and doc["exit"] == code and doc["key"] == key and doc["error"], res.stdout
+
+
+def test_a_misspelt_section_suggests_by_section_and_name(tmp_path: Path) -> None:
+    res = run_cli("command=quantize", "qunt.bits=4", tmp=tmp_path)
+    assert res.returncode == 2
+    (line,) = res.stderr.strip().splitlines()
+    assert "unknown config key 'qunt.bits'; did you mean 'quant.bits'?" in line
+
+
+@pytest.mark.parametrize(
+    ("arg", "want"),
+    [
+        ("command=quantise", "error: command='quantise' does not exist; did you mean quantize? ("),
+        ("+recipe=quickstrat", "error: recipe='quickstrat' does not exist; did you mean quickstart? ("),
+    ],
+)
+def test_a_misspelt_command_or_recipe_suggests_the_nearest_names(tmp_path: Path, arg: str, want: str) -> None:
+    res = run_cli(arg, tmp=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith(want), res.stderr
+    assert "kv_export" not in res.stderr and "sweep_bits" not in res.stderr  # not the whole list
+
+
+def test_multirun_flag_works_after_the_overrides(tmp_path: Path) -> None:
+    assert cli.multirun_first(["command=synth", "synth.seed=1,2", "-m"]) == [
+        "-m",
+        "command=synth",
+        "synth.seed=1,2",
+    ]
+    res = run_cli("command=synth", "synth.preset=tiny", "synth.seed=1,2", "-m", tmp=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert len(list((tmp_path / "outputs" / "multirun").rglob("manifest.json"))) == 2
+
+
+def test_the_command_list_does_not_call_sensitivity_exact() -> None:
+    summary = cli.COMMANDS["sensitivity"][1]
+    assert "fisher" in summary and not summary.startswith("exact")

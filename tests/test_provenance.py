@@ -142,3 +142,81 @@ def test_verify_command_prints_json_and_exits_1_on_drift(tmp_path: Path) -> None
     res = provenance.run(cfg)
     got = json.loads(res.message)
     assert res.exit_code == 1 and [d["path"] for d in got["drift"]] == ["plan.json"]
+
+
+def _elsewhere_run(tmp_path: Path, config: dict) -> Path:
+    """A finished run whose model and one file were written outside the run directory."""
+    run_dir, model, snap = (
+        tmp_path / "run",
+        tmp_path / "out" / "model",
+        tmp_path / "kv" / "snapshots" / "s.bin",
+    )
+    model.mkdir(parents=True)
+    (model / "model.safetensors").write_bytes(os.urandom(64))
+    snap.parent.mkdir(parents=True)
+    snap.write_bytes(b"kv")
+    m = Manifest(
+        run_dir=run_dir, command="pipeline", config=config, overrides=[], recipe=None, seed=0, blas={}
+    )
+    m.finish(status="ok", result=RunResult(outputs=[model, snap, snap]))
+    return run_dir
+
+
+def test_verify_checks_outputs_the_runs_own_config_placed_elsewhere(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)  # relative config paths are taken from where the run started
+    run_dir = _elsewhere_run(tmp_path, {"quant": {"out": "out/model"}, "kv": {"store": str(tmp_path / "kv")}})
+    assert verify_run(run_dir) == []
+    monkeypatch.chdir(run_dir)
+    assert verify_run(run_dir) == []
+    (tmp_path / "out" / "model" / "model.safetensors").write_bytes(b"changed")
+    assert [d.path for d in verify_run(run_dir)] == [str(tmp_path / "out" / "model" / "model.safetensors")]
+
+
+def test_verify_refuses_paths_outside_the_config_and_lists_each_once(tmp_path: Path) -> None:
+    run_dir = _elsewhere_run(tmp_path, {"quant": {"out": None}, "kv": {"store": str(tmp_path / "elsewhere")}})
+    drift = verify_run(run_dir)
+    paths = [d.path for d in drift]
+    assert len(paths) == len(set(paths)) == 3 and all(d.found == provenance.OUTSIDE for d in drift)
+    assert str(tmp_path / "kv" / "snapshots" / "s.bin") in paths
+    mpath = run_dir / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    manifest["config"]["quant"]["out"] = "/"  # an edited config cannot open the whole disk
+    mpath.write_text(json.dumps(manifest))
+    assert {d.path for d in verify_run(run_dir)} == set(paths)
+
+
+def test_verify_reports_links_fifos_and_empty_dirs_added_to_an_output_dir(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _model_run(run_dir)
+    model = run_dir / "model"
+    (model / "link").symlink_to(model / "config.json")
+    (model / "dangling").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(model / "pipe")
+    (model / "empty").mkdir()
+    drift = {d.path: d.describe() for d in verify_run(run_dir)}
+    assert drift == {
+        "model/dangling": "model/dangling: a symbolic link added (not in the manifest)",
+        "model/empty": "model/empty: an empty directory added (not in the manifest)",
+        "model/link": "model/link: a symbolic link added (not in the manifest)",
+        "model/pipe": "model/pipe: a FIFO added (not in the manifest)",
+    }
+
+
+def test_a_run_records_only_what_it_wrote_in_an_output_dir(tmp_path: Path) -> None:
+    run_dir, model = tmp_path / "run", tmp_path / "out"
+    model.mkdir()
+    (model / "weights.bin").write_bytes(b"w")
+    (model / ".record.json").write_text("{}")
+    (model / "evil.py").write_text("import os\n")
+    (model / "sub").mkdir()
+    (model / "sub" / "f").write_text("x")
+    m = Manifest(run_dir=run_dir, command="quantize", config={"quant": {"out": str(model)}}, overrides=[],
+                 recipe=None, seed=0, blas={})  # fmt: skip
+    m.finish(
+        status="ok",
+        result=RunResult(outputs=[model], written=[model / "weights.bin", model / ".record.json"]),
+    )
+    assert list(m.outputs) == [str(model / "weights.bin")] and list(m.side_files) == [
+        str(model / ".record.json")
+    ]
+    assert {d.path for d in verify_run(run_dir)} == {str(model / "evil.py"), str(model / "sub" / "f")}

@@ -4,6 +4,7 @@ validating mmap reader, and a file that shrinks under it is named, not read past
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -60,3 +61,25 @@ def test_directory_sources_describe_their_files(model_dir):
     shard = sorted(model_dir.glob("model-*.safetensors"))[0]
     os.utime(shard, ns=(1, 1))
     assert identity(model_dir) != before
+
+
+def test_registry_names_of_pipeline_outputs_are_readable(tmp_path: Path) -> None:
+    import json
+
+    from mlxbun import registry, schema
+    from mlxbun.quantize import registry_name
+
+    registry.open_db(path=tmp_path / "registry.db")
+    model = tmp_path / "run" / "synth" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    plan = tmp_path / "run" / "allocate" / "plan.json"
+    plan.parent.mkdir(parents=True)
+    plan.write_text(json.dumps({"default": {"bits": 4}, "predicted_bpw": 4.4987}))
+    cfg = schema.Config()
+    cfg.model.name, cfg.quant.plan = str(model), str(plan)
+    assert registry_name(cfg, {}) == "llama-mixed-4.50bpw"  # was model-plan-plan
+    snapshot = tmp_path / "hub" / "models--acme--tiny-llm" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    cfg.model.name, cfg.quant.plan = str(snapshot), None
+    assert registry_name(cfg, {"bits": 4, "group_size": 64}) == "tiny-llm-4bit-g64"

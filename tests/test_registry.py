@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import save
 
 from mlxbun import hub, registry
-from mlxbun.errors import InputError
+from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.registry import commands
 
 PG_URL = os.environ.get("MLXBUN_TEST_PG_URL")
@@ -363,7 +363,9 @@ def test_broken_partial_empty_dataset_and_bad_json_are_warnings(reg, hubtree, ca
     assert set(listed) == {"org/good", "org/broken", "org/empty", "org/badjson"}  # no dataset
     assert listed["org/broken"]["warning"] and listed["org/broken"]["weight_bytes"] == 0
     assert row(good)["warning"] is None and row(badjson)["model_type"] is None
-    with pytest.raises(InputError, match="org/broken"):
+    with pytest.raises(
+        EnvironmentFailure, match="org/broken.*cannot be used: broken link: model.safetensors"
+    ):
         reg.resolve("org/broken", hub_cache=hubtree.root)
 
 

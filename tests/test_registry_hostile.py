@@ -149,3 +149,35 @@ def test_a_window_of_minus_one_means_no_sliding_window():
     """Some configs write sliding_window=-1 for "none": no window, not a value out of range."""
     fields = hub.config_fields(llama_config(sliding_window=-1))
     assert (fields["sliding_window"], fields["num_sliding_layers"]) == (None, 0)
+
+
+def test_a_symlink_loop_in_the_hub_is_one_warning_and_lookups_go_on(tmp_path):
+    h = Hub(tmp_path / "hub")
+    h.add("acme/model", "r1", model_files(llama_config()))
+    os.symlink("models--evil--loop", h.root / "models--evil--loop")
+    os.symlink("r2", h.repo_dir("acme/model") / "snapshots" / "r2")
+    for args in (
+        ["command=registry_resolve", "model.name=acme/model"],
+        ["command=inspect", "inspect.path=acme/model"],
+    ):
+        res = _cli(tmp_path, *args)
+        assert res.returncode == 0, res.stderr
+        warned = [line for line in res.stderr.splitlines() if "Too many levels of symbolic links" in line]
+        assert len(warned) == 2 and "models--evil--loop" in warned[0] + warned[1], res.stderr
+    assert res.stdout and "model.safetensors" in res.stdout
+
+
+def test_an_exact_repo_id_that_cannot_be_read_never_falls_back_to_a_fuzzy_match(tmp_path):
+    h = Hub(tmp_path / "hub")
+    snap = h.add("acme/model", "r1", model_files(llama_config()))
+    h.add("acme/model-uncensored", "r1", model_files(llama_config()))
+    (snap / "config.json").unlink()
+    (snap / "config.json").write_text("{not json")
+    res = _cli(tmp_path, "command=registry_resolve", "model.name=acme/model")
+    assert res.returncode == 1 and "uncensored" not in res.stdout + res.stderr.splitlines()[-1], res.stdout
+    line = res.stderr.splitlines()[-1]
+    assert line.startswith(f"error: model.name='acme/model' is {snap}, which cannot be used: config.json"), (
+        line
+    )
+    fuzzy = _cli(tmp_path, "command=registry_resolve", "model.name=uncensored")
+    assert fuzzy.returncode == 0 and "acme--model-uncensored" in fuzzy.stdout, fuzzy.stderr

@@ -4,6 +4,7 @@ its keys are in."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 
@@ -106,3 +107,35 @@ def test_every_key_outside_the_quantization_sections_has_a_comment() -> None:
         if not d.comment and d.key.split(".")[0] not in ("quant", "allocate", "sensitivity")
     ]
     assert missing == []
+
+
+@pytest.mark.parametrize(
+    ("make", "key", "value"),
+    [
+        (lambda v: schema.IoCfg(shard_gb=v), "io.shard_gb", 1e300),
+        (lambda v: schema.KvCfg(cap_gb=v), "kv.cap_gb", 1e300),
+        (lambda v: schema.RegistryFitCfg(budget_gb=v), "registry.fit.budget_gb", 1e300),
+        (lambda v: schema.RegistryFilterCfg(max_gb=v), "registry.filter.max_gb", 1e300),
+        (lambda v: schema.SensitivityCfg(ref_cache_mb=v), "sensitivity.ref_cache_mb", 1e300),
+        (lambda v: schema.AllocateCfg(budget_bytes=v), "allocate.budget_bytes", 2**64),
+        (lambda v: schema.KvCfg(block_kib=v), "kv.block_kib", 2**60),
+        (lambda v: schema.KvCfg(max_tokens=v), "kv.max_tokens", 10**12),
+        (lambda v: schema.RegistryFitCfg(context=v), "registry.fit.context", 10**12),
+    ],
+)
+def test_sizes_and_token_counts_beyond_any_machine_are_refused(make, key: str, value: float) -> None:
+    with pytest.raises(
+        InputError,
+        match=rf"^{re.escape(key)}={re.escape(repr(value))} is out of range; it must be at most \d+ \(",
+    ):
+        make(value)
+
+
+def test_a_huge_size_is_one_line_and_exit_2(tmp_path) -> None:
+    from cli_util import run_cli
+
+    res = run_cli("command=registry_fit", "model.name=x", "io.shard_gb=1e300", tmp=tmp_path)
+    assert res.returncode == 2 and res.stderr.startswith("error: io.shard_gb=1e+300 is out of range"), (
+        res.stderr
+    )
+    assert res.stderr.count("\n") == 1

@@ -494,7 +494,8 @@ def _interactions(
     quantized model, solve with the rescaled costs, keep the new plan when its KL is lower.
     ``fixed``: the unmeasured modules' settings as written (None where the group does not fit)."""
     first, done, spent = sol, [], in_model.forwards
-    progress = Progress(total=rounds * decisions, unit="steps", desc="interactions", heartbeat=True)
+    # The ETA runs to the end of the current round: a round that keeps nothing is the last one.
+    progress = Progress(total=decisions, unit="steps", desc="interactions", heartbeat=True)
     try:
         kl = in_model.set({**fixed, **_chosen(prob, sol)})
         kl_before = kl
@@ -529,10 +530,13 @@ def _rounds(
     rounds: int,
 ) -> tuple[Solution, float]:
     """Up to ``rounds`` rounds from ``sol`` (model KL ``kl``); each is appended to ``done``."""
-    for _ in range(rounds):
-        steps = _measured(
-            prob, near_threshold(prob.options, sol.choice, prob.paths, decisions), in_model, kl, progress
+    for r in range(rounds):
+        near = near_threshold(prob.options, sol.choice, prob.paths, decisions)
+        progress.total, progress.desc = (
+            progress.done + len(near),
+            f"interactions (round {r + 1} of at most {rounds})",
         )
+        steps = _measured(prob, near, in_model, kl, progress)
         tried: list[float] = []
         for costs in (scaled_costs, measured_only):
             new = solver(_Problem(prob.paths, costs(prob.options, sol.choice, steps), prob.fixed))

@@ -103,6 +103,13 @@ def reusable(out: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], list[
     return record.get("quantization", {}), sorted(p.name for p in out.glob("model*.safetensors"))
 
 
+def written_files(out: Path) -> list[Path]:
+    """What the conversion in ``out`` wrote: the files its record lists, and the record (a file
+    someone added to ``out`` later is not among them)."""
+    record = read_json_object(out / MARKER) or {}
+    return [out / name for name in sorted(record.get("files") or {})] + [out / MARKER]
+
+
 def write_record(
     d: Path, identity: dict[str, Any], quantization: dict[str, Any] | None, *, known: dict[str, str]
 ) -> None:

@@ -22,7 +22,7 @@ import peewee as pw
 from playhouse.db_url import connect as url_connect
 from playhouse.migrate import SchemaMigrator, migrate
 
-from mlxbun.errors import InputError
+from mlxbun.errors import EnvironmentFailure, InputError
 
 log = logging.getLogger("mlxbun")
 db = pw.DatabaseProxy()
@@ -187,12 +187,26 @@ def open_db(*, url: str | None = None, path: str | Path | None = None) -> pw.Dat
     target = (url or None, None if url else str(Path(os.path.expanduser(str(path or DEFAULT_DB)))))
     if _target == target and db.obj is not None:
         return db.obj
-    database = _connect(url=target[0], path=target[1])
-    db.initialize(database)
-    _connect_retrying(database)
-    upgrade_schema(database)
+    try:
+        database = _connect(url=target[0], path=target[1])
+        db.initialize(database)
+        _connect_retrying(database)
+        upgrade_schema(database)
+    except pw.DatabaseError as e:
+        where = f"registry.url={url!r}" if url else f"registry.path={str(path or DEFAULT_DB)!r}"
+        raise EnvironmentFailure(
+            f"{where}: not a usable registry database ({_root_cause(e)}); point it at a database"
+            " file mlxbun may create, or repair or remove this one"
+        ) from e
     _target = target
     return database
+
+
+def _root_cause(e: BaseException) -> str:
+    """The first database error of a chain (sqlite's "disk I/O error", not peewee's failed rollback)."""
+    while type(e.__context__).__module__.split(".")[0] in ("peewee", "sqlite3", "psycopg2"):
+        e = e.__context__
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
 def _connect_retrying(database: pw.Database) -> None:

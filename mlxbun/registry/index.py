@@ -79,7 +79,10 @@ def local_candidates(paths: Iterable[str | os.PathLike]) -> list[Candidate]:
             out.append(Candidate(root, "local", root, os.path.basename(root)))
             continue
         try:
-            subs = sorted(e.path for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+            warn = lambda p, w: log.warning("registry: %s: %s", p, w)  # noqa: E731
+            subs = sorted(
+                e.path for e in os.scandir(root) if not e.name.startswith(".") and hub.is_dir(e, warn)
+            )
         except OSError:
             log.warning("registry: registry.paths entry %s is not a directory; skipped", root)
             continue

@@ -10,7 +10,7 @@ from typing import Any
 import peewee as pw
 
 from mlxbun import hub
-from mlxbun.errors import InputError
+from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.registry.database import GB, ModelRecord, column_max, require_db
 from mlxbun.registry.index import scan
 
@@ -133,6 +133,7 @@ def resolve(
     exact = exact or [r for r in usable if query.lower() in ((r.repo_id or "").lower(), r.name.lower())]
     hits = canonical(exact)
     if not hits:
+        _refuse_broken_exact(query, key=key)  # an exact name never falls back to a fuzzy match
         q = query.lower()
         fuzzy = [
             r for r in usable if not r.is_drafter and (q in (r.repo_id or "").lower() or q in r.name.lower())
@@ -145,6 +146,20 @@ def resolve(
         shown = ", ".join(names[:12]) + (f" (+{len(names) - 12} more)" if len(names) > 12 else "")
         raise InputError(f"{key}={query!r} matches {len(hits)} models: {shown}; name one exactly")
     raise InputError(_not_found(query, key=key, hub_cache=hub_cache))
+
+
+def _refuse_broken_exact(query: str, *, key: str) -> None:
+    """Raise naming what is wrong when ``query`` is exactly the repo id or name of models that
+    could not be read (each row's warning says why)."""
+    broken = [r for r in _alive(ModelRecord.select().where(ModelRecord.warning.is_null(False)))]
+    q = query.lower()
+    exact = [r for r in broken if q in ((r.repo_id or "").lower(), r.name.lower()) or query == r.path]
+    if exact:
+        r = canonical(exact)[0]
+        raise EnvironmentFailure(
+            f"{key}={query!r} is {r.path}, which cannot be used: {r.warning}; repair or re-download it"
+            " (an exact name never falls back to another model)"
+        )
 
 
 def _not_found(query: str, *, key: str, hub_cache: Any) -> str:

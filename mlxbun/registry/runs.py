@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import platform
+import sqlite3
 from typing import Any
 
+import peewee as pw
+
 from mlxbun.registry.database import RunRecord, utcnow, write_txn
+
+log = logging.getLogger("mlxbun")
+# What reading one row can raise: sqlite3's own error escapes peewee while rows are iterated.
+ROW_ERRORS = (pw.DatabaseError, sqlite3.DatabaseError, ValueError)
 
 
 def record_run_start(
@@ -40,6 +48,9 @@ def record_run_end(
 def list_runs(
     *, command: str | None = None, recipe: str | None = None, status: str | None = None, limit: int = 50
 ) -> list[dict[str, Any]]:
+    """The newest runs, newest first. A row that cannot be read (metrics that are not JSON, a
+    timestamp that is not one, text that is not UTF-8) is listed as ``{"id", "malformed": why}``
+    and warned about; the others are listed as usual."""
     q = RunRecord.select().order_by(RunRecord.id.desc()).limit(limit)
     if command:
         q = q.where(RunRecord.command == command)
@@ -47,4 +58,28 @@ def list_runs(
         q = q.where(RunRecord.recipe == recipe)
     if status:
         q = q.where(RunRecord.status == status)
-    return [r.to_dict() for r in q]
+    try:
+        rows: list[Any] = list(q)
+    except ROW_ERRORS:  # sqlite fails the whole fetch on one non-UTF-8 text
+        rows = [_fetch(row.id) for row in q.columns(RunRecord.id)]
+    return [_as_dict(r) for r in rows]
+
+
+def _fetch(run_id: int) -> Any:
+    try:
+        return RunRecord.get_by_id(run_id)
+    except ROW_ERRORS as e:
+        return (run_id, e)
+
+
+def _as_dict(row: Any) -> dict[str, Any]:
+    """``row.to_dict()``, or ``{"id", "malformed"}`` naming why it cannot be read (a warning)."""
+    try:
+        if isinstance(row, tuple):
+            raise row[1]
+        return row.to_dict()
+    except (*ROW_ERRORS, TypeError, AttributeError) as e:
+        run_id = row[0] if isinstance(row, tuple) else row.id
+        why = f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
+        log.warning("runs: row %d of the registry is malformed (%s); listed as such", run_id, why)
+        return {"id": run_id, "malformed": why}
