@@ -40,6 +40,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sensitivity_merge": ("mlxbun.quant.sensitivity_merge", "combine sharded sensitivity runs"),
     "allocate": ("mlxbun.quant.allocate", "per-layer bits under a true size budget -> plan.json"),
     "rotate": ("mlxbun.rotate", "fold a seeded randomized Hadamard R1 into a checkpoint"),
+    "eval": ("mlxbun.eval", "KL-divergence statistics of quantized candidates against a reference"),
     "kv_save": ("mlxbun.kv.commands:save", "prefill a prompt and persist its KV cache"),
     "kv_generate": ("mlxbun.kv.commands:generate", "restore the best cached prefix and generate"),
     "kv_ls": ("mlxbun.kv.commands:ls", "list stored KV snapshots"),

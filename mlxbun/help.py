@@ -26,6 +26,7 @@ SECTIONS: dict[str, tuple[str, ...]] = {
     "sensitivity_merge": ("sensitivity",),
     "allocate": ("model", "allocate", "quant", "io"),
     "rotate": ("model", "fold", "io"),
+    "eval": ("model", "eval", "registry"),
     "kv_save": ("model", "kv"),
     "kv_generate": ("model", "kv"),
     "kv_ls": ("kv",),
