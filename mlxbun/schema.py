@@ -465,11 +465,17 @@ class RunsCfg:
     limit: int = 50
     # For command=verify: the run directory whose outputs are re-hashed against its manifest.
     dir: str | None = None
+    # With runs.command=eval: one row per evaluated candidate, best mean KLD first, only those at
+    # most this many GiB on disk (None: any size) ...
+    max_gb: float | None = None
+    # ... and only runs whose reference (model.name's directory) contains this text.
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.status is not None:
             choose("runs.status", self.status, RUN_STATUSES)
         positive("runs.limit", self.limit)
+        positive("runs.max_gb", self.max_gb)
         at_most("runs.limit", self.limit, MAX_RUNS_LIMIT)
 
 

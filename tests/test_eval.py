@@ -155,9 +155,13 @@ def test_cli_table_json_and_registry(pair, tmp_path: Path) -> None:
     assert res2.returncode == 0, res2.stderr
     assert json.loads(res2.stdout)["result"]["reference"]["cache_hit"] is True
     assert "eval reference" not in res2.stderr  # no reference forward the second time
-    runs = json.loads(run_cli("command=runs", "runs.command=eval", "json=true", tmp=tmp_path).stdout)
-    rows = [c for r in runs for c in r["metrics"]["candidates"]]
-    assert {r["kld_mean"] for r in rows} == {doc["candidates"][0]["kld_mean"]} and rows[0]["bytes"] > 0
+    size = doc["candidates"][0]["bytes"]
+    best = ["command=runs", "runs.command=eval", f"runs.model={ref.name}", "json=true"]
+    rows = json.loads(run_cli(*best, f"runs.max_gb={size / 2**30}", tmp=tmp_path).stdout)
+    assert [r["kld_mean"] for r in rows] == [doc["candidates"][0]["kld_mean"]] * 2 and rows[0]["bytes"] == size
+    assert json.loads(run_cli(*best, f"runs.max_gb={(size - 1) / 2**30}", tmp=tmp_path).stdout) == []
+    table = run_cli("command=runs", "runs.command=eval", tmp=tmp_path).stdout
+    assert "KLD mean" in table and str(q3) in table
 
 
 @pytest.mark.parametrize("case", ["missing", "vocab", "short", "tokens0", "tokenizer"])
