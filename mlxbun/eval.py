@@ -299,7 +299,7 @@ def evaluate(
     tokens: int = 8192,
     seq_len: int = 512,
     seed: int = 0,
-    top_k: int = 256,
+    top_k: int = 1024,
     batch_size: int = 4,
     cache: Path,
     allow_overlap: bool = False,
@@ -432,7 +432,9 @@ def run(cfg: Any) -> Any:
     atomic_write_bytes(out_png, plot_png(doc))
     metrics = {"reference": str(ref_dir), "reference_cache_hit": doc["reference"]["cache_hit"],
                "candidates": [_metric_row(r) for r in doc["candidates"]]}  # fmt: skip
-    msg = json.dumps(doc, indent=2, sort_keys=True) if cfg.json else f"{table(doc)}\n-> {out_json}"
+    bound = max(r["kld_bound"] for r in doc["candidates"])
+    note = f"reference: top-{doc['top_k']} log-probs + tail mass; each mean KLD is low by at most {bound:.2g}"
+    msg = json.dumps(doc, indent=2, sort_keys=True) if cfg.json else f"{table(doc)}\n{note}\n-> {out_json}"
     inputs = [ref_dir, *(c.path for c in cands)] + ([expand(e.text)] if e.text else [])
     return RunResult(outputs=[out_json, out_png], inputs=inputs, metrics=metrics, message=msg)
 

@@ -83,9 +83,11 @@ def kl_from_stats(stats: tuple[np.ndarray, np.ndarray], logits: Any) -> np.ndarr
 #     KLD_K = sum_{i in top K} p_i log(p_i / q_i) + P log(P / Q)
 #
 # Merging the tail into one outcome can only lose information (log-sum inequality), so
-#     0 <= KLD - KLD_K = P * KL(p_tail / P || q_tail / Q) <= P * log((p_K / P) / (q_min / Q)) = bound
-# where p_K is the K-th largest reference probability (no tail entry is larger) and q_min the
-# candidate's smallest tail probability. The bound is computed per token; K >= vocab makes it 0.
+#     0 <= KLD - KLD_K = P * KL(p_tail / P || q_tail / Q) <= P * max KL(r || q_tail / Q) = bound
+# the max over every r the record allows: no tail entry of p is above p_K (the K-th largest), so
+# r_i <= c = p_K / P. KL is convex in r, so the max is at a vertex: mass c on each of the
+# candidate's smallest tail probabilities in turn, the remainder on the next. The bound is exact
+# for what the record keeps (some reference tail reaches it), computed per token; K >= vocab makes it 0.
 
 
 def top_k(logp: np.ndarray, targets: np.ndarray, *, k: int) -> dict[str, np.ndarray]:
@@ -130,10 +132,7 @@ def token_stats(
     mass = np.where(has_tail, np.exp(ref["tail"]), 0.0)
     with np.errstate(invalid="ignore"):
         kld += np.where(has_tail, mass * (ref["tail"] - cur_tail), 0.0)
-        rest = cur_logp.copy()
-        np.put_along_axis(rest, ref["idx"], np.inf, axis=-1)
-        spread = (ref["logp"][:, -1] - ref["tail"]) - (rest.min(axis=-1) - cur_tail)
-        bound = np.where(has_tail, mass * np.maximum(spread, 0.0), 0.0)
+    bound = mass * _worst_tail(ref, cur_logp, cur_tail) if has_tail.any() else np.zeros(len(kld))
     cur_target = cur_logp[rows, targets]
     return {
         "kld": kld,
@@ -143,6 +142,23 @@ def token_stats(
         "nll_ref": -ref["target"],
         "nll_cur": -cur_target,
     }
+
+
+def _worst_tail(ref: dict[str, np.ndarray], cur_logp: np.ndarray, cur_tail: np.ndarray) -> np.ndarray:
+    """Per row, the largest KL(r || q_tail / Q) over tail distributions r with every r_i <= p_K / P."""
+    rest = cur_logp.copy()
+    np.put_along_axis(rest, ref["idx"], np.inf, axis=-1)
+    n_tail = rest.shape[1] - ref["idx"].shape[1]
+    share = np.minimum(np.exp(ref["logp"][:, -1] - ref["tail"]), 1.0)  # c = p_K / P
+    full = np.minimum(np.floor(1.0 / share), n_tail).astype(np.int64)  # tokens at mass c
+    m = int(min(full.max() + 1, n_tail))
+    small = np.sort(np.partition(rest, m - 1, axis=-1)[:, :m], axis=-1) - cur_tail[:, None]  # log q_hat
+    j = np.arange(m)[None, :]
+    w = np.where(j < full[:, None], share[:, None], 0.0)
+    w = np.where(j == full[:, None], np.maximum(1.0 - full * share, 0.0)[:, None], w)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        terms = np.where(w > 0, w * (np.log(w) - small), 0.0)
+    return np.maximum(terms.sum(axis=-1), 0.0)
 
 
 PERCENTILES = (50.0, 90.0, 95.0, 99.0, 99.9)

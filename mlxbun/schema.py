@@ -492,7 +492,7 @@ class EvalCfg:
     # Picks the windows from the text.
     seed: int = 0
     # Reference log-probs kept per token (plus the tail mass); the KL this misses is bounded and reported.
-    top_k: int = 256
+    top_k: int = 1024
     # Windows per forward.
     batch_size: int = 4
     # true: evaluate a candidate whose calibration tokens share spans with the text (with a warning).
