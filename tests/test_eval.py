@@ -158,7 +158,9 @@ def test_cli_table_json_and_registry(pair, tmp_path: Path) -> None:
     size = doc["candidates"][0]["bytes"]
     best = ["command=runs", "runs.command=eval", f"runs.model={ref.name}", "json=true"]
     rows = json.loads(run_cli(*best, f"runs.max_gb={size / 2**30}", tmp=tmp_path).stdout)
-    assert [r["kld_mean"] for r in rows] == [doc["candidates"][0]["kld_mean"]] * 2 and rows[0]["bytes"] == size
+    assert [r["kld_mean"] for r in rows] == [doc["candidates"][0]["kld_mean"]] * 2 and rows[0][
+        "bytes"
+    ] == size
     assert json.loads(run_cli(*best, f"runs.max_gb={(size - 1) / 2**30}", tmp=tmp_path).stdout) == []
     table = run_cli("command=runs", "runs.command=eval", tmp=tmp_path).stdout
     assert "KLD mean" in table and str(q3) in table
@@ -192,3 +194,17 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case: str, pair, tiny_mode
     assert len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*"))
     assert not (tmp_path / "cache" / "eval").exists()
+
+
+def test_top_k_bound_is_reached_by_a_reference_tail_the_record_allows() -> None:
+    # top 3 = 0.5, 0.2, 0.1; the tail (mass 0.2) sits on the candidate's two least likely tokens at
+    # p_K = 0.1 each, which is the worst case the record allows: the bound is the KL missed.
+    q = np.log(np.array([[0.3, 0.2, 0.1, 0.05, 0.15, 0.002, 0.1, 0.001, 0.047, 0.05]]))
+    p = np.full(10, 1e-15)
+    p[[0, 1, 2, 5, 7]] = [0.5, 0.2, 0.1, 0.1, 0.1]
+    ref = np.log(p / p.sum())[None]
+    targets = np.array([0])
+    s = kl.token_stats(kl.top_k(ref, targets, k=3), q, targets)
+    full = (np.exp(ref) * (ref - q)).sum(-1)
+    assert full - s["kld"] == pytest.approx(s["bound"], rel=1e-6)
+    assert s["bound"][0] > 0.1
