@@ -37,6 +37,7 @@ import io
 import json
 import logging
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -250,8 +251,11 @@ def reference(ref_dir: Path, text: Text, *, top_k: int, cache: Path, batch_size:
     if path.is_file():
         try:
             with np.load(path) as z:
-                return {k: z[k] for k in z.files}, True
-        except (OSError, ValueError) as e:
+                rec = {k: z[k] for k in z.files}
+            if len(rec["target"]) == text.windows.shape[0] * (text.windows.shape[1] - 1):
+                return rec, True
+            log.warning("eval: the cached reference %s has the wrong length; computing it again", path)
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
             log.warning("eval: the cached reference %s is unreadable (%s); computing it again", path, e)
     model, _, _ = load_model(ref_dir)
     parts = [kl.top_k(logp, t, k=top_k) for logp, t in forward_rows(model, text, batch_size=batch_size,

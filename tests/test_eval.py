@@ -208,3 +208,15 @@ def test_top_k_bound_is_reached_by_a_reference_tail_the_record_allows() -> None:
     full = (np.exp(ref) * (ref - q)).sum(-1)
     assert full - s["kld"] == pytest.approx(s["bound"], rel=1e-6)
     assert s["bound"][0] > 0.1
+
+
+def test_a_corrupt_cached_reference_is_computed_again(pair, tmp_path: Path, caplog) -> None:
+    ref, q3 = pair
+    kw = dict(ref_dir=ref, candidates=[ev.Candidate("q3", q3)], tokens=SEQ, seq_len=SEQ, top_k=16,
+              cache=tmp_path / "cache")  # fmt: skip
+    first = ev.evaluate(**kw)
+    (cached,) = (tmp_path / "cache" / "eval").glob("*/reference.npz")
+    cached.write_bytes(cached.read_bytes()[:100])
+    again = ev.evaluate(**kw)
+    assert not again["reference"]["cache_hit"] and "unreadable" in caplog.text
+    assert ev._stable(first) == ev._stable(again)
