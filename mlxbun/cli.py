@@ -41,6 +41,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sensitivity_merge": ("mlxbun.quant.sensitivity_merge", "combine sharded sensitivity runs"),
     "allocate": ("mlxbun.quant.allocate", "per-layer bits under a true size budget -> plan.json"),
     "rotate": ("mlxbun.rotate", "fold a seeded randomized Hadamard R1 into a checkpoint"),
+    "eval": ("mlxbun.eval", "KL-divergence statistics of quantized candidates against a reference"),
     "kv_save": ("mlxbun.kv.commands:save", "prefill a prompt and persist its KV cache"),
     "kv_generate": ("mlxbun.kv.commands:generate", "restore the best cached prefix and generate"),
     "kv_ls": ("mlxbun.kv.commands:ls", "list stored KV snapshots"),
@@ -138,6 +139,8 @@ def run_runs(cfg: Any) -> Any:
     from mlxbun import registry  # deferred: peewee and the hub scanner only for this command
 
     registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
+    if cfg.runs.command == "eval":
+        return _eval_runs(cfg, registry)
     rows = registry.list_runs(
         command=cfg.runs.command, recipe=cfg.runs.recipe, status=cfg.runs.status, limit=cfg.runs.limit
     )
@@ -154,6 +157,21 @@ def _run_line(r: dict[str, Any]) -> str:
         f"{r['id']:>5}  {r['command']:<18} {str(r['recipe'] or '-'):<22} {r['status']:<8} "
         f"{(r['duration_s'] or 0):>8.1f}  {r['output_dir']}"
     )
+
+
+def _eval_runs(cfg: Any, registry: Any) -> Any:
+    """runs.command=eval: a row per evaluated candidate, best mean KLD first (runs.max_gb, runs.model)."""
+    max_bytes = None if cfg.runs.max_gb is None else int(cfg.runs.max_gb * 2**30)
+    rows = registry.eval_results(reference=cfg.runs.model, max_bytes=max_bytes, limit=cfg.runs.limit)
+    if cfg.json:
+        return RunResult(message=json.dumps(rows, indent=2, sort_keys=True))
+    head = f"{'run':>5}  {'KLD mean':>10} {'99.9%':>9} {'GiB':>8} {'bpw':>6}  candidate  (reference)"
+    lines = [head] + [
+        f"{r['run']:>5}  {r['kld_mean']:>10.5f} {r['kld_p99_9']:>9.4f} {r['bytes'] / 2**30:>8.3f} {r['bpw']:>6.3f}"
+        f"  {r['name']}  ({r['reference']})"
+        for r in rows
+    ]
+    return RunResult(message="\n".join(lines))
 
 
 # Launcher plugin (as named in a Hydra "Could not load 'hydra/launcher/<x>'" error) -> extra.

@@ -509,12 +509,48 @@ class RunsCfg:
     limit: int = 50
     # For command=verify: the run directory whose outputs are re-hashed against its manifest.
     dir: str | None = None
+    # With runs.command=eval: one row per evaluated candidate, best mean KLD first, only those at
+    # most this many GiB on disk (None: any size) ...
+    max_gb: float | None = None
+    # ... and only runs whose reference (model.name's directory) contains this text.
+    model: str | None = None
 
     def __post_init__(self) -> None:
         if self.status is not None:
             choose("runs.status", self.status, RUN_STATUSES)
         positive("runs.limit", self.limit)
+        positive("runs.max_gb", self.max_gb)
         at_most("runs.limit", self.limit, MAX_RUNS_LIMIT)
+
+
+@dataclass
+class EvalCfg:
+    # Models compared with model.name: directories or registry names (anything mlx_lm.load opens).
+    candidates: list[str] = field(default_factory=list)
+    # A text file to evaluate on; None: the built-in held-out text mlxbun/data/heldout.txt.
+    text: str | None = None
+    # Tokens evaluated (rounded up to whole windows of seq_len), in disjoint windows drawn by seed.
+    tokens: int = 8192
+    # Tokens per window (a forward's length; each window scores seq_len - 1 next-token predictions).
+    seq_len: int = 512
+    # Picks the windows from the text.
+    seed: int = 0
+    # Reference log-probs kept per token (plus the tail mass); the KL this misses is bounded and reported.
+    top_k: int = 1024
+    # Windows per forward.
+    batch_size: int = 4
+    # true: evaluate a candidate whose calibration tokens share spans with the text (with a warning).
+    allow_overlap: bool = False
+
+    def __post_init__(self) -> None:
+        positive("eval.tokens", self.tokens)
+        positive("eval.seq_len", self.seq_len)
+        if self.seq_len < 2:
+            raise InputError(
+                f"eval.seq_len={self.seq_len} is out of range; it must be >= 2 (one token predicts none)"
+            )
+        positive("eval.top_k", self.top_k)
+        positive("eval.batch_size", self.batch_size)
 
 
 @dataclass
@@ -547,6 +583,7 @@ class Config:
     registry: RegistryCfg = field(default_factory=RegistryCfg)
     runs: RunsCfg = field(default_factory=RunsCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
     # true: list the chosen command's keys (type, default, comment) instead of running it.
     help: bool = False
 
@@ -558,6 +595,7 @@ def check_config(cfg: Config) -> None:
     """Rules that span sections: seeds, keys another key makes meaningless, absolute bounds."""
     seeds = {"seed": cfg.seed, "fold.seed": cfg.fold.seed, "synth.seed": cfg.synth.seed}
     seeds["sensitivity.calib.seed"] = cfg.sensitivity.calib.seed
+    seeds["eval.seed"] = cfg.eval.seed
     for key, value in seeds.items():
         positive(key, value, allow_zero=True)
     positive("allocate.budget_bpw", cfg.allocate.budget_bpw)
@@ -617,6 +655,7 @@ READS: dict[str, tuple[str, ...]] = {
         "sensitivity.batch_size",
     ),  # fmt: skip
     "rotate": (*MODEL_KEYS, "fold", "io"),
+    "eval": (*MODEL_KEYS, "eval", "registry"),
     "kv_save": (*MODEL_KEYS, "kv"),
     "kv_generate": (*MODEL_KEYS, "kv"),
     "kv_ls": ("kv",),

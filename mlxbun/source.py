@@ -43,14 +43,19 @@ def model_dir(cfg: Any) -> Path:
         raise InputError(
             "model.name is not set; pass model.name=<dir | registry name | org/repo> or model.synthetic=true"
         )
+    return named_dir(name, reg=cfg.registry)
+
+
+def named_dir(name: str, *, reg: Any, key: str = "model.name") -> Path:
+    """A model directory from a path, a registry name or an HF repo id (``reg``: the registry config)."""
     path = expand(name)
     if path.is_dir():
         return path.resolve()
     if path.exists():
-        raise InputError(f"model.name={name!r} is a file; pass the model directory that holds it")
+        raise InputError(f"{key}={name!r} is a file; pass the model directory that holds it")
 
-    registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
-    return registry.resolve(name, hub_cache=cfg.registry.hub_cache, paths=cfg.registry.paths)
+    registry.open_db(url=reg.url, path=reg.path)
+    return registry.resolve(name, key=key, hub_cache=reg.hub_cache, paths=reg.paths)
 
 
 def model_source(cfg: Any) -> Any:

@@ -45,7 +45,7 @@ from mlxbun.registry.index import (
 )
 from mlxbun.registry.memory import FitReport, fit, fit_record, kv_cache_bytes
 from mlxbun.registry.query import canonical, ls, resolve
-from mlxbun.registry.runs import list_runs, record_run_end, record_run_start
+from mlxbun.registry.runs import eval_results, list_runs, record_run_end, record_run_start
 from mlxbun.registry.table import format_fit, format_table
 
 __all__ = [
@@ -55,6 +55,6 @@ __all__ = [
     "run_candidates", "scan", "storable",
     "FitReport", "fit", "fit_record", "kv_cache_bytes",
     "canonical", "ls", "resolve",
-    "list_runs", "record_run_end", "record_run_start",
+    "eval_results", "list_runs", "record_run_end", "record_run_start",
     "format_fit", "format_table",
 ]  # fmt: skip

@@ -83,3 +83,27 @@ def _as_dict(row: Any) -> dict[str, Any]:
         why = f"{type(e).__name__}: {' '.join(str(e).split())[:120]}"
         log.warning("runs: row %d of the registry is malformed (%s); listed as such", run_id, why)
         return {"id": run_id, "malformed": why}
+
+
+def eval_results(
+    *, reference: str | None = None, max_bytes: int | None = None, limit: int = 50
+) -> list[dict[str, Any]]:
+    """One row per candidate of every finished ``eval`` run, best mean KLD first.
+
+    Args:
+        reference: only runs whose reference path contains this text.
+        max_bytes: only candidates at most this many bytes on disk.
+
+    Example:
+        >>> eval_results(reference="Qwen3-8B", max_bytes=4 << 30)[0]["name"]   # best KLD under 4 GiB
+    """
+    q = RunRecord.select().where((RunRecord.command == "eval") & (RunRecord.status == "ok"))
+    rows = []
+    for rec in q.order_by(RunRecord.id.desc()):
+        m = json.loads(rec.metrics or "{}")
+        if reference and reference not in str(m.get("reference", "")):
+            continue
+        for c in m.get("candidates", []):
+            if max_bytes is None or c["bytes"] <= max_bytes:
+                rows.append({"run": rec.id, "reference": m.get("reference"), **c})
+    return sorted(rows, key=lambda r: r["kld_mean"])[:limit]
