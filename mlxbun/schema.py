@@ -421,6 +421,8 @@ class KvCfg:
     strict: bool = False
     # kv_import: the mlx-lm prompt-cache file to bring in; kv_export: the file to write.
     file: str | None = None
+    # kv_export: replace an existing kv.file (never one inside the store or a model directory).
+    overwrite: bool = False
 
     def __post_init__(self) -> None:
         choose("kv.layout", self.layout, ("snapshot", "blocks"))

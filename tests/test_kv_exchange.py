@@ -132,3 +132,38 @@ def test_cli_import_of_mlx_lm_cache_prompt_and_export(loaded, tmp_path):
     snap = tmp_path / "kv/snapshots/sys.safetensors"
     cache, meta = load_prompt_cache(str(snap), return_metadata=True)
     assert meta["model"] == "" and len(cache) == len(make_prompt_cache(loaded.model))
+
+
+def test_export_never_overwrites_a_model_the_store_or_an_existing_file(loaded, tmp_path):
+    from mlxbun.kv.export import check_target
+
+    store = Store(tmp_path / "kv", block_kib=4)
+    commands.save_prompt(store, loaded, name="sys", text=PROMPT, layout="snapshot")
+    snap = store.root / "snapshots" / "sys.safetensors"
+    weights = loaded.path / "model.safetensors"
+    before = {p: p.read_bytes() for p in (snap, weights)}
+    for target, why in ((snap, "inside the KV store"), (weights, "inside the model directory")):
+        for overwrite in (False, True):
+            with pytest.raises(InputError, match=why):
+                check_target(target, store_root=store.root, overwrite=overwrite)
+    other = tmp_path / "mine.safetensors"
+    other.write_bytes(b"keep")
+    with pytest.raises(InputError, match="kv.overwrite=true"):
+        check_target(other, store_root=store.root, overwrite=False)
+    check_target(other, store_root=store.root, overwrite=True)
+    check_target(tmp_path / "new.safetensors", store_root=store.root, overwrite=False)
+    assert {p: p.read_bytes() for p in before} == before and other.read_bytes() == b"keep"
+
+
+def test_cli_export_refuses_an_existing_file_and_writes_nothing(loaded, tmp_path):
+    kv = [f"kv.store={tmp_path / 'kv'}", f"model.name={loaded.path}"]
+    r = run_cli("command=kv_save", "kv.name=sys", f"kv.prompt={json.dumps(PROMPT)}", *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"keep")
+    r = run_cli("command=kv_export", "kv.name=sys", f"kv.file={out}", *kv, tmp=tmp_path)
+    assert r.returncode == 2 and "kv.overwrite=true" in r.stderr and out.read_bytes() == b"keep"
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = run_cli("command=kv_export", "kv.name=sys", f"kv.file={out}", "kv.overwrite=true", *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert load_prompt_cache(str(out)) is not None

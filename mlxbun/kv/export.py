@@ -47,6 +47,30 @@ def export(store: Any, name: str, path: Path, *, model_name: str | None = None) 
     return {"tokens": len(restored.tokens), "model": ref, "bytes": path.stat().st_size}
 
 
+MODEL_FILES = ("config.json", "model.safetensors.index.json")  # a directory holding one is a model's
+
+
+def check_target(path: Path, *, store_root: Path, overwrite: bool) -> None:
+    """Refuse a ``kv.file`` that would destroy something: a file inside the KV store or a model
+    directory (never, even with ``kv.overwrite``), or any existing file unless ``overwrite``."""
+    where = path.resolve()
+    if where.is_relative_to(store_root.resolve()):
+        raise InputError(
+            f"kv.file={str(path)!r} is inside the KV store {str(store_root)!r}; write outside it"
+        )
+    model_dir = next((d for d in where.parents if any((d / f).is_file() for f in MODEL_FILES)), None)
+    if model_dir is not None:
+        raise InputError(
+            f"kv.file={str(path)!r} is inside the model directory {str(model_dir)!r}; write outside it"
+        )
+    if (path.exists() or path.is_symlink()) and not overwrite:
+        raise InputError(
+            f"kv.file={str(path)!r} exists; choose a new file, or pass kv.overwrite=true to replace it"
+        )
+    if path.exists() and not path.is_file():
+        raise InputError(f"kv.file={str(path)!r} exists and is not a regular file")
+
+
 def run(cfg: Any) -> Any:
     """command=kv_export: kv.name -> kv.file (a plain mlx-lm prompt-cache file)."""
 
@@ -61,6 +85,7 @@ def run(cfg: Any) -> Any:
     if not path.parent.is_dir():
         raise InputError(f"kv.file={cfg.kv.file!r}: directory {str(path.parent)!r} does not exist")
     store = store_of(cfg)
+    check_target(path, store_root=store.root, overwrite=cfg.kv.overwrite)
     store.path_of(cfg.kv.name)
     done = export(store, cfg.kv.name, path, model_name=cfg.model.name)
     note = "" if done["model"] else "; no model reference stored: pass --model to mlx_lm generate"
