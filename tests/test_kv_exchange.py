@@ -115,7 +115,7 @@ def test_cli_import_of_mlx_lm_cache_prompt_and_export(loaded, tmp_path):
         tmp=tmp_path,
     )
     assert r.returncode == 0, r.stderr
-    assert "imported" in r.stdout and "last token recomputed within" in r.stdout
+    assert "imported" in r.stdout and "positions recomputed in every layer within" in r.stdout
     r = run_cli("command=kv_import", "kv.name=x", f"kv.file={src}", "kv.prompt=short", *kv, tmp=tmp_path)
     assert r.returncode == 2 and "but the prompt encodes to" in r.stderr
     out = tmp_path / "out.safetensors"
@@ -167,3 +167,41 @@ def test_cli_export_refuses_an_existing_file_and_writes_nothing(loaded, tmp_path
     r = run_cli("command=kv_export", "kv.name=sys", f"kv.file={out}", "kv.overwrite=true", *kv, tmp=tmp_path)
     assert r.returncode == 0, r.stderr
     assert load_prompt_cache(str(out)) is not None
+
+
+def _spoiled(src, out, spoil) -> None:
+    """``src`` rewritten as ``out`` with ``spoil(layer, name, array) -> array`` applied to each tensor."""
+    arrays, meta = mx.load(str(src), return_metadata=True)
+    mx.save_safetensors(str(out), {k: spoil(k, v) for k, v in arrays.items()}, meta)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_import_refuses_non_finite_caches(loaded, tmp_path, value):
+    src, bad = tmp_path / "sys.safetensors", tmp_path / "bad.safetensors"
+    toks = cached(loaded, PROMPT, src)
+    _spoiled(
+        src, bad, lambda k, v: v.at[:, :, 3].add(value) if k.endswith("1") else v
+    )  # one layer, one token
+    cache, _ = imp.read_prompt_cache(bad)
+    with pytest.raises(InputError, match="non-finite values"):
+        imp.check_finite(cache, len(toks), path=bad)
+
+
+def test_import_refuses_a_zeroed_last_layer(loaded, tmp_path):
+    src, bad = tmp_path / "sys.safetensors", tmp_path / "bad.safetensors"
+    toks = cached(loaded, PROMPT, src)
+    last = max(int(k.split(".")[0]) for k in mx.load(str(src)))  # "<layer>.<0 keys, 1 values, 2 offset>"
+    _spoiled(src, bad, lambda k, v: mx.zeros_like(v) if k.startswith(f"{last}.") and v.ndim == 4 else v)
+    with pytest.raises(DriftError, match=f"in layer {last}\\."):
+        imp.recompute_check(loaded, imp.read_prompt_cache(bad)[0], toks, path=bad)
+
+
+def test_import_refuses_a_cache_of_another_prompt_of_the_same_length_and_last_token(loaded, tmp_path):
+    src = tmp_path / "sys.safetensors"
+    toks = cached(loaded, PROMPT, src)
+    p = imp.sample_positions(len(toks))[len(imp.sample_positions(len(toks))) // 2]  # a middle one
+    claimed = list(toks)
+    claimed[p] = (toks[p] + 11) % 500  # "little dog" for "little cat": one word apart
+    assert claimed[-1] == toks[-1] and len(claimed) == len(toks)
+    with pytest.raises(DriftError, match=f"recomputing token {p} "):
+        imp.recompute_check(loaded, imp.read_prompt_cache(src)[0], claimed, path=src)

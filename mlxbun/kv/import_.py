@@ -8,9 +8,10 @@ mlx-lm's file holds no token ids, so the prompt it cached is given again (``kv.p
 ``kv.prompt_file``) and tokenized as ``cache_prompt`` does (through the chat template when the
 tokenizer has one). The import is checked before anything is stored: cache classes on the
 allow-list, one cache per model layer, the cache length equal to the prompt's token count, and
-(``kv.verify=true``) the last prompt token recomputed with the given model from the file's own
-cache must reproduce the file's keys and values at that position — another model or another
-prompt does not. The cache is then saved as a snapshot with this model's fingerprints.
+every value finite, and (``kv.verify=true``) a sample of prompt positions (the last among them)
+recomputed with the given model, each from the file's own cache of the tokens before it, must
+reproduce the file's keys and values there in every layer — another model does not, nor another
+prompt that differs at a sampled position. The cache is then saved as a snapshot with this model's fingerprints.
 """
 
 from __future__ import annotations
@@ -117,46 +118,76 @@ def check_against(loaded: Loaded, cache: list[Any], tokens: list[int], *, path: 
         )
 
 
+SAMPLES = 16  # prompt positions recomputed in every layer (the first and last among them)
+
+
+def check_finite(cache: list[Any], n: int, *, path: Path) -> None:
+    """Every float value of the first ``n`` tokens of every layer is finite (NaN/Inf: InputError)."""
+    for i, s in enumerate(state.cache_state(cache)):
+        for name, t in s.tensors.items():
+            if t.dtype == "uint32":
+                continue  # packed quantized values are integers; their scales and biases are checked
+            bad = ~np.isfinite(_as_f32(t.buf[:, :, :n], t.dtype))
+            if bad.any():
+                pos = int(np.nonzero(bad.any(axis=(0, 1, 3)))[0][0])
+                raise InputError(
+                    f"kv.file={str(path)!r} holds {int(bad.sum())} non-finite values (NaN or Inf) in layer {i} "
+                    f"{name}, the first at token {pos}; it is no usable cache"
+                )
+
+
+def sample_positions(n: int, k: int = SAMPLES) -> list[int]:
+    """Up to ``k`` token positions spread over ``1..n-1`` (the last included), in descending order."""
+    return sorted({int(round(x)) for x in np.linspace(1, n - 1, min(k, n - 1))}, reverse=True)
+
+
 def recompute_check(loaded: Loaded, cache: list[Any], tokens: list[int], *, path: Path) -> float:
-    """Recompute the last prompt token from the file's cache of the tokens before it; its keys and
-    values must match the file's at that position. Returns the largest relative difference."""
+    """Recompute sampled prompt positions, each from the file's own cache of the tokens before it;
+    the keys and values must match the file's there in every layer. Returns the largest relative
+    difference (DriftError naming the layer and position past the tolerance; NaN never passes)."""
     import mlx.core as mx
     from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
     if len(tokens) < 2 or not can_trim_prompt_cache(cache):
         raise InputError(
-            f"kv.file={str(path)!r} cannot be checked by recomputing its last token (untrimmable "
+            f"kv.file={str(path)!r} cannot be checked by recomputing its tokens (untrimmable "
             "or one-token cache); pass kv.verify=false to import it unchecked"
         )
-    before = _last_token(cache, len(tokens))
-    trim_prompt_cache(cache, 1)
-    loaded.model(mx.array(tokens[-1:])[None], cache=cache)
-    after = _last_token(cache, len(tokens))
-    worst = 0.0
-    for name, a in before.items():
-        b = after[name]
-        worst = max(worst, float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(a))), 1e-6))
-    if worst > TOLERANCE:
-        raise DriftError(
-            f"kv.file={str(path)!r} was not made by this model from this prompt: recomputing its last "
-            f"token differs by {worst:.2g} (relative; at most {TOLERANCE} is rounding)"
-        )
+    positions = sample_positions(len(tokens))
+    want = {p: _at(cache, p) for p in positions}
+    worst, have = 0.0, len(tokens)
+    for p in positions:  # descending: each trim only drops what was already checked
+        trim_prompt_cache(cache, have - p)
+        loaded.model(mx.array(tokens[p : p + 1])[None], cache=cache)
+        have = p + 1
+        for name, a in want[p].items():
+            b = _at(cache, p)[name]
+            diff = float(np.max(np.abs(a - b), initial=0.0)) / max(
+                float(np.max(np.abs(a), initial=0.0)), 1e-6
+            )
+            diff = diff if np.isfinite(diff) else float("inf")
+            if diff > TOLERANCE:
+                raise DriftError(
+                    f"kv.file={str(path)!r} was not made by this model from this prompt: recomputing token "
+                    f"{p} ({tokens[p]}) differs in layer {name} by {diff:.2g} (relative; at most {TOLERANCE} "
+                    "is rounding)"
+                )
+            worst = max(worst, diff)
     return worst
 
 
-def _last_token(cache: list[Any], n: int) -> dict[str, np.ndarray]:
-    """Float keys/values/scales at token position n-1 of every layer, as float32 numpy."""
+def _as_f32(raw: np.ndarray, dtype: str) -> np.ndarray:
+    return (raw.astype(np.uint32) << 16).view(np.float32) if dtype == "bfloat16" else raw.astype(np.float32)
+
+
+def _at(cache: list[Any], p: int) -> dict[str, np.ndarray]:
+    """Float keys/values/scales at token position ``p`` of every layer, as float32 numpy."""
     out = {}
     for i, s in enumerate(state.cache_state(cache)):
         for name, t in s.tensors.items():
             if t.dtype == "uint32":
                 continue  # packed quantized weights: their scales and biases stand for them
-            raw = t.buf[:, :, n - 1]
-            out[f"{i}.{name}"] = (
-                (raw.astype(np.uint32) << 16).view(np.float32)
-                if t.dtype == "bfloat16"
-                else raw.astype(np.float32)
-            )
+            out[f"{i}.{name}"] = _as_f32(t.buf[:, :, p], t.dtype)
     return out
 
 
@@ -174,6 +205,7 @@ def run(cfg: Any) -> Any:
     loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
     tokens = prompt_tokens(loaded, text)
     check_against(loaded, cache, tokens, path=path)
+    check_finite(cache, len(tokens), path=path)
     checked = None
     if cfg.kv.verify:
         checked = recompute_check(loaded, read_prompt_cache(path)[0], tokens, path=path)
@@ -187,7 +219,11 @@ def run(cfg: Any) -> Any:
         model_name=loaded.name,
     )
     store.remember_model(loaded.model_fp, loaded.name or str(loaded.path))
-    how = "unchecked (kv.verify=false)" if checked is None else f"last token recomputed within {checked:.1e}"
+    how = (
+        "unchecked (kv.verify=false)"
+        if checked is None
+        else f"{len(sample_positions(info.tokens))} positions recomputed in every layer within {checked:.1e}"
+    )
     msg = f"imported {str(path)!r} as {info.name!r}: {info.tokens} tokens, {human_bytes(info.data_bytes)}, {how}"
     metrics = {"tokens": info.tokens, "data_bytes": info.data_bytes, "recompute_diff": checked}
     if cfg.json:
