@@ -94,6 +94,7 @@ def test_cli_save_generate_verify(tmp_path, loaded):
     )
     assert r.returncode == 0, r.stderr
     assert "recomputed its" in r.stdout and "replaced it" in r.stdout
+    assert '"reused_tokens": 0' in r.stdout
     r = _cli(tmp_path, "command=kv_verify", "json=true")
     assert r.returncode == 0 and json.loads(r.stdout)["ok"] is True
 
@@ -219,7 +220,8 @@ def test_corrupt_snapshot_is_recomputed_and_replaced(loaded, tmp_path, layout):
     with pytest.raises(fmt.CorruptError, match="hash mismatch"):
         commands.continue_from(store, loaded, full, name=None, max_tokens=6, verify=True, strict=True)
     got = commands.continue_from(store, loaded, full, name=None, max_tokens=6, verify=True, strict=False)
-    assert got.reused == len(toks) and "hash mismatch" in got.notes[0] and "replaced it" in got.notes[0]
+    # recomputed, not reused: the tokens came from a prefill, not the store
+    assert got.reused == 0 and "hash mismatch" in got.notes[0] and "replaced it" in got.notes[0]
     assert got.tokens == scratch(loaded, PROMPT + " and then", 6)
     assert store.verify()[1] == [] if layout == "snapshot" else store.verify(["sys"])[1] == []
     assert store.header("sys")[1]["tokens"] == good["tokens"]

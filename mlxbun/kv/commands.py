@@ -296,7 +296,9 @@ def _repair(
         note += " and replaced it"
     except OSError as e:
         note += f" but could not replace it ({e})"
-    return _continue(loaded, tokens, cache, n, max_tokens=max_tokens, notes=[note])
+    note += "; recomputed tokens are not reused ones, so reused_tokens is 0"
+    done = _continue(loaded, tokens, cache, n, max_tokens=max_tokens, notes=[note])
+    return Outcome(done.tokens, 0, done.notes)
 
 
 def greedy(loaded: Loaded, rest: list[int], cache: list[Any], *, max_tokens: int) -> list[int]:
