@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -247,3 +248,18 @@ def test_read_only_store_fails_before_the_model_loads(tmp_path, monkeypatch):
     args = ("command=kv_save", "kv.name=s", "kv.prompt=hello", "model.synthetic=true")
     r = run_cli(*args, f"kv.store={tmp_path / 'file/kv'}", tmp=tmp_path)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is not writable" in r.stderr
+
+
+def test_a_fifo_or_directory_among_snapshots_is_skipped_with_a_warning(tmp_path, loaded):
+    r = _cli(tmp_path, "command=kv_save", "kv.name=sys", f"kv.prompt={json.dumps(PROMPT)}")
+    assert r.returncode == 0, r.stderr
+    snaps = tmp_path / "kv" / "snapshots"
+    os.mkfifo(snaps / "zzz.safetensors")
+    (snaps / "yyy.safetensors").mkdir()
+    for args in (["command=kv_ls"], ["command=kv_generate", f"kv.prompt={json.dumps(PROMPT + ' and')}"]):
+        r = _cli(tmp_path, *args)
+        assert r.returncode == 0, r.stderr
+        assert "zzz.safetensors is not a regular file; skipped" in r.stderr
+    assert "reused" in r.stdout and "reused 0 " not in r.stdout  # 'sys' still serves
+    r = _cli(tmp_path, "command=kv_gc")
+    assert r.returncode == 0, r.stderr

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import re
 import threading
@@ -45,6 +46,8 @@ from mlxbun.kv import blocks as blk
 from mlxbun.kv import format as fmt
 from mlxbun.kv import snapshot as snap
 from mlxbun.kv import state
+
+log = logging.getLogger("mlxbun")
 
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SUFFIX = {"snapshot": ".safetensors", "blocks": ".kvm"}  # written now
@@ -350,11 +353,15 @@ class Store:
         return max(found, key=lambda p: p.stat().st_mtime_ns)
 
     def names(self) -> list[str]:
+        """Stored snapshot names; an entry that is no regular file (a FIFO, a directory) is a
+        warning and skipped, never opened."""
         if not self.snapshots.is_dir():
             return []
-        return sorted(
-            {p.stem for p in self.snapshots.iterdir() if p.suffix in FILES and not p.name.startswith(".")}
-        )
+        entries = [p for p in self.snapshots.iterdir() if p.suffix in FILES and not p.name.startswith(".")]
+        for p in entries:
+            if not p.is_file():
+                log.warning("kv.store: %s is not a regular file; skipped", p)
+        return sorted({p.stem for p in entries if p.is_file()})
 
     def header(self, name: str) -> tuple[Path, dict[str, Any]]:
         """Validated header of ``name`` (no tensor data read)."""
