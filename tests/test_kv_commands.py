@@ -263,3 +263,18 @@ def test_a_fifo_or_directory_among_snapshots_is_skipped_with_a_warning(tmp_path,
     assert "reused" in r.stdout and "reused 0 " not in r.stdout  # 'sys' still serves
     r = _cli(tmp_path, "command=kv_gc")
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("spoil", ["flip", "truncate", "empty"])
+def test_strict_stops_on_a_snapshot_whose_header_cannot_be_read(tmp_path, loaded, spoil):
+    r = _cli(tmp_path, "command=kv_save", "kv.name=sys", f"kv.prompt={json.dumps(PROMPT)}")
+    assert r.returncode == 0, r.stderr
+    snap = tmp_path / "kv" / "snapshots" / "sys.safetensors"
+    raw = bytearray(snap.read_bytes())
+    raw[40] ^= 0x55
+    snap.write_bytes({"flip": bytes(raw), "truncate": bytes(raw[:100]), "empty": b""}[spoil])
+    prompt = f"kv.prompt={json.dumps(PROMPT + ' and')}"
+    r = _cli(tmp_path, "command=kv_generate", prompt, "kv.strict=true")
+    assert r.returncode == 1 and "snapshot 'sys' cannot be read" in r.stderr
+    r = _cli(tmp_path, "command=kv_generate", prompt)
+    assert r.returncode == 0 and "snapshot 'sys' cannot be read" in r.stdout and "reused 0 " in r.stdout

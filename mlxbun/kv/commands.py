@@ -234,19 +234,29 @@ def continue_from(
     """
 
     fp = dict(model=loaded.model_fp, tokenizer=loaded.tokenizer_fp)
-    hit = name or (m.name if (m := store.lookup(tokens, **fp)) else None)
+    unreadable: list[str] = []
+
+    def skipped(n: str, e: Exception) -> None:
+        if strict:  # its prefix is unknown: it might have been the hit
+            raise fmt.CorruptError(
+                f"snapshot {n!r} cannot be read ({e}); kv.strict=true stops here"
+            ) from None
+        unreadable.append(f"snapshot {n!r} cannot be read ({e}); skipped (kv_verify names it)")
+
+    hit = name or (m.name if (m := store.lookup(tokens, unreadable=skipped, **fp)) else None)
     if hit is None:
         cache = _fresh(loaded)
-        return Outcome(
-            greedy(loaded, tokens, cache, max_tokens=max_tokens), 0, [why_not(store, loaded, tokens)]
-        )
+        notes = [*unreadable, why_not(store, loaded, tokens)]
+        return Outcome(greedy(loaded, tokens, cache, max_tokens=max_tokens), 0, notes)
     try:
         restored = store.load(hit, tokens=tokens, verify=verify, **fp)
     except (fmt.CorruptError, InputError) as e:
         if strict or isinstance(e, MismatchError | StoreBusy) or (isinstance(e, InputError) and not name):
             raise
         return _repair(store, loaded, tokens, name=hit, why=str(e), max_tokens=max_tokens)
-    return _continue(loaded, tokens, restored.cache, len(restored.tokens), max_tokens=max_tokens, notes=[])
+    return _continue(
+        loaded, tokens, restored.cache, len(restored.tokens), max_tokens=max_tokens, notes=unreadable
+    )
 
 
 def _fresh(loaded: Loaded) -> list[Any]:

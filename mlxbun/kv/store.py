@@ -461,14 +461,24 @@ class Store:
         self.touch(name)
         return Restored(cache=cache, tokens=list(h["tokens"]), info=self._info(name, path, h))
 
-    def lookup(self, tokens: list[int], *, model: str, tokenizer: str = "") -> Match | None:
-        """The snapshot for ``model`` whose tokens are the longest prefix of ``tokens``."""
+    def lookup(
+        self,
+        tokens: list[int],
+        *,
+        model: str,
+        tokenizer: str = "",
+        unreadable: Callable[[str, Exception], None] | None = None,
+    ) -> Match | None:
+        """The snapshot for ``model`` whose tokens are the longest prefix of ``tokens``; a snapshot
+        whose header cannot be read is skipped, and passed to ``unreadable`` when given."""
         best: Match | None = None
         tokens = list(tokens)
         for n in self.names():
             try:
                 _, h = self.header(n)
-            except (fmt.CorruptError, fmt.UnsupportedError, OSError):
+            except (fmt.CorruptError, fmt.UnsupportedError, OSError) as e:
+                if unreadable is not None:
+                    unreadable(n, e)
                 continue
             have = h["tokens"]
             ok = h["model"] == model and (not tokenizer or not h["tokenizer"] or h["tokenizer"] == tokenizer)
