@@ -278,3 +278,14 @@ def test_strict_stops_on_a_snapshot_whose_header_cannot_be_read(tmp_path, loaded
     assert r.returncode == 1 and "snapshot 'sys' cannot be read" in r.stderr
     r = _cli(tmp_path, "command=kv_generate", prompt)
     assert r.returncode == 0 and "snapshot 'sys' cannot be read" in r.stdout and "reused 0 " in r.stdout
+
+
+def test_kv_save_of_a_model_without_tokenizer_files_is_one_line(tmp_path, loaded):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in loaded.path.iterdir():
+        if f.is_file() and "tokenizer" not in f.name and f.suffix in (".json", ".safetensors"):
+            (bare / f.name).write_bytes(f.read_bytes())
+    r = run_cli("command=kv_save", "kv.name=sys", "kv.prompt=hello", f"model.name={bare}", tmp=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "has no tokenizer files" in r.stderr and str(bare) in r.stderr

@@ -27,6 +27,7 @@ from mlxbun.kv.state import cache_state
 from mlxbun.kv.store import MismatchError, Store, StoreBusy, check_snapshot_name, common_prefix
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
+from mlxbun.quant.outdir import VOCABULARY, tokenizer_warning
 from mlxbun.source import model_dir
 
 PREFILL_STEP = 512
@@ -80,6 +81,11 @@ def load_model(path: Path, *, cache_dir: Path | None = None) -> Loaded:
     import mlx_lm
 
     read_config(path)  # a broken config.json: the one reader's line, not mlx-lm's
+    if tokenizer_warning(path) is not None:  # transformers' own error is many lines
+        raise InputError(
+            f"model.name: {path} has no tokenizer files ({', '.join(VOCABULARY)}); KV caches are keyed by"
+            " token ids, so copy the model's tokenizer files (one of those, with tokenizer_config.json) into it"
+        )
     model, tokenizer = mlx_lm.load(str(path))
     fp = model_fingerprint(path, cache_dir=cache_dir)
     return Loaded(model, tokenizer, path, fp, tokenizer_fingerprint(path))
