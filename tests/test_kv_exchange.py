@@ -205,3 +205,17 @@ def test_import_refuses_a_cache_of_another_prompt_of_the_same_length_and_last_to
     assert claimed[-1] == toks[-1] and len(claimed) == len(toks)
     with pytest.raises(DriftError, match=f"recomputing token {p} "):
         imp.recompute_check(loaded, imp.read_prompt_cache(src)[0], claimed, path=src)
+
+
+def test_import_names_a_trailing_newline_in_the_prompt(loaded, tmp_path):
+    src = tmp_path / "sys.safetensors"
+    cached(loaded, PROMPT.rstrip(), src)
+    cache, _ = imp.read_prompt_cache(src)
+    text = PROMPT.rstrip() + "\n"
+    toks = imp.prompt_tokens(loaded, text)
+    assert len(toks) != imp.cache_tokens(cache)  # the newline is a token of its own
+    with pytest.raises(InputError, match="because it ends in '\\\\n'.*final newline"):
+        imp.check_trailing_space(loaded, cache, text, toks, path=src)
+    imp.check_trailing_space(
+        loaded, cache, PROMPT.rstrip(), imp.prompt_tokens(loaded, PROMPT.rstrip()), path=src
+    )

@@ -118,6 +118,21 @@ def check_against(loaded: Loaded, cache: list[Any], tokens: list[int], *, path: 
         )
 
 
+def check_trailing_space(
+    loaded: Loaded, cache: list[Any], text: str, tokens: list[int], *, path: Path
+) -> None:
+    """A length mismatch that the prompt's trailing white space explains (a file's final newline)
+    is named as such, with the fix."""
+    n, stripped = cache_tokens(cache), text.rstrip()
+    if n == len(tokens) or stripped == text or len(prompt_tokens(loaded, stripped)) != n:
+        return
+    raise InputError(
+        f"kv.file={str(path)!r} caches {n} tokens; the prompt given encodes to {len(tokens)} because it ends in "
+        f"{text[len(stripped) :]!r} (token {n}: {tokens[n:]}), which the cached prompt did not; pass the prompt "
+        "without it (strip the prompt file's final newline, or give kv.prompt=...)"
+    )
+
+
 SAMPLES = 16  # prompt positions recomputed in every layer (the first and last among them)
 
 
@@ -204,6 +219,7 @@ def run(cfg: Any) -> Any:
     cache, _ = read_prompt_cache(path)
     loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
     tokens = prompt_tokens(loaded, text)
+    check_trailing_space(loaded, cache, text, tokens, path=path)
     check_against(loaded, cache, tokens, path=path)
     check_finite(cache, len(tokens), path=path)
     checked = None
