@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxbun.errors import DriftError, InputError
+from mlxbun.errors import DriftError, EnvironmentFailure, InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.kv import format as fmt
@@ -82,8 +82,8 @@ def load_model(path: Path, *, cache_dir: Path | None = None) -> Loaded:
 
     read_config(path)  # a broken config.json: the one reader's line, not mlx-lm's
     if tokenizer_warning(path) is not None:  # transformers' own error is many lines
-        raise InputError(
-            f"model.name: {path} has no tokenizer files ({', '.join(VOCABULARY)}); KV caches are keyed by"
+        raise EnvironmentFailure(  # a model directory missing files, as a broken config.json is
+            f"{path}: no tokenizer files ({', '.join(VOCABULARY)}; model.name); KV caches are keyed by"
             " token ids, so copy the model's tokenizer files (one of those, with tokenizer_config.json) into it"
         )
     model, tokenizer = mlx_lm.load(str(path))
