@@ -168,7 +168,7 @@ def stage_errors(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from mlxbun.quant import hessian, rounding
-    from mlxbun.quant.sensitivity import load_model, source_dtypes
+    from mlxbun.quant.probe import load_model, source_dtypes
 
     model, _, _ = load_model(args.model)
     h = hessian.capture(model, _calibration(args.model, args.samples, args.seq_len).tokens)
@@ -197,7 +197,7 @@ def stage_mxerrors(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from mlxbun.quant import hessian
-    from mlxbun.quant.sensitivity import load_model, source_dtypes
+    from mlxbun.quant.probe import load_model, source_dtypes
 
     model, _, _ = load_model(args.model)
     h = hessian.capture(model, _calibration(args.model, args.samples, args.seq_len).tokens)
@@ -255,7 +255,7 @@ class Evaluator:
         import mlx.core as mx
 
         from mlxbun.kl import log_probs
-        from mlxbun.quant.sensitivity import load_model
+        from mlxbun.quant.probe import load_model
 
         ref, _, _ = load_model(model_dir)
         self.sets = {}
@@ -266,7 +266,7 @@ class Evaluator:
 
     def kl(self, model_dir: Path, names: tuple[str, ...] = ("calib", "held_out")) -> dict[str, float]:
         from mlxbun.kl import kl_rows
-        from mlxbun.quant.sensitivity import load_model
+        from mlxbun.quant.probe import load_model
 
         cur, _, _ = load_model(model_dir)
         out = {}

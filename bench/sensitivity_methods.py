@@ -143,7 +143,7 @@ class Evaluator:
         import mlx.core as mx
 
         from mlxbun.kl import log_probs
-        from mlxbun.quant.sensitivity import load_model
+        from mlxbun.quant.probe import load_model
 
         ref, _, _ = load_model(model_dir)
         self.batches = [mx.array(tokens[i : i + 4]) for i in range(0, len(tokens), 4)]
@@ -152,7 +152,7 @@ class Evaluator:
 
     def kl(self, model_dir: Path) -> float:
         from mlxbun.kl import kl_rows
-        from mlxbun.quant.sensitivity import load_model
+        from mlxbun.quant.probe import load_model
 
         cur, _, _ = load_model(model_dir)
         rows = [np.asarray(kl_rows(r, cur(b))) for b, r in zip(self.batches, self.refs, strict=True)]

@@ -53,7 +53,7 @@ from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
 from mlxbun.quant.calib import choose_windows, fingerprint, load_calibration
-from mlxbun.quant.sensitivity import load_model
+from mlxbun.quant.probe import load_model
 from mlxbun.source import expand, model_dir, named_dir
 
 VERSION = 1

@@ -23,7 +23,7 @@ def _full_logp(model_dir: Path, windows: np.ndarray) -> np.ndarray:
     """Full float64 log-probs of every scored position, computed directly (one forward per window)."""
     import mlx.core as mx
 
-    from mlxbun.quant.sensitivity import load_model
+    from mlxbun.quant.probe import load_model
 
     model, _, _ = load_model(model_dir)
     out = [kl.log_probs(model(mx.array(w[None]))[0, :-1]) for w in windows]

@@ -200,7 +200,7 @@ def test_quantize_without_tokenizer_files_warns_and_records_it(tmp_path, tiny_mo
 KILLED_SPILL = """
 import os, signal
 import numpy as np
-from mlxbun.quant.fisher import Spill
+from mlxbun.quant.probe import Spill
 s = Spill()
 s.put("logits", np.zeros((256, 1024), np.float32))
 print(s._dir.name, flush=True)
@@ -209,7 +209,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_sigkilled_fishers_spill_is_removed_by_the_next_run(tmp_path, monkeypatch):
-    from mlxbun.quant.fisher import Spill
+    from mlxbun.quant.probe import Spill
 
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
     killed = subprocess.run([sys.executable, "-c", KILLED_SPILL], capture_output=True, text=True, env=env)

@@ -20,6 +20,7 @@ import mlx.core as mx  # noqa: E402
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.kl import kl_rows, log_probs  # noqa: E402
 from mlxbun.quant import calib as calib_mod  # noqa: E402
+from mlxbun.quant import probe  # noqa: E402
 from mlxbun.quant import sensitivity as sens  # noqa: E402
 from mlxbun.quant.sensitivity_merge import combine, merge  # noqa: E402
 from mlxbun.quant.sensitivity_ref import reference_kl  # noqa: E402
@@ -153,7 +154,7 @@ def test_fake_quant_equals_mx_quantize_roundtrip():
     cand = QuantSpec(bits=4, group_size=64, mode="affine")
     q = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
     want = mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32)
-    assert mx.array_equal(sens.fake_quant(w, cand, dtype="bfloat16"), want)
+    assert mx.array_equal(probe.fake_quant(w, cand, dtype="bfloat16"), want)
 
 
 @pytest.mark.slow
@@ -324,9 +325,9 @@ def test_fake_quant_in_row_slices_gives_the_same_values(monkeypatch):
     """A large weight is fake-quantized in slices of rows (bounded temporaries): same values."""
     w = mx.random.normal((48, 256), key=mx.random.key(3)).astype(mx.bfloat16)
     for cand in (QuantSpec(bits=3, group_size=64), QuantSpec(bits=4, group_size=32, mode="mxfp4")):
-        whole = np.array(sens.fake_quant(w, cand, dtype="bfloat16"))
-        monkeypatch.setattr(sens, "FAKE_QUANT_CHUNK", 5 * 256)  # 5 rows per slice: 10 slices, one short
-        sliced = np.array(sens.fake_quant(w, cand, dtype="bfloat16"))
+        whole = np.array(probe.fake_quant(w, cand, dtype="bfloat16"))
+        monkeypatch.setattr(probe, "FAKE_QUANT_CHUNK", 5 * 256)  # 5 rows per slice: 10 slices, one short
+        sliced = np.array(probe.fake_quant(w, cand, dtype="bfloat16"))
         monkeypatch.undo()
         assert sliced.dtype == np.float32 and np.array_equal(whole, sliced), cand
 

@@ -29,7 +29,7 @@ from mlxbun.kl import kl_rows, log_probs
 from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport
 from mlxbun.quant.calib import load_calibration
-from mlxbun.quant.sensitivity import load_model
+from mlxbun.quant.probe import load_model
 from mlxbun.quant.spec import QuantSpec
 from mlxbun.quantize import quantize_model_dir
 

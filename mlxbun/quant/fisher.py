@@ -2,7 +2,7 @@
 
 One module: the Fisher pass, its calibration and the exact refinement scale the same estimate.
 
-The exact method (``sensitivity.py``) runs one partial forward per (module, candidate): its cost
+The exact method (``exact.py``) runs one partial forward per (module, candidate): its cost
 grows with modules x candidates x depth. This estimate costs about ``3 + candidates`` forward
 passes over the calibration set, whatever the depth or the number of candidates:
 
@@ -51,18 +51,16 @@ Example:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mlxbun.io.staging import ScratchDir
 from mlxbun.kl import kl_from_stats, ref_stats
 from mlxbun.progress import human_bytes
-from mlxbun.quant.sensitivity import Stack, Sweep, Target, fake_quant, module_at
+from mlxbun.quant.exact import Sweep
+from mlxbun.quant.probe import Spill, Stack, Target, fake_quant, module_at, timed_forward
 from mlxbun.quant.spec import QuantSpec
 
 log = logging.getLogger(__name__)
@@ -363,50 +361,6 @@ class FisherPass:
 # ---------------------------------------------------------------- 3. calibration
 
 
-class Spill:
-    """Arrays kept in a temporary directory by name (.npy): reference logits, pooled gradients;
-    or in memory (``in_memory``, set before the first ``put``)."""
-
-    def __init__(self) -> None:
-        self._dir = ScratchDir("mlxbun-fisher-")  # a killed run's spill goes at the next one
-        self._names: dict[str, Path | np.ndarray] = {}
-        self._files = 0  # files ever written: a name put again gets a new file, not another's
-        self.in_memory = False
-
-    def put(self, name: str, value: Any) -> int:
-        """Stores ``value`` under ``name``; returns its bytes."""
-        arr = np.array(value)
-        if self.in_memory:
-            self._names[name] = arr
-            return arr.nbytes
-        self._files += 1
-        path = Path(self._dir.name) / f"{self._files}.npy"
-        np.save(path, arr)
-        if isinstance(old := self._names.get(name), Path):
-            old.unlink()
-        self._names[name] = path
-        return arr.nbytes
-
-    def has(self, name: str) -> bool:
-        return name in self._names
-
-    def get(self, name: str, *, mmap: bool = False) -> np.ndarray:
-        """The array stored as ``name`` (``mmap``: a read-only map of a file, not a read)."""
-        kept = self._names[name]
-        if isinstance(kept, np.ndarray):
-            return kept
-        return np.load(kept, mmap_mode="r" if mmap else None)
-
-    def clear(self) -> None:
-        for kept in self._names.values():
-            if isinstance(kept, Path):
-                kept.unlink()
-        self._names = {}
-
-    def close(self) -> None:
-        self._dir.cleanup()
-
-
 class Calibration:
     """KL(ref || the model with a group of modules at one candidate) on the calibration subset.
 
@@ -688,18 +642,6 @@ def refine_kl(est: Estimate, exact: dict, groups: dict) -> Estimate:
     fpe = est.forward_equivalents
     return Estimate(kl=kl, raw=est.raw, factors=est.factors, measured=est.measured, forward_equivalents=fpe,
                     probes=exact, unfitted=est.unfitted)  # fmt: skip
-
-
-def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
-    """Seconds of one forward of a batch, from a forward of its first quarter of tokens (>= 16)."""
-    import mlx.core as mx
-
-    length = tokens.shape[1]
-    part = min(length, max(16, length // 4))
-    x = mx.array(tokens[:batch_size, :part])
-    t0 = time.perf_counter()
-    mx.eval(model(x))
-    return (time.perf_counter() - t0) * length / part
 
 
 def _calibrate(

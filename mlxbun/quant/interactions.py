@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 
 from mlxbun.kl import kl_from_stats, log_probs
-from mlxbun.quant.fisher import Spill
 from mlxbun.quant.knapsack import pareto
-from mlxbun.quant.sensitivity import (
+from mlxbun.quant.probe import (
+    Spill,
     Stack,
     block_of,
     fake_quant,
