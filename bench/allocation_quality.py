@@ -349,7 +349,7 @@ class Fixture:
         return self.anchors[label]
 
     def sensitivities(self) -> dict:
-        from mlxbun.quant.allocate import load_sensitivity
+        from mlxbun.quant.sensitivity_file import load_sensitivity
 
         sens_dir, sens_stats = self.stage(f"sens:{self.args.sens_method}", "sens")
         err_dir, err_stats = self.stage("errors", "errors")
@@ -369,7 +369,7 @@ class Fixture:
     def estimated(self, family: str):
         """Per-module KL of every candidate of ``family``: exact RTN KL at (bits, g64) x the
         candidate's output error / RTN's at (bits, g64), the errors on the calibration inputs."""
-        from mlxbun.quant.allocate import LayerSensitivity, Sensitivity
+        from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
         from mlxbun.quant.spec import QuantSpec
 
         methods, groups, modes, _ = FAMILIES[family]

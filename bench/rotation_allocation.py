@@ -49,7 +49,8 @@ def sensitivity_of(model: Path, dest: Path, args: argparse.Namespace) -> Path:
 
 def planned(fx: aq.Fixture, model: Path, sens: Path, budget: int, name: str) -> dict:
     from mlxbun.errors import InputError
-    from mlxbun.quant.allocate import allocate, load_sensitivity
+    from mlxbun.quant.allocate import allocate
+    from mlxbun.quant.sensitivity_file import load_sensitivity
     from mlxbun.quantize import quantize_model_dir
 
     try:

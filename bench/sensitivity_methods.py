@@ -194,7 +194,8 @@ class Plans:
 
     def plan(self, method: str, limit: int) -> dict:
         from mlxbun.io.atomic import atomic_write_json
-        from mlxbun.quant.allocate import allocate, load_sensitivity
+        from mlxbun.quant.allocate import allocate
+        from mlxbun.quant.sensitivity_file import load_sensitivity
 
         sens = load_sensitivity(self.args.work / method / "sensitivity.json")
         plan = allocate(sens, model_dir=self.args.model, budget_bytes=limit)

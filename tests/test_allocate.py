@@ -187,6 +187,7 @@ def test_resolve_follows_the_plan_and_group_divisibility():
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.io.atomic import atomic_write_json  # noqa: E402
 from mlxbun.quant import allocate as al  # noqa: E402
+from mlxbun.quant import sensitivity_file as sf  # noqa: E402
 
 MEASURED = [
     "lm_head",
@@ -215,8 +216,8 @@ def fake_sensitivity(paths, *, seed=0, bits=BITS, group_size=64):
             QuantSpec(bits=b, group_size=group_size): scale * 2.0 ** (-b) * rng.uniform(0.8, 1.2)
             for b in bits
         }
-        layers[p] = al.LayerSensitivity(p, 0, kl)
-    return al.Sensitivity(layers)
+        layers[p] = sf.LayerSensitivity(p, 0, kl)
+    return sf.Sensitivity(layers)
 
 
 def brute_force_plan(model, sens, *, fits, fixed=None):
@@ -292,9 +293,9 @@ def test_protection_rules(model):
     assert plan.layers["model.embed_tokens"] == QuantSpec(bits=6, group_size=64)  # unmeasured: default raised
     # Optimal among the settings the rules leave, with the protected embedding counted.
     need = {"lm_head": 8, "model.layers.1.mlp.down_proj": 4}
-    allowed = al.Sensitivity(
+    allowed = sf.Sensitivity(
         {
-            p: al.LayerSensitivity(p, 0, {s: v for s, v in layer.kl.items() if s.bits >= need.get(p, 0)})
+            p: sf.LayerSensitivity(p, 0, {s: v for s, v in layer.kl.items() if s.bits >= need.get(p, 0)})
             for p, layer in sens.layers.items()
         }
     )
@@ -469,7 +470,7 @@ def test_extra_sensitivity_adds_group_size_candidates(model, measured, tmp_path)
         model_dir=model, out_dir=tmp_path / "g32", work_dir=tmp_path / "work", bits=[3, 4], group_size=32,
         samples=2, seq_len=32, batch_size=2,
     )  # fmt: skip
-    merged = al.merge_sensitivities([al.load_sensitivity(measured), al.load_sensitivity(tmp_path / "g32")])
+    merged = sf.merge_sensitivities([sf.load_sensitivity(measured), sf.load_sensitivity(tmp_path / "g32")])
     assert {s.group_size for s in merged.layers["lm_head"].kl} == {32, 64}
     cfg = command_cfg(tmp_path, model, sensitivity=str(measured), budget_bpw=4.0)
     cfg.allocate.extra_sensitivity = [str(tmp_path / "g32")]
@@ -478,9 +479,9 @@ def test_extra_sensitivity_adds_group_size_candidates(model, measured, tmp_path)
     check = json.loads((tmp_path / "run" / "check.json").read_text())
     assert check["size_exact"]
     assert any(v and v["group_size"] == 32 for v in plan["layers"].values())
-    other = al.Sensitivity(merged.layers, "another-model", merged.calibration_fingerprint)
+    other = sf.Sensitivity(merged.layers, "another-model", merged.calibration_fingerprint)
     with pytest.raises(InputError, match="another model fingerprint"):
-        al.merge_sensitivities([merged, other])
+        sf.merge_sensitivities([merged, other])
 
 
 def test_rounded_dp_stays_within_budget_and_reports_its_bound(model):
@@ -497,9 +498,9 @@ def test_load_sensitivity_rejects_other_files(tmp_path):
     (tmp_path / "v2.json").write_text(json.dumps({"version": 2, "layers": []}))
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(InputError, match="schema version 2"):
-        al.load_sensitivity(tmp_path / "v2.json")
+        sf.load_sensitivity(tmp_path / "v2.json")
     with pytest.raises(InputError, match="is not a sensitivity.json"):
-        al.load_sensitivity(tmp_path / "bad.json")
+        sf.load_sensitivity(tmp_path / "bad.json")
 
 
 @pytest.mark.parametrize("limit", [1434895, 1849647, 1887533])
@@ -511,11 +512,11 @@ def test_file_budget_met_when_headers_overshoot_by_less_than_the_slack(limit):
     fixture = Path(__file__).parent / "fixtures" / "llama-text-3m"
     paths = sorted(p for p in budget.read_source(fixture).shapes if p.endswith(("proj", "embed_tokens")))
     layers = {
-        p: al.LayerSensitivity(
+        p: sf.LayerSensitivity(
             p, 0, {QuantSpec(bits=b, group_size=g): (1 + i % 7) * 4.0**-b * (1 + g / 200 + (i % 3) / 10)
                    for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)},
         )
         for i, p in enumerate(paths)
     }  # fmt: skip
-    plan = al.allocate(al.Sensitivity(layers, None, None, None, {}), model_dir=fixture, budget_bytes=limit)
+    plan = al.allocate(sf.Sensitivity(layers, None, None, None, {}), model_dir=fixture, budget_bytes=limit)
     assert limit - 4096 < plan.size.file_bytes <= limit

@@ -22,7 +22,8 @@ from mlxbun.kl import kl_rows, log_probs  # noqa: E402
 from mlxbun.quant import calib as calib_mod  # noqa: E402
 from mlxbun.quant import probe  # noqa: E402
 from mlxbun.quant import sensitivity as sens  # noqa: E402
-from mlxbun.quant.sensitivity_merge import combine, merge  # noqa: E402
+from mlxbun.quant.sensitivity_file import combine_shards  # noqa: E402
+from mlxbun.quant.sensitivity_merge import merge  # noqa: E402
 from mlxbun.quant.sensitivity_ref import reference_kl  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
@@ -336,6 +337,6 @@ def test_merge_names_a_shard_written_before_a_setting_was_recorded():
     new = {"kind": "x", "batch_size": 8, "estimator": 5}
     old = {"kind": "x", "estimator": 5}
     with pytest.raises(InputError, match=r"'old' does not record it .*'batch_size'.*; rerun that shard"):
-        combine([new, old], ["new", "old"])
+        combine_shards([new, old], ["new", "old"])
     with pytest.raises(InputError, match=r"in 'batch_size'; merge only shards of one sweep"):
-        combine([new, {**new, "batch_size": 4}], ["new", "other"])
+        combine_shards([new, {**new, "batch_size": 4}], ["new", "other"])

@@ -31,7 +31,6 @@ module stays one because the command, the sensitivity it reads and the plan it w
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import re
@@ -61,6 +60,7 @@ from mlxbun.quant.interactions import (
 )
 from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.sensitivity import model_fingerprint
+from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
 from mlxbun.quant.spec import (
     AFFINE_BITS,
     HESSIANS_FILE,
@@ -68,7 +68,6 @@ from mlxbun.quant.spec import (
     QuantSpec,
     Rule,
     check_budget,
-    check_sensitivity,
     input_file,
 )
 from mlxbun.quantize import resolve_dtype
@@ -77,102 +76,10 @@ from mlxbun.synth import available_memory
 log = logging.getLogger("mlxbun")
 
 PLAN_FILE = "plan.json"
-SENSITIVITY_FILE = "sensitivity.json"
 DEFAULT = QuantSpec(bits=4, group_size=64, mode="affine")
 
 
 # ------------------------------------------------------------------------------- sensitivity
-
-
-@dataclass(frozen=True)
-class LayerSensitivity:
-    """Measured KL of one module at each setting it was probed with."""
-
-    path: str
-    params: int
-    kl: Mapping[QuantSpec, float]
-
-
-@dataclass(frozen=True)
-class Sensitivity:
-    """A sensitivity.json: per-module KL, and fingerprints of the model and calibration."""
-
-    layers: Mapping[str, LayerSensitivity]
-    model_fingerprint: str | None = None
-    calibration_fingerprint: str | None = None
-    path: Path | None = None
-    calibration: Mapping[str, Any] = field(default_factory=dict)
-
-
-def _setting_keys(entry: Mapping[str, Any], top: Mapping[str, Any]) -> dict[QuantSpec, float]:
-    """KL per setting from a layer entry: {"kl": {"4": x}} at the file's group size and mode."""
-    group, mode = int(top.get("group_size", 64)), str(top.get("mode", "affine"))
-    out = {}
-    for bits, value in dict(entry.get("kl") or {}).items():
-        if value is not None:
-            out[QuantSpec(bits=int(bits), group_size=group, mode=mode)] = float(value)
-    return out
-
-
-def load_sensitivity(path: str | Path, *, key: str = "allocate.sensitivity") -> Sensitivity:
-    """Read a sensitivity.json (or the run directory holding one).
-
-    Example:
-        >>> sens = load_sensitivity("outputs/sensitivity/2026-12-02_10-00-00/sensitivity.json")
-        >>> sens.layers["model.layers.0.mlp.down_proj"].kl[QuantSpec(bits=4, group_size=64)]
-    """
-    what = "a sensitivity.json or its run dir"
-    p = input_file(key, path, what=what, directory=True)
-    if p.is_dir():
-        p = input_file(key, p / SENSITIVITY_FILE, what=what)
-    try:
-        data = json.loads(p.read_text())
-        check_sensitivity(data, source=f"{key}={str(path)!r}")
-        entries = data["layers"]
-        entries = entries.values() if isinstance(entries, dict) else entries
-        layers = {
-            e["path"]: LayerSensitivity(e["path"], int(e.get("params", 0)), _setting_keys(e, data))
-            for e in entries
-        }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise InputError(f"{key}={str(path)!r} is not a sensitivity.json ({e!r})") from None
-    if data.get("version", 1) != 1:
-        raise InputError(
-            f"{key}={str(path)!r} has schema version {data.get('version')!r}; this reads version 1"
-        )
-    if data.get("shard"):
-        raise InputError(
-            f"{key}={str(path)!r} is shard {data['shard'].get('index')} of {data['shard'].get('count')};"
-            " combine the shards with command=sensitivity_merge first"
-        )
-    model, calib = data.get("model") or {}, data.get("calibration") or {}
-    return Sensitivity(layers, model.get("fingerprint"), calib.get("fingerprint"), p, calib)
-
-
-def merge_sensitivities(parts: Sequence[Sensitivity]) -> Sensitivity:
-    """One Sensitivity from runs at other group sizes or modes of the same model and calibration.
-
-    Their settings become extra candidates of each module; runs must agree on fingerprints.
-    """
-    first = parts[0]
-    for other in parts[1:]:
-        for what, a, b in (
-            ("model", first.model_fingerprint, other.model_fingerprint),
-            ("calibration", first.calibration_fingerprint, other.calibration_fingerprint),
-        ):
-            if a != b:
-                raise InputError(
-                    f"allocate.extra_sensitivity={str(other.path)!r} has another {what} fingerprint than"
-                    f" allocate.sensitivity={str(first.path)!r}; measure both on the same {what}"
-                )
-    layers: dict[str, LayerSensitivity] = {}
-    for part in parts:
-        for path, layer in part.layers.items():
-            kl = {**(layers[path].kl if path in layers else {}), **layer.kl}
-            layers[path] = LayerSensitivity(path, layer.params, kl)
-    return Sensitivity(
-        layers, first.model_fingerprint, first.calibration_fingerprint, first.path, first.calibration
-    )
 
 
 def rescaled(sens: Sensitivity, factors: Mapping[str, float]) -> Sensitivity:

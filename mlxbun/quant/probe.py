@@ -44,16 +44,6 @@ class Target:
     dtype: str  # the source dtype candidates are quantized from
     current: dict | None  # {"bits", "group_size", "mode"} when the source is already quantized
 
-    def row(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "group": self.group,
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "params": self.in_features * self.out_features,
-            "current": self.current,
-        }
-
 
 def find_blocks(model: Any) -> tuple[Any, str]:
     """The module holding the transformer block list (``model.model.layers`` for llama)."""

@@ -18,15 +18,7 @@ sharding and of checkpoints::
         groups/0003.json                results of group 3 (atomic; a rerun skips it)
         estimate.json                   fisher: factors, measured groups, probes
     <run_dir>/
-        sensitivity.json                versioned results (schema below), sorted keys
-        sensitivity.csv                 path, params, kl@bits...
-        sensitivity.png                 heatmap, modules x bits, log10 KL
-
-sensitivity.json: {"version": 1, "kind": "mlxbun.sensitivity", "metric": ..., "method",
-"bits", "group_size", "mode", "model": {fingerprint, model_type, num_layers, quantized},
-"calibration": {fingerprint, source, samples, seq_len, seed, stream_tokens}, "all_layers": [...],
-"layers": [{"path", "group", "in_features", "out_features", "params", "current", "kl": {"4": ..}}],
-"shard": null | {"index", "count", "groups"}}.
+        sensitivity.json, .csv, .png    the results (format: ``sensitivity_file.py``)
 
 Example:
     >>> doc = sensitivity(model_dir="tests/fixtures/llama-text-3m", out_dir="out", work_dir="work")
@@ -35,9 +27,7 @@ Example:
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
 import logging
 import time
@@ -45,11 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from mlxbun import blas
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, dumps_json
+from mlxbun.io.atomic import atomic_write_json, dumps_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
@@ -57,18 +45,13 @@ from mlxbun.quant import fisher
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.exact import Sweep, group_cost
 from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
+from mlxbun.quant.sensitivity_file import SCHEMA_VERSION, document, write_reports
 from mlxbun.quant.sensitivity_ref import reference_sweep
 from mlxbun.quant.spec import QuantSpec, spec_for
 from mlxbun.source import expand
 from mlxbun.source import model_dir as source_dir
 
 log = logging.getLogger("mlxbun.sensitivity")
-
-SCHEMA_VERSION = 1
-KIND = "mlxbun.sensitivity"
-METRIC = "kl(ref||cur) of float32 logits (float64 softmax), mean over tokens, then over samples"
-# The method's own settings that change the numbers, kept in sensitivity.json (fisher: the last three).
-METHOD_SETTINGS = ("batch_size", "refine", "refine_bits", "estimator")
 
 
 def candidates(bits: list[int], *, group_size: int | None, mode: str) -> list[QuantSpec]:
@@ -140,77 +123,6 @@ class Checkpoints:
 
     def save(self, g: int, layers: dict) -> None:
         atomic_write_json(self.path(g), {"group": g, "layers": layers})
-
-
-# ---------------------------------------------------------------- result document and reports
-
-
-def document(
-    *, tgts: list[Target], kls: dict[str, dict], settings: dict[str, Any], shard: dict | None
-) -> dict[str, Any]:
-    """The sensitivity.json document for the targets whose results are in ``kls``."""
-    layers = [t.row() | {"kl": kls[t.path]} for t in tgts if t.path in kls]
-    return {
-        "version": SCHEMA_VERSION,
-        "kind": KIND,
-        "metric": METRIC,
-        "method": settings["method"],
-        "bits": settings["bits"],
-        "group_size": settings["group_size"],
-        "mode": settings["mode"],
-        "model": settings["model"],
-        "calibration": settings["calibration"],
-        "runtime": settings["runtime"],
-        **{k: settings[k] for k in METHOD_SETTINGS if k in settings},
-        "all_layers": [t.path for t in tgts],
-        "layers": layers,
-        "shard": shard,
-    }
-
-
-def write_reports(doc: dict[str, Any], out_dir: Path) -> list[Path]:
-    """sensitivity.json, .csv and .png in ``out_dir`` (each written atomically)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "sensitivity.json", out_dir / "sensitivity.csv", out_dir / "sensitivity.png"]
-    atomic_write_json(paths[0], doc)
-    atomic_write_bytes(paths[1], to_csv(doc).encode())
-    atomic_write_bytes(paths[2], heatmap_png(doc))
-    return paths
-
-
-def to_csv(doc: dict[str, Any]) -> str:
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["path", "group", "in_features", "out_features", "params"] + [f"kl_{b}" for b in doc["bits"]])
-    for r in doc["layers"]:
-        kl = [repr(r["kl"][str(b)]) for b in doc["bits"]]
-        w.writerow([r["path"], r["group"], r["in_features"], r["out_features"], r["params"], *kl])
-    return buf.getvalue()
-
-
-def heatmap_png(doc: dict[str, Any]) -> bytes:
-    """Modules x bits heatmap of log10 KL (zeros masked), deterministic PNG bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = doc["layers"]
-    data = np.array([[r["kl"][str(b)] for b in doc["bits"]] for r in rows], dtype=np.float64).reshape(
-        len(rows), len(doc["bits"])
-    )
-    shown = np.ma.masked_less_equal(data, 0.0)
-    fig, ax = plt.subplots(figsize=(2.5 + 0.9 * len(doc["bits"]), 1.5 + 0.16 * max(len(rows), 1)))
-    im = ax.imshow(np.ma.log10(shown), aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_xticks(range(len(doc["bits"])), [f"{b}-bit" for b in doc["bits"]])
-    ax.set_yticks(range(len(rows)), [r["path"] for r in rows], fontsize=6)
-    ax.set_title(f"log10 KL, {doc['mode']} g{doc['group_size']}", fontsize=9)
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
 
 
 # ---------------------------------------------------------------- library entry point
