@@ -25,13 +25,13 @@ from typing import Any, get_type_hints
 
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
+from mlxbun.quant.protect import Rule
 from mlxbun.quant.rounding import check_method
 from mlxbun.quant.spec import (
     ALL_BITS,
     ALL_GROUPS,
     MIXED_RULES,
     MODES,
-    Rule,
     check_budget,
     check_mixed,
     spec_for,

@@ -23,7 +23,6 @@ files and tokenizer are :mod:`mlxbun.synth_arch`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
+from mlxbun.host import available_memory
 from mlxbun.io.atomic import atomic_write_json, file_lock, publish_dir
 from mlxbun.io.dtypes import CODES
 from mlxbun.io.dtypes import OUTPUT_DTYPES as DTYPES
@@ -311,25 +311,6 @@ def ensure_synthetic(*, cache_dir: str | Path, shard_bytes: int = 5 << 30, **fie
         if not final.exists():
             write_spec(spec, final, shard_bytes=shard_bytes)
     return final
-
-
-def available_memory() -> int | None:
-    """Bytes this process may still allocate: MemAvailable, capped by RLIMIT_AS (``ulimit -v``)."""
-    import resource
-
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        pass
-    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if soft != resource.RLIM_INFINITY:
-        with contextlib.suppress(OSError, StopIteration, ValueError), open("/proc/self/status") as f:
-            used = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
-            soft -= used
-        avail = soft if avail is None else min(avail, soft)
-    return avail
 
 
 def sizes(spec: Spec) -> tuple[int, TensorPlan]:

@@ -187,6 +187,7 @@ def test_resolve_follows_the_plan_and_group_divisibility():
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.io.atomic import atomic_write_json  # noqa: E402
 from mlxbun.quant import allocate as al  # noqa: E402
+from mlxbun.quant import memory, protect  # noqa: E402
 from mlxbun.quant import sensitivity_file as sf  # noqa: E402
 
 MEASURED = [
@@ -311,18 +312,18 @@ def test_protection_rules(model):
 
 
 def test_rule_matching():
-    r = al.Rule.parse("layers.first.mlp.down_proj:6")
+    r = protect.Rule.parse("layers.first.mlp.down_proj:6")
     assert r.min_bits == 6
     assert r.matches("model.layers.0.mlp.down_proj", n_blocks=4)
     assert not r.matches("model.layers.3.mlp.down_proj", n_blocks=4)
-    last = al.Rule.parse("layers.last.mlp.down_proj:6")
+    last = protect.Rule.parse("layers.last.mlp.down_proj:6")
     assert last.matches("model.layers.3.mlp.down_proj", n_blocks=4)
-    assert al.Rule.parse("layers.1:5").matches("model.layers.1.mlp.up_proj", n_blocks=12)
-    assert not al.Rule.parse("layers.1:5").matches("model.layers.10.mlp.up_proj", n_blocks=12)
-    assert al.Rule.parse("*.self_attn.?_proj:5").matches("model.layers.2.self_attn.q_proj", n_blocks=4)
+    assert protect.Rule.parse("layers.1:5").matches("model.layers.1.mlp.up_proj", n_blocks=12)
+    assert not protect.Rule.parse("layers.1:5").matches("model.layers.10.mlp.up_proj", n_blocks=12)
+    assert protect.Rule.parse("*.self_attn.?_proj:5").matches("model.layers.2.self_attn.q_proj", n_blocks=4)
     for bad in ("lm_head", "lm_head:x", ":6"):
         with pytest.raises(InputError, match="PATTERN:BITS"):
-            al.Rule.parse(bad)
+            protect.Rule.parse(bad)
 
 
 def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
@@ -412,7 +413,7 @@ def test_run_writes_a_plan_and_checks_it(model, measured, tmp_path):
 
 
 def test_run_skips_interactions_that_would_not_fit_in_memory(model, measured, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(al, "available_memory", lambda: 1000)
+    monkeypatch.setattr(memory, "available_memory", lambda: 1000)
     cfg = command_cfg(tmp_path, model, sensitivity=str(measured.parent), budget_bpw=4.5, check=False)
     al.run(cfg)
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())

@@ -36,7 +36,6 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import json
 import stat
@@ -221,38 +220,6 @@ def check_budget(budget_bpw: float | None, budget_bytes: int | None, *, required
             "allocate.budget_bpw and allocate.budget_bytes are both unset; set exactly one"
             " (e.g. allocate.budget_bpw=4.5)"
         )
-
-
-# ------------------------------------------------------------------------------- allocate.protect
-
-
-@dataclass(frozen=True)
-class Rule:
-    """``pattern:min_bits``: matching modules get at least ``min_bits``.
-
-    ``pattern`` is a glob over the module path when it has ``*?[``, else a run of whole dotted
-    components (``lm_head``, ``down_proj``, ``layers.0.mlp``); the components ``first`` and
-    ``last`` stand for the first and last block index.
-    """
-
-    pattern: str
-    min_bits: int
-
-    @classmethod
-    def parse(cls, text: str) -> Rule:
-        pattern, sep, bits = str(text).rpartition(":")
-        if not sep or not pattern or not bits.strip().isdigit():
-            raise InputError(
-                f"allocate.protect entry {text!r} is not PATTERN:BITS; e.g. lm_head:6 or layers.first.mlp.down_proj:6"
-            )
-        return cls(pattern.strip(), int(bits))
-
-    def matches(self, path: str, *, n_blocks: int) -> bool:
-        parts = [{"first": "0", "last": str(max(n_blocks - 1, 0))}.get(c, c) for c in self.pattern.split(".")]
-        pattern = ".".join(parts)
-        if any(ch in pattern for ch in "*?["):
-            return fnmatch.fnmatchcase(path, pattern)
-        return f".{pattern}." in f".{path}."
 
 
 # ------------------------------------------------------------------------------- plan.json
