@@ -394,7 +394,7 @@ class Fixture:
     def quantize(self, plan: dict) -> tuple[Path, float]:
         """Write ``plan`` (plan.json's dict), quantize with it; the model dir and the seconds it took."""
         from mlxbun.io.atomic import atomic_write_json
-        from mlxbun.quantize import quantize_model_dir
+        from mlxbun.quant.quantize import quantize_model_dir
 
         self.n += 1
         path = self.work / "plans" / f"{self.n:03d}.json"
@@ -493,7 +493,7 @@ def run_fixture(model: Path, args: argparse.Namespace) -> dict:
 
 def run_uniform(model: Path, args: argparse.Namespace) -> list[str]:
     """Same bits, same bytes: mlx-lm convert q3/q4 against mlxbun's quantize with each method."""
-    from mlxbun.quantize import quantize_model_dir
+    from mlxbun.quant.quantize import quantize_model_dir
 
     fx = Fixture(model, args)
     hdir, hstats = fx.stage("hessians", "hessians")

@@ -41,13 +41,13 @@ from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, reached, stable_root, staging_dir, weights_written
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
-from mlxbun.schema import ARCHS
 from mlxbun.synth_arch import (
     ARCH_VOCAB,
-    DIMS,
+    ARCHS,
     MIN_VOCAB,
     PRESETS,
     SPECIALS,
+    SYNTH_DIMS,
     Shape,
     Spec,
     TensorPlan,
@@ -97,7 +97,7 @@ def resolve_shape(arch: str, preset: str, **overrides: Any) -> tuple[Shape, dict
     if given.keys() & {"hidden_size", "num_heads"} and "head_dim" not in given:
         dims["head_dim"] = None
     dims.update(given)
-    for key in DIMS:
+    for key in SYNTH_DIMS:
         if dims[key] is not None:
             _check_int(key, dims[key])
     if dims["head_dim"] is None or arch == "qwen2":
@@ -176,10 +176,10 @@ def resolve_spec(
         >>> resolve_spec(arch="qwen3", preset="tiny", hidden_size=128).shape.head_dim
         32
     """
-    unknown = set(dims) - set(DIMS) - {"tie_embeddings"}
+    unknown = set(dims) - set(SYNTH_DIMS) - {"tie_embeddings"}
     if unknown:
         raise InputError(
-            f"unknown synth field(s) {sorted(unknown)}; allowed: {', '.join(DIMS)}, tie_embeddings"
+            f"unknown synth field(s) {sorted(unknown)}; allowed: {', '.join(SYNTH_DIMS)}, tie_embeddings"
         )
     shape, extra = resolve_shape(arch, preset, **dims)
     _check_knobs(shape, dtype, outlier_target, outlier_channels, outlier_scale, norm_jitter)

@@ -13,8 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxbun import quantize, synth
-from mlxbun.quantize import quantize_model_dir
+from mlxbun import synth
+from mlxbun.quant import quantize
+from mlxbun.quant.quantize import quantize_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 # Embeddings of 40000 x 512 rows span 5 RNG streams; row blocks of 1/8 stream cross none of them.

@@ -54,6 +54,7 @@ from mlxbun.quant.interactions import InModel, Option, chosen
 from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.memory import interactions_batch, interactions_skip_memory
 from mlxbun.quant.protect import Rule, count_blocks, fixed_setting, min_bits
+from mlxbun.quant.quantize import resolve_dtype
 from mlxbun.quant.sensitivity import model_fingerprint
 from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
 from mlxbun.quant.spec import (
@@ -63,7 +64,6 @@ from mlxbun.quant.spec import (
     check_budget,
     input_file,
 )
-from mlxbun.quantize import resolve_dtype
 
 log = logging.getLogger("mlxbun")
 
