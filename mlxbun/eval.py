@@ -46,9 +46,9 @@ import numpy as np
 
 from mlxbun import kl
 from mlxbun.errors import InputError
+from mlxbun.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
 from mlxbun.io.safetensors import read_config
-from mlxbun.kv.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
 from mlxbun.quant import budget

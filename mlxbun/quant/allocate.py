@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import DriftError, InputError
+from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES
 from mlxbun.io.safetensors import read_config
@@ -55,7 +56,6 @@ from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.memory import interactions_batch, interactions_skip_memory
 from mlxbun.quant.protect import Rule, count_blocks, fixed_setting, min_bits
 from mlxbun.quant.quantize import resolve_dtype
-from mlxbun.quant.sensitivity import model_fingerprint
 from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
 from mlxbun.quant.spec import (
     HESSIANS_FILE,
@@ -445,7 +445,7 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
     if a.extra_sensitivity:
         extra = [load_sensitivity(x, key="allocate.extra_sensitivity") for x in a.extra_sensitivity]
         sens = merge_sensitivities([sens, *extra])
-    if sens.model_fingerprint and sens.model_fingerprint != model_fingerprint(src):
+    if sens.model_fingerprint and sens.model_fingerprint != model_fingerprint(src, depth="sampled"):
         raise InputError(
             f"allocate.sensitivity={a.sensitivity!r} was measured on another model than {str(src)!r}"
             " (model fingerprints differ); pass the model it was measured on"

@@ -37,6 +37,7 @@ from typing import Any
 
 from mlxbun import blas
 from mlxbun.errors import InputError
+from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_write_json, dumps_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
@@ -74,27 +75,6 @@ def assign_groups(
         shards[i].append(g)
         loads[i] += group_cost(g, groups[g], n_blocks, n_cands)
     return [sorted(s) for s in shards]
-
-
-def model_fingerprint(model_dir: str | Path, *, samples: int = 16, chunk: int = 1 << 16) -> str:
-    """sha256 over config.json, every safetensors header and sampled data chunks (fast on 50 GB)."""
-    root = Path(model_dir)
-    h = hashlib.sha256()
-    for f in sorted(root.glob("*.safetensors")) + [root / "config.json"]:
-        if not f.is_file():
-            continue
-        h.update(f.name.encode() + b"\0")
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            if f.suffix != ".safetensors" or size <= samples * chunk:
-                h.update(fh.read())
-                continue
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(size.to_bytes(8, "little") + fh.read(n))
-            for k in range(samples):
-                fh.seek(8 + n + (size - 8 - n - chunk) * k // max(samples - 1, 1))
-                h.update(fh.read(chunk))
-    return h.hexdigest()
 
 
 class Checkpoints:
@@ -179,7 +159,7 @@ def prepare(
         **(_fisher_settings(refine, refine_bits) if method == "fisher" else {}),
         "runtime": runtime(),
         "model": {
-            "fingerprint": model_fingerprint(model_dir),
+            "fingerprint": model_fingerprint(model_dir, depth="sampled"),
             "model_type": getattr(model, "model_type", None) or _config(model_dir).get("model_type"),
             "num_layers": n_blocks,
             "quantized": bool(source["current"]),
