@@ -20,7 +20,7 @@ from test_sensitivity import FIXTURE, by_path, quantized_fixture, run_sens, tiny
 
 from mlxbun import kl  # noqa: E402
 from mlxbun.progress import Progress  # noqa: E402
-from mlxbun.quant import fisher, probe  # noqa: E402
+from mlxbun.quant import fisher, fisher_pass, probe  # noqa: E402
 from mlxbun.quant import sensitivity as sens  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
@@ -307,7 +307,7 @@ def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
 
 def raw_scores(s, batches: list, samples: int | None = None) -> dict:
     """The Fisher pass's second-order scores of ``batches`` (before calibration)."""
-    fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None, samples=samples)
+    fp = fisher_pass.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None, samples=samples)
     try:
         for b in batches:
             fp.run(mx.array(b))
@@ -321,9 +321,9 @@ def test_pooled_scores_equal_per_batch_scores(monkeypatch):
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=1, **CAL)  # fmt: skip
     batches = [s.tokens[i : i + 1] for i in range(len(s.tokens))]
-    monkeypatch.setattr(fisher, "POOL_BYTES", 1 << 40)
+    monkeypatch.setattr(fisher_pass, "POOL_BYTES", 1 << 40)
     pooled = raw_scores(s, batches)
-    monkeypatch.setattr(fisher, "POOL_BYTES", 0)
+    monkeypatch.setattr(fisher_pass, "POOL_BYTES", 0)
     each = raw_scores(s, batches)
     assert pooled.keys() == each.keys()
     for path, row in pooled.items():
@@ -340,10 +340,10 @@ def test_a_small_pool_stays_in_memory_with_the_same_scores(monkeypatch):
     monkeypatch.setattr(
         fisher.np, "save", lambda path, arr, _save=np.save: saved.append(path) or _save(path, arr)
     )
-    monkeypatch.setattr(fisher, "POOL_MEMORY_BYTES", 1)  # the fixture's pool is far over a byte
+    monkeypatch.setattr(fisher_pass, "POOL_MEMORY_BYTES", 1)  # the fixture's pool is far over a byte
     on_disk = raw_scores(s, batches, samples=len(s.tokens))
     assert saved
-    monkeypatch.setattr(fisher, "POOL_MEMORY_BYTES", 1 << 40)
+    monkeypatch.setattr(fisher_pass, "POOL_MEMORY_BYTES", 1 << 40)
     saved.clear()
     kept = raw_scores(s, batches, samples=len(s.tokens))
     assert not saved
@@ -353,22 +353,22 @@ def test_a_small_pool_stays_in_memory_with_the_same_scores(monkeypatch):
 def test_batches_shrink_to_the_activation_bound(monkeypatch, caplog):
     s = sens.prepare(model_dir=FIXTURE, bits=[4], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=4, **CAL)  # fmt: skip
-    fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
+    fp = fisher_pass.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
     assert fp.samples_per_batch(s.tokens, 4) == 4  # a 3M model's activations are far under 1 GiB
     widths = sum(shape[-1] for shape in fp.rec.shapes.values())
     per_sample = 4 * CAL["seq_len"] * (3 * widths + 4 * 2048)  # the fixture's vocabulary: 2,048
-    monkeypatch.setattr(fisher, "ACTIVATION_BYTES", 2 * per_sample)
+    monkeypatch.setattr(fisher_pass, "ACTIVATION_BYTES", 2 * per_sample)
     assert fp.samples_per_batch(s.tokens, 4) == 2
-    monkeypatch.setattr(fisher, "ACTIVATION_BYTES", 1)
+    monkeypatch.setattr(fisher_pass, "ACTIVATION_BYTES", 1)
     assert fp.samples_per_batch(s.tokens, 4) == 1
     fp.close()
-    calls, original = [], fisher.FisherPass.run
+    calls, original = [], fisher_pass.FisherPass.run
 
     def recording(self, batch):
         calls.append(batch.shape[0])
         return original(self, batch)
 
-    monkeypatch.setattr(fisher.FisherPass, "run", recording)
+    monkeypatch.setattr(fisher_pass.FisherPass, "run", recording)
     with caplog.at_level(logging.INFO, logger="mlxbun.quant.fisher"):
         est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=4, seed=0)
     assert calls == [1, 1, 1, 1] and "fisher batches of 1 samples" in caplog.text
@@ -380,9 +380,9 @@ def test_scores_sum_dot_products_across_row_slices(monkeypatch):
     slices of rows (and the tied head's vocabulary in slices) gives the one-slice sums."""
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
-    monkeypatch.setattr(fisher, "CHUNK", 1 << 40)
+    monkeypatch.setattr(fisher_pass, "CHUNK", 1 << 40)
     whole = raw_scores(s, [s.tokens[:2]])
-    monkeypatch.setattr(fisher, "CHUNK", 32 * 256)  # 32 rows of 256 per slice
+    monkeypatch.setattr(fisher_pass, "CHUNK", 32 * 256)  # 32 rows of 256 per slice
     sliced = raw_scores(s, [s.tokens[:2]])
     for path, row in whole.items():
         for bits, value in row.items():
