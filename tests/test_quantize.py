@@ -431,14 +431,14 @@ def test_cli_quantize_writes_a_model_and_exits_2_on_bad_input(tmp_path):
 
 
 def test_big_weights_quantized_in_row_blocks_are_bit_identical(tmp_path, monkeypatch):
-    from mlxbun.quant import quantize
+    from mlxbun.quant import convert
 
-    monkeypatch.setattr(quantize, "BIG_TENSOR", 1000)
-    monkeypatch.setattr(quantize, "CHUNK_BYTES", 4096)  # 8 rows of 128 f32 per block
+    monkeypatch.setattr(convert, "BIG_TENSOR", 1000)
+    monkeypatch.setattr(convert, "CHUNK_BYTES", 4096)  # 8 rows of 128 f32 per block
     blocked = []
-    real = quantize.Converter.quantize_rows
+    real = convert.Converter.quantize_rows
     monkeypatch.setattr(
-        quantize.Converter, "quantize_rows", lambda self, u: blocked.append(u.path) or real(self, u)
+        convert.Converter, "quantize_rows", lambda self, u: blocked.append(u.path) or real(self, u)
     )
     src = make_hf_model(tmp_path / "src", "llama", vocab_size=100)
     ref = mlx_lm_convert(src, tmp_path / "ref", q_bits=5, q_group_size=32, dtype="float32")
