@@ -25,12 +25,14 @@ from typing import Any, get_type_hints
 
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
+from mlxbun.quant.candidates import METHODS as CANDIDATE_METHODS
 from mlxbun.quant.protect import Rule
 from mlxbun.quant.rounding import check_method
 from mlxbun.quant.spec import (
     ALL_BITS,
     ALL_GROUPS,
     MIXED_RULES,
+    MODE_GROUPS,
     MODES,
     check_budget,
     check_mixed,
@@ -272,6 +274,34 @@ class CalibCfg:
 
 
 @dataclass
+class CandidatesCfg:
+    # Candidates beyond RTN at sensitivity.bits x sensitivity.group_size, each module's KL scored
+    # from its input Hessian (mlxbun/quant/candidates.py): these affine group sizes and rounding
+    # methods (rtn, clip, gptq), and microscaling modes (mxfp4, nvfp4, mxfp8). All []: none.
+    group_sizes: list[int] = field(default_factory=list)
+    methods: list[str] = field(default_factory=list)
+    modes: list[str] = field(default_factory=list)
+    # Input Hessians file (mlxbun.quant.hessian); None: captured on sensitivity.calib (cached).
+    hessians: str | None = None
+    # Rescale each quantizer's estimates by whole-model probes of a plan at allocate's budget
+    # (4.5 bpw when none is set): one quantize + forward per quantizer.
+    correct: bool = True
+
+    def __post_init__(self) -> None:
+        for g in self.group_sizes:
+            choose("sensitivity.candidates.group_sizes", g, MODE_GROUPS["affine"])
+        for m in self.methods:
+            choose("sensitivity.candidates.methods", m, CANDIDATE_METHODS)
+        for m in self.modes:
+            choose("sensitivity.candidates.modes", m, tuple(x for x in MODES if x != "affine"))
+        not_empty("sensitivity.candidates.hessians", self.hessians)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.group_sizes or self.methods or self.modes)
+
+
+@dataclass
 class SensitivityCfg:
     bits: list[int] = field(default_factory=lambda: [4, 8])
     # None: the mode's default (affine 64, mxfp4 32, nvfp4 16, mxfp8 32).
@@ -289,6 +319,7 @@ class SensitivityCfg:
     shard: int = 0
     num_shards: int = 1
     calib: CalibCfg = field(default_factory=CalibCfg)
+    candidates: CandidatesCfg = field(default_factory=CandidatesCfg)
     # Keep reference log-probs (float64, samples x seq_len x vocab) when they fit this many MiB.
     ref_cache_mb: float = 1024.0
     # Root of the per-group checkpoints (a rerun resumes); None: <paths.cache>/sensitivity.

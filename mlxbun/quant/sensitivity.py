@@ -31,6 +31,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ from mlxbun.io.atomic import atomic_write_json, dumps_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
+from mlxbun.quant import candidates as rich_candidates
 from mlxbun.quant import fisher
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.exact import Sweep, group_cost
@@ -202,6 +204,13 @@ def sensitivity(
     num_shards: int = 1,
     ref_cache_mb: float = 1024,
     stop_after_groups: int | None = None,
+    candidate_group_sizes: Sequence[int] = (),
+    candidate_methods: Sequence[str] = (),
+    candidate_modes: Sequence[str] = (),
+    hessians: str | Path | None = None,
+    probe_bpw: float | None = None,
+    probe_bytes: int | None = None,
+    out_dtype: str | None = "bfloat16",
 ) -> dict[str, Any]:
     """Per-layer KL sensitivities of ``model_dir``; writes sensitivity.json/.csv/.png to ``out_dir``.
 
@@ -221,6 +230,11 @@ def sensitivity(
         shard, num_shards: compute only this shard's groups (merge with ``sensitivity_merge``).
         ref_cache_mb: keep reference log-probs for all samples when they fit in this budget.
         stop_after_groups: stop (raising KeyboardInterrupt) after this many new groups (tests).
+        candidate_group_sizes, candidate_methods, candidate_modes: more candidates, each module's
+            KL scored from its input Hessian (``hessians``; None: captured on the calibration)
+            and the measured RTN KL (``mlxbun.quant.candidates``); probe_bpw / probe_bytes: the
+            budget of the plan whose whole-model probes correct them (None: uncorrected);
+            out_dtype: the dtype those probes are quantized with.
 
     Returns:
         The sensitivity.json document (also written) plus ``_stats`` (not written).
@@ -248,12 +262,31 @@ def sensitivity(
         s, todo, ckpt, kls, batch_size=batch_size, ref_cache_mb=ref_cache_mb, stop_after=stop_after_groups
     )
     shard_info = None if num_shards == 1 else {"index": shard, "count": num_shards, "groups": mine}
+    record = None
+    if candidate_group_sizes or candidate_methods or candidate_modes:
+        if num_shards != 1:
+            raise InputError("sensitivity.candidates needs the whole model: set sensitivity.num_shards=1")
+        rich = {"group_sizes": sorted(candidate_group_sizes), "methods": sorted(candidate_methods),
+                "modes": sorted(candidate_modes), "hessians": None if hessians is None else str(hessians),
+                "probe_bpw": probe_bpw, "probe_bytes": probe_bytes, "out_dtype": out_dtype,
+                "version": rich_candidates.VERSION}  # fmt: skip
+        kls, record = rich_candidates.extend(
+            model=s.model, targets=s.targets, kls=kls, model_dir=model_dir, tokens=s.tokens,
+            work_dir=ckpt.dir / "candidates" / hashlib.sha256(dumps_json(rich).encode()).hexdigest()[:12],
+            group_size=s.cands[0].group_size, mode=mode, group_sizes=candidate_group_sizes,
+            methods=candidate_methods, modes=candidate_modes, hessians=hessians,
+            calib=s.settings["calibration"] | {"path": calib_path, "seed": seed},
+            budget_bpw=probe_bpw, budget_bytes=probe_bytes, out_dtype=out_dtype,
+        )  # fmt: skip
     doc = document(tgts=s.targets, kls=kls, settings=s.settings, shard=shard_info)
+    if record is not None:
+        doc["candidates"] = record
     if s.settings["method"] == "fisher" and (ckpt.dir / "estimate.json").is_file():
         doc["estimate"] = json.loads((ckpt.dir / "estimate.json").read_text())
     write_reports(doc, Path(out_dir))
     stats = {
         "seconds": round(time.monotonic() - t0, 3),
+        **({"candidates_seconds": record["seconds"]} if record else {}),
         "groups_computed": len(todo),
         "groups_resumed": len(mine) - len(todo),
         "layers": len(doc["layers"]),
@@ -341,7 +374,7 @@ def run(cfg: Any) -> Any:
         bits=list(sc.bits), group_size=sc.group_size, mode=sc.mode, calib_path=sc.calib.path,
         samples=sc.calib.samples, seq_len=sc.calib.seq_len, seed=sc.calib.seed, method=sc.method,
         batch_size=sc.batch_size, shard=sc.shard, num_shards=sc.num_shards,
-        refine=sc.refine, refine_bits=list(sc.refine_bits) or None,
+        refine=sc.refine, refine_bits=list(sc.refine_bits) or None, **_candidates(cfg),
     )  # fmt: skip
     stats = doc.pop("_stats")
     out = run_dir / "sensitivity.json"
@@ -356,5 +389,21 @@ def run(cfg: Any) -> Any:
         inputs=inputs,
         metrics=stats | {"method": doc["method"]},
         message=msg,
-        provides={"allocate.sensitivity": str(out)},
+        provides={"allocate.sensitivity": str(out)}
+        | ({"quant.hessians": doc["candidates"]["hessians"]} if "candidates" in doc else {}),
     )
+
+
+def _candidates(cfg: Any) -> dict[str, Any]:
+    """sensitivity.candidates as :func:`sensitivity`'s arguments; the probes at allocate's budget."""
+    c, a = cfg.sensitivity.candidates, cfg.allocate
+    if not c.enabled:
+        return {}
+    budget = {"probe_bpw": a.budget_bpw, "probe_bytes": a.budget_bytes}
+    if a.budget_bpw is None and a.budget_bytes is None:
+        budget["probe_bpw"] = rich_candidates.PROBE_BPW
+    return {
+        "candidate_group_sizes": list(c.group_sizes), "candidate_methods": list(c.methods),
+        "candidate_modes": list(c.modes), "hessians": c.hessians, "out_dtype": cfg.quant.dtype,
+        **(budget if c.correct else {}),
+    }  # fmt: skip

@@ -13,6 +13,9 @@ sensitivity.json: {"version": 1, "kind": "mlxbun.sensitivity", "metric": ..., "m
 "calibration": {fingerprint, source, samples, seq_len, seed, stream_tokens}, "runtime": {mlx, blas},
 the method's settings (``METHOD_SETTINGS``), "estimate" (fisher), "all_layers": [...],
 "layers": [{"path", "group", "in_features", "out_features", "params", "current", "kl": {"4": ..}}],
+"candidates" (with ``sensitivity.candidates``: what was scored, its Hessians and probes).
+A "kl" key is a bit width at the file's group size and mode (RTN), or ``mode:bits:group[:method]``
+for any other candidate (``setting_key``), e.g. ``"affine:3:32:gptq"``, ``"mxfp4:4:32"``.
 "shard": null | {"index", "count", "groups"}}.
 
 A KL is a finite number >= 0 at a setting MLX has (``check_sensitivity``). Shards of one sweep
@@ -151,7 +154,7 @@ def check_sensitivity(doc: Mapping[str, Any], *, source: str) -> None:
         if not isinstance(row, Mapping):
             continue  # the reader says what is wrong with its structure
         for b, value in dict(row.get("kl") or {}).items():
-            _check_setting(mode, _as_bits(b, source=source), group, source=source)
+            parse_setting_key(b, group=group, mode=mode, source=source)
             if value is not None and not (
                 isinstance(value, (int, float)) and math.isfinite(value) and value >= -KL_TOLERANCE
             ):
@@ -161,12 +164,35 @@ def check_sensitivity(doc: Mapping[str, Any], *, source: str) -> None:
                 )
 
 
-def _as_bits(text: Any, *, source: str) -> int:
-    if not str(text).isdigit():
+def setting_key(spec: QuantSpec, *, group: int, mode: str) -> str:
+    """A setting's key in a layer's "kl": its bits when RTN at the file's ``group`` and ``mode``,
+    else ``mode:bits:group`` with ``:method`` when not RTN."""
+    if (spec.group_size, spec.mode, spec.method) == (group, mode, "rtn"):
+        return str(spec.bits)
+    tail = "" if spec.method == "rtn" else f":{spec.method}"
+    return f"{spec.mode}:{spec.bits}:{spec.group_size}{tail}"
+
+
+def parse_setting_key(text: Any, *, group: Any, mode: Any, source: str) -> QuantSpec:
+    """The setting a "kl" key names (:func:`setting_key`), checked; errors name ``source``."""
+    parts = str(text).split(":")
+    if len(parts) == 1 and parts[0].isdigit():
+        try:
+            return spec_for(mode, int(parts[0]), group, key="sensitivity")
+        except InputError as e:
+            raise InputError(f"{source}: {e}") from None
+    if len(parts) not in (3, 4) or not (parts[1].isdigit() and parts[2].isdigit()):
         raise InputError(
-            f"{source}: kl key {text!r} is not a bit width; choose one of {', '.join(str(b) for b in ALL_BITS)}"
+            f"{source}: kl key {text!r} is not a bit width or MODE:BITS:GROUP[:METHOD]; choose bits from"
+            f" {', '.join(str(b) for b in ALL_BITS)}"
         )
-    return int(text)
+    entry = {"mode": parts[0], "bits": int(parts[1]), "group_size": int(parts[2])}
+    try:
+        return QuantSpec.from_dict(
+            entry | ({"method": parts[3]} if len(parts) == 4 else {}), key="sensitivity"
+        )
+    except InputError as e:
+        raise InputError(f"{source}: kl key {text!r}: {e}") from None
 
 
 def _check_setting(mode: Any, bits: Any, group: Any, *, source: str) -> None:
@@ -201,11 +227,11 @@ class Sensitivity:
 
 def _setting_keys(entry: Mapping[str, Any], top: Mapping[str, Any]) -> dict[QuantSpec, float]:
     """KL per setting from a layer entry: {"kl": {"4": x}} at the file's group size and mode."""
-    group, mode = int(top.get("group_size", 64)), str(top.get("mode", "affine"))
+    group, mode = top.get("group_size", 64), top.get("mode", "affine")
     out = {}
-    for bits, value in dict(entry.get("kl") or {}).items():
+    for key, value in dict(entry.get("kl") or {}).items():
         if value is not None:
-            out[QuantSpec(bits=int(bits), group_size=group, mode=mode)] = float(value)
+            out[parse_setting_key(key, group=group, mode=mode, source="sensitivity.json")] = float(value)
     return out
 
 

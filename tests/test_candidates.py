@@ -1,0 +1,132 @@
+"""Rich candidates (mlxbun/quant/candidates.py): every bits x group x rounding method and
+microscaling mode scored from the input Hessians, written in sensitivity.json, allocated among,
+quantized into a model mlx-lm loads."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cli_util import run_cli
+
+from mlxbun.errors import InputError
+from mlxbun.quant import candidates
+from mlxbun.quant.sensitivity_file import KIND, SCHEMA_VERSION, load_sensitivity, setting_key
+from mlxbun.quant.spec import QuantSpec
+
+FIXTURE = "tests/fixtures/llama-text-3m"
+
+
+def _layer(seed: int, rows: int = 96, cols: int = 256) -> tuple[mx.array, np.ndarray]:
+    """A weight and an input Hessian with correlated inputs of unequal size, as in trained models."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, cols)).astype(np.float32) * 0.05
+    x = rng.standard_normal((1024, cols)) @ (np.eye(cols) + 0.3 * rng.standard_normal((cols, cols)) / 16)
+    x *= np.exp(rng.standard_normal(cols))  # a few large channels
+    return mx.array(w).astype(mx.bfloat16), (x.T @ x).astype(np.float32)
+
+
+def test_gptq_estimate_is_exact_at_its_anchor_and_close_at_other_group_sizes() -> None:
+    ratios = []
+    for seed in range(3):
+        w, h = _layer(seed)
+        for spec, est, exact in candidates.gptq_agreement(w, h, bits=[3, 4], group_sizes=[32, 64, 128]):
+            if spec.group_size == candidates.ANCHOR_GROUP:
+                assert est == pytest.approx(exact, rel=1e-6), spec
+            else:
+                ratios.append(est / exact)
+    assert 0.75 < float(np.median(ratios)) < 1.33, ratios
+    assert min(ratios) > 0.4 and max(ratios) < 2.5, ratios
+
+
+def test_gptq_estimate_costs_one_gptq_per_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mlxbun.quant import rounding
+
+    calls = []
+    real = rounding._gptq
+
+    def counted(*a, **k):
+        calls.append(k["group_size"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(rounding, "_gptq", counted)
+    w, h = _layer(0)
+    specs = candidates.settings(
+        [2, 3, 4], group_sizes=[32, 64, 128], methods=["rtn", "clip", "gptq"], modes=[]
+    )
+    errs, scales = candidates.module_errors(w, h, specs)
+    assert len(calls) == 3 and set(calls) == {64}  # one per bits, at the anchor group
+    assert {s for s in specs} == set(errs) and set(scales) == {"2", "3", "4"}
+
+
+def test_candidate_kl_is_the_reference_kl_times_the_error_ratio() -> None:
+    ref3, ref4 = QuantSpec(bits=3, group_size=64), QuantSpec(bits=4, group_size=64)
+    gptq3 = QuantSpec(bits=3, group_size=32, method="gptq")
+    mx4 = QuantSpec(mode="mxfp4")
+    errors = {ref3: 2.0, ref4: 1.0, gptq3: 0.5, mx4: 3.0, QuantSpec(bits=5, group_size=32): 9.0}
+    kl = candidates.to_kl({ref3: 0.02, ref4: 0.01}, errors, base_group=64)
+    assert kl == {ref3: 0.02, ref4: 0.01, gptq3: 0.005, mx4: 0.03}  # no 5-bit reference: left out
+
+
+def test_settings_refuse_what_they_cannot_score() -> None:
+    with pytest.raises(InputError, match=r"sensitivity.candidates.methods has 'awq'"):
+        candidates.settings([4], group_sizes=[64], methods=["awq"], modes=[])
+    with pytest.raises(InputError, match=r"sensitivity.candidates.group_size=48"):
+        candidates.settings([4], group_sizes=[48], methods=["rtn"], modes=[])
+    assert candidates.settings([3], group_sizes=[64], methods=["rtn"], modes=["mxfp4", "mxfp8"]) == [
+        QuantSpec(bits=3, group_size=64)
+    ]  # the modes' bits were not measured
+
+
+def test_sensitivity_json_keys_name_every_candidate(tmp_path: Path) -> None:
+    specs = [
+        QuantSpec(bits=4, group_size=64),
+        QuantSpec(bits=3, group_size=32, method="gptq"),
+        QuantSpec(mode="nvfp4"),
+    ]
+    keys = [setting_key(s, group=64, mode="affine") for s in specs]
+    assert keys == ["4", "affine:3:32:gptq", "nvfp4:4:16"]
+    doc = {"version": SCHEMA_VERSION, "kind": KIND, "bits": [4], "group_size": 64, "mode": "affine"}
+    path = tmp_path / "sensitivity.json"
+    path.write_text(
+        json.dumps(doc | {"layers": [{"path": "m", "params": 1, "kl": dict.fromkeys(keys, 0.1)}]})
+    )
+    assert set(load_sensitivity(path).layers["m"].kl) == set(specs)
+    path.write_text(
+        json.dumps(doc | {"layers": [{"path": "m", "params": 1, "kl": {"affine:3:48:gptq": 0.1}}]})
+    )
+    with pytest.raises(InputError, match=r"kl key 'affine:3:48:gptq'.*group_size=48"):
+        load_sensitivity(path)
+
+
+def test_pipeline_allocates_among_rich_candidates_and_mlx_lm_loads_the_model(tmp_path: Path) -> None:
+    args = [
+        "command=pipeline", "pipeline.steps=[sensitivity,allocate,quantize]", f"model.name={FIXTURE}",
+        "sensitivity.bits=[3,4]", "sensitivity.candidates.methods=[clip,gptq]",
+        "sensitivity.candidates.group_sizes=[32]", "sensitivity.candidates.modes=[mxfp4]",
+        "sensitivity.calib.samples=4", "sensitivity.calib.seq_len=64", "allocate.budget_bpw=3.9",
+        "allocate.check=false",
+    ]  # fmt: skip
+    res = run_cli(*args, tmp=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    run = next((tmp_path / "outputs" / "pipeline").iterdir())
+    doc = json.loads((run / "sensitivity" / "sensitivity.json").read_text())
+    kl = doc["layers"][0]["kl"]
+    assert {"3", "4", "affine:3:32", "affine:3:32:gptq", "affine:4:64:clip", "mxfp4:4:32"} <= set(kl)
+    assert [p["key"] for p in doc["candidates"]["probes"]][0] == "rtn"
+    plan = json.loads((run / "allocate" / "plan.json").read_text())
+    used = {(e.get("method", "rtn"), e["group_size"]) for e in plan["layers"].values() if e}
+    assert any(m != "rtn" for m, _ in used), used
+    assert plan["predicted_bpw"] <= 3.9
+    from mlx_lm import load
+
+    load(str(run / "quantize" / "model"))
+    # a rerun finds every stage cached: same plan bytes
+    again = run_cli(*args, tmp=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    second = sorted((tmp_path / "outputs" / "pipeline").iterdir())[-1]
+    assert (second / "allocate" / "plan.json").read_bytes() == (run / "allocate" / "plan.json").read_bytes()
+    assert "capturing input Hessians" not in again.stderr
