@@ -75,16 +75,37 @@ def test_provides_matches_what_the_steps_hand_on() -> None:
             assert re.search(rf'provides=\{{[^}}]*"{re.escape(key)}"', source), (step, key)
 
 
-@pytest.mark.parametrize("recipe", cli.available_recipes())
-def test_every_pipeline_recipe_passes_the_up_front_check(recipe: str) -> None:
+# Recipes whose model and budget the user gives (their first comment lines say so).
+USER_KEYS = {"best": ["model.name=${repo:tests/fixtures/llama-text-12l}", "allocate.budget_bpw=3.5"]}
+
+
+def _compose_recipe(recipe: str, *extra: str):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
     schema.register()
     with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
-        cfg = OmegaConf.to_object(compose("config", overrides=[f"+recipe={recipe}", "paths.run_dir=/tmp/x"]))
+        return OmegaConf.to_object(
+            compose("config", overrides=[f"+recipe={recipe}", "paths.run_dir=/tmp/x", *extra])
+        )
+
+
+@pytest.mark.parametrize("recipe", cli.available_recipes())
+def test_every_pipeline_recipe_passes_the_up_front_check(recipe: str) -> None:
+    cfg = _compose_recipe(recipe, *USER_KEYS.get(recipe, []))
     if cfg.command.name == "pipeline":
         pipeline.check_steps(cfg, list(cfg.pipeline.steps))
+
+
+def test_the_best_recipe_without_a_budget_names_the_keys_before_any_step() -> None:
+    cfg = _compose_recipe("best", USER_KEYS["best"][0])
+    with pytest.raises(
+        InputError, match=r"step 2 \(allocate\) needs allocate.budget_bpw or allocate.budget_bytes"
+    ):
+        pipeline.check_steps(cfg, list(cfg.pipeline.steps))
+    cfg = _compose_recipe("best", USER_KEYS["best"][0], "allocate.budget_bytes=3000000")
+    pipeline.check_steps(cfg, list(cfg.pipeline.steps))
+    assert cfg.sensitivity.candidates.methods == ["rtn", "clip", "gptq"]
 
 
 def test_a_synth_step_too_big_for_the_disk_fails_before_the_first_step(

@@ -292,7 +292,7 @@ def extend(
 
         hessians.safetensors    captured on ``calib`` when ``hessians`` is None
         scored.json             every module's candidates' KL, before correction
-        corrected.json          after the probes (with a budget), and the probes
+        corrected-<dtype>-<budget>.json   after the probes of a plan at that budget, and the probes
     """
     from mlxbun.io.atomic import atomic_write_json
     from mlxbun.progress import Progress
@@ -349,7 +349,10 @@ def extend(
     seconds["score"] = scored["seconds"]
     out, probes = scored["kl"], []
     if budget_bpw is not None or budget_bytes is not None:
-        done = read("corrected.json")
+        name = f"corrected-{out_dtype}-" + (
+            f"{budget_bpw}bpw" if budget_bpw is not None else f"{budget_bytes}B"
+        )
+        done = read(f"{name}.json")
         if done is None:
             t0 = time.monotonic()
             values, probes = corrected(
@@ -357,7 +360,7 @@ def extend(
                 budget_bpw=budget_bpw, budget_bytes=budget_bytes, out_dtype=out_dtype,
             )  # fmt: skip
             done = {"kl": keyed(values), "probes": probes, "seconds": round(time.monotonic() - t0, 3)}
-            atomic_write_json(work_dir / "corrected.json", done)
+            atomic_write_json(work_dir / f"{name}.json", done)
         out, probes = done["kl"], done["probes"]
         seconds["probes"] = done["seconds"]
     record = {

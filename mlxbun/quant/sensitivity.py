@@ -268,7 +268,6 @@ def sensitivity(
             raise InputError("sensitivity.candidates needs the whole model: set sensitivity.num_shards=1")
         rich = {"group_sizes": sorted(candidate_group_sizes), "methods": sorted(candidate_methods),
                 "modes": sorted(candidate_modes), "hessians": None if hessians is None else str(hessians),
-                "probe_bpw": probe_bpw, "probe_bytes": probe_bytes, "out_dtype": out_dtype,
                 "version": rich_candidates.VERSION}  # fmt: skip
         kls, record = rich_candidates.extend(
             model=s.model, targets=s.targets, kls=kls, model_dir=model_dir, tokens=s.tokens,
