@@ -117,6 +117,7 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
     """The allocate budget against the smallest plan its candidates allow: those of the given
     sensitivity, or of the settings an earlier sensitivity step measures."""
     # deferred: MLX and the model's headers, only for an allocate step
+    from mlxbun.quant import candidates
     from mlxbun.quant.allocate import candidate_filter, check_reachable
     from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity
     from mlxbun.quant.spec import QuantSpec, spec_for
@@ -127,6 +128,14 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
         return  # the shards' settings are known only once they are merged
     if "sensitivity" in measured_here:
         kl = {spec_for(s.mode, b, s.group_size, key="sensitivity"): 0.0 for b in s.bits}
+        if (c := s.candidates).enabled:
+            base = next(iter(kl)).group_size
+            kl |= dict.fromkeys(
+                candidates.settings(
+                    s.bits, group_sizes=[base, *c.group_sizes], methods=["rtn"], modes=c.modes
+                ),
+                0.0,
+            )
         sens = Sensitivity({"": LayerSensitivity("", 0, kl)})
     else:
         sens = load_sensitivity(a.sensitivity)

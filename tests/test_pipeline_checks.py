@@ -43,6 +43,21 @@ def test_the_byte_budget_and_the_candidate_filters_count(tmp_path: Path) -> None
         pipeline.check_steps(cfg, cfg.pipeline.steps)
 
 
+def test_the_candidates_a_sensitivity_step_scores_count(tmp_path: Path) -> None:
+    """2-bit g128 is smaller than 2-bit g64: a budget between them is met with the group sizes
+    sensitivity.candidates adds."""
+    cfg = _cfg(tmp_path, ["sensitivity", "allocate"], budget_bpw=2.4)
+    cfg.sensitivity.bits = [2, 4]
+    with pytest.raises(InputError, match="allocate.budget_bpw=2.4 cannot be met"):
+        pipeline.check_steps(cfg, cfg.pipeline.steps)
+    cfg.sensitivity.candidates = schema.CandidatesCfg(group_sizes=[128])
+    cfg.allocate.default_group_size = 128
+    pipeline.check_steps(cfg, cfg.pipeline.steps)
+    cfg.allocate.group_sizes = [64]  # the filter leaves g64 only
+    with pytest.raises(InputError, match="allocate.budget_bpw=2.4 cannot be met"):
+        pipeline.check_steps(cfg, cfg.pipeline.steps)
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_a_quantize_step_without_hessians_is_refused_before_the_first_step(
     tmp_path: Path, method: str
