@@ -140,7 +140,7 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
     else:
         sens = load_sensitivity(a.sensitivity)
     check_reachable(
-        candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes),
+        candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes, methods=a.methods),
         model_dir=model_dir(cfg),
         budget_bpw=a.budget_bpw,
         budget_bytes=a.budget_bytes,

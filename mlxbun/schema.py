@@ -359,10 +359,12 @@ class AllocateCfg:
     sensitivity: str | None = None
     # More runs on the same model and calibration (other group sizes or modes): more candidates.
     extra_sensitivity: list[str] = field(default_factory=list)
-    # Candidates: measured settings with these bits / group sizes / modes ([] = any measured).
+    # Candidates: measured settings with these bits / group sizes / modes / rounding methods
+    # (rtn, clip, gptq: sensitivity.candidates scores them) ([] = any measured).
     bits: list[int] = field(default_factory=list)
     group_sizes: list[int] = field(default_factory=list)
     modes: list[str] = field(default_factory=list)
+    methods: list[str] = field(default_factory=list)
     # Exactly one: bits per weight over every stored tensor, or bytes of the .safetensors files.
     budget_bpw: float | None = None
     budget_bytes: int | None = None
@@ -394,6 +396,8 @@ class AllocateCfg:
             choose("allocate.group_sizes", g, ALL_GROUPS)
         for m in self.modes:
             choose("allocate.modes", m, MODES)
+        for m in self.methods:
+            choose("allocate.methods", m, CANDIDATE_METHODS)
         spec_for(self.default_mode, self.default_bits, self.default_group_size, key="allocate.default")
         positive("allocate.max_states", self.max_states)
         positive("allocate.interactions", self.interactions, allow_zero=True)

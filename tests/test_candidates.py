@@ -130,3 +130,20 @@ def test_pipeline_allocates_among_rich_candidates_and_mlx_lm_loads_the_model(tmp
     second = sorted((tmp_path / "outputs" / "pipeline").iterdir())[-1]
     assert (second / "allocate" / "plan.json").read_bytes() == (run / "allocate" / "plan.json").read_bytes()
     assert "capturing input Hessians" not in again.stderr
+
+
+def test_allocate_methods_filter_the_rounding_methods(tmp_path: Path) -> None:
+    from mlxbun import schema
+    from mlxbun.quant.allocate import candidate_filter
+    from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
+
+    specs = [
+        QuantSpec(bits=4, group_size=64),
+        QuantSpec(bits=4, group_size=64, method="gptq"),
+        QuantSpec(mode="mxfp4"),
+    ]
+    sens = Sensitivity({"m": LayerSensitivity("m", 1, dict.fromkeys(specs, 0.1))})
+    assert candidate_filter(sens, bits=[], group_sizes=[], modes=[], methods=["rtn"]) == {specs[0], specs[2]}
+    assert candidate_filter(sens, bits=[], group_sizes=[], modes=[], methods=[]) == set(specs)
+    with pytest.raises(InputError, match=r"allocate.methods='awq' is not allowed"):
+        schema.AllocateCfg(methods=["awq"])

@@ -421,7 +421,12 @@ def _plan(
 
 
 def candidate_filter(
-    sens: Sensitivity, *, bits: Collection[int], group_sizes: Collection[int], modes: Collection[str]
+    sens: Sensitivity,
+    *,
+    bits: Collection[int],
+    group_sizes: Collection[int],
+    modes: Collection[str],
+    methods: Collection[str] = (),
 ) -> set[QuantSpec]:
     """Measured settings allowed by the config lists (an empty list allows any)."""
     measured = {s for layer in sens.layers.values() for s in layer.kl}
@@ -431,6 +436,7 @@ def candidate_filter(
         if (not bits or s.bits in bits)
         and (not group_sizes or s.group_size in group_sizes)
         and (not modes or s.mode in modes)
+        and (not methods or s.method in methods)
     }
 
 
@@ -458,7 +464,7 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
     plan = _allocate_from_cfg(cfg, src, sens, default, None)  # checks the input before any loading
     if a.interactions == 0:
         return plan
-    cands = candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes)
+    cands = candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes, methods=a.methods)
     why = interactions_skip(cands, largest=plan.solver["largest"]) or _memory_skip(
         cfg, src, plan.size.parameters
     )
@@ -534,7 +540,9 @@ def _allocate_from_cfg(
     return allocate(
         sens,
         model_dir=src,
-        candidates=candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes),
+        candidates=candidate_filter(
+            sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes, methods=a.methods
+        ),
         budget_bpw=a.budget_bpw,
         budget_bytes=a.budget_bytes,
         protect=list(a.protect),
