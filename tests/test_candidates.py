@@ -121,6 +121,9 @@ def test_pipeline_allocates_among_rich_candidates_and_mlx_lm_loads_the_model(tmp
     used = {(e.get("method", "rtn"), e["group_size"]) for e in plan["layers"].values() if e}
     assert any(m != "rtn" for m, _ in used), used
     assert plan["predicted_bpw"] <= 3.9
+    measured = plan["sensitivity"]  # what the plan was chosen from, and what the probes measured
+    assert measured["methods"] == ["clip", "gptq", "rtn"] and measured["modes"] == ["mxfp4"]
+    assert measured["probes"] == doc["candidates"]["probes"]
     from mlx_lm import load
 
     load(str(run / "quantize" / "model"))

@@ -15,7 +15,10 @@ choice is a multiple-choice knapsack solved exactly or with a stated bound
                        "budget": {...}, "solver": {exact, unit, lower_bound, gap, ...},
                        "choices": {path: {bits, group_size, mode, kl, bytes}}, "source": {...},
                        "interactions": {decisions, rounds, kl_before, kl_after, forwards}
-                                       | {skipped}}       with allocate.interactions
+                                       | {skipped},       with allocate.interactions
+                       "sensitivity": {method, group_sizes, methods, modes, probes}}
+                                       with sensitivity.candidates: what was scored, what the
+                                       probes measured (``mlxbun.quant.candidates``)
         check.json    with allocate.check: the plan quantized, measured KL vs the reference
         model/        with allocate.check: that quantized model
 
@@ -556,6 +559,19 @@ def _allocate_from_cfg(
     )
 
 
+def candidates_record(sens: Sensitivity) -> dict[str, Any]:
+    """plan.json's "sensitivity": the candidates a sensitivity.json scored and its probes' measured
+    KL (``sensitivity.candidates``); empty for a sensitivity without them."""
+    import json
+
+    doc = json.loads(sens.path.read_text()) if sens.path is not None else {}
+    rich = doc.get("candidates")
+    if not rich:
+        return {}
+    keep = ("group_sizes", "methods", "modes", "probes", "probe_budget")
+    return {"sensitivity": {"method": doc.get("method"), **{k: rich[k] for k in keep if k in rich}}}
+
+
 def _summary(plan: Allocation, plan_path: Path) -> tuple[dict[str, Any], str]:
     metrics = {
         "predicted_bytes": plan.size.file_bytes,
@@ -610,7 +626,7 @@ def run(cfg: Any) -> Any:
     run_dir = Path(cfg.paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     plan_path = run_dir / PLAN_FILE
-    atomic_write_json(plan_path, plan.to_json())
+    atomic_write_json(plan_path, plan.to_json() | candidates_record(sens))
     outputs = [plan_path]
     metrics, msg = _summary(plan, plan_path)
     if cfg.allocate.check:

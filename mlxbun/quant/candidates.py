@@ -346,7 +346,7 @@ def extend(
             progress.close()
         scored = {"kl": keyed(values), "gptq_scales": scales, "seconds": round(time.monotonic() - t0, 3)}
         atomic_write_json(work_dir / "scored.json", scored)
-    seconds["score"] = scored["seconds"]
+        seconds["score"] = scored["seconds"]
     out, probes = scored["kl"], []
     if budget_bpw is not None or budget_bytes is not None:
         name = f"corrected-{out_dtype}-" + (
@@ -361,8 +361,8 @@ def extend(
             )  # fmt: skip
             done = {"kl": keyed(values), "probes": probes, "seconds": round(time.monotonic() - t0, 3)}
             atomic_write_json(work_dir / f"{name}.json", done)
+            seconds["probes"] = done["seconds"]
         out, probes = done["kl"], done["probes"]
-        seconds["probes"] = done["seconds"]
     record = {
         "group_sizes": sorted({group_size, *group_sizes}),
         "methods": sorted({"rtn", *methods}),
@@ -372,7 +372,7 @@ def extend(
         "gptq": f"closed form scaled by one exact GPTQ per module and bits at group {ANCHOR_GROUP}",
         "probes": probes,
         "probe_budget": {"bpw": budget_bpw, "bytes": budget_bytes},
-        "seconds": seconds,
+        "seconds": seconds,  # the stages computed by this run (the others were cached)
     }
     return out, record
 
