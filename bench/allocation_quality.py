@@ -293,7 +293,7 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
             used = " ".join(f"{k} {v}" for k, v in sorted(b["used"].items()))
             lines.append(
                 f"| {a['label']} | {a['bytes']} | {a['kld']:.5f} | {b['bytes']} | {b['kld']:.5f} |"
-                f" **{b['kld'] / a['kld']:.2f}** | {a['seconds']:.0f} | {b['wall']:.0f} ({steps}) | {used} |"
+                f" **{b['kld'] / a['kld']:.3f}** | {a['seconds']:.0f} | {b['wall']:.0f} ({steps}) | {used} |"
             )
         probes = res["rows"][0]["best"]["probes"] if res["rows"] else []
         lines += ["", "Probes of the first size (the correction of each quantizer's estimates):", ""]
