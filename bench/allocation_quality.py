@@ -430,7 +430,8 @@ class Fixture:
 
     def plan(self, family: str, limit: int) -> dict:
         """mlxbun's knapsack for one family at ``limit`` bytes, quantized and measured."""
-        from mlxbun.quant.allocate import allocate, rescaled
+        from mlxbun.quant.allocate import allocate
+        from mlxbun.quant.check import rescaled
 
         t0 = time.perf_counter()
         exact = family == "mlxbun RTN g64"
