@@ -423,6 +423,8 @@ class KvCfg:
     file: str | None = None
     # kv_export: replace an existing kv.file (never one inside the store or a model directory).
     overwrite: bool = False
+    # Encode prompts through the tokenizer's chat template, as mlx-lm does (null: when it has one).
+    chat_template: bool | None = None
 
     def __post_init__(self) -> None:
         choose("kv.layout", self.layout, ("snapshot", "blocks"))

@@ -29,11 +29,20 @@ def loaded(tmp_path_factory):
 
 def cached(loaded, text: str, path) -> list[int]:
     """What ``mlx_lm cache_prompt`` writes for ``text``: the whole prompt's cache, full buffers."""
-    toks = imp.prompt_tokens(loaded, text)
+    toks = commands.prompt_tokens(loaded, text, chat=True)
     cache = make_prompt_cache(loaded.model)
     commands.prefill(loaded.model, toks, cache)
     save_prompt_cache(str(path), cache, {"model": str(loaded.path), "tokenizer_config": "{}"})
     return toks
+
+
+def cli_import(loaded, tmp_path, src, prompt: str):
+    """``kv_import`` of ``src`` as ``sys`` into ``tmp_path/kv``; returns the result and the kv overrides."""
+    kv = [f"kv.store={tmp_path / 'kv'}", f"model.name={loaded.path}"]
+    args = ("command=kv_import", "kv.name=sys", f"kv.file={src}", f"kv.prompt={json.dumps(prompt)}")
+    r = run_cli(*args, *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    return r, kv
 
 
 def test_import_checks_then_stores_a_prompt_cache(loaded, tmp_path):
@@ -105,16 +114,7 @@ def test_cli_import_of_mlx_lm_cache_prompt_and_export(loaded, tmp_path):
         argv, capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": ""}
     )
     assert r.returncode == 0, r.stderr
-    kv = [f"kv.store={tmp_path / 'kv'}", f"model.name={loaded.path}"]
-    r = run_cli(
-        "command=kv_import",
-        "kv.name=sys",
-        f"kv.file={src}",
-        f"kv.prompt={json.dumps(PROMPT)}",
-        *kv,
-        tmp=tmp_path,
-    )
-    assert r.returncode == 0, r.stderr
+    r, kv = cli_import(loaded, tmp_path, src, PROMPT)
     assert "imported" in r.stdout and "positions recomputed in every layer within" in r.stdout
     r = run_cli("command=kv_import", "kv.name=x", f"kv.file={src}", "kv.prompt=short", *kv, tmp=tmp_path)
     assert r.returncode == 2 and "but the prompt encodes to" in r.stderr
@@ -212,10 +212,38 @@ def test_import_names_a_trailing_newline_in_the_prompt(loaded, tmp_path):
     cached(loaded, PROMPT.rstrip(), src)
     cache, _ = imp.read_prompt_cache(src)
     text = PROMPT.rstrip() + "\n"
-    toks = imp.prompt_tokens(loaded, text)
+    toks = commands.prompt_tokens(loaded, text, chat=True)
     assert len(toks) != imp.cache_tokens(cache)  # the newline is a token of its own
     with pytest.raises(InputError, match="because it ends in '\\\\n'.*final newline"):
-        imp.check_trailing_space(loaded, cache, text, toks, path=src)
+        imp.check_trailing_space(loaded, cache, text, toks, path=src, chat=True)
     imp.check_trailing_space(
-        loaded, cache, PROMPT.rstrip(), imp.prompt_tokens(loaded, PROMPT.rstrip()), path=src
+        loaded,
+        cache,
+        PROMPT.rstrip(),
+        commands.prompt_tokens(loaded, PROMPT.rstrip(), chat=True),
+        path=src,
+        chat=True,
     )
+
+
+def test_cli_import_of_a_chat_template_model_is_reused_by_generate(loaded, tmp_path):
+    """kv_import caches the prompt through the chat template, as ``mlx_lm cache_prompt`` does;
+    kv_generate encodes its prompt the same way (then the assistant's turn), so it reuses the
+    import, and says so when told to encode plain text instead."""
+    assert loaded.tokenizer.has_chat_template  # the synthetic tokenizer has one
+    src, system = tmp_path / "sys.safetensors", PROMPT.rstrip()
+    toks = cached(loaded, system, src)
+    _, kv = cli_import(loaded, tmp_path, src, system)
+    question = system + " And then?"
+    r = run_cli("command=kv_generate", f"kv.prompt={json.dumps(question)}", "json=true", *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["result"]
+    full = commands.prompt_tokens(loaded, question, chat=True, reply=True)
+    assert full[: len(toks)] == toks and got["prompt_tokens"] == len(full)
+    assert got["reused_tokens"] == len(toks)
+    assert got["tokens"] == commands.greedy(loaded, full, make_prompt_cache(loaded.model), max_tokens=32)
+    plain = ["kv.chat_template=false", f"kv.prompt={json.dumps(question)}", "json=true"]
+    r = run_cli("command=kv_generate", *plain, *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["result"]
+    assert got["reused_tokens"] == 0 and "through the chat template" in got["notes"][-1]
