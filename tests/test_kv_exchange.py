@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import mlx.core as mx
 import pytest
-from cli_util import run_cli
+from cli_util import REPO, run_cli
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from mlxbun import synth
@@ -247,3 +249,36 @@ def test_cli_import_of_a_chat_template_model_is_reused_by_generate(loaded, tmp_p
     assert r.returncode == 0, r.stderr
     got = json.loads(r.stdout)["result"]
     assert got["reused_tokens"] == 0 and "through the chat template" in got["notes"][-1]
+
+
+def test_cli_export_is_continued_by_mlx_lm_generate_with_a_relative_model_path(loaded, tmp_path):
+    """The exported file names the model as ``model.name`` was spelt (here relative to the cwd),
+    which is what ``mlx_lm generate --model`` must equal; the message says how to continue it."""
+    model = tmp_path / "my-model"
+    shutil.copytree(loaded.path, model)
+    rel = os.path.relpath(model, REPO)
+    kv = [f"kv.store={tmp_path / 'kv'}", f"model.name={rel}"]
+    r = run_cli("command=kv_save", "kv.name=sys", f"kv.prompt={json.dumps(PROMPT)}", *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("command=kv_ls", f"kv.store={tmp_path / 'kv'}", tmp=tmp_path)
+    assert (
+        "command=kv_export kv.name=sys kv.file=sys.safetensors model.name=" in r.stdout
+    )  # how to hand it over
+    out = tmp_path / "sys-export.safetensors"
+    r = run_cli("command=kv_export", "kv.name=sys", f"kv.file={out}", *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"--prompt-cache-file {out}" in r.stdout and repr(rel) in r.stdout
+    assert load_prompt_cache(str(out), return_metadata=True)[1]["model"] == rel
+    argv = [sys.executable, "-m", "mlx_lm", "generate", "--model", rel, "--prompt-cache-file", str(out)]
+    argv += ["--prompt", " and then", "--max-tokens", "4"]
+    r = subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1"}
+    )
+    assert r.returncode == 0, r.stderr
+    other = synth.ensure_synthetic(cache_dir=tmp_path / "o", arch="llama", preset="tiny", seed=1)
+    r = run_cli(
+        "command=kv_export", "kv.name=sys", f"kv.file={tmp_path / 'x.safetensors'}", f"kv.store={tmp_path / 'kv'}",
+        f"model.name={other}", tmp=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 2 and "model.name=" in r.stderr and "another model" in r.stderr
+    assert not (tmp_path / "x.safetensors").exists()

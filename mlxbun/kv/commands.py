@@ -468,7 +468,18 @@ def ls(cfg: Any) -> Any:
         for r in rows
     ]
     lines += [f"warning: {b}" for b in bad]
+    if rows:
+        lines += [for_mlx_lm(rows[0]["name"])]
     return RunResult(message="\n".join(lines))
+
+
+def for_mlx_lm(name: str) -> str:
+    """Which file to hand to ``mlx_lm generate --prompt-cache-file``, and how."""
+    return (
+        f"for mlx_lm generate: python -m mlxbun command=kv_export kv.name={name} kv.file={name}.safetensors "
+        f"model.name=<the model as you will spell --model>, then python -m mlx_lm generate --prompt-cache-file "
+        f"{name}.safetensors --prompt '...' (a snapshot of an org/name model opens as it is, from snapshots/)"
+    )
 
 
 def verify(cfg: Any) -> Any:
