@@ -268,6 +268,7 @@ def test_cli_export_is_continued_by_mlx_lm_generate_with_a_relative_model_path(l
     r = run_cli("command=kv_export", "kv.name=sys", f"kv.file={out}", *kv, tmp=tmp_path)
     assert r.returncode == 0, r.stderr
     assert f"--prompt-cache-file {out}" in r.stdout and repr(rel) in r.stdout
+    assert "--ignore-chat-template" not in r.stdout  # saved through the template, as mlx_lm generate goes
     assert load_prompt_cache(str(out), return_metadata=True)[1]["model"] == rel
     argv = [sys.executable, "-m", "mlx_lm", "generate", "--model", rel, "--prompt-cache-file", str(out)]
     argv += ["--prompt", " and then", "--max-tokens", "4"]
@@ -282,3 +283,12 @@ def test_cli_export_is_continued_by_mlx_lm_generate_with_a_relative_model_path(l
     )  # fmt: skip
     assert r.returncode == 2 and "model.name=" in r.stderr and "another model" in r.stderr
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_export_says_ignore_chat_template_only_for_a_plain_snapshot_of_a_chat_model(tmp_path):
+    from mlxbun.kv.export import how_to_continue
+
+    out = tmp_path / "x.safetensors"
+    plain, chat, none = ({"model": "m", "chat_template": c} for c in (False, True, None))
+    assert "--ignore-chat-template" in how_to_continue(out, plain)
+    assert "--ignore-chat-template" not in how_to_continue(out, chat) + how_to_continue(out, none)

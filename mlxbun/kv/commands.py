@@ -75,19 +75,20 @@ def prompt_text(*, prompt: str | None, prompt_file: str | None) -> str:
     return path.read_text()
 
 
-def chat_applies(loaded: Loaded, setting: bool | None) -> bool:
+def chat_applies(loaded: Loaded, setting: bool | None) -> bool | None:
     """Whether prompts go through the tokenizer's chat template (``kv.chat_template``; None: when
-    the tokenizer has one, as ``mlx_lm cache_prompt`` and ``mlx_lm generate`` do)."""
+    the tokenizer has one, as ``mlx_lm cache_prompt`` and ``mlx_lm generate`` do); None when the
+    tokenizer has none (nothing to choose, so nothing to record)."""
     has = bool(getattr(loaded.tokenizer, "has_chat_template", False))
     if setting and not has:
         raise InputError(
             f"kv.chat_template=true but the tokenizer in {loaded.path} has no chat template; "
             "pass kv.chat_template=false or leave it unset"
         )
-    return has if setting is None else bool(setting)
+    return None if not has else has if setting is None else bool(setting)
 
 
-def prompt_tokens(loaded: Loaded, text: str, *, chat: bool, reply: bool = False) -> list[int]:
+def prompt_tokens(loaded: Loaded, text: str, *, chat: bool | None, reply: bool = False) -> list[int]:
     """Token ids of ``text``: plain ``encode``, or (``chat``) one user message through the chat
     template, left open as ``mlx_lm cache_prompt`` caches it or (``reply``) followed by the
     assistant's turn as ``mlx_lm generate`` prompts; the open form is a prefix of the other."""
@@ -126,7 +127,7 @@ def prefill(model: Any, tokens: list[int], cache: list[Any], *, step: int = PREF
 
 
 def save_prompt(
-    store: Store, loaded: Loaded, *, name: str, text: str, layout: str, chat: bool = False
+    store: Store, loaded: Loaded, *, name: str, text: str, layout: str, chat: bool | None = None
 ) -> tuple[Any, list[int], float]:
     """Prefill ``text`` (through the chat template with ``chat``) and save its cache as ``name``;
     returns (info, tokens, prefill seconds)."""

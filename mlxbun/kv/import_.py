@@ -117,7 +117,7 @@ def check_against(loaded: Loaded, cache: list[Any], tokens: list[int], *, path: 
 
 
 def check_trailing_space(
-    loaded: Loaded, cache: list[Any], text: str, tokens: list[int], *, path: Path, chat: bool
+    loaded: Loaded, cache: list[Any], text: str, tokens: list[int], *, path: Path, chat: bool | None
 ) -> None:
     """A length mismatch that the prompt's trailing white space explains (a file's final newline)
     is named as such, with the fix."""

@@ -221,8 +221,9 @@ class Store:
             model_name: what ``mlx_lm generate --prompt-cache-file`` loads when no ``--model``
                 is given (a path or an HF repo id); kept in snapshot files, shown by kv_ls.
             chat_template: whether ``tokens`` came through the tokenizer's chat template
-                (recorded in the header when given; kv_generate names a snapshot encoded the
-                other way, kv_export tells mlx_lm generate how to continue it).
+                (recorded in the header when given, None for a tokenizer without one;
+                kv_generate names a snapshot encoded the other way, kv_export tells
+                mlx_lm generate how to continue it).
             on_bytes: progress callback; on_stage: called with the name of each step as it
                 starts (:data:`STEPS`); "data_written" once the data is durable (blocks layout:
                 before the manifest that publishes it is written).
