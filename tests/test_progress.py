@@ -108,18 +108,18 @@ class _FakeInModel:
 def test_interactions_eta_counts_blocks_run_and_is_within_30_percent_once_a_tenth_is_done() -> None:
     """allocate's interaction steps measured in block order cost 33 blocks at the embedding and
     2 at the head: counted as steps the ETA said 3x the time; counted as blocks run, within 30%."""
-    from mlxbun.quant import allocate
+    from mlxbun.quant import interaction_rounds as rounds
     from mlxbun.quant.interactions import Step
 
     clock, n = Clock(), 32
     starts = {f"model.layers.{i % n}.m{i}": i % n for i in range(96)}
     in_model = _FakeInModel(clock, starts, n)
     near = [Step(i, p, 1, 0.0) for i, p in enumerate(starts)]
-    prob = allocate._Problem(list(starts), [[(None, 0, 0.0)] * 2 for _ in starts], {})
+    options = [[(None, 0, 0.0)] * 2 for _ in starts]
     p = _Recorded(clock)
     clock.now += 7.0  # the reference pass before the first step
-    allocate._round_progress(p, in_model, near, r=0, rounds=2)
-    allocate._measured(prob, near, in_model, 0.0, p)
+    rounds._round_progress(p, in_model, near, r=0, rounds=2)
+    rounds._measured(options, near, in_model, 0.0, p)
     end = clock.now
     worst = max(abs(eta - (end - t)) / (end - t) for t, f, eta in p.seen if 0.1 <= f < 0.99)
     assert worst <= 0.3

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
+from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import fsync_dir, tmp_sibling
 from mlxbun.kv.commands import digest_cache, model_reference, store_of
-from mlxbun.kv.fingerprint import model_fingerprint
 from mlxbun.kv.store import check_snapshot_name
 from mlxbun.provenance import RunResult
 from mlxbun.source import model_dir
