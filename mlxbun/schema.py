@@ -127,12 +127,24 @@ class PathsCfg:
     cache: str = "~/.cache/mlxbun"
 
     def __post_init__(self) -> None:
-        resolved = Path(self.outputs).expanduser().resolve()
-        if resolved == Path(resolved.anchor):
-            raise InputError(
-                f"paths.outputs={self.outputs!r} is the filesystem root; choose a directory for run"
-                " outputs, e.g. paths.outputs=outputs"
-            )
+        check_outputs(self.outputs)
+
+
+def check_outputs(outputs: str | None, *, on_disk: bool = False) -> None:
+    """``paths.outputs`` is a directory runs can go under: not empty, not the filesystem root,
+    and (``on_disk``) no existing file in the way; InputError naming the value otherwise."""
+    allowed = "choose a directory for run outputs, e.g. paths.outputs=outputs"
+    if outputs is None or not str(outputs).strip():
+        raise InputError(f"paths.outputs={outputs!r} is empty; {allowed}")
+    path = Path(outputs).expanduser()
+    resolved = path.resolve()
+    if resolved == Path(resolved.anchor):
+        raise InputError(f"paths.outputs={outputs!r} is the filesystem root; {allowed}")
+    blocker = (
+        next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None) if on_disk else None
+    )
+    if blocker is not None:
+        raise InputError(f"paths.outputs={outputs!r} is not a directory ({blocker} is a file); {allowed}")
 
 
 @dataclass
@@ -413,6 +425,8 @@ class KvCfg:
     file: str | None = None
     # kv_export: replace an existing kv.file (never one inside the store or a model directory).
     overwrite: bool = False
+    # Encode prompts through the tokenizer's chat template, as mlx-lm does (null: when it has one).
+    chat_template: bool | None = None
 
     def __post_init__(self) -> None:
         choose("kv.layout", self.layout, ("snapshot", "blocks"))
