@@ -1,0 +1,494 @@
+"""command=serve: an OpenAI-compatible HTTP server whose prompt caches survive restarts.
+
+    python -m mlxbun command=serve model.name=<model> serve.port=8080 [kv.store=<dir>]
+
+Serves ``POST /v1/completions`` and ``/v1/chat/completions`` (streaming with ``"stream": true``
+or not) as mlx-lm's server does, plus ``GET /v1/models`` and ``/health``. Each request starts
+from the longest cached prefix of its prompt: from memory (an LRU under ``serve.cache_gb``),
+else from the KV store on disk (mlxbun.kv.tiers); finished prompts are persisted in the
+background, so after a restart a prompt seen before starts from disk. The reuse is reported as
+``usage.prompt_tokens_details.cached_tokens`` and in one log line per request. Generation runs
+one request at a time on one thread (mlx streams belong to a thread); SIGTERM stops the server
+and flushes (``serve.flush=true``) or drops the saves still waiting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import queue
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from mlxbun.errors import InputError, Interrupted
+from mlxbun.kv import tiers
+from mlxbun.kv.commands import digest_cache, load_model, store_of
+from mlxbun.provenance import RunResult
+from mlxbun.source import model_dir
+
+log = logging.getLogger("mlxbun")
+
+SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
+class BadRequest(ValueError):
+    """A request the server answers with HTTP 400 and this message."""
+
+
+@dataclass
+class Job:
+    """One request on its way through the engine; ``out`` carries its events to the handler."""
+
+    kind: str  # "chat" or "text"
+    body: dict[str, Any]
+    max_tokens: int
+    out: queue.Queue = field(default_factory=queue.Queue)
+    cancelled: bool = False
+    arrived: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Stats:
+    prompt: int
+    cached: int
+    source: str
+    generated: int = 0
+    restore_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    ttft_s: float = 0.0
+
+    def line(self, path: str) -> str:
+        new = self.prompt - self.cached
+        return (
+            f"serve: {path}: prompt {self.prompt} tokens, cached {self.cached} ({self.source}), "
+            f"restore {self.restore_s:.3f} s, prefill {new} at {rate(new, self.prefill_s)} tok/s, "
+            f"decode {self.generated} at {rate(self.generated, self.decode_s)} tok/s, "
+            f"first token after {self.ttft_s:.3f} s"
+        )
+
+
+def rate(n: int, seconds: float) -> str:
+    return f"{n / seconds:.1f}" if seconds > 0 else "-"
+
+
+class Engine:
+    """Runs jobs one at a time on its own thread: tokenize, fetch the cache, generate, keep it."""
+
+    def __init__(
+        self, loaded: Any, caches: tiers.PromptCaches, *, kv_bits: int | None, kv_group_size: int
+    ) -> None:
+        self.loaded, self.caches = loaded, caches
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.jobs: queue.Queue[Job | None] = queue.Queue()
+        self.served = self.cached_tokens = 0
+        self.stopping = False
+        self.current: Job | None = None
+        self.thread = threading.Thread(target=self._loop, name="serve-generate", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        if not self.thread.is_alive():
+            raise RuntimeError("the generation thread has stopped")
+        self.jobs.put(job)
+
+    def stop(self) -> None:
+        """Cut the running generation short, refuse the queued ones (503) and end the thread."""
+        self.stopping = True
+        if (job := self.current) is not None:
+            job.cancelled = True
+        self.jobs.put(None)
+        self.thread.join(timeout=60)
+
+    def _loop(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            if self.stopping:
+                job.out.put(("error", 503, "the server is stopping"))
+                continue
+            self.current = job
+            try:
+                self._run(job)
+            except BadRequest as e:
+                job.out.put(("error", 400, str(e)))
+            except Exception as e:  # the server keeps serving; the client gets a 500
+                log.exception("serve: request failed")
+                job.out.put(("error", 500, f"{type(e).__name__}: {e}"))
+            finally:
+                self.current = None
+
+    def prompt_tokens(self, job: Job) -> list[int]:
+        tok = self.loaded.tokenizer
+        if job.kind == "text":
+            prompt = job.body.get("prompt")
+            if not isinstance(prompt, str) or not prompt:
+                raise BadRequest("prompt must be a non-empty string")
+            return list(tok.encode(prompt))
+        messages = job.body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+            raise BadRequest("messages must be a non-empty list of {role, content} objects")
+        if not getattr(tok, "chat_template", None):
+            raise BadRequest("the model's tokenizer has no chat template; use /v1/completions")
+        try:
+            return list(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        except Exception as e:
+            raise BadRequest(f"messages cannot be formatted by the chat template: {e}") from None
+
+    def _run(self, job: Job) -> None:
+        import mlx.core as mx
+        from mlx_lm.generate import stream_generate
+        from mlx_lm.models.cache import make_prompt_cache
+
+        tokens = self.prompt_tokens(job)
+        sampler = make_sampler(job.body)
+        start = time.perf_counter()
+        hit = self.caches.fetch(tokens)
+        cache = hit.cache if hit.cache is not None else make_prompt_cache(self.loaded.model)
+        stats = Stats(len(tokens), hit.reused, hit.source, restore_s=time.perf_counter() - start)
+        job.out.put(("start", stats))
+        if job.body.get("seed") is not None:
+            mx.random.seed(int(job.body["seed"]))
+        generated: list[int] = []
+        seen: list[int] = []
+        begun = time.perf_counter()
+        for r in stream_generate(
+            self.loaded.model,
+            self.loaded.tokenizer,
+            tokens[hit.reused :],
+            max_tokens=job.max_tokens,
+            sampler=sampler,
+            prompt_cache=cache,
+            kv_bits=self.kv_bits,
+            kv_group_size=self.kv_group_size,
+            quantized_kv_start=0,
+        ):
+            if not generated and not stats.prefill_s:
+                stats.prefill_s = time.perf_counter() - begun
+                stats.ttft_s = time.perf_counter() - job.arrived
+            seen.append(int(r.token))  # an end-of-sequence token too: it may be in the cache
+            if r.finish_reason != "stop":
+                generated.append(int(r.token))
+            logprob = float(r.logprobs[r.token]) if r.finish_reason != "stop" else None
+            job.out.put(("token", r.text, int(r.token), logprob, r.finish_reason))
+            if job.cancelled:
+                break
+        stats.generated = len(generated)
+        stats.decode_s = time.perf_counter() - begun - stats.prefill_s
+        job.out.put(("end", stats))
+        self._keep(tokens + seen, cache)
+        self.served += 1
+        self.cached_tokens += stats.cached
+        log.info(stats.line(job.kind))
+        for note in hit.notes:
+            log.info("serve: note: %s", note)
+
+    def _keep(self, known: list[int], cache: list[Any]) -> None:
+        """Hand the cache to the tiers with the tokens it holds (mlx-lm computes one step
+        ahead, so it may hold a token never returned: trimmed when it can be, else not kept)."""
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        extra = tiers.offset(cache) - len(known)
+        if extra > 0:
+            if not can_trim_prompt_cache(cache):
+                return
+            trim_prompt_cache(cache, extra)
+        self.caches.put(known[: tiers.offset(cache)], cache)
+
+
+def make_sampler(body: dict[str, Any]) -> Any:
+    """mlx-lm's sampler for the request's temperature, top_p, top_k and min_p (checked)."""
+    from mlx_lm.sample_utils import make_sampler as mlx_sampler
+
+    got = {}
+    for key, default in SAMPLING.items():
+        value = body.get(key, default)
+        if value is None:
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise BadRequest(f"{key} must be a number >= 0, not {value!r}")
+        got[key] = value
+    if got["top_p"] > 1 or got["min_p"] > 1:
+        raise BadRequest("top_p and min_p must be at most 1")
+    top_p = 0.0 if got["top_p"] >= 1 else float(got["top_p"])
+    return mlx_sampler(float(got["temperature"]), top_p, float(got["min_p"]), top_k=int(got["top_k"]))
+
+
+class Handler(BaseHTTPRequestHandler):
+    """The OpenAI routes; one instance per connection, on the server's handler threads."""
+
+    engine: Engine
+    model_id: str
+    default_max_tokens: int
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, format: str, *args: Any) -> None:  # the engine logs each request
+        pass
+
+    def do_GET(self) -> None:
+        if self.path == "/health":
+            self._json(200, {"status": "ok"})
+        elif self.path.startswith("/v1/models"):
+            self._json(
+                200, {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": 0}]}
+            )
+        else:
+            self._json(404, {"error": f"no route {self.path}"})
+
+    def do_POST(self) -> None:
+        kinds = {"/v1/completions": "text", "/v1/chat/completions": "chat", "/chat/completions": "chat"}
+        if self.path not in kinds:
+            self._json(404, {"error": f"no route {self.path}"})
+            return
+        try:
+            body = self._body()
+            job = Job(kinds[self.path], body, max_tokens=self._max_tokens(body))
+            stream = body.get("stream", False)
+            if not isinstance(stream, bool):
+                raise BadRequest(f"stream must be true or false, not {stream!r}")
+            stop = stop_words(body.get("stop"))
+        except BadRequest as e:
+            self._json(400, {"error": str(e)})
+            return
+        self.engine.submit(job)
+        event = job.out.get()
+        if event[0] == "error":
+            self._json(event[1], {"error": event[2]})
+            return
+        reply = Reply(self, job, stream=stream, stop=stop)
+        try:
+            reply.send(event[1])
+        except (BrokenPipeError, ConnectionResetError):
+            job.cancelled = True
+
+    def _body(self) -> dict[str, Any]:
+        try:
+            n = int(self.headers.get("Content-Length", ""))
+        except ValueError:
+            raise BadRequest("a Content-Length header with the body's size is required") from None
+        try:
+            body = json.loads(self.rfile.read(n))
+        except ValueError as e:
+            raise BadRequest(f"the body is not JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        return body
+
+    def _max_tokens(self, body: dict[str, Any]) -> int:
+        n = body.get("max_completion_tokens", body.get("max_tokens", self.default_max_tokens))
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise BadRequest(f"max_tokens must be an integer >= 1, not {n!r}")
+        return n
+
+    def _json(self, code: int, doc: dict[str, Any]) -> None:
+        data = json.dumps(doc).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def stop_words(value: Any) -> list[str]:
+    if value is None:
+        return []
+    words = [value] if isinstance(value, str) else value
+    if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
+        raise BadRequest(f"stop must be a string or a list of non-empty strings, not {value!r}")
+    return words
+
+
+class Reply:
+    """Turns a job's token events into one JSON response or a stream of server-sent events,
+    cutting the text at the first stop word."""
+
+    def __init__(self, handler: Handler, job: Job, *, stream: bool, stop: list[str]) -> None:
+        self.h, self.job, self.stream, self.stop = handler, job, stream, stop
+        self.chat = job.kind == "chat"
+        self.id = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4()}"
+        self.created = int(time.time())
+        self.hold = max((len(w) for w in stop), default=1) - 1  # text that may start a stop word
+        opts = job.body.get("stream_options") or {}
+        self.include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+
+    def send(self, stats: Stats) -> None:
+        text, sent, tokens, logprobs, finish = "", 0, [], [], None
+        if self.stream:
+            self.h.send_response(200)
+            self.h.send_header("Content-Type", "text/event-stream")
+            self.h.send_header("Cache-Control", "no-cache")
+            self.h.send_header("Transfer-Encoding", "chunked")
+            self.h.end_headers()
+        while True:
+            event = self.job.out.get()
+            if event[0] == "end":
+                stats = event[1]
+                break
+            if event[0] == "error":
+                finish = "error"
+                log.warning("serve: generation failed after the reply began: %s", event[2])
+                continue
+            _, piece, token, logprob, reason = event
+            text += piece
+            if logprob is not None:
+                tokens.append(token)
+                logprobs.append(logprob)
+            cut = min((i for w in self.stop if (i := text.find(w)) >= 0), default=-1)
+            if cut >= 0:
+                text, finish, self.job.cancelled = text[:cut], "stop", True
+            elif reason is not None:
+                finish = reason
+            if self.stream:
+                upto = len(text) if finish else max(sent, len(text) - self.hold)
+                if upto > sent:
+                    self._event(self._chunk(text[sent:upto], None))
+                    sent = upto
+        if not self.stream:
+            self._whole(text, finish or "stop", stats, tokens, logprobs)
+            return
+        if sent < len(text):
+            self._event(self._chunk(text[sent:], None))
+        self._event(self._chunk("", finish or "stop"))
+        if self.include_usage:
+            self._event(self._base([]) | {"usage": usage(stats)})
+        self._raw(b"data: [DONE]\n\n")
+        self._raw(b"")
+
+    def _base(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        kind = (
+            ("chat.completion.chunk" if self.stream else "chat.completion")
+            if self.chat
+            else "text_completion"
+        )
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.h.model_id,
+            "system_fingerprint": self.h.model_id,
+            "choices": choices,
+        }
+
+    def _chunk(self, text: str, finish: str | None) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if self.chat:
+            choice["delta"] = {"role": "assistant", "content": text} if text else {}
+        else:
+            choice["text"] = text
+        return self._base([choice])
+
+    def _whole(self, text: str, finish: str, stats: Stats, tokens: list[int], logprobs: list[float]) -> None:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.job.body.get("logprobs"):
+            choice["logprobs"] = {
+                "content": [{"id": t, "logprob": g} for t, g in zip(tokens, logprobs, strict=True)]
+            }
+        self.h._json(200, self._base([choice]) | {"usage": usage(stats)})
+
+    def _event(self, doc: dict[str, Any]) -> None:
+        self._raw(f"data: {json.dumps(doc)}\n\n".encode())
+
+    def _raw(self, data: bytes) -> None:
+        self.h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.h.wfile.flush()
+
+
+def usage(stats: Stats) -> dict[str, Any]:
+    return {
+        "prompt_tokens": stats.prompt,
+        "completion_tokens": stats.generated,
+        "total_tokens": stats.prompt + stats.generated,
+        "prompt_tokens_details": {"cached_tokens": stats.cached},
+    }
+
+
+def keyspace(loaded: Any, *, kv_bits: int | None, kv_group_size: int) -> tiers.Keyspace:
+    """The keyspace of this model, tokenizer, chat template and cache configuration."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    classes = [type(c).__name__ for c in make_prompt_cache(loaded.model)]
+    if kv_bits:
+        classes = ["QuantizedKVCache" if c == "KVCache" else c for c in classes]
+    template = getattr(loaded.tokenizer, "chat_template", None) or ""
+    if not isinstance(template, str):
+        template = json.dumps(template, sort_keys=True)
+    return tiers.Keyspace(
+        model=loaded.model_fp,
+        tokenizer=loaded.tokenizer_fp,
+        template=hashlib.sha256(template.encode()).hexdigest(),
+        cache=tiers.cache_kind(classes, bits=kv_bits, group_size=kv_group_size),
+    )
+
+
+def build_caches(cfg: Any, loaded: Any, space: tiers.Keyspace) -> tiers.PromptCaches:
+    memory = tiers.MemoryTier(max_bytes=int(cfg.serve.cache_gb * 2**30))
+    if not cfg.serve.persist:
+        return tiers.PromptCaches(space, memory)
+    store = store_of(cfg)
+    store.check_writable()
+    store.remember_model(loaded.model_fp, loaded.name or str(loaded.path))
+    disk = tiers.DiskTier(store, space, verify=cfg.kv.verify)
+    writer = tiers.Persister(
+        store, layout=cfg.kv.layout, model_name=loaded.name, max_pending=cfg.serve.max_pending
+    )
+    return tiers.PromptCaches(space, memory, disk, writer, cap_bytes=cfg.kv.cap_bytes)
+
+
+def run(cfg: Any) -> Any:
+    """command=serve: load the model, open the caches, serve until SIGTERM or Ctrl-C."""
+    s = cfg.serve
+    loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
+    space = keyspace(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size)
+    caches = build_caches(cfg, loaded, space)
+    engine = Engine(loaded, caches, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size)
+    handler = type(
+        "BoundHandler",
+        (Handler,),
+        {"engine": engine, "model_id": loaded.name or loaded.path.name, "default_max_tokens": s.max_tokens},
+    )
+    try:
+        server = ThreadingHTTPServer((s.host, s.port), handler)
+    except OSError as e:
+        raise InputError(f"serve.port={s.port}: cannot listen on {s.host}:{s.port} ({e.strerror})") from None
+    server.daemon_threads = True
+    disk = len(caches.disk.index) if caches.disk else 0
+    where = f"kv.store={caches.disk.store.root}" if caches.disk else "memory only"
+    print(
+        f"serving {loaded.path} on http://{s.host}:{server.server_address[1]} ({where}, {disk} stored prompt(s))",
+        flush=True,
+    )
+    why = "stopped"
+    try:
+        server.serve_forever()
+    except Interrupted as e:  # SIGTERM or Ctrl-C is how a server is stopped: a clean exit
+        why = f"stopped by {signal.Signals(e.signum).name}"
+    finally:
+        server.server_close()
+        stop(engine, caches, flush=s.flush)
+    metrics = {"requests": engine.served, "cached_tokens": engine.cached_tokens}
+    return RunResult(metrics=metrics, message=f"{why} after {engine.served} request(s)")
+
+
+def stop(engine: Engine, caches: tiers.PromptCaches, *, flush: bool) -> None:
+    """Finish the running generation, then flush or drop the saves still waiting."""
+    engine.stop()
+    if caches.persister is not None:
+        waiting = caches.persister.waiting()
+        caches.persister.close(flush=flush)
+        p = caches.persister
+        log.info(
+            "serve: stopped; %d save(s) written, %d dropped, %d failed (%d waiting at the signal, %s)",
+            p.written,
+            p.dropped,
+            p.failed,
+            waiting,
+            "flushed" if flush else "dropped",
+        )

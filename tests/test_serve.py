@@ -1,0 +1,211 @@
+"""command=serve: a running server answered over HTTP, its prompt caches across restarts and faults."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx_lm
+import pytest
+from cli_util import REPO, isolated_args
+from mlx_lm.models.cache import make_prompt_cache
+
+from mlxbun import synth
+from mlxbun.kv import commands
+from mlxbun.kv.store import Store
+
+SYSTEM = "You answer in one word. " * 8
+PROMPT = "the quick brown fox jumps over the lazy dog; " * 4
+
+# A sitecustomize.py body: every snapshot save stops after its data is written (a marker file
+# says so) until the process is killed.
+STALL_MID_SAVE = """
+import os, time
+from mlxbun.kv import snapshot
+real = snapshot.write_snapshot
+def stalled(path, layers, base, **kw):
+    step = kw.pop("on_step")
+    def on_step(name):
+        step(name)
+        if name == "tail":
+            open(os.environ["STALL_MARKER"], "w").close()
+            time.sleep(600)
+    return real(path, layers, base, on_step=on_step, **kw)
+snapshot.write_snapshot = stalled
+"""
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    path = synth.ensure_synthetic(cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny")
+    return commands.load_model(path)
+
+
+class Server:
+    """``python -m mlxbun command=serve`` in a subprocess on a free port."""
+
+    def __init__(self, model: Path, tmp: Path, *extra: str, env: dict[str, str] | None = None) -> None:
+        argv = [sys.executable, "-m", "mlxbun", "command=serve", f"model.name={model}", "serve.port=0"]
+        argv += [f"kv.store={tmp / 'kv'}", *extra, *isolated_args(tmp)]
+        self.log = tmp / f"server-{time.monotonic_ns()}.log"
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=self.log.open("w"),
+            text=True,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
+        )
+        line = self.proc.stdout.readline()
+        found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
+        assert found, f"no address in {line!r}; log: {self.log.read_text()}"
+        self.port = int(found.group(1))
+
+    def post(self, path: str, body: dict) -> dict:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        data = resp.read()
+        assert resp.status == 200, data
+        return json.loads(data)
+
+    def stream(self, path: str, body: dict) -> list[dict]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+        conn.request("POST", path, json.dumps(body | {"stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+        events = [ln[len("data: ") :] for ln in resp.read().decode().splitlines() if ln.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        return [json.loads(e) for e in events[:-1]]
+
+    def stop(self, sig: int = signal.SIGTERM) -> str:
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=60)
+        self.proc.stdout.close()
+        return self.log.read_text()
+
+
+def scratch(loaded, tokens: list[int], n: int) -> list[int]:
+    return commands.greedy(loaded, tokens, make_prompt_cache(loaded.model), max_tokens=n)
+
+
+def ids(reply: dict) -> list[int]:
+    return [t["id"] for t in reply["choices"][0]["logprobs"]["content"]]
+
+
+def cached(reply: dict) -> int:
+    return reply["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_greedy_tokens_equal_mlx_lm_and_survive_a_restart(loaded, tmp_path):
+    text = {"prompt": PROMPT, "max_tokens": 12, "logprobs": True}
+    tokens = list(loaded.tokenizer.encode(PROMPT))
+    want = scratch(loaded, tokens, 12)
+    server = Server(loaded.path, tmp_path)
+    first = server.post("/v1/completions", text)
+    assert ids(first) == want and cached(first) == 0
+    assert first["usage"]["prompt_tokens"] == len(tokens)
+    assert first["choices"][0]["text"] == mlx_lm.generate(
+        loaded.model, loaded.tokenizer, tokens, max_tokens=12
+    )
+
+    chat = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+    }
+    whole = server.post("/v1/chat/completions", chat)
+    chunks = server.stream("/v1/chat/completions", chat | {"stream_options": {"include_usage": True}})
+    streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+    assert streamed == whole["choices"][0]["message"]["content"]
+    assert cached(chunks[-1]) == chunks[-1]["usage"]["prompt_tokens"] - 1  # the same prompt, from memory
+    log = server.stop()
+    assert server.proc.returncode == 0, log
+    assert re.search(r"serve: text: prompt \d+ tokens, cached 0 \(none\).*tok/s", log)
+
+    again = Server(loaded.path, tmp_path)
+    second = again.post("/v1/completions", text)
+    log = again.stop()
+    assert ids(second) == want
+    assert cached(second) == len(tokens) - 1, log  # all but the token the model must see
+    assert f"cached {len(tokens) - 1} (disk)" in log
+
+
+def served_once(loaded, tmp: Path) -> tuple[dict, list[int]]:
+    """A request served (and persisted) by a server that is then stopped: (request, tokens)."""
+    text = {"prompt": PROMPT, "max_tokens": 10, "logprobs": True}
+    want = scratch(loaded, list(loaded.tokenizer.encode(PROMPT)), 10)
+    server = Server(loaded.path, tmp)
+    assert ids(server.post("/v1/completions", text)) == want
+    server.stop()
+    return text, want
+
+
+def test_a_flipped_byte_is_a_miss_recomputed_and_replaced(loaded, tmp_path):
+    text, want = served_once(loaded, tmp_path)
+    store = Store(tmp_path / "kv")
+    (name,) = store.names()
+    path = store.path_of(name)
+    raw = bytearray(path.read_bytes())
+    raw[-40] ^= 0x01  # a byte of K/V data
+    path.write_bytes(bytes(raw))
+    assert store.verify()[1]
+
+    server = Server(loaded.path, tmp_path)
+    reply = server.post("/v1/completions", text)
+    log = server.stop()
+    assert ids(reply) == want and cached(reply) == 0
+    assert f"snapshot {name!r} cannot be used" in log and "a miss, recomputed and replaced" in log
+    assert store.verify() == (store.verify()[0], [])  # replaced by a good copy
+
+
+def test_eight_parallel_clients_share_a_system_prompt(loaded, tmp_path):
+    server = Server(loaded.path, tmp_path)
+    users = [f"question {i}: what is {i} plus {i}?" for i in range(8)]
+
+    def ask(user: str) -> dict:
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+        return server.post("/v1/chat/completions", {"messages": msgs, "max_tokens": 6, "logprobs": True})
+
+    with ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(ask, users))
+    server.stop()
+    shared = len(loaded.tokenizer.apply_chat_template([{"role": "system", "content": SYSTEM}], tokenize=True))
+    hits = sorted(cached(r) for r in replies)
+    assert hits[0] == 0 and all(h >= shared for h in hits[1:]), hits
+    for user, reply in zip(users, replies, strict=True):
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
+        prompt = loaded.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+        assert ids(reply) == scratch(loaded, list(prompt), 6)
+    assert len(Store(tmp_path / "kv").names()) == 8
+
+
+def test_sigkill_mid_persist_leaves_a_store_that_verifies_and_serves(loaded, tmp_path):
+    text, want = served_once(loaded, tmp_path)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(STALL_MID_SAVE)
+    marker = tmp_path / "stalled"
+    env = {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}", "STALL_MARKER": str(marker)}
+    server = Server(loaded.path, tmp_path, env=env)
+    longer = server.post("/v1/completions", text | {"prompt": PROMPT + "and again"})
+    assert cached(longer) > 0  # the response did not wait for the stalled save
+    for _ in range(200):
+        if marker.exists():
+            break
+        time.sleep(0.05)
+    assert marker.exists()
+    server.stop(signal.SIGKILL)
+    store = Store(tmp_path / "kv")
+    assert store.verify()[1] == [] and len(store.names()) == 1
+
+    server = Server(loaded.path, tmp_path)
+    reply = server.post("/v1/completions", text)
+    server.stop()
+    assert ids(reply) == want and cached(reply) > 0
