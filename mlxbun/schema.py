@@ -586,7 +586,7 @@ class ServeCfg:
         positive("serve.max_pending", self.max_pending)
         if self.kv_bits is not None:
             choose("serve.kv_bits", self.kv_bits, (2, 3, 4, 5, 6, 8))
-        choose("serve.kv_group_size", self.kv_group_size, (32, 64, 128))
+        choose("serve.kv_group_size", self.kv_group_size, (32, 64, 128))  # mlx-lm's QuantizedKVCache
 
 
 @dataclass

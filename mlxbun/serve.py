@@ -34,6 +34,7 @@ from mlxbun.source import model_dir
 
 log = logging.getLogger("mlxbun")
 
+KV_GROUPS = (32, 64, 128)  # mlx-lm's QuantizedKVCache group sizes
 SAMPLING = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
 
 
@@ -328,9 +329,13 @@ class Reply:
             if event[0] == "end":
                 stats = event[1]
                 break
-            if event[0] == "error":
+            if event[0] == "error":  # the engine logged it; nothing more comes for this job
+                if not self.stream:
+                    self.h._json(500, {"error": event[2]})
+                    return
                 finish = "error"
-                log.warning("serve: generation failed after the reply began: %s", event[2])
+                break
+            if self.job.cancelled:  # cut at a stop word: the rest is drained, not sent
                 continue
             _, piece, token, logprob, reason = event
             text += piece
@@ -414,8 +419,10 @@ def keyspace(loaded: Any, *, kv_bits: int | None, kv_group_size: int) -> tiers.K
     """The keyspace of this model, tokenizer, chat template and cache configuration."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    classes = [type(c).__name__ for c in make_prompt_cache(loaded.model)]
     if kv_bits:
+        check_kv_group(loaded.model, kv_group_size)
+    classes = [type(c).__name__ for c in tiers.leaf_caches(make_prompt_cache(loaded.model))]
+    if kv_bits:  # mlx-lm turns each KVCache into a QuantizedKVCache at the first step
         classes = ["QuantizedKVCache" if c == "KVCache" else c for c in classes]
     template = getattr(loaded.tokenizer, "chat_template", None) or ""
     if not isinstance(template, str):
@@ -425,6 +432,27 @@ def keyspace(loaded: Any, *, kv_bits: int | None, kv_group_size: int) -> tiers.K
         tokenizer=loaded.tokenizer_fp,
         template=hashlib.sha256(template.encode()).hexdigest(),
         cache=tiers.cache_kind(classes, bits=kv_bits, group_size=kv_group_size),
+    )
+
+
+def check_kv_group(model: Any, group_size: int) -> None:
+    """Refuse a KV group size that does not divide the model's head width (one token's step
+    tells it), before a request fails on it."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    model(mx.array([[0]]), cache=cache)
+    widths = {int(s.keys.shape[-1]) for s in tiers.leaf_caches(cache) if getattr(s, "keys", None) is not None}
+    bad = sorted(w for w in widths if w % group_size)
+    if not bad:
+        return
+    fits = [str(g) for g in KV_GROUPS if all(w % g == 0 for w in widths)]
+    fix = (
+        f"choose one of {', '.join(fits)}" if fits else "no KV group size fits it: leave serve.kv_bits unset"
+    )
+    raise InputError(
+        f"serve.kv_group_size={group_size} does not divide the model's KV head width {bad[0]}; {fix}"
     )
 
 

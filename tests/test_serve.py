@@ -15,7 +15,7 @@ from pathlib import Path
 
 import mlx_lm
 import pytest
-from cli_util import REPO, isolated_args
+from cli_util import REPO, isolated_args, run_cli
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxbun import synth
@@ -49,6 +49,20 @@ def loaded(tmp_path_factory):
     return commands.load_model(path)
 
 
+RUNNING: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def no_server_left():
+    """A failed test must not leave its server running."""
+    yield
+    while RUNNING:
+        proc = RUNNING.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 class Server:
     """``python -m mlxbun command=serve`` in a subprocess on a free port."""
 
@@ -64,6 +78,7 @@ class Server:
             text=True,
             env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})},
         )
+        RUNNING.append(self.proc)
         line = self.proc.stdout.readline()
         found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
         assert found, f"no address in {line!r}; log: {self.log.read_text()}"
@@ -209,3 +224,67 @@ def test_sigkill_mid_persist_leaves_a_store_that_verifies_and_serves(loaded, tmp
     reply = server.post("/v1/completions", text)
     server.stop()
     assert ids(reply) == want and cached(reply) > 0
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """The tiny llama with 32-wide heads, which KV quantization with groups of 32 can take."""
+    path = synth.ensure_synthetic(
+        cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny", head_dim=32
+    )
+    return commands.load_model(path)
+
+
+def test_a_kv_group_size_that_does_not_divide_the_heads_is_refused(loaded, tmp_path):
+    res = run_cli(
+        "command=serve",
+        f"model.name={loaded.path}",
+        "serve.kv_bits=8",
+        "serve.kv_group_size=32",
+        tmp=tmp_path,
+    )
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == (
+        "error: serve.kv_group_size=32 does not divide the model's KV head width 16;"
+        " no KV group size fits it: leave serve.kv_bits unset"
+    )
+
+
+def test_a_cache_of_other_kv_quantization_is_never_a_hit(wide, tmp_path):
+    loaded = wide
+    text = {"prompt": PROMPT, "max_tokens": 6, "logprobs": True}
+    server = Server(loaded.path, tmp_path, "serve.kv_bits=8", "serve.kv_group_size=32")
+    quantized = server.post("/v1/completions", text)
+    server.stop()
+    assert cached(quantized) == 0
+    plain = Server(loaded.path, tmp_path)  # the same store, unquantized KV: another keyspace
+    reply = plain.post("/v1/completions", text)
+    plain.stop()
+    assert cached(reply) == 0 and ids(reply) == scratch(loaded, list(loaded.tokenizer.encode(PROMPT)), 6)
+    again = Server(loaded.path, tmp_path, "serve.kv_bits=8", "serve.kv_group_size=32")
+    reply = again.post("/v1/completions", text)
+    log = again.stop()
+    assert cached(reply) == reply["usage"]["prompt_tokens"] - 1, log  # its own keyspace, from disk
+    assert ids(reply) == ids(quantized)
+
+
+def test_memory_tier_keeps_the_longest_prefix_under_its_byte_cap(loaded):
+    from mlxbun.kv import tiers
+
+    def filled(tokens):
+        cache = make_prompt_cache(loaded.model)
+        commands.prefill(loaded.model, tokens, cache)
+        return cache
+
+    a, b = list(range(1, 41)), list(range(1, 21)) + list(range(100, 120))
+    size = tiers.nbytes(filled(a))
+    memory = tiers.MemoryTier(max_bytes=size * 2)
+    memory.insert(a, filled(a))
+    memory.insert(b, filled(b))
+    hit = memory.nearest(a[:30] + [7, 7])
+    assert hit.reused == 30 and tiers.offset(hit.cache) == 30 and hit.source == "memory"
+    assert memory.nearest(a).reused == 39  # the model must see the last token
+    assert memory.nearest([300, 301]) is None
+    memory.insert(list(range(200, 240)), filled(list(range(200, 240))))  # over the cap: b was used least
+    assert len(memory) == 2 and memory.bytes <= size * 2
+    assert memory.nearest(b).reused == 20  # b is gone; a still serves the first 20

@@ -34,6 +34,8 @@ from mlxbun.kv.store import Store, common_prefix
 log = logging.getLogger("mlxbun")
 
 PREFIX = "serve-"
+# a disk entry is restored only when it serves at least 1/RESTORE_RATIO of the tokens it holds
+RESTORE_RATIO = 16
 
 
 @dataclass(frozen=True)
@@ -72,15 +74,20 @@ def cache_kind(classes: Sequence[str], *, bits: int | None, group_size: int) -> 
     return f"{kind}/bits={bits}/group_size={group_size}" if bits else kind
 
 
-def header_classes(h: dict[str, Any]) -> set[str]:
-    """The leaf cache classes a snapshot header holds."""
-    out = set()
-    for layer in h["layers"]:
-        if layer["class"] == "CacheList":
-            out.update(c["class"] for c in layer["meta"]["caches"])
-        else:
-            out.add(layer["class"])
-    return out
+def leaf_caches(cache: list[Any]) -> list[Any]:
+    """Every cache object of a prompt cache, a CacheList's members in its place."""
+    return [s for c in cache for s in getattr(c, "caches", (c,))]
+
+
+def kind_of(cache: list[Any]) -> str:
+    """The keyspace's cache field of a built cache (its classes and KV quantization)."""
+    leaves = leaf_caches(cache)
+    quantized = [c for c in leaves if type(c).__name__ == "QuantizedKVCache"]
+    if len({(c.bits, c.group_size) for c in quantized}) > 1:
+        return "mixed KV quantization"
+    bits = quantized[0].bits if quantized else None
+    group = quantized[0].group_size if quantized else 0
+    return cache_kind([type(c).__name__ for c in leaves], bits=bits, group_size=group)
 
 
 def nbytes(cache: list[Any]) -> int:
@@ -221,6 +228,8 @@ class DiskTier:
         for n, name in ranked:
             if n <= at_least:
                 break
+            if n * RESTORE_RATIO < len(self.index.get(name, ())):
+                continue  # reading the whole snapshot to reuse a sliver of it costs more than it saves
             try:
                 cache = self._load(name)
             except (fmt.CorruptError, fmt.UnsupportedError, InputError, OSError) as e:
@@ -239,11 +248,10 @@ class DiskTier:
     def _load(self, name: str) -> list[Any]:
         space = self.space
         got = self.store.load(name, model=space.model, tokenizer=space.tokenizer, verify=self.verify)
-        classes = {type(c).__name__ for c in got.cache}
-        if tuple(got.tokens) != self.index.get(name) or not classes <= set(
-            space.cache.split("/")[0].split("+")
-        ):
-            raise fmt.CorruptError(f"snapshot {name!r} does not hold what its name promises")
+        if tuple(got.tokens) != self.index.get(name) or kind_of(got.cache) != space.cache:
+            raise fmt.CorruptError(
+                f"snapshot {name!r} holds {kind_of(got.cache)} caches, not the {space.cache} its name promises"
+            )
         return got.cache
 
 
