@@ -167,6 +167,7 @@ class Engine:
             kv_bits=self.kv_bits,
             kv_group_size=self.kv_group_size,
             quantized_kv_start=0,
+            prompt_progress_callback=lambda done, total: job.out.put(("progress", done, total)),
         ):
             if not generated and not stats.prefill_s:
                 stats.prefill_s = time.perf_counter() - begun
@@ -335,6 +336,10 @@ class Reply:
                     return
                 finish = "error"
                 break
+            if event[0] == "progress":  # a long prefill: keep the stream's client waiting
+                if self.stream:
+                    self._raw(f": keepalive {event[1]}/{event[2]}\n\n".encode())
+                continue
             if self.job.cancelled:  # cut at a stop word: the rest is drained, not sent
                 continue
             _, piece, token, logprob, reason = event
@@ -473,20 +478,16 @@ def build_caches(cfg: Any, loaded: Any, space: tiers.Keyspace) -> tiers.PromptCa
 def run(cfg: Any) -> Any:
     """command=serve: load the model, open the caches, serve until SIGTERM or Ctrl-C."""
     s = cfg.serve
-    loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
-    space = keyspace(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size)
-    caches = build_caches(cfg, loaded, space)
-    engine = Engine(loaded, caches, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size)
-    handler = type(
-        "BoundHandler",
-        (Handler,),
-        {"engine": engine, "model_id": loaded.name or loaded.path.name, "default_max_tokens": s.max_tokens},
-    )
+    handler = type("BoundHandler", (Handler,), {"default_max_tokens": s.max_tokens})
+    server = listen(s.host, s.port, handler)  # a busy port fails before the model loads
     try:
-        server = ThreadingHTTPServer((s.host, s.port), handler)
-    except OSError as e:
-        raise InputError(f"serve.port={s.port}: cannot listen on {s.host}:{s.port} ({e.strerror})") from None
-    server.daemon_threads = True
+        loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
+        caches = build_caches(cfg, loaded, keyspace(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size))
+    except BaseException:
+        server.server_close()
+        raise
+    handler.engine = Engine(loaded, caches, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size)
+    handler.model_id = loaded.name or loaded.path.name
     disk = len(caches.disk.index) if caches.disk else 0
     where = f"kv.store={caches.disk.store.root}" if caches.disk else "memory only"
     print(
@@ -500,9 +501,22 @@ def run(cfg: Any) -> Any:
         why = f"stopped by {signal.Signals(e.signum).name}"
     finally:
         server.server_close()
-        stop(engine, caches, flush=s.flush)
-    metrics = {"requests": engine.served, "cached_tokens": engine.cached_tokens}
-    return RunResult(metrics=metrics, message=f"{why} after {engine.served} request(s)")
+        stop(handler.engine, caches, flush=s.flush)
+    served = handler.engine.served
+    metrics = {"requests": served, "cached_tokens": handler.engine.cached_tokens}
+    return RunResult(metrics=metrics, message=f"{why} after {served} request(s)")
+
+
+def listen(host: str, port: int, handler: type) -> ThreadingHTTPServer:
+    try:
+        server = ThreadingHTTPServer((host, port), handler)
+    except OSError as e:
+        raise InputError(
+            f"serve.port={port}: cannot listen on {host}:{port} ({e.strerror}); choose another serve.port"
+            " (0 picks a free one) or serve.host"
+        ) from None
+    server.daemon_threads = True
+    return server
 
 
 def stop(engine: Engine, caches: tiers.PromptCaches, *, flush: bool) -> None:

@@ -128,9 +128,14 @@ def test_greedy_tokens_equal_mlx_lm_and_survive_a_restart(loaded, tmp_path):
     first = server.post("/v1/completions", text)
     assert ids(first) == want and cached(first) == 0
     assert first["usage"]["prompt_tokens"] == len(tokens)
-    assert first["choices"][0]["text"] == mlx_lm.generate(
-        loaded.model, loaded.tokenizer, tokens, max_tokens=12
-    )
+    whole = mlx_lm.generate(loaded.model, loaded.tokenizer, tokens, max_tokens=12)
+    assert first["choices"][0]["text"] == whole and len(whole) >= 4
+    stop = whole[2:4]
+    cut = server.post("/v1/completions", text | {"stop": [stop]})["choices"][0]
+    assert cut == cut | {"text": whole[: whole.find(stop)], "finish_reason": "stop"}
+    chunks = server.stream("/v1/completions", text | {"stop": stop})
+    assert "".join(c["choices"][0]["text"] for c in chunks) == cut["text"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
 
     chat = {
         "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "hi"}],
@@ -288,3 +293,23 @@ def test_memory_tier_keeps_the_longest_prefix_under_its_byte_cap(loaded):
     memory.insert(list(range(200, 240)), filled(list(range(200, 240))))  # over the cap: b was used least
     assert len(memory) == 2 and memory.bytes <= size * 2
     assert memory.nearest(b).reused == 20  # b is gone; a still serves the first 20
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = run_cli(
+            "command=serve", f"model.name={tmp_path / 'no-model'}", f"serve.port={port}", tmp=tmp_path
+        )
+    assert res.returncode == 2, res.stderr
+    assert (
+        res.stderr.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"error: serve.port={port}: cannot listen on 127.0.0.1:{port} (Address already in use); choose another"
+        )
+    )
