@@ -49,9 +49,10 @@ def fixture(args: argparse.Namespace, name: str) -> dict:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from mlxbun.io.atomic import atomic_write_json
-    from mlxbun.quant.allocate import allocate, load_sensitivity
+    from mlxbun.quant.allocate import allocate
     from mlxbun.quant.calib import load_calibration
     from mlxbun.quant.interactions import InModel
+    from mlxbun.quant.sensitivity_file import load_sensitivity
 
     work = args.work / name
     calib = load_sensitivity(sensitivity_dir(work, "exact", 0)).calibration

@@ -168,7 +168,7 @@ def stage_errors(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from mlxbun.quant import hessian, rounding
-    from mlxbun.quant.sensitivity import load_model, source_dtypes
+    from mlxbun.quant.probe import load_model, source_dtypes
 
     model, _, _ = load_model(args.model)
     h = hessian.capture(model, _calibration(args.model, args.samples, args.seq_len).tokens)
@@ -197,7 +197,7 @@ def stage_mxerrors(args: argparse.Namespace) -> None:
     import mlx.core as mx
 
     from mlxbun.quant import hessian
-    from mlxbun.quant.sensitivity import load_model, source_dtypes
+    from mlxbun.quant.probe import load_model, source_dtypes
 
     model, _, _ = load_model(args.model)
     h = hessian.capture(model, _calibration(args.model, args.samples, args.seq_len).tokens)
@@ -255,7 +255,7 @@ class Evaluator:
         import mlx.core as mx
 
         from mlxbun.kl import log_probs
-        from mlxbun.quant.sensitivity import load_model
+        from mlxbun.quant.probe import load_model
 
         ref, _, _ = load_model(model_dir)
         self.sets = {}
@@ -266,7 +266,7 @@ class Evaluator:
 
     def kl(self, model_dir: Path, names: tuple[str, ...] = ("calib", "held_out")) -> dict[str, float]:
         from mlxbun.kl import kl_rows
-        from mlxbun.quant.sensitivity import load_model
+        from mlxbun.quant.probe import load_model
 
         cur, _, _ = load_model(model_dir)
         out = {}
@@ -349,7 +349,7 @@ class Fixture:
         return self.anchors[label]
 
     def sensitivities(self) -> dict:
-        from mlxbun.quant.allocate import load_sensitivity
+        from mlxbun.quant.sensitivity_file import load_sensitivity
 
         sens_dir, sens_stats = self.stage(f"sens:{self.args.sens_method}", "sens")
         err_dir, err_stats = self.stage("errors", "errors")
@@ -369,7 +369,7 @@ class Fixture:
     def estimated(self, family: str):
         """Per-module KL of every candidate of ``family``: exact RTN KL at (bits, g64) x the
         candidate's output error / RTN's at (bits, g64), the errors on the calibration inputs."""
-        from mlxbun.quant.allocate import LayerSensitivity, Sensitivity
+        from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
         from mlxbun.quant.spec import QuantSpec
 
         methods, groups, modes, _ = FAMILIES[family]
@@ -394,7 +394,7 @@ class Fixture:
     def quantize(self, plan: dict) -> tuple[Path, float]:
         """Write ``plan`` (plan.json's dict), quantize with it; the model dir and the seconds it took."""
         from mlxbun.io.atomic import atomic_write_json
-        from mlxbun.quantize import quantize_model_dir
+        from mlxbun.quant.quantize import quantize_model_dir
 
         self.n += 1
         path = self.work / "plans" / f"{self.n:03d}.json"
@@ -493,7 +493,7 @@ def run_fixture(model: Path, args: argparse.Namespace) -> dict:
 
 def run_uniform(model: Path, args: argparse.Namespace) -> list[str]:
     """Same bits, same bytes: mlx-lm convert q3/q4 against mlxbun's quantize with each method."""
-    from mlxbun.quantize import quantize_model_dir
+    from mlxbun.quant.quantize import quantize_model_dir
 
     fx = Fixture(model, args)
     hdir, hstats = fx.stage("hessians", "hessians")

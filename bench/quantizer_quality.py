@@ -66,8 +66,8 @@ def held_out_text(work: Path, model: Path) -> Path:
 def mlxbun_row(fx: aq.Fixture, bits: int, method: str, hessians: Path, embed: bool = False) -> dict:
     """mlxbun's quantize at ``bits`` g64; ``embed``: the embedding (the tied head) at 4-bit g32,
     the layout mlx-lm's awq writes, so that row has its bytes."""
+    from mlxbun.quant.quantize import quantize_model_dir
     from mlxbun.quant.spec import Plan, QuantSpec
-    from mlxbun.quantize import quantize_model_dir
 
     tag = f"{bits}-{method}" + ("-e4g32" if embed else "")
     out = fx.work / "uniform" / tag

@@ -49,8 +49,9 @@ def sensitivity_of(model: Path, dest: Path, args: argparse.Namespace) -> Path:
 
 def planned(fx: aq.Fixture, model: Path, sens: Path, budget: int, name: str) -> dict:
     from mlxbun.errors import InputError
-    from mlxbun.quant.allocate import allocate, load_sensitivity
-    from mlxbun.quantize import quantize_model_dir
+    from mlxbun.quant.allocate import allocate
+    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.sensitivity_file import load_sensitivity
 
     try:
         plan = allocate(load_sensitivity(sens), model_dir=model, budget_bytes=budget)
@@ -63,7 +64,7 @@ def planned(fx: aq.Fixture, model: Path, sens: Path, budget: int, name: str) -> 
 
 
 def uniform(fx: aq.Fixture, model: Path, bits: int, name: str) -> dict:
-    from mlxbun.quantize import quantize_model_dir
+    from mlxbun.quant.quantize import quantize_model_dir
 
     out = fx.work / "rot" / name
     shutil.rmtree(out, ignore_errors=True)

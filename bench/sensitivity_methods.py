@@ -143,7 +143,7 @@ class Evaluator:
         import mlx.core as mx
 
         from mlxbun.kl import log_probs
-        from mlxbun.quant.sensitivity import load_model
+        from mlxbun.quant.probe import load_model
 
         ref, _, _ = load_model(model_dir)
         self.batches = [mx.array(tokens[i : i + 4]) for i in range(0, len(tokens), 4)]
@@ -152,7 +152,7 @@ class Evaluator:
 
     def kl(self, model_dir: Path) -> float:
         from mlxbun.kl import kl_rows
-        from mlxbun.quant.sensitivity import load_model
+        from mlxbun.quant.probe import load_model
 
         cur, _, _ = load_model(model_dir)
         rows = [np.asarray(kl_rows(r, cur(b))) for b, r in zip(self.batches, self.refs, strict=True)]
@@ -182,7 +182,7 @@ class Plans:
 
     def quantize(self, **kw) -> dict:
         from mlxbun.quant import budget
-        from mlxbun.quantize import quantize_model_dir
+        from mlxbun.quant.quantize import quantize_model_dir
 
         self.n += 1
         out = self.args.work / "models" / f"{self.n:02d}"
@@ -194,7 +194,8 @@ class Plans:
 
     def plan(self, method: str, limit: int) -> dict:
         from mlxbun.io.atomic import atomic_write_json
-        from mlxbun.quant.allocate import allocate, load_sensitivity
+        from mlxbun.quant.allocate import allocate
+        from mlxbun.quant.sensitivity_file import load_sensitivity
 
         sens = load_sensitivity(self.args.work / method / "sensitivity.json")
         plan = allocate(sens, model_dir=self.args.model, budget_bytes=limit)

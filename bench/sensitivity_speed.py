@@ -39,6 +39,7 @@ def child(which: str, args: argparse.Namespace) -> None:
 
     blas_info = blas.load()
     from mlxbun.quant import sensitivity as sens
+    from mlxbun.quant.exact import Sweep
     from mlxbun.quant.sensitivity_ref import reference_kl
 
     t0 = time.perf_counter()
@@ -52,7 +53,7 @@ def child(which: str, args: argparse.Namespace) -> None:
         for t in s.targets:
             groups.setdefault(t.group, []).append(t)
         kls: dict = {}
-        sweep = sens.Sweep(s.model, s.tokens, batch_size=args.batch_size)
+        sweep = Sweep(s.model, s.tokens, batch_size=args.batch_size)
         sweep.run(groups, s.cands, on_group=lambda g, r: kls.update(r))
     else:
         s = sens.prepare(model_dir=args.model, method="reference", batch_size=1, **common)

@@ -36,7 +36,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pipeline": ("mlxbun.pipeline", "run several commands in order in one run directory"),
     "synth": ("mlxbun.synth", "write a deterministic random checkpoint of a real architecture"),
     "inspect": ("mlxbun.inspect", "tensors, totals, metadata and quantization of a model"),
-    "quantize": ("mlxbun.quantize", "stream an HF checkpoint to a quantized MLX model"),
+    "quantize": ("mlxbun.quant.quantize", "stream an HF checkpoint to a quantized MLX model"),
     "sensitivity": ("mlxbun.quant.sensitivity", "per-layer KL of candidates: fisher, exact or reference"),
     "sensitivity_merge": ("mlxbun.quant.sensitivity_merge", "combine sharded sensitivity runs"),
     "allocate": ("mlxbun.quant.allocate", "per-layer bits under a true size budget -> plan.json"),

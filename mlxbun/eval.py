@@ -46,14 +46,14 @@ import numpy as np
 
 from mlxbun import kl
 from mlxbun.errors import InputError
+from mlxbun.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
 from mlxbun.io.safetensors import read_config
-from mlxbun.kv.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
-from mlxbun.quant.calib import choose_windows, fingerprint, load_calibration
-from mlxbun.quant.sensitivity import load_model
+from mlxbun.quant.calib import Windows, choose_windows, fingerprint, load_calibration
+from mlxbun.quant.probe import load_model
 from mlxbun.source import expand, model_dir, named_dir
 
 VERSION = 1
@@ -64,19 +64,11 @@ SPAN = 32  # tokens in a span shared with the calibration that counts as overlap
 log = logging.getLogger("mlxbun")
 
 
-@dataclass(frozen=True)
-class Text:
-    """The evaluation windows and where they came from."""
-
-    windows: np.ndarray  # (n, seq_len) int32
-    source: str
-    fingerprint: str
-    stream_tokens: int
-
-    def to_json(self) -> dict[str, Any]:
-        n, length = self.windows.shape
-        return {"source": self.source, "fingerprint": self.fingerprint, "windows": int(n), "seq_len": int(length),
-                "scored_tokens": int(n * (length - 1)), "stream_tokens": self.stream_tokens}  # fmt: skip
+def text_json(text: Windows) -> dict[str, Any]:
+    """The evaluation windows as eval.json and the reference's meta.json record them."""
+    n, length = text.tokens.shape
+    return {"source": text.source, "fingerprint": text.fingerprint, "windows": int(n), "seq_len": int(length),
+            "scored_tokens": int(n * (length - 1)), "stream_tokens": text.stream_tokens}  # fmt: skip
 
 
 def read_text(path: str | None) -> tuple[str, str]:
@@ -97,7 +89,7 @@ def encode(tokenizer: Any, text: str) -> np.ndarray:
     return np.asarray(ids, dtype=np.int32)
 
 
-def windows(stream: np.ndarray, *, source: str, tokens: int, seq_len: int, seed: int) -> Text:
+def windows(stream: np.ndarray, *, source: str, tokens: int, seq_len: int, seed: int) -> Windows:
     """``tokens`` tokens (rounded up to whole windows) in disjoint windows of ``seq_len``."""
     n = -(-tokens // seq_len)
     if len(stream) < seq_len:
@@ -112,7 +104,7 @@ def windows(stream: np.ndarray, *, source: str, tokens: int, seq_len: int, seed:
         )
     starts = choose_windows(len(stream), samples=n, seq_len=seq_len, seed=seed)
     w = np.stack([stream[s : s + seq_len] for s in starts]).astype(np.int32)
-    return Text(windows=w, source=source, fingerprint=fingerprint(w), stream_tokens=len(stream))
+    return Windows(tokens=w, fingerprint=fingerprint(w), source=source, seed=seed, stream_tokens=len(stream))
 
 
 # ------------------------------------------------------------------------------- candidates
@@ -125,7 +117,7 @@ class Candidate:
 
 
 def check_candidate(
-    cand: Candidate, *, ref_text: Text, text: str, vocab: int, seq_len: int, seed: int
+    cand: Candidate, *, ref_text: Windows, text: str, vocab: int, seq_len: int, seed: int
 ) -> None:
     """One clear error when a candidate cannot be compared: another tokenizer or vocabulary."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
@@ -140,7 +132,7 @@ def check_candidate(
         tok = load_tokenizer(cand.path)
     except Exception as e:  # noqa: BLE001 - any tokenizer failure is this candidate's bad input
         raise InputError(f"eval.candidates has {cand.name!r}, whose tokenizer does not load: {e}") from None
-    mine = windows(encode(tok, text), source=ref_text.source, tokens=ref_text.windows.size, seq_len=seq_len,
+    mine = windows(encode(tok, text), source=ref_text.source, tokens=ref_text.tokens.size, seq_len=seq_len,
                    seed=seed)  # fmt: skip
     if mine.fingerprint != ref_text.fingerprint:
         raise InputError(
@@ -193,9 +185,9 @@ def overlap(eval_windows: np.ndarray, calib: np.ndarray, *, span: int = SPAN) ->
     return sum(s in seen for s in mine) / len(mine)
 
 
-def check_overlap(cand: Candidate, text: Text, tokenizer: Any, *, allow: bool) -> float:
+def check_overlap(cand: Candidate, text: Windows, tokenizer: Any, *, allow: bool) -> float:
     calib = recorded_calibration(cand.path, tokenizer)
-    share = overlap(text.windows, calib) if calib is not None else 0.0
+    share = overlap(text.tokens, calib) if calib is not None else 0.0
     if share > 0:
         msg = (
             f"eval: {100 * share:.1f}% of the evaluation's {SPAN}-token spans are in the calibration tokens"
@@ -210,12 +202,12 @@ def check_overlap(cand: Candidate, text: Text, tokenizer: Any, *, allow: bool) -
 # ------------------------------------------------------------------------------- forwards
 
 
-def forward_rows(model: Any, text: Text, *, batch_size: int, desc: str):
+def forward_rows(model: Any, text: Windows, *, batch_size: int, desc: str):
     """Yield (float64 log-probs ``[rows, vocab]``, next tokens ``[rows]``) over every window, a few
     MiB of rows at a time, with progress (rate and ETA) on stderr."""
     import mlx.core as mx
 
-    w = text.windows
+    w = text.tokens
     prog = Progress(total=w.shape[0] * (w.shape[1] - 1), unit="tok", desc=desc, heartbeat=True)
     try:
         for i in range(0, len(w), batch_size):
@@ -231,7 +223,7 @@ def forward_rows(model: Any, text: Text, *, batch_size: int, desc: str):
         prog.close()
 
 
-def reference_key(ref_dir: Path, text: Text, *, top_k: int, digests: Path) -> dict[str, Any]:
+def reference_key(ref_dir: Path, text: Windows, *, top_k: int, digests: Path) -> dict[str, Any]:
     return {
         "version": VERSION,
         "model": model_fingerprint(ref_dir, cache_dir=digests),
@@ -241,7 +233,7 @@ def reference_key(ref_dir: Path, text: Text, *, top_k: int, digests: Path) -> di
     }
 
 
-def reference(ref_dir: Path, text: Text, *, top_k: int, cache: Path, batch_size: int) -> tuple[dict, bool]:
+def reference(ref_dir: Path, text: Windows, *, top_k: int, cache: Path, batch_size: int) -> tuple[dict, bool]:
     """The reference's top-K record over every scored token, from ``cache`` or one forward pass.
 
     Returns (record, hit): a hit did no reference forward.
@@ -253,7 +245,7 @@ def reference(ref_dir: Path, text: Text, *, top_k: int, cache: Path, batch_size:
         try:
             with np.load(path) as z:
                 rec = {k: z[k] for k in z.files}
-            if len(rec["target"]) == text.windows.shape[0] * (text.windows.shape[1] - 1):
+            if len(rec["target"]) == text.tokens.shape[0] * (text.tokens.shape[1] - 1):
                 return rec, True
             log.warning("eval: the cached reference %s has the wrong length; computing it again", path)
         except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
@@ -267,7 +259,7 @@ def reference(ref_dir: Path, text: Text, *, top_k: int, cache: Path, batch_size:
     np.savez(buf, **rec)
     d.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(path, buf.getvalue())
-    atomic_write_json(d / "meta.json", key | {"text": text.to_json()})
+    atomic_write_json(d / "meta.json", key | {"text": text_json(text)})
     return rec, False
 
 
@@ -275,7 +267,7 @@ def _vocab(model: Any) -> int:
     return int(model.args.vocab_size)
 
 
-def score(cand: Candidate, ref: dict, text: Text, *, batch_size: int) -> dict[str, np.ndarray]:
+def score(cand: Candidate, ref: dict, text: Windows, *, batch_size: int) -> dict[str, np.ndarray]:
     """Per-token statistics (:func:`mlxbun.kl.token_stats`) of one candidate over every window."""
     model, _, _ = load_model(cand.path)
     parts, at = [], 0
@@ -347,7 +339,7 @@ def evaluate(
             "seconds": ref_seconds,
             "vocab": vocab,
         },  # fmt: skip
-        "text": text.to_json(),
+        "text": text_json(text),
         "top_k": top_k,
         "candidates": rows,
     }

@@ -25,29 +25,19 @@ from typing import Any, get_type_hints
 
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
+from mlxbun.quant.protect import Rule
 from mlxbun.quant.rounding import check_method
 from mlxbun.quant.spec import (
     ALL_BITS,
     ALL_GROUPS,
     MIXED_RULES,
     MODES,
-    Rule,
     check_budget,
     check_mixed,
     spec_for,
 )
+from mlxbun.synth_arch import ARCHS, SYNTH_DIMS
 
-# Model dimensions a synth spec may set explicitly (each overrides the preset's value).
-SYNTH_DIMS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "vocab_size",
-)
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 GIB = 1 << 30
 # The widest stored weight (float32): no plan can need more bits per weight.
 MAX_BPW = 32

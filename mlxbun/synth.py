@@ -23,7 +23,6 @@ files and tokenizer are :mod:`mlxbun.synth_arch`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
+from mlxbun.host import available_memory
 from mlxbun.io.atomic import atomic_write_json, file_lock, publish_dir
 from mlxbun.io.dtypes import CODES
 from mlxbun.io.dtypes import OUTPUT_DTYPES as DTYPES
@@ -41,13 +41,13 @@ from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, reached, stable_root, staging_dir, weights_written
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
-from mlxbun.schema import ARCHS
 from mlxbun.synth_arch import (
     ARCH_VOCAB,
-    DIMS,
+    ARCHS,
     MIN_VOCAB,
     PRESETS,
     SPECIALS,
+    SYNTH_DIMS,
     Shape,
     Spec,
     TensorPlan,
@@ -97,7 +97,7 @@ def resolve_shape(arch: str, preset: str, **overrides: Any) -> tuple[Shape, dict
     if given.keys() & {"hidden_size", "num_heads"} and "head_dim" not in given:
         dims["head_dim"] = None
     dims.update(given)
-    for key in DIMS:
+    for key in SYNTH_DIMS:
         if dims[key] is not None:
             _check_int(key, dims[key])
     if dims["head_dim"] is None or arch == "qwen2":
@@ -176,10 +176,10 @@ def resolve_spec(
         >>> resolve_spec(arch="qwen3", preset="tiny", hidden_size=128).shape.head_dim
         32
     """
-    unknown = set(dims) - set(DIMS) - {"tie_embeddings"}
+    unknown = set(dims) - set(SYNTH_DIMS) - {"tie_embeddings"}
     if unknown:
         raise InputError(
-            f"unknown synth field(s) {sorted(unknown)}; allowed: {', '.join(DIMS)}, tie_embeddings"
+            f"unknown synth field(s) {sorted(unknown)}; allowed: {', '.join(SYNTH_DIMS)}, tie_embeddings"
         )
     shape, extra = resolve_shape(arch, preset, **dims)
     _check_knobs(shape, dtype, outlier_target, outlier_channels, outlier_scale, norm_jitter)
@@ -311,25 +311,6 @@ def ensure_synthetic(*, cache_dir: str | Path, shard_bytes: int = 5 << 30, **fie
         if not final.exists():
             write_spec(spec, final, shard_bytes=shard_bytes)
     return final
-
-
-def available_memory() -> int | None:
-    """Bytes this process may still allocate: MemAvailable, capped by RLIMIT_AS (``ulimit -v``)."""
-    import resource
-
-    avail = None
-    try:
-        with open("/proc/meminfo") as f:
-            avail = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        pass
-    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if soft != resource.RLIM_INFINITY:
-        with contextlib.suppress(OSError, StopIteration, ValueError), open("/proc/self/status") as f:
-            used = next(int(line.split()[1]) << 10 for line in f if line.startswith("VmSize:"))
-            soft -= used
-        avail = soft if avail is None else min(avail, soft)
-    return avail
 
 
 def sizes(spec: Spec) -> tuple[int, TensorPlan]:

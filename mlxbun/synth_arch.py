@@ -16,9 +16,20 @@ from typing import Any
 
 from mlxbun.io.atomic import dumps_json
 from mlxbun.io.dtypes import CODES, ITEMSIZE
-from mlxbun.schema import SYNTH_DIMS
 
 FORMAT_VERSION = 2  # bump when the bytes for a given spec change
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+# Model dimensions a synth spec may set explicitly (each overrides the preset's value).
+SYNTH_DIMS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "vocab_size",
+)
 
 SPECIALS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>")
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIALS))
@@ -150,7 +161,6 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     },
 }
 PRESETS["1.5b"] = PRESETS["1b"]
-DIMS = SYNTH_DIMS
 
 
 @dataclass(frozen=True)

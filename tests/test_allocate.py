@@ -187,6 +187,8 @@ def test_resolve_follows_the_plan_and_group_divisibility():
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.io.atomic import atomic_write_json  # noqa: E402
 from mlxbun.quant import allocate as al  # noqa: E402
+from mlxbun.quant import memory, protect  # noqa: E402
+from mlxbun.quant import sensitivity_file as sf  # noqa: E402
 
 MEASURED = [
     "lm_head",
@@ -215,8 +217,8 @@ def fake_sensitivity(paths, *, seed=0, bits=BITS, group_size=64):
             QuantSpec(bits=b, group_size=group_size): scale * 2.0 ** (-b) * rng.uniform(0.8, 1.2)
             for b in bits
         }
-        layers[p] = al.LayerSensitivity(p, 0, kl)
-    return al.Sensitivity(layers)
+        layers[p] = sf.LayerSensitivity(p, 0, kl)
+    return sf.Sensitivity(layers)
 
 
 def brute_force_plan(model, sens, *, fits, fixed=None):
@@ -292,9 +294,9 @@ def test_protection_rules(model):
     assert plan.layers["model.embed_tokens"] == QuantSpec(bits=6, group_size=64)  # unmeasured: default raised
     # Optimal among the settings the rules leave, with the protected embedding counted.
     need = {"lm_head": 8, "model.layers.1.mlp.down_proj": 4}
-    allowed = al.Sensitivity(
+    allowed = sf.Sensitivity(
         {
-            p: al.LayerSensitivity(p, 0, {s: v for s, v in layer.kl.items() if s.bits >= need.get(p, 0)})
+            p: sf.LayerSensitivity(p, 0, {s: v for s, v in layer.kl.items() if s.bits >= need.get(p, 0)})
             for p, layer in sens.layers.items()
         }
     )
@@ -310,24 +312,24 @@ def test_protection_rules(model):
 
 
 def test_rule_matching():
-    r = al.Rule.parse("layers.first.mlp.down_proj:6")
+    r = protect.Rule.parse("layers.first.mlp.down_proj:6")
     assert r.min_bits == 6
     assert r.matches("model.layers.0.mlp.down_proj", n_blocks=4)
     assert not r.matches("model.layers.3.mlp.down_proj", n_blocks=4)
-    last = al.Rule.parse("layers.last.mlp.down_proj:6")
+    last = protect.Rule.parse("layers.last.mlp.down_proj:6")
     assert last.matches("model.layers.3.mlp.down_proj", n_blocks=4)
-    assert al.Rule.parse("layers.1:5").matches("model.layers.1.mlp.up_proj", n_blocks=12)
-    assert not al.Rule.parse("layers.1:5").matches("model.layers.10.mlp.up_proj", n_blocks=12)
-    assert al.Rule.parse("*.self_attn.?_proj:5").matches("model.layers.2.self_attn.q_proj", n_blocks=4)
+    assert protect.Rule.parse("layers.1:5").matches("model.layers.1.mlp.up_proj", n_blocks=12)
+    assert not protect.Rule.parse("layers.1:5").matches("model.layers.10.mlp.up_proj", n_blocks=12)
+    assert protect.Rule.parse("*.self_attn.?_proj:5").matches("model.layers.2.self_attn.q_proj", n_blocks=4)
     for bad in ("lm_head", "lm_head:x", ":6"):
         with pytest.raises(InputError, match="PATTERN:BITS"):
-            al.Rule.parse(bad)
+            protect.Rule.parse(bad)
 
 
 def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
     """The project's quantize writes exactly the predicted bytes (headers and all)."""
+    from mlxbun.quant.quantize import quantize_model_dir
     from mlxbun.quant.spec import load_plan
-    from mlxbun.quantize import quantize_model_dir
 
     sens = fake_sensitivity(sorted(budget.read_source(model).shapes), seed=9, bits=(2, 3, 4, 6, 8))
     plan = al.allocate(sens, model_dir=model, budget_bpw=4.25, protect=["lm_head:6"])
@@ -411,7 +413,7 @@ def test_run_writes_a_plan_and_checks_it(model, measured, tmp_path):
 
 
 def test_run_skips_interactions_that_would_not_fit_in_memory(model, measured, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(al, "available_memory", lambda: 1000)
+    monkeypatch.setattr(memory, "available_memory", lambda: 1000)
     cfg = command_cfg(tmp_path, model, sensitivity=str(measured.parent), budget_bpw=4.5, check=False)
     al.run(cfg)
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
@@ -469,7 +471,7 @@ def test_extra_sensitivity_adds_group_size_candidates(model, measured, tmp_path)
         model_dir=model, out_dir=tmp_path / "g32", work_dir=tmp_path / "work", bits=[3, 4], group_size=32,
         samples=2, seq_len=32, batch_size=2,
     )  # fmt: skip
-    merged = al.merge_sensitivities([al.load_sensitivity(measured), al.load_sensitivity(tmp_path / "g32")])
+    merged = sf.merge_sensitivities([sf.load_sensitivity(measured), sf.load_sensitivity(tmp_path / "g32")])
     assert {s.group_size for s in merged.layers["lm_head"].kl} == {32, 64}
     cfg = command_cfg(tmp_path, model, sensitivity=str(measured), budget_bpw=4.0)
     cfg.allocate.extra_sensitivity = [str(tmp_path / "g32")]
@@ -478,9 +480,9 @@ def test_extra_sensitivity_adds_group_size_candidates(model, measured, tmp_path)
     check = json.loads((tmp_path / "run" / "check.json").read_text())
     assert check["size_exact"]
     assert any(v and v["group_size"] == 32 for v in plan["layers"].values())
-    other = al.Sensitivity(merged.layers, "another-model", merged.calibration_fingerprint)
+    other = sf.Sensitivity(merged.layers, "another-model", merged.calibration_fingerprint)
     with pytest.raises(InputError, match="another model fingerprint"):
-        al.merge_sensitivities([merged, other])
+        sf.merge_sensitivities([merged, other])
 
 
 def test_rounded_dp_stays_within_budget_and_reports_its_bound(model):
@@ -497,9 +499,9 @@ def test_load_sensitivity_rejects_other_files(tmp_path):
     (tmp_path / "v2.json").write_text(json.dumps({"version": 2, "layers": []}))
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(InputError, match="schema version 2"):
-        al.load_sensitivity(tmp_path / "v2.json")
+        sf.load_sensitivity(tmp_path / "v2.json")
     with pytest.raises(InputError, match="is not a sensitivity.json"):
-        al.load_sensitivity(tmp_path / "bad.json")
+        sf.load_sensitivity(tmp_path / "bad.json")
 
 
 @pytest.mark.parametrize("limit", [1434895, 1849647, 1887533])
@@ -511,11 +513,11 @@ def test_file_budget_met_when_headers_overshoot_by_less_than_the_slack(limit):
     fixture = Path(__file__).parent / "fixtures" / "llama-text-3m"
     paths = sorted(p for p in budget.read_source(fixture).shapes if p.endswith(("proj", "embed_tokens")))
     layers = {
-        p: al.LayerSensitivity(
+        p: sf.LayerSensitivity(
             p, 0, {QuantSpec(bits=b, group_size=g): (1 + i % 7) * 4.0**-b * (1 + g / 200 + (i % 3) / 10)
                    for b in (2, 3, 4, 5, 6, 8) for g in (32, 64, 128)},
         )
         for i, p in enumerate(paths)
     }  # fmt: skip
-    plan = al.allocate(al.Sensitivity(layers, None, None, None, {}), model_dir=fixture, budget_bytes=limit)
+    plan = al.allocate(sf.Sensitivity(layers, None, None, None, {}), model_dir=fixture, budget_bytes=limit)
     assert limit - 4096 < plan.size.file_bytes <= limit

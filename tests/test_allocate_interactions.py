@@ -13,6 +13,8 @@ blas.load()
 
 from mlxbun.quant import allocate as al  # noqa: E402
 from mlxbun.quant import interactions as ia  # noqa: E402
+from mlxbun.quant import memory  # noqa: E402
+from mlxbun.quant import sensitivity_file as sf  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
 
@@ -151,7 +153,7 @@ def sensitivity_of(model, out, **kw):
         batch_size=2,
         **kw,
     )
-    return al.load_sensitivity(out / "sensitivity.json")
+    return sf.load_sensitivity(out / "sensitivity.json")
 
 
 @pytest.fixture(scope="module")
@@ -163,8 +165,8 @@ def understated(sens, path, factor):
     """The sensitivity with one module's KLs divided by ``factor``: a wrong summed objective."""
     layers = dict(sens.layers)
     old = layers[path]
-    layers[path] = al.LayerSensitivity(path, old.params, {s: v / factor for s, v in old.kl.items()})
-    return al.Sensitivity(
+    layers[path] = sf.LayerSensitivity(path, old.params, {s: v / factor for s, v in old.kl.items()})
+    return sf.Sensitivity(
         layers, sens.model_fingerprint, sens.calibration_fingerprint, sens.path, sens.calibration
     )
 
@@ -232,8 +234,8 @@ def test_interactions_skip_candidates_they_cannot_measure(model, tokens, measure
     layers = dict(measured.layers)
     old = layers[path]
     gptq = QuantSpec(bits=4, group_size=64, method="gptq")
-    layers[path] = al.LayerSensitivity(path, old.params, {**old.kl, gptq: old.kl[q(4)] / 2})
-    sens = al.Sensitivity(layers, measured.model_fingerprint, measured.calibration_fingerprint)
+    layers[path] = sf.LayerSensitivity(path, old.params, {**old.kl, gptq: old.kl[q(4)] / 2})
+    sens = sf.Sensitivity(layers, measured.model_fingerprint, measured.calibration_fingerprint)
     with ia.InModel(model, tokens, batch_size=2) as m:
         plan = al.allocate(sens, model_dir=model, budget_bpw=4.5, in_model=m)
         assert m.forwards == 1.0  # nothing measured beyond the reference
@@ -289,9 +291,9 @@ def test_memory_counts_both_weight_copies_and_a_batch_of_float64_logits(model, m
     cfg = command_cfg(model.parent, model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     need = 8 * budget.read_source(model).parameters + 24 * cfg.sensitivity.batch_size * 32 * vocab
-    monkeypatch.setattr(al, "available_memory", lambda: need / al.MEMORY_SHARE)
+    monkeypatch.setattr(memory, "available_memory", lambda: need / memory.MEMORY_SHARE)
     assert al._memory_skip(cfg, model, budget.read_source(model).parameters) is None
-    monkeypatch.setattr(al, "available_memory", lambda: need / al.MEMORY_SHARE - 64)
+    monkeypatch.setattr(memory, "available_memory", lambda: need / memory.MEMORY_SHARE - 64)
     assert al._memory_skip(cfg, model, budget.read_source(model).parameters).startswith("they need about")
 
 

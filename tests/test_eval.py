@@ -23,7 +23,7 @@ def _full_logp(model_dir: Path, windows: np.ndarray) -> np.ndarray:
     """Full float64 log-probs of every scored position, computed directly (one forward per window)."""
     import mlx.core as mx
 
-    from mlxbun.quant.sensitivity import load_model
+    from mlxbun.quant.probe import load_model
 
     model, _, _ = load_model(model_dir)
     out = [kl.log_probs(model(mx.array(w[None]))[0, :-1]) for w in windows]
@@ -76,9 +76,7 @@ def test_every_statistic_equals_numpy_over_full_distributions(pair, tmp_path: Pa
 
     text = ev.windows(ev.encode(load_tokenizer(ref), ev.HELDOUT.read_text()), source="", tokens=4 * SEQ,
                       seq_len=SEQ, seed=0)  # fmt: skip
-    want = _direct(
-        _full_logp(ref, text.windows), _full_logp(q3, text.windows), text.windows[:, 1:].reshape(-1)
-    )
+    want = _direct(_full_logp(ref, text.tokens), _full_logp(q3, text.tokens), text.tokens[:, 1:].reshape(-1))
     assert row["tokens"] == 4 * (SEQ - 1)
     assert row["kld_mean"] > 1e-4 and row["kld_bound"] == 0.0  # a real difference; no tail when K >= vocab
     for key, value in want.items():

@@ -11,8 +11,8 @@ from test_quantize import make_hf_model
 
 from mlxbun.errors import InputError
 from mlxbun.quant import hessian, rounding
+from mlxbun.quant.quantize import quantize_model_dir
 from mlxbun.quant.spec import Plan, QuantSpec
-from mlxbun.quantize import quantize_model_dir
 
 L0 = "model.layers.0"
 GOLDEN = (

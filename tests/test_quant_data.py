@@ -92,7 +92,7 @@ SPOILED = {
 @pytest.mark.parametrize("case", sorted(SPOILED))
 def test_gptq_refuses_a_spoiled_hessian_naming_file_and_module(tmp_path, tiny_model, case):
     from mlxbun.errors import InputError
-    from mlxbun.quantize import quantize_model_dir
+    from mlxbun.quant.quantize import quantize_model_dir
 
     corrupt, what = SPOILED[case]
     src = tiny_model()
@@ -105,7 +105,7 @@ def test_gptq_refuses_a_spoiled_hessian_naming_file_and_module(tmp_path, tiny_mo
 
 
 def test_valid_hessians_pass_the_checks(tmp_path, tiny_model):
-    from mlxbun.quantize import quantize_model_dir
+    from mlxbun.quant.quantize import quantize_model_dir
 
     src = tiny_model()
     h = _hessians(src, tmp_path / "h.safetensors")
@@ -128,7 +128,7 @@ def test_cli_gptq_with_a_nan_hessian_exits_2_and_leaves_no_run(tmp_path, tiny_mo
 def test_non_finite_scales_are_never_published(tmp_path, tiny_model):
     """Any rounding: an Inf weight makes mx.quantize's scales NaN; the run fails naming the module."""
     from mlxbun.errors import NumericFailure
-    from mlxbun.quantize import quantize_model_dir
+    from mlxbun.quant.quantize import quantize_model_dir
 
     src = _copy(tiny_model(), tmp_path / "src")
     (f,) = src.glob("model*.safetensors")
@@ -200,7 +200,7 @@ def test_quantize_without_tokenizer_files_warns_and_records_it(tmp_path, tiny_mo
 KILLED_SPILL = """
 import os, signal
 import numpy as np
-from mlxbun.quant.fisher import Spill
+from mlxbun.quant.probe import Spill
 s = Spill()
 s.put("logits", np.zeros((256, 1024), np.float32))
 print(s._dir.name, flush=True)
@@ -209,7 +209,7 @@ os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_a_sigkilled_fishers_spill_is_removed_by_the_next_run(tmp_path, monkeypatch):
-    from mlxbun.quant.fisher import Spill
+    from mlxbun.quant.probe import Spill
 
     env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
     killed = subprocess.run([sys.executable, "-c", KILLED_SPILL], capture_output=True, text=True, env=env)
@@ -244,7 +244,7 @@ def test_another_settings_job_keeps_the_killed_jobs_progress_until_it_publishes(
 ):
     from test_quantize import _killed_after_three_shards
 
-    from mlxbun import quantize
+    from mlxbun.quant import quantize
 
     src, out, partial = _killed_after_three_shards(tmp_path)
 
@@ -266,8 +266,8 @@ def test_another_settings_job_keeps_the_killed_jobs_progress_until_it_publishes(
 def test_a_job_whose_out_was_published_meanwhile_names_it_and_leaves_no_staging(
     tmp_path, tiny_model, monkeypatch
 ):
-    from mlxbun import quantize
     from mlxbun.errors import EnvironmentFailure
+    from mlxbun.quant import quantize
 
     out = tmp_path / "q"
     real = quantize.write_record

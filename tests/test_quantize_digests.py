@@ -13,7 +13,7 @@ from mlxbun import provenance
 from mlxbun.io import staging
 from mlxbun.provenance import Manifest, RunResult, hash_paths, named_sha256
 from mlxbun.quant.outdir import MARKER
-from mlxbun.quantize import quantize_model_dir
+from mlxbun.quant.quantize import quantize_model_dir
 
 
 def _sha(path: Path) -> str:

@@ -13,8 +13,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxbun import quantize, synth
-from mlxbun.quantize import quantize_model_dir
+from mlxbun import synth
+from mlxbun.quant import convert, quantize
+from mlxbun.quant.quantize import quantize_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 # Embeddings of 40000 x 512 rows span 5 RNG streams; row blocks of 1/8 stream cross none of them.
@@ -55,8 +56,8 @@ def test_rows_equal_slices_of_the_whole_tensor():
 @pytest.mark.parametrize("bits", [4, 8])
 def test_in_memory_source_gives_the_bytes_of_its_materialised_files(tmp_path, monkeypatch, bits):
     # Small thresholds: the embedding goes through the row-block path, several shards are written.
-    monkeypatch.setattr(quantize, "BIG_TENSOR", 16 << 20)
-    monkeypatch.setattr(quantize, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(convert, "BIG_TENSOR", 16 << 20)
+    monkeypatch.setattr(convert, "CHUNK_BYTES", 1 << 20)
     source = synth.ensure_synthetic_source(cache_dir=tmp_path / "cache", **FIELDS)
     files = synth.synthesize(tmp_path / "files", **FIELDS)
     kw = dict(bits=bits, group_size=64, shard_bytes=8 << 20, threads=2)

@@ -12,7 +12,7 @@ from test_quantize import make_hf_model
 
 from mlxbun.errors import InputError
 from mlxbun.quant import rounding
-from mlxbun.quantize import quantize_model_dir
+from mlxbun.quant.quantize import quantize_model_dir
 
 BITS = (2, 3, 4, 5, 6, 8)
 
@@ -145,12 +145,12 @@ def test_clip_model_loads_in_mlx_lm_generates_and_is_closer(tmp_path):
 
 
 def test_clip_in_row_blocks_matches_whole_modules(tmp_path, monkeypatch):
-    from mlxbun import quantize
+    from mlxbun.quant import convert
 
     src = make_hf_model(tmp_path / "src", "llama", vocab_size=100)
     whole = quantize_model_dir(src, tmp_path / "whole", bits=4, group_size=32, method="clip").out
-    monkeypatch.setattr(quantize, "BIG_TENSOR", 1000)
-    monkeypatch.setattr(quantize, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(convert, "BIG_TENSOR", 1000)
+    monkeypatch.setattr(convert, "CHUNK_BYTES", 4096)
     blocked = quantize_model_dir(src, tmp_path / "blocked", bits=4, group_size=32, method="clip").out
     assert _digest(whole) == _digest(blocked)
 

@@ -20,8 +20,10 @@ import mlx.core as mx  # noqa: E402
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.kl import kl_rows, log_probs  # noqa: E402
 from mlxbun.quant import calib as calib_mod  # noqa: E402
+from mlxbun.quant import probe  # noqa: E402
 from mlxbun.quant import sensitivity as sens  # noqa: E402
-from mlxbun.quant.sensitivity_merge import combine, merge  # noqa: E402
+from mlxbun.quant.sensitivity_file import combine_shards  # noqa: E402
+from mlxbun.quant.sensitivity_merge import merge  # noqa: E402
 from mlxbun.quant.sensitivity_ref import reference_kl  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
@@ -153,7 +155,7 @@ def test_fake_quant_equals_mx_quantize_roundtrip():
     cand = QuantSpec(bits=4, group_size=64, mode="affine")
     q = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
     want = mx.dequantize(*q, group_size=64, bits=4).astype(mx.float32)
-    assert mx.array_equal(sens.fake_quant(w, cand, dtype="bfloat16"), want)
+    assert mx.array_equal(probe.fake_quant(w, cand, dtype="bfloat16"), want)
 
 
 @pytest.mark.slow
@@ -324,9 +326,9 @@ def test_fake_quant_in_row_slices_gives_the_same_values(monkeypatch):
     """A large weight is fake-quantized in slices of rows (bounded temporaries): same values."""
     w = mx.random.normal((48, 256), key=mx.random.key(3)).astype(mx.bfloat16)
     for cand in (QuantSpec(bits=3, group_size=64), QuantSpec(bits=4, group_size=32, mode="mxfp4")):
-        whole = np.array(sens.fake_quant(w, cand, dtype="bfloat16"))
-        monkeypatch.setattr(sens, "FAKE_QUANT_CHUNK", 5 * 256)  # 5 rows per slice: 10 slices, one short
-        sliced = np.array(sens.fake_quant(w, cand, dtype="bfloat16"))
+        whole = np.array(probe.fake_quant(w, cand, dtype="bfloat16"))
+        monkeypatch.setattr(probe, "FAKE_QUANT_CHUNK", 5 * 256)  # 5 rows per slice: 10 slices, one short
+        sliced = np.array(probe.fake_quant(w, cand, dtype="bfloat16"))
         monkeypatch.undo()
         assert sliced.dtype == np.float32 and np.array_equal(whole, sliced), cand
 
@@ -335,6 +337,6 @@ def test_merge_names_a_shard_written_before_a_setting_was_recorded():
     new = {"kind": "x", "batch_size": 8, "estimator": 5}
     old = {"kind": "x", "estimator": 5}
     with pytest.raises(InputError, match=r"'old' does not record it .*'batch_size'.*; rerun that shard"):
-        combine([new, old], ["new", "old"])
+        combine_shards([new, old], ["new", "old"])
     with pytest.raises(InputError, match=r"in 'batch_size'; merge only shards of one sweep"):
-        combine([new, {**new, "batch_size": 4}], ["new", "other"])
+        combine_shards([new, {**new, "batch_size": 4}], ["new", "other"])

@@ -20,7 +20,7 @@ from test_sensitivity import FIXTURE, by_path, quantized_fixture, run_sens, tiny
 
 from mlxbun import kl  # noqa: E402
 from mlxbun.progress import Progress  # noqa: E402
-from mlxbun.quant import fisher  # noqa: E402
+from mlxbun.quant import fisher, fisher_pass, probe  # noqa: E402
 from mlxbun.quant import sensitivity as sens  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
@@ -66,13 +66,13 @@ def test_group_kl_is_exact(tmp_path):
     s = sens.prepare(model_dir=FIXTURE, bits=[4], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=1, **CAL)  # fmt: skip
     est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=1, seed=0)
-    ref, _, _ = sens.load_model(FIXTURE)  # float32, as the exact method runs
+    ref, _, _ = probe.load_model(FIXTURE)  # float32, as the exact method runs
     sub = s.tokens[: max(1, len(s.tokens) // fisher.CALIB_FRACTION)]
     want_ref = [kl.log_probs(ref(mx.array(sub[i : i + 1]))) for i in range(len(sub))]
     for t in s.targets:
         if fisher.role(t.path) == "down_proj":
-            mod = sens.module_at(ref, t.path)
-            mod.weight = sens.fake_quant(mod.weight, s.cands[0], dtype=t.dtype)
+            mod = probe.module_at(ref, t.path)
+            mod.weight = probe.fake_quant(mod.weight, s.cands[0], dtype=t.dtype)
     kls = [kl.kl_rows(r, ref(mx.array(sub[i : i + 1])))[0] for i, r in enumerate(want_ref)]
     assert est.measured["4"]["down_proj"] == pytest.approx(float(np.mean(kls)), rel=1e-3)
 
@@ -180,13 +180,13 @@ def test_fisher_untied_head_and_weights_restored(tmp_path):
     model_dir = tiny_qwen3(tmp_path / "qwen3")
     s = sens.prepare(model_dir=model_dir, bits=[4, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
-    before = {t.path: np.array(sens.module_at(s.model, t.path).weight.astype(mx.float32)) for t in s.targets}
+    before = {t.path: np.array(probe.module_at(s.model, t.path).weight.astype(mx.float32)) for t in s.targets}
     est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0)
     for t in s.targets:
-        after = np.array(sens.module_at(s.model, t.path).weight.astype(mx.float32))
+        after = np.array(probe.module_at(s.model, t.path).weight.astype(mx.float32))
         assert np.array_equal(before[t.path], after), t.path
         assert est.kl[t.path]["4"] > est.kl[t.path]["8"] > 0, t.path
-    assert "lm_head" in est.kl and type(sens.module_at(s.model, "lm_head")).__name__ == "Linear"
+    assert "lm_head" in est.kl and type(probe.module_at(s.model, "lm_head")).__name__ == "Linear"
 
 
 # ------------------------------------------------------------------ cache keys
@@ -270,12 +270,12 @@ def test_refine_probes_modules_exactly_and_scales_their_estimates():
     probed = fisher.probe_plan(s.targets, s.cands, refine=0.5, refine_bits=[4])
     assert len(probed) == -(-len(s.targets) // 2) and est.probes.keys() == probed.keys()
     # A probe is KL(ref || that one module at 4 bits) on the calibration subset, by plain forwards.
-    ref, _, _ = sens.load_model(FIXTURE)
+    ref, _, _ = probe.load_model(FIXTURE)
     sub = s.tokens[: max(1, len(s.tokens) // fisher.CALIB_FRACTION)]
     path = sorted(probed)[0]
     want_ref = [kl.log_probs(ref(mx.array(sub[i : i + 1]))) for i in range(len(sub))]
-    mod = sens.module_at(ref, path)
-    mod.weight = sens.fake_quant(mod.weight, s.cands[1], dtype="bfloat16")
+    mod = probe.module_at(ref, path)
+    mod.weight = probe.fake_quant(mod.weight, s.cands[1], dtype="bfloat16")
     got = np.mean([kl.kl_rows(r, ref(mx.array(sub[i : i + 1])))[0] for i, r in enumerate(want_ref)])
     assert est.probes[path]["4"] == pytest.approx(float(got), rel=1e-3)
     # Probed modules take their probe's value at 4 bits (unless pooled to stay monotone); others keep theirs.
@@ -307,7 +307,7 @@ def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
 
 def raw_scores(s, batches: list, samples: int | None = None) -> dict:
     """The Fisher pass's second-order scores of ``batches`` (before calibration)."""
-    fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None, samples=samples)
+    fp = fisher_pass.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None, samples=samples)
     try:
         for b in batches:
             fp.run(mx.array(b))
@@ -321,9 +321,9 @@ def test_pooled_scores_equal_per_batch_scores(monkeypatch):
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=1, **CAL)  # fmt: skip
     batches = [s.tokens[i : i + 1] for i in range(len(s.tokens))]
-    monkeypatch.setattr(fisher, "POOL_BYTES", 1 << 40)
+    monkeypatch.setattr(fisher_pass, "POOL_BYTES", 1 << 40)
     pooled = raw_scores(s, batches)
-    monkeypatch.setattr(fisher, "POOL_BYTES", 0)
+    monkeypatch.setattr(fisher_pass, "POOL_BYTES", 0)
     each = raw_scores(s, batches)
     assert pooled.keys() == each.keys()
     for path, row in pooled.items():
@@ -340,10 +340,10 @@ def test_a_small_pool_stays_in_memory_with_the_same_scores(monkeypatch):
     monkeypatch.setattr(
         fisher.np, "save", lambda path, arr, _save=np.save: saved.append(path) or _save(path, arr)
     )
-    monkeypatch.setattr(fisher, "POOL_MEMORY_BYTES", 1)  # the fixture's pool is far over a byte
+    monkeypatch.setattr(fisher_pass, "POOL_MEMORY_BYTES", 1)  # the fixture's pool is far over a byte
     on_disk = raw_scores(s, batches, samples=len(s.tokens))
     assert saved
-    monkeypatch.setattr(fisher, "POOL_MEMORY_BYTES", 1 << 40)
+    monkeypatch.setattr(fisher_pass, "POOL_MEMORY_BYTES", 1 << 40)
     saved.clear()
     kept = raw_scores(s, batches, samples=len(s.tokens))
     assert not saved
@@ -353,22 +353,22 @@ def test_a_small_pool_stays_in_memory_with_the_same_scores(monkeypatch):
 def test_batches_shrink_to_the_activation_bound(monkeypatch, caplog):
     s = sens.prepare(model_dir=FIXTURE, bits=[4], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=4, **CAL)  # fmt: skip
-    fp = fisher.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
+    fp = fisher_pass.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
     assert fp.samples_per_batch(s.tokens, 4) == 4  # a 3M model's activations are far under 1 GiB
     widths = sum(shape[-1] for shape in fp.rec.shapes.values())
     per_sample = 4 * CAL["seq_len"] * (3 * widths + 4 * 2048)  # the fixture's vocabulary: 2,048
-    monkeypatch.setattr(fisher, "ACTIVATION_BYTES", 2 * per_sample)
+    monkeypatch.setattr(fisher_pass, "ACTIVATION_BYTES", 2 * per_sample)
     assert fp.samples_per_batch(s.tokens, 4) == 2
-    monkeypatch.setattr(fisher, "ACTIVATION_BYTES", 1)
+    monkeypatch.setattr(fisher_pass, "ACTIVATION_BYTES", 1)
     assert fp.samples_per_batch(s.tokens, 4) == 1
     fp.close()
-    calls, original = [], fisher.FisherPass.run
+    calls, original = [], fisher_pass.FisherPass.run
 
     def recording(self, batch):
         calls.append(batch.shape[0])
         return original(self, batch)
 
-    monkeypatch.setattr(fisher.FisherPass, "run", recording)
+    monkeypatch.setattr(fisher_pass.FisherPass, "run", recording)
     with caplog.at_level(logging.INFO, logger="mlxbun.quant.fisher"):
         est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=4, seed=0)
     assert calls == [1, 1, 1, 1] and "fisher batches of 1 samples" in caplog.text
@@ -380,9 +380,9 @@ def test_scores_sum_dot_products_across_row_slices(monkeypatch):
     slices of rows (and the tied head's vocabulary in slices) gives the one-slice sums."""
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
-    monkeypatch.setattr(fisher, "CHUNK", 1 << 40)
+    monkeypatch.setattr(fisher_pass, "CHUNK", 1 << 40)
     whole = raw_scores(s, [s.tokens[:2]])
-    monkeypatch.setattr(fisher, "CHUNK", 32 * 256)  # 32 rows of 256 per slice
+    monkeypatch.setattr(fisher_pass, "CHUNK", 32 * 256)  # 32 rows of 256 per slice
     sliced = raw_scores(s, [s.tokens[:2]])
     for path, row in whole.items():
         for bits, value in row.items():
@@ -391,7 +391,7 @@ def test_scores_sum_dot_products_across_row_slices(monkeypatch):
 
 @pytest.mark.parametrize("in_memory", [False, True])
 def test_spill_put_again_replaces_only_that_name(in_memory):
-    spill = fisher.Spill()
+    spill = probe.Spill()
     spill.in_memory = in_memory
     try:
         spill.put("a", np.zeros(2))

@@ -9,9 +9,7 @@ from pathlib import Path
 import pytest
 
 from mlxbun.errors import InputError
-from mlxbun.quant import sensitivity_merge
-from mlxbun.quant.allocate import load_sensitivity
-from mlxbun.quant.sensitivity import KIND, SCHEMA_VERSION
+from mlxbun.quant.sensitivity_file import KIND, SCHEMA_VERSION, load_sensitivity, read_shard
 
 PATH = "model.layers.0.mlp.down_proj"
 
@@ -50,7 +48,7 @@ def test_allocate_refuses_a_sensitivity_json_it_cannot_trust(tmp_path: Path, doc
 def test_sensitivity_merge_refuses_the_same(tmp_path: Path, doc: dict, needle: str) -> None:
     path = _write(tmp_path, doc)
     with pytest.raises(InputError, match=f"sensitivity.inputs: '{path}': .*" + needle.replace("[", r"\[")):
-        sensitivity_merge.read(path)
+        read_shard(path)
 
 
 def test_a_kl_a_hair_below_zero_is_a_rounding_error_and_kept(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from mlx.utils import tree_flatten
 
 from mlxbun import synth, synth_arch, synth_values
 from mlxbun.errors import InputError
-from mlxbun.schema import ARCHS
+from mlxbun.synth_arch import ARCHS
 
 
 def _files(d: Path) -> dict[str, bytes]:

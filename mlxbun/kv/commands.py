@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import DriftError, EnvironmentFailure, InputError
+from mlxbun.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.kv import format as fmt
-from mlxbun.kv.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.kv.state import cache_state
 from mlxbun.kv.store import MismatchError, Store, StoreBusy, check_snapshot_name, common_prefix
 from mlxbun.progress import Progress, human_bytes

@@ -25,154 +25,53 @@ as planned, and the knapsack solved again with those costs (``mlxbun.quant.inter
 model's KL on the calibration set before and after is in plan.json. It needs the float32 model in
 memory and is skipped (with a warning, and said in plan.json) when that does not fit.
 
-The check and the per-quantizer corrections of the objective live in ``mlxbun.quant.check``; this
-module stays one because the command, the sensitivity it reads and the plan it writes are one step.
+Around the knapsack problem built and solved here: ``sensitivity_file`` reads the input,
+``protect`` holds the ``allocate.protect`` rules, ``interaction_rounds`` (on ``interactions``)
+the rounds, ``memory`` whether they fit, ``check`` the plan quantized and measured and the
+per-quantizer corrections of the objective.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import DriftError, InputError
+from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES
 from mlxbun.io.safetensors import read_config
-from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport, Source
 from mlxbun.quant.calib import load_calibration, recorded_settings
 from mlxbun.quant.check import CheckResult, check_plan, correction_key
-from mlxbun.quant.interactions import (
-    BARRED,
-    InModel,
-    Round,
-    Step,
-    measured_only,
-    near_threshold,
-    scaled_costs,
-)
+from mlxbun.quant.convert import resolve_dtype
+from mlxbun.quant.interaction_rounds import improve, interactions_skip
+from mlxbun.quant.interactions import InModel, Option, chosen
 from mlxbun.quant.knapsack import Solution, solve
-from mlxbun.quant.sensitivity import model_fingerprint
+from mlxbun.quant.memory import interactions_batch, interactions_skip_memory
+from mlxbun.quant.protect import Rule, count_blocks, fixed_setting, min_bits
+from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
 from mlxbun.quant.spec import (
-    AFFINE_BITS,
     HESSIANS_FILE,
     Plan,
     QuantSpec,
-    Rule,
     check_budget,
-    check_sensitivity,
     input_file,
 )
-from mlxbun.quantize import resolve_dtype
-from mlxbun.synth import available_memory
 
 log = logging.getLogger("mlxbun")
 
 PLAN_FILE = "plan.json"
-SENSITIVITY_FILE = "sensitivity.json"
 DEFAULT = QuantSpec(bits=4, group_size=64, mode="affine")
 
 
 # ------------------------------------------------------------------------------- sensitivity
-
-
-@dataclass(frozen=True)
-class LayerSensitivity:
-    """Measured KL of one module at each setting it was probed with."""
-
-    path: str
-    params: int
-    kl: Mapping[QuantSpec, float]
-
-
-@dataclass(frozen=True)
-class Sensitivity:
-    """A sensitivity.json: per-module KL, and fingerprints of the model and calibration."""
-
-    layers: Mapping[str, LayerSensitivity]
-    model_fingerprint: str | None = None
-    calibration_fingerprint: str | None = None
-    path: Path | None = None
-    calibration: Mapping[str, Any] = field(default_factory=dict)
-
-
-def _setting_keys(entry: Mapping[str, Any], top: Mapping[str, Any]) -> dict[QuantSpec, float]:
-    """KL per setting from a layer entry: {"kl": {"4": x}} at the file's group size and mode."""
-    group, mode = int(top.get("group_size", 64)), str(top.get("mode", "affine"))
-    out = {}
-    for bits, value in dict(entry.get("kl") or {}).items():
-        if value is not None:
-            out[QuantSpec(bits=int(bits), group_size=group, mode=mode)] = float(value)
-    return out
-
-
-def load_sensitivity(path: str | Path, *, key: str = "allocate.sensitivity") -> Sensitivity:
-    """Read a sensitivity.json (or the run directory holding one).
-
-    Example:
-        >>> sens = load_sensitivity("outputs/sensitivity/2026-12-02_10-00-00/sensitivity.json")
-        >>> sens.layers["model.layers.0.mlp.down_proj"].kl[QuantSpec(bits=4, group_size=64)]
-    """
-    what = "a sensitivity.json or its run dir"
-    p = input_file(key, path, what=what, directory=True)
-    if p.is_dir():
-        p = input_file(key, p / SENSITIVITY_FILE, what=what)
-    try:
-        data = json.loads(p.read_text())
-        check_sensitivity(data, source=f"{key}={str(path)!r}")
-        entries = data["layers"]
-        entries = entries.values() if isinstance(entries, dict) else entries
-        layers = {
-            e["path"]: LayerSensitivity(e["path"], int(e.get("params", 0)), _setting_keys(e, data))
-            for e in entries
-        }
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise InputError(f"{key}={str(path)!r} is not a sensitivity.json ({e!r})") from None
-    if data.get("version", 1) != 1:
-        raise InputError(
-            f"{key}={str(path)!r} has schema version {data.get('version')!r}; this reads version 1"
-        )
-    if data.get("shard"):
-        raise InputError(
-            f"{key}={str(path)!r} is shard {data['shard'].get('index')} of {data['shard'].get('count')};"
-            " combine the shards with command=sensitivity_merge first"
-        )
-    model, calib = data.get("model") or {}, data.get("calibration") or {}
-    return Sensitivity(layers, model.get("fingerprint"), calib.get("fingerprint"), p, calib)
-
-
-def merge_sensitivities(parts: Sequence[Sensitivity]) -> Sensitivity:
-    """One Sensitivity from runs at other group sizes or modes of the same model and calibration.
-
-    Their settings become extra candidates of each module; runs must agree on fingerprints.
-    """
-    first = parts[0]
-    for other in parts[1:]:
-        for what, a, b in (
-            ("model", first.model_fingerprint, other.model_fingerprint),
-            ("calibration", first.calibration_fingerprint, other.calibration_fingerprint),
-        ):
-            if a != b:
-                raise InputError(
-                    f"allocate.extra_sensitivity={str(other.path)!r} has another {what} fingerprint than"
-                    f" allocate.sensitivity={str(first.path)!r}; measure both on the same {what}"
-                )
-    layers: dict[str, LayerSensitivity] = {}
-    for part in parts:
-        for path, layer in part.layers.items():
-            kl = {**(layers[path].kl if path in layers else {}), **layer.kl}
-            layers[path] = LayerSensitivity(path, layer.params, kl)
-    return Sensitivity(
-        layers, first.model_fingerprint, first.calibration_fingerprint, first.path, first.calibration
-    )
 
 
 def rescaled(sens: Sensitivity, factors: Mapping[str, float]) -> Sensitivity:
@@ -186,20 +85,6 @@ def rescaled(sens: Sensitivity, factors: Mapping[str, float]) -> Sensitivity:
     return Sensitivity(
         layers, sens.model_fingerprint, sens.calibration_fingerprint, sens.path, sens.calibration
     )
-
-
-# ------------------------------------------------------------------------------- protection
-
-
-LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
-
-
-def min_bits(path: str, rules: Sequence[Rule], *, n_blocks: int) -> int:
-    return max((r.min_bits for r in rules if r.matches(path, n_blocks=n_blocks)), default=0)
-
-
-def count_blocks(paths: Collection[str]) -> int:
-    return 1 + max((int(m.group(1)) for p in paths if (m := LAYER_INDEX.search(f".{p}."))), default=-1)
 
 
 # ------------------------------------------------------------------------------- plan
@@ -268,20 +153,6 @@ class _Problem:
     fixed: dict[str, QuantSpec | None]
 
 
-def _fixed_setting(path: str, shape: tuple[int, ...], default: QuantSpec, need: int) -> QuantSpec | None:
-    """An unmeasured module's setting: the default, raised to ``need`` bits by a protection rule."""
-    if need <= default.bits:
-        return default
-    if default.mode != "affine" or need > max(AFFINE_BITS):
-        raise InputError(
-            f"allocate.protect asks {path!r} for >= {need} bits, which the default "
-            f"{default.mode} {default.bits}-bit setting cannot give; probe {path!r} in sensitivity"
-        )
-    return QuantSpec(
-        bits=min(b for b in AFFINE_BITS if b >= need), group_size=default.group_size, mode=default.mode
-    )
-
-
 def _problem(
     sens: Sensitivity,
     source: Source,
@@ -303,7 +174,7 @@ def _problem(
     for path, shape in sorted(shapes.items()):
         need = min_bits(path, rules, n_blocks=n_blocks)
         if path not in sens.layers:
-            fixed[path] = _fixed_setting(path, shape, default, need)
+            fixed[path] = fixed_setting(path, shape, default, need)
             continue
         opts = [
             (s, budget.weight_bytes(shape, s, dtypes[path]), kl)
@@ -416,8 +287,12 @@ def allocate(
             log.warning("allocate.interactions skipped: %s", why)
         else:
             fixed = {p: budget.resolve(p, source.shapes[p], s, {}) for p, s in prob.fixed.items()}
-            sol, report = _interactions(
-                prob, fixed, sol, solver, in_model, decisions=decisions, rounds=rounds
+
+            def resolve(options: list[list[Option]]) -> Solution | None:
+                return solver(_Problem(prob.paths, options, prob.fixed))
+
+            sol, report = improve(
+                prob.paths, prob.options, fixed, sol, resolve, in_model, decisions=decisions, rounds=rounds
             )
     plan = _plan(prob, sol, source, default, kw, sens, limits=limits, interactions=report)
     return replace(plan, solver={**plan.solver, "largest": largest})
@@ -454,103 +329,8 @@ def check_reachable(
     raise _range_error(key, value, lo, _predict(source, default, {**prob.fixed, **_pick(prob, max)}, **kw))
 
 
-def interactions_skip(settings: Collection[QuantSpec], *, largest: bool) -> str | None:
-    """Why interactions cannot help a plan over these candidates (None: they can)."""
-    if rounding := sorted({s.method for s in settings} - {"rtn"}):
-        return f"candidates round by {', '.join(rounding)}; interactions measure rtn only"
-    if largest:
-        return "every module already takes its largest candidate"
-    return None
-
-
 def _pick_index(opts: list[tuple[QuantSpec, int, float]], by: Any) -> int:
     return by(range(len(opts)), key=lambda k: (opts[k][1], -opts[k][2]))
-
-
-def _measured(
-    prob: _Problem, steps: list[Step], in_model: InModel, kl: float, progress: Progress
-) -> list[Step]:
-    """Each step's change of the model's KL, measured in block order (one pass of hidden states)."""
-    order = sorted(range(len(steps)), key=lambda k: (in_model.start(steps[k].path), k))
-    out = list(steps)
-    for k in order:
-        s = steps[k]
-        out[k] = replace(s, measured=in_model.kl_with(s.path, prob.options[s.item][s.to][0]) - kl)
-        progress.update(1)
-    return out
-
-
-def _interactions(
-    prob: _Problem,
-    fixed: Mapping[str, QuantSpec | None],
-    sol: Solution,
-    solver: Any,
-    in_model: InModel,
-    *,
-    decisions: int,
-    rounds: int,
-) -> tuple[Solution, dict[str, Any]]:
-    """Rounds of ``mlxbun.quant.interactions``: measure the steps nearest the threshold in the
-    quantized model, solve with the rescaled costs, keep the new plan when its KL is lower.
-    ``fixed``: the unmeasured modules' settings as written (None where the group does not fit)."""
-    first, done, spent = sol, [], in_model.forwards
-    # The ETA runs to the end of the current round: a round that keeps nothing is the last one.
-    progress = Progress(total=decisions, unit="steps", desc="interactions", heartbeat=True)
-    try:
-        kl = in_model.set({**fixed, **_chosen(prob, sol)})
-        kl_before = kl
-        sol, kl = _rounds(
-            prob, fixed, sol, kl, solver, in_model, done, progress, decisions=decisions, rounds=rounds
-        )
-    finally:
-        progress.close()
-    cost = sum(opts[j][2] for opts, j in zip(prob.options, sol.choice, strict=True))
-    report: dict[str, Any] = {
-        "decisions": decisions,
-        "rounds": [r.to_json(prob.options) for r in done],
-        "kl_before": kl_before,
-        "kl_after": kl,
-        "forwards": in_model.forwards - spent,  # the reference's one pass is the InModel's
-    }
-    moved = sol is not first  # the optimum of other costs: not of the summed KL, LP bound still one
-    return replace(sol, cost=cost, lower_bound=first.lower_bound, exact=first.exact and not moved), report
-
-
-def _rounds(
-    prob: _Problem,
-    fixed: Mapping[str, QuantSpec | None],
-    sol: Solution,
-    kl: float,
-    solver: Any,
-    in_model: InModel,
-    done: list[Round],
-    progress: Progress,
-    *,
-    decisions: int,
-    rounds: int,
-) -> tuple[Solution, float]:
-    """Up to ``rounds`` rounds from ``sol`` (model KL ``kl``); each is appended to ``done``."""
-    for r in range(rounds):
-        near = near_threshold(prob.options, sol.choice, prob.paths, decisions)
-        progress.total, progress.desc = (
-            progress.done + len(near),
-            f"interactions (round {r + 1} of at most {rounds})",
-        )
-        steps = _measured(prob, near, in_model, kl, progress)
-        tried: list[float] = []
-        for costs in (scaled_costs, measured_only):
-            new = solver(_Problem(prob.paths, costs(prob.options, sol.choice, steps), prob.fixed))
-            if new is None or new.choice == sol.choice or new.cost >= BARRED:
-                continue
-            tried.append(in_model.set({**fixed, **_chosen(prob, new)}))
-            if tried[-1] < kl:
-                break
-        kept = bool(tried) and tried[-1] < kl
-        done.append(Round(kl, steps, [sol.choice[s.item] for s in steps], tried, kept))
-        if not kept:
-            break
-        sol, kl = new, tried[-1]
-    return sol, kl
 
 
 def _dtype_code(dtype: str | None, model_dir: Path) -> str | None:
@@ -597,7 +377,7 @@ def _solve_file_budget(
 
 
 def _chosen(prob: _Problem, sol: Solution) -> dict[str, QuantSpec]:
-    return {p: prob.options[i][j][0] for i, (p, j) in enumerate(zip(prob.paths, sol.choice, strict=True))}
+    return chosen(prob.paths, prob.options, sol.choice)
 
 
 def _plan(
@@ -665,7 +445,7 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
     if a.extra_sensitivity:
         extra = [load_sensitivity(x, key="allocate.extra_sensitivity") for x in a.extra_sensitivity]
         sens = merge_sensitivities([sens, *extra])
-    if sens.model_fingerprint and sens.model_fingerprint != model_fingerprint(src):
+    if sens.model_fingerprint and sens.model_fingerprint != model_fingerprint(src, depth="sampled"):
         raise InputError(
             f"allocate.sensitivity={a.sensitivity!r} was measured on another model than {str(src)!r}"
             " (model fingerprints differ); pass the model it was measured on"
@@ -695,32 +475,21 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
         return _allocate_from_cfg(cfg, src, sens, default, in_model)
 
 
-MEMORY_SHARE = 0.8  # what interactions may take of the available memory
-LOGITS_BYTES = 1 << 30  # a batch's float64 logits and probabilities: at most this (>= 1 sample)
-
-
 def _vocab(src: Path) -> int:
     return int(read_config(src).get("vocab_size", 0))
 
 
 def _batch(cfg: Any, src: Path) -> int:
-    """Samples per forward: ``sensitivity.batch_size``, fewer when a batch's float64 logits,
-    probabilities and their product would pass ``LOGITS_BYTES`` (large vocabularies)."""
-    per_sample = 24 * cfg.sensitivity.calib.seq_len * max(_vocab(src), 1)
-    return max(1, min(cfg.sensitivity.batch_size, LOGITS_BYTES // per_sample))
+    """Samples per forward of the interactions (see ``memory.interactions_batch``)."""
+    c = cfg.sensitivity
+    return interactions_batch(batch_size=c.batch_size, seq_len=c.calib.seq_len, vocab=_vocab(src))
 
 
 def _memory_skip(cfg: Any, src: Path, parameters: int) -> str | None:
-    """Why interactions would not fit in memory: the float32 model twice (original and
-    fake-quantized weights) and one batch's float64 logits, probabilities and their product."""
-    logits = 24 * _batch(cfg, src) * cfg.sensitivity.calib.seq_len * _vocab(src)
-    need = 8 * parameters + logits
-    avail = available_memory()
-    if avail is None or need <= MEMORY_SHARE * avail:
-        return None
-    return (
-        f"they need about {human_bytes(need)} and {human_bytes(avail)} is available;"
-        " the plan minimises the summed KL alone (allocate.interactions=0 says so without this warning)"
+    """Why interactions would not fit in memory (see ``memory.interactions_skip_memory``)."""
+    seq_len = cfg.sensitivity.calib.seq_len
+    return interactions_skip_memory(
+        parameters=parameters, batch=_batch(cfg, src), seq_len=seq_len, vocab=_vocab(src)
     )
 
 

@@ -47,8 +47,10 @@ class Document:
 
 
 @dataclass(frozen=True)
-class Calibration:
-    """The token matrix and where it came from; ``fingerprint`` is the sha256 of the tokens."""
+class Windows:
+    """Token windows drawn from a text and where they came from: the calibration samples, and
+    eval's held-out windows. ``fingerprint`` is the sha256 of the tokens; ``to_dict`` is the
+    calibration record (sensitivity.json's ``"calibration"``)."""
 
     tokens: np.ndarray  # (samples, seq_len) int32
     fingerprint: str
@@ -195,7 +197,7 @@ _CHAT_NOTE = re.compile(r" \(chat template on \d+ dialogues\)$")
 
 
 def recorded_settings(record: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The ``{path, samples, seq_len, seed}`` a :meth:`Calibration.to_dict` record was made with
+    """The ``{path, samples, seq_len, seed}`` a :meth:`Windows.to_dict` record was made with
     (``path`` None for the built-in set), or None when the record does not say."""
     try:
         source = _CHAT_NOTE.sub("", str(record["source"]))
@@ -207,7 +209,7 @@ def recorded_settings(record: Mapping[str, Any]) -> dict[str, Any] | None:
 
 def load_calibration(
     *, tokenizer: Any, path: str | Path | None = None, samples: int = 24, seq_len: int = 512, seed: int = 0
-) -> Calibration:
+) -> Windows:
     """Calibration tokens from ``path`` (None: the built-in set), deterministic for a seed.
 
     Args:
@@ -223,6 +225,6 @@ def load_calibration(
     tokens = np.stack([stream[s : s + seq_len] for s in starts]).astype(np.int32)
     if templated:
         source += f" (chat template on {templated} dialogues)"
-    return Calibration(
+    return Windows(
         tokens=tokens, fingerprint=fingerprint(tokens), source=source, seed=seed, stream_tokens=len(stream)
     )

@@ -29,9 +29,9 @@ from mlxbun.kl import kl_rows, log_probs
 from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport
 from mlxbun.quant.calib import load_calibration
-from mlxbun.quant.sensitivity import load_model
+from mlxbun.quant.probe import load_model
+from mlxbun.quant.quantize import quantize_model_dir
 from mlxbun.quant.spec import QuantSpec
-from mlxbun.quantize import quantize_model_dir
 
 FACTOR_RANGE = (0.1, 10.0)  # a probe's factor is clipped to this: one noisy probe cannot dominate
 

@@ -1,41 +1,25 @@
 """sensitivity.method=fisher: every module's KL at every candidate from one backward pass per sample.
 
-One module: the Fisher pass, its calibration and the exact refinement scale the same estimate.
-
-The exact method (``sensitivity.py``) runs one partial forward per (module, candidate): its cost
+The exact method (``exact.py``) runs one partial forward per (module, candidate): its cost
 grows with modules x candidates x depth. This estimate costs about ``3 + candidates`` forward
 passes over the calibration set, whatever the depth or the number of candidates:
 
-1. **Fisher pass** (one forward + one backward per calibration batch). KL(ref || ref + dY) is
-   1/2 dY^T F dY to second order, F the Fisher information of the model's output distribution.
-   Labels are sampled from the model's own distribution, so the gradient g_t of their
-   log-likelihood with respect to a module's output at token t has E[g g^T] = F. Every target
-   module gets a zero "tap" added to its output; one backward gives g for all of them at once.
-   With dY_t = dW x_t, E[(g_t . dY_t)^2] = dY_t^T F_t dY_t, so one label sample per token gives
-   an unbiased estimate of the per-token KL of a weight change, cross-channel terms included:
-
-       KL_m(dW) ~ 1/(2T) * sum_t (g_t . dW x_t)^2
-
-   (measured on both committed fixtures, this ranks modules closer to exact than the diagonal
-   sum_i g_ti^2 (dW x_t)_i^2: Spearman per bit 0.92-0.98 against 0.88-0.94 on the 12-layer one).
-   An embedding lookup's dY_t is the row of dW its token selects; a tied head adds its own
-   term to the same dot product. A batch's gradients and module inputs go to a temporary
-   directory: memory is the model plus one batch of activations (batches shrink to keep them
-   under ``ACTIVATION_BYTES``). When the whole pass's fit in ``POOL_MEMORY_BYTES`` they stay in memory.
-2. **Scores** per (module, candidate), once per pool of batches (``POOL_BYTES`` on disk; every
-   batch at the sizes tried): quantize -> dequantize the weight once, then one matmul with the
-   pooled inputs. A new candidate costs one quantization and about one forward.
+1. **Fisher pass** (``fisher_pass.py``; one forward + one backward per calibration batch): the
+   gradient g_t of sampled labels' log-likelihood at every module's output; a weight change's
+   KL is estimated as 1/(2T) * sum_t (g_t . dW x_t)^2, cross-channel terms included.
+2. **Scores** per (module, candidate), once per pool of batches: quantize -> dequantize the
+   weight once, then one matmul with the pooled inputs.
 3. **Calibration** (per candidate, one forward over a quarter of the calibration samples per
-   group of modules: one role, and at <= 3 bits one quarter of the depth): the group's modules
-   at candidate s together, KL(ref || cur) measured exactly; its scores are scaled by measured /
-   sum of estimates. This corrects the second-order formula where it breaks (2-3 bits, where KL
-   stops being quadratic) and keeps the knapsack's trade-off between bit widths on the measured scale.
-   8 bits takes 6 bits' factors (``carried``): both are deep in the quadratic regime, and the
-   factors measured at 8 bits swing by role (``llama-text-12l``: embedding 0.74 at 6 bits, 2.25
-   at 8). Averaged over eight calibration draws of ``llama-text-3m``, the plans' held-out KL went
-   from 0.996-1.064 x exact's to 0.960-1.049 x; it saves a forward per role.
+   group of modules: one role, and at <= 3 bits one quarter of the depth; ``GroupKL``): the
+   group's modules at candidate s together, KL(ref || cur) measured exactly; its scores are
+   scaled by measured / sum of estimates. This corrects the second-order formula where it breaks
+   (2-3 bits, where KL stops being quadratic) and keeps the knapsack's trade-off between bit
+   widths on the measured scale. 8 bits takes 6 bits' factors (``carried``): both are deep in
+   the quadratic regime, the factors measured at 8 bits swing by role, and it saves a forward
+   per role.
 4. **Exact refinement** (optional, ``refine``): a fraction of the modules is probed exactly at
-   a few bit widths on the same subset, and each module's estimate is scaled to its probe.
+   a few bit widths on the same subset (``exact.Sweep``), and each module's estimate is scaled
+   to its probe.
 
 The returned numbers are per-module KLs in nats per token, the same unit as the exact method's,
 so ``allocate`` reads either. ``bench/sensitivity_methods.py`` compares them with exact ones.
@@ -51,18 +35,18 @@ Example:
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mlxbun.io.staging import ScratchDir
 from mlxbun.kl import kl_from_stats, ref_stats
 from mlxbun.progress import human_bytes
-from mlxbun.quant.sensitivity import Stack, Sweep, Target, fake_quant, module_at
+from mlxbun.quant import fisher_pass
+from mlxbun.quant.exact import Sweep
+from mlxbun.quant.fisher_pass import FisherPass, real_module
+from mlxbun.quant.probe import Spill, Stack, Target, fake_quant, module_at, timed_forward
 from mlxbun.quant.spec import QuantSpec
 
 log = logging.getLogger(__name__)
@@ -82,332 +66,10 @@ class Estimate:
     unfitted: dict[str, set[str]] = None
 
 
-# ---------------------------------------------------------------- taps
-
-
-class _Tap:
-    """Stands in for a module during the Fisher pass: adds a zero tap to its output, records inputs."""
-
-    def __init__(self, mod: Any, path: str, rec: _Recorder) -> None:
-        self.mod, self.path, self.rec = mod, path, rec
-
-    def __getattr__(self, key: str) -> Any:
-        return getattr(self.mod, key)
-
-    def __call__(self, x: Any) -> Any:
-        import mlx.core as mx
-
-        if self.rec.kinds[self.path] == "embedding":
-            self.rec.ids[self.path] = x
-            return self.rec.tap(self.path, self.mod.weight[x].astype(mx.float32))
-        self.rec.inputs[self.path] = x
-        return self.rec.tap(self.path, self.mod(x))
-
-    def as_linear(self, x: Any) -> Any:
-        import mlx.core as mx
-
-        key = self.path + HEAD
-        self.rec.inputs[key] = x
-        return self.rec.tap(key, x @ self.mod.weight.astype(mx.float32).T)
-
-
-HEAD = "@head"  # the tap of a tied embedding used as the output head
-CHUNK = 1 << 22  # weights per slice of rows scored at once (bounds the float32 temporaries)
-# Batches' gradients and inputs wait on disk until they reach this, then are scored together: each
-# candidate's quantization error is computed once per pool, not once per batch.
-POOL_BYTES = 4 << 30
-# A pool whose batches all fit in this stays in memory: a small model's pass skips the disk.
-POOL_MEMORY_BYTES = 512 << 20
-# One Fisher batch's taps, their gradients, recorded inputs and float32 logits stay under this:
-# fewer samples per batch where a large vocabulary would pass it (150K: ~1 GB per 128-token sample).
-ACTIVATION_BYTES = 1 << 30
-
-
-class _Recorder:
-    """The zero taps of one batch and what each module saw (inputs, or token ids for lookups)."""
-
-    def __init__(self, kinds: dict[str, str]) -> None:
-        self.kinds = kinds
-        self.deltas: dict[str, Any] = {}
-        self.inputs: dict[str, Any] = {}
-        self.ids: dict[str, Any] = {}
-        self.shapes: dict[str, tuple] = {}
-
-    def tap(self, key: str, y: Any) -> Any:
-        self.shapes[key] = y.shape
-        return y + self.deltas[key] if key in self.deltas else y
-
-
-def _install(model: Any, tgts: list[Target], rec: _Recorder) -> list[tuple[Any, str, Any]]:
-    undo = []
-    for t in tgts:
-        parent_path, _, name = t.path.rpartition(".")
-        parent = module_at(model, parent_path) if parent_path else model
-        mod = getattr(parent, name)
-        setattr(parent, name, _Tap(mod, t.path, rec))
-        undo.append((parent, name, mod))
-    return undo
-
-
-def _uninstall(undo: list[tuple[Any, str, Any]]) -> None:
-    for parent, name, mod in reversed(undo):
-        setattr(parent, name, mod)
-
-
-def _real(mod: Any) -> Any:
-    """The module behind a stand-in (_Tap)."""
-    while isinstance(mod, _Tap):
-        mod = mod.mod
-    return mod
-
-
-def _kinds(model: Any, tgts: list[Target]) -> dict[str, str]:
-    import mlx.nn as nn
-
-    def kind(path: str) -> str:
-        return "embedding" if isinstance(_real(module_at(model, path)), nn.Embedding) else "linear"
-
-    return {t.path: kind(t.path) for t in tgts}
-
-
-# ---------------------------------------------------------------- 1. Fisher pass
-
-
-class FisherPass:
-    """Scores every (target, candidate): the sum over tokens of (g_t . dW x_t)^2, g the gradient
-    of the sampled labels' log-likelihood at the module's output."""
-
-    def __init__(
-        self,
-        model: Any,
-        tgts: list[Target],
-        cands: list[QuantSpec],
-        *,
-        seed: int,
-        tick: Callable[[float], None],
-        samples: int | None = None,
-    ) -> None:
-        """``samples``: how many the pass will see, if known (a pool that fits
-        POOL_MEMORY_BYTES is then kept in memory)."""
-        self.model, self.tgts, self.cands, self.tick = model, tgts, cands, tick
-        self.samples = samples
-        self.share = {t.path: t.in_features * t.out_features for t in tgts}
-        total = sum(self.share.values())
-        self.share = {p: v / total for p, v in self.share.items()}
-        self.rec = _Recorder(_kinds(model, tgts))
-        self.key = seed
-        self.sums: dict[str, dict[str, float]] = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
-        self.tokens = 0
-        self.pool = Spill()
-        self._pooled: list[int] = []  # samples of each pooled batch
-        self._pool_bytes = 0
-
-    def samples_per_batch(self, tokens: Any, batch_size: int) -> int:
-        """``batch_size``, or fewer so that one batch's activations stay under ACTIVATION_BYTES:
-        per token, float32 taps, their gradients and inputs (3 x the summed output widths) and
-        the logits with their softmax temporaries (4 x the vocabulary)."""
-        import mlx.core as mx
-
-        undo = _install(self.model, self.tgts, self.rec)
-        try:
-            self.rec.deltas = {}
-            logits = self.model(mx.array(tokens[:1, :1]))
-            mx.eval(logits)
-        finally:
-            self.rec.inputs, self.rec.ids = {}, {}
-            _uninstall(undo)
-        widths = sum(s[-1] for s in self.rec.shapes.values())
-        per_sample = 4 * tokens.shape[1] * (3 * widths + 4 * logits.shape[-1])
-        return max(1, min(batch_size, ACTIVATION_BYTES // per_sample))
-
-    def _zeros(self, batch: Any) -> dict[str, Any]:
-        """Zero taps shaped like each module's output (shapes from a one-token forward)."""
-        import mlx.core as mx
-
-        if not self.rec.shapes:
-            self.rec.deltas = {}
-            mx.eval(self.model(batch[:, :1]))
-        n, length = batch.shape
-        return {k: mx.zeros((n, length, s[-1]), dtype=mx.float32) for k, s in self.rec.shapes.items()}
-
-    def run(self, batch: Any) -> Any:
-        """One forward + backward on ``batch``, then its scores; returns the reference logits."""
-        import mlx.core as mx
-
-        undo = _install(self.model, self.tgts, self.rec)
-        try:
-            deltas = self._zeros(batch)
-            key = mx.random.key(self.key)
-            self.key += 1
-
-            def loglik(d: dict) -> Any:
-                self.rec.deltas = d
-                logits = self.model(batch).astype(mx.float32)
-                y = mx.random.categorical(mx.stop_gradient(logits), key=key)
-                logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-                ll = mx.take_along_axis(logp, y[..., None], axis=-1).sum()
-                return (
-                    ll,
-                    mx.stop_gradient(logits),
-                    {k: mx.stop_gradient(v) for k, v in self.rec.inputs.items()},
-                )
-
-            (_, logits, inputs), grads = mx.value_and_grad(loglik)(deltas)
-            mx.eval(logits, inputs, grads)
-            ids = dict(self.rec.ids)
-            self.tick(3.0 * batch.shape[0])
-        finally:
-            self.rec.deltas, self.rec.inputs, self.rec.ids = {}, {}, {}
-            _uninstall(undo)
-        j = len(self._pooled)
-        if self.tokens == 0 and self.samples is not None:
-            nbytes = sum(v.nbytes for arrays in (grads, inputs, ids) for v in arrays.values())
-            self.pool.in_memory = nbytes * self.samples <= POOL_MEMORY_BYTES * batch.shape[0]
-        for kind, arrays in (("g", grads), ("x", inputs), ("ids", ids)):
-            for k, v in arrays.items():
-                self._pool_bytes += self.pool.put(f"{kind}{j}{k}", v)
-        self._pooled.append(batch.shape[0])
-        self.tokens += int(batch.size)
-        if self._pool_bytes >= POOL_BYTES:
-            self.flush()
-        return logits
-
-    def flush(self) -> None:
-        """Scores the pooled batches: every target's gradients and inputs of all of them at once."""
-        if not self._pooled:
-            return
-        for t in self.tgts:
-            self._score(t)
-            self.tick(len(self.cands) * sum(self._pooled) * self.share[t.path])
-        self.pool.clear()
-        self._pooled, self._pool_bytes = [], 0
-
-    def _pooled_array(self, kind: str, key: str, cols: slice | None = None) -> np.ndarray | None:
-        """``key``'s array of kind g, x or ids over the pooled batches, concatenated (None if the
-        pass recorded none); ``cols`` slices the last axis, read through a memory map so that only
-        the slice is resident (a tied head's gradients are the largest arrays of the pass)."""
-        names = [f"{kind}{j}{key}" for j in range(len(self._pooled))]
-        if not self.pool.has(names[0]):
-            return None
-        parts = []
-        for name in names:
-            whole = self.pool.get(name, mmap=cols is not None)
-            parts.append(np.array(whole if cols is None else whole[..., cols]))
-            del whole
-        return np.concatenate(parts)
-
-    def _g(self, key: str, cols: slice | None = None) -> Any:
-        import mlx.core as mx
-
-        g = self._pooled_array("g", key, cols)
-        return None if g is None else mx.array(g)
-
-    def _score(self, t: Target) -> None:
-        """Adds the pool's sum over tokens of (g . dY)^2 for every candidate of ``t``. Rows go in
-        slices: each slice's gradients are read once, every candidate's error on those rows adds
-        its part of each token's g . dY, and the dots are squared once all rows are in."""
-        import mlx.core as mx
-
-        w = _real(module_at(self.model, t.path)).weight
-        step = max(1, CHUNK // w.shape[-1])
-        todo = [c for c in self.cands if not c.matches(t.current)]
-        ids = self._pooled_array("ids", t.path)
-        ids = None if ids is None else mx.array(ids)
-        inputs = {}
-        for key in (t.path, t.path + HEAD):
-            if (x := self._pooled_array("x", key)) is not None:
-                inputs[key] = mx.array(x)
-        lookup = None if ids is None else self._g(t.path)  # a lookup's dY is a row: all columns
-        dots: dict[str, Any] = {}
-        for lo in range(0, w.shape[0], step):
-            rows = slice(lo, min(lo + step, w.shape[0]))
-            g = {
-                t.path: lookup if ids is not None else self._g(t.path, rows),
-                HEAD: self._g(t.path + HEAD, rows),
-            }
-            wc = w[rows].astype(mx.float32)
-            for c in todo:
-                part = self._dots(t, fake_quant(wc, c, dtype=t.dtype) - wc, lo, g, inputs, ids)
-                key = str(c.bits)
-                dots[key] = part if key not in dots else dots[key] + part
-                mx.eval(dots[key])
-        for bits, dot in dots.items():
-            self.sums[t.path][bits] += float(np.array(mx.square(dot), dtype=np.float64).sum())
-
-    def _dots(self, t: Target, d: Any, lo: int, g: dict, inputs: dict, ids: Any) -> Any:
-        """Per token, the part of g . dY from the rows lo:lo+len(d), dW = ``d``; ``g`` holds the
-        gradients of those rows (the module's, and a tied head's at HEAD)."""
-        import mlx.core as mx
-
-        dot = mx.array(0.0)  # broadcasts to [batch, tokens] with the first term
-        if ids is not None:  # lookup: dY_t = dW[token_t], for the tokens whose row is in the slice
-            inside = ((ids >= lo) & (ids < lo + d.shape[0]))[..., None]
-            picked = d[mx.clip(ids - lo, 0, d.shape[0] - 1)]
-            dot = dot + (g[t.path] * picked * inside).sum(axis=-1)
-        elif g[t.path] is not None:
-            dot = dot + (g[t.path] * (inputs[t.path] @ d.T)).sum(axis=-1)
-        if g[HEAD] is not None:  # a tied embedding is also the head
-            dot = dot + (g[HEAD] * (inputs[t.path + HEAD] @ d.T)).sum(axis=-1)
-        return dot
-
-    def scores(self) -> dict[str, dict[str, float]]:
-        """Per-token KL estimates, 1/2 * sums / tokens (the pool scored first)."""
-        self.flush()
-        return {p: {b: 0.5 * v / max(self.tokens, 1) for b, v in row.items()} for p, row in self.sums.items()}
-
-    def close(self) -> None:
-        """Removes the pool's temporary directory."""
-        self.pool.close()
-
-
 # ---------------------------------------------------------------- 3. calibration
 
 
-class Spill:
-    """Arrays kept in a temporary directory by name (.npy): reference logits, pooled gradients;
-    or in memory (``in_memory``, set before the first ``put``)."""
-
-    def __init__(self) -> None:
-        self._dir = ScratchDir("mlxbun-fisher-")  # a killed run's spill goes at the next one
-        self._names: dict[str, Path | np.ndarray] = {}
-        self._files = 0  # files ever written: a name put again gets a new file, not another's
-        self.in_memory = False
-
-    def put(self, name: str, value: Any) -> int:
-        """Stores ``value`` under ``name``; returns its bytes."""
-        arr = np.array(value)
-        if self.in_memory:
-            self._names[name] = arr
-            return arr.nbytes
-        self._files += 1
-        path = Path(self._dir.name) / f"{self._files}.npy"
-        np.save(path, arr)
-        if isinstance(old := self._names.get(name), Path):
-            old.unlink()
-        self._names[name] = path
-        return arr.nbytes
-
-    def has(self, name: str) -> bool:
-        return name in self._names
-
-    def get(self, name: str, *, mmap: bool = False) -> np.ndarray:
-        """The array stored as ``name`` (``mmap``: a read-only map of a file, not a read)."""
-        kept = self._names[name]
-        if isinstance(kept, np.ndarray):
-            return kept
-        return np.load(kept, mmap_mode="r" if mmap else None)
-
-    def clear(self) -> None:
-        for kept in self._names.values():
-            if isinstance(kept, Path):
-                kept.unlink()
-        self._names = {}
-
-    def close(self) -> None:
-        self._dir.cleanup()
-
-
-class Calibration:
+class GroupKL:
     """KL(ref || the model with a group of modules at one candidate) on the calibration subset.
 
     A group's forward starts at the first block it changes: the hidden state entering that block
@@ -446,7 +108,7 @@ class Calibration:
             for t in tgts:
                 if cand.matches(t.current):
                     continue
-                mod = _real(module_at(self.model, t.path))
+                mod = real_module(module_at(self.model, t.path))
                 saved.append((mod, mod.weight))
                 mod.weight = fake_quant(mod.weight, cand, dtype=t.dtype).astype(mod.weight.dtype)
                 mx.eval(mod.weight)
@@ -565,7 +227,7 @@ def estimate(
         log.info(
             "sensitivity: fisher batches of %d samples (activations under %s)",
             fewer,
-            human_bytes(ACTIVATION_BYTES),
+            human_bytes(fisher_pass.ACTIVATION_BYTES),
         )
         batch_size = fewer
     batches = [mx.array(tokens[i : i + batch_size]) for i in range(0, n, batch_size)]
@@ -582,7 +244,7 @@ def estimate(
             refine_bits or "the middle candidate",
         )
     refs = Spill()
-    calib = Calibration(model, sub, refs)
+    calib = GroupKL(model, sub, refs)
     # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
     fwd = (3 + len(cands)) * n
     fwd += calib.cost([ts for c in cands for ts in todo[str(c.bits)].values()]) * n_sub
@@ -690,18 +352,6 @@ def refine_kl(est: Estimate, exact: dict, groups: dict) -> Estimate:
                     probes=exact, unfitted=est.unfitted)  # fmt: skip
 
 
-def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
-    """Seconds of one forward of a batch, from a forward of its first quarter of tokens (>= 16)."""
-    import mlx.core as mx
-
-    length = tokens.shape[1]
-    part = min(length, max(16, length // 4))
-    x = mx.array(tokens[:batch_size, :part])
-    t0 = time.perf_counter()
-    mx.eval(model(x))
-    return (time.perf_counter() - t0) * length / part
-
-
 def _calibrate(
     raw: dict,
     measured: dict,
@@ -717,7 +367,7 @@ def _calibrate(
     ``unfitted`` bits (a quantized source's module: see ``Estimate.unfitted``; the factors of
     neighbouring bits are measured apart). The denominator is the all-sample estimate: the Fisher
     scores of a small subset are noisy (sampled labels), and dividing by a noisy estimate biases
-    every factor upwards (on llama-text-3m, by 1.4-2.3x at 2-8 bits with a 1/4 subset)."""
+    every factor upwards."""
     factors: dict[str, dict[str, float]] = {}
     kl: dict[str, dict[str, float]] = {p: {} for p in raw}
     for b, kls in measured.items():

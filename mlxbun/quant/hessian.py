@@ -42,6 +42,7 @@ from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_open
 from mlxbun.io.safetensors import SafetensorsFile, read_config
 from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.probe import find_blocks
 
 FORMAT = "mlxbun-hessians"
 
@@ -134,8 +135,6 @@ def _hook(module: Any, prefix: str, store: dict) -> list[tuple[str, Any]]:
 
 
 def _blocks(model: Any) -> tuple[list, str]:
-    from mlxbun.quant.sensitivity import find_blocks  # sensitivity is large; only capture needs it
-
     owner, owner_path = find_blocks(model)
     return owner["layers"], f"{owner_path}.layers." if owner_path else "layers."
 

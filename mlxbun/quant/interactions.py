@@ -1,10 +1,10 @@
 """allocate.interactions: re-measure a plan's closest decisions in the quantized model, then solve again.
 
 The allocator minimises summed KL: each module's KL measured (or estimated) with the rest of the
-model at full precision. In a quantized model modules interact, and unevenly: on the committed
-fixtures a plan's KL is 1.2-3.4x its sum, and one step of one module can cost 4-28x its summed
-value (``bench/plan_interactions.py``). Whichever side of the knapsack's threshold such a step
-falls on decides the plan. So, after the first solve:
+model at full precision. In a quantized model modules interact, and unevenly: a plan's KL is
+not its sum, and one step of one module can cost several times its summed value
+(``bench/plan_interactions.py`` measures both). Whichever side of the knapsack's threshold such
+a step falls on decides the plan. So, after the first solve:
 
 1. every module is fake-quantized as planned (``InModel.set``) and the model's KL against the
    full-precision reference is measured on the calibration set;
@@ -18,9 +18,9 @@ falls on decides the plan. So, after the first solve:
 4. the knapsack is solved again and the new plan measured; when the model's KL is not lower, it
    is solved once more allowing only the measured steps, at their measured costs
    (:func:`measured_only`). A plan is kept only when the model's KL is lower, and the next round
-   starts from it (``rounds``).
+   starts from it (the loop: ``interaction_rounds.py``).
 
-Weights are quantized by round-to-nearest (``sensitivity.fake_quant``), as the sensitivity probes
+Weights are quantized by round-to-nearest (``probe.fake_quant``), as the sensitivity probes
 are. Cost per round: one partial forward per decision and two whole forwards, over the
 calibration set; the report in plan.json (``"interactions"``) counts them.
 
@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 
 from mlxbun.kl import kl_from_stats, log_probs
-from mlxbun.quant.fisher import Spill
 from mlxbun.quant.knapsack import pareto
-from mlxbun.quant.sensitivity import (
+from mlxbun.quant.probe import (
+    Spill,
     Stack,
     block_of,
     fake_quant,
@@ -92,6 +92,13 @@ class Step:
             "measured": self.measured,
             "ratio": self.ratio,
         }
+
+
+def chosen(
+    paths: Sequence[str], options: Sequence[Sequence[Option]], choice: Sequence[int]
+) -> dict[str, QuantSpec]:
+    """The setting each knapsack item (module ``paths[i]``) takes under ``choice``."""
+    return {p: options[i][j][0] for i, (p, j) in enumerate(zip(paths, choice, strict=True))}
 
 
 def near_threshold(
@@ -272,27 +279,3 @@ class InModel:
             stats = (self.refs.get(f"p{j}", mmap=True), self.refs.get(f"negent{j}"))
             total += float(kl_from_stats(stats, logits).sum())
         return total / self.n_samples
-
-
-# ------------------------------------------------------------------------------- the rounds
-
-
-@dataclass
-class Round:
-    """One round: the plan's KL it started from, its measured steps (from options ``starts``),
-    the KL of each re-solved plan tried, and whether the last one was kept."""
-
-    kl_before: float
-    steps: list[Step]
-    starts: list[int]
-    tried: list[float]
-    kept: bool
-
-    def to_json(self, options: Sequence[Sequence[Option]]) -> dict[str, Any]:
-        return {
-            "kl_before": self.kl_before,
-            "tried": self.tried,
-            "kept": self.kept,
-            "median_ratio": statistics.median(s.ratio for s in self.steps) if self.steps else None,
-            "steps": [s.to_json(options[s.item], j) for s, j in zip(self.steps, self.starts, strict=True)],
-        }

@@ -1,7 +1,7 @@
 """mlx-lm's model classes and config rules, reached without importing ``transformers``.
 
 ``import mlx_lm.models.llama`` runs ``mlx_lm/__init__.py``, which imports ``mlx_lm.utils`` and
-with it ``transformers`` (2-4 s of start-up here) although a conversion needs only the model
+with it ``transformers`` (seconds of start-up) although a conversion needs only the model
 classes. :func:`model_classes` registers the ``mlx_lm`` package without running its
 ``__init__``; the first attribute anyone asks of the package (``from mlx_lm import load``) runs
 it then, so other code sees the normal package. The remapping tables are read from

@@ -1,7 +1,7 @@
 """A quantized model directory besides its weights: config.json, side files, and the record by
 which a later run recognises the conversion and verifies its output.
 
-In ``<out>/`` (see :mod:`mlxbun.quantize` for the whole layout)::
+In ``<out>/`` (see :mod:`mlxbun.quant.quantize` for the whole layout)::
 
     config.json               with "quantization" and "quantization_config", as mlx-lm saves it
     tokenizer files, generation_config.json, *.py   copied from the source (COPY_PATTERNS)
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
+from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
-from mlxbun.io.safetensors import HEADER_CAP
 from mlxbun.io.staging import damaged_files, digest_files, discard_dir, read_json_object
 from mlxbun.quant.mlxlm import encode_tagged_floats
 from mlxbun.quant.plan import Skeleton
@@ -52,22 +52,13 @@ COPY_PATTERNS = (
 
 def source_identity(src: Path, tensors: str | None = None) -> str:
     """Digest of what defines the source and is the same in every copy of it: config.json, and
-    each weight file's name, size and safetensors header (or bytes, for the index) — or, for a
-    synthetic source, its spec's identity (``mlxbun.source.identity``)."""
+    each weight file's name, size and safetensors header (``model_fingerprint(depth="header")``)
+    — or, for a synthetic source, its spec's identity (``mlxbun.source.identity``)."""
+    if tensors is None:
+        return model_fingerprint(src, depth="header")
     h = hashlib.sha256((src / "config.json").read_bytes())
-    if tensors is not None:
-        h.update(tensors.encode())
-        return h.hexdigest()
-    for f in sorted(src.glob("model*.safetensors*")):
-        h.update(f"\n{f.name}:{f.stat().st_size}\n".encode())
-        h.update(_safetensors_header(f) if f.suffix == ".safetensors" else f.read_bytes())
+    h.update(tensors.encode())
     return h.hexdigest()
-
-
-def _safetensors_header(path: Path) -> bytes:
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        return f.read(min(n, HEADER_CAP))
 
 
 def fingerprint(src: Path, settings: dict[str, Any], *, tensors: str | None = None) -> str:

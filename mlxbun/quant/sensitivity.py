@@ -1,48 +1,24 @@
 """command=sensitivity: per-layer KL(reference || one layer quantized) at candidate bit widths.
 
-One module: the exact sweep, its checkpoints and the command share one settings key and document.
-
-``method`` chooses how the numbers are made:
+``method`` chooses the estimator that makes the numbers:
 
 - ``fisher`` (default, ``fisher.py``): a second-order estimate from one forward + backward per
   calibration batch, scaled per candidate by one whole-model forward: about 3 + candidates
   forward passes in all, linear in depth;
-- ``exact`` (this module, below): every (module, candidate) measured;
+- ``exact`` (``exact.py``): every (module, candidate) measured from the stored hidden state;
 - ``reference`` (``sensitivity_ref.py``): the same numbers as ``exact``, the slow way.
 
-Exact: for every quantizable module (the ones mlx-lm's quantize would touch) and every candidate bit
-width, the module's weight is quantized then dequantized, the calibration samples run through the
-model, and the score is KL(ref || cur) = mean over tokens of sum_v p_ref (log p_ref - log p_cur)
-of the float32 logits (softmax and sums in float64), averaged over samples. ``sensitivity_ref.py``
-does exactly that, one full forward per sample. This module computes the same numbers faster:
-
-- a module in block i only changes blocks i..L: the reference hidden state entering block i is
-  kept (for all samples, one block boundary at a time) and each probe runs blocks i..L only;
-  ``lm_head`` probes run the head only;
-- samples run in batches; weights are float32 (fake-quantized candidates too), so matmuls go
-  through the optimized BLAS on Linux CPU (MLX's bf16 and quantized CPU matmuls do not);
-- reference probabilities are computed once and kept when they fit ``ref_cache_mb``; the next
-  probe is queued (``mx.async_eval``) while numpy scores the previous one.
-
-The model runs through mlx-lm's own class, so every architecture with a block loop works: probes
-swap the block list for one whose first entries pass the stored hidden state through.
-
-Work is grouped by the first block a module changes ("group" = block index; 0 also holds the
-embedding, L is the head). Groups are the unit of sharding and of checkpoints::
+This module loads the model and calibration (``prepare``), shards the work, keeps per-group
+checkpoints and writes the reports. Work is grouped by the first block a module changes
+("group" = block index; 0 also holds the embedding, L is the head). Groups are the unit of
+sharding and of checkpoints::
 
     <cache>/sensitivity/<key>/          key = sha256(model, calibration, settings)[:20]
         meta.json                       settings and fingerprints of this key
         groups/0003.json                results of group 3 (atomic; a rerun skips it)
+        estimate.json                   fisher: factors, measured groups, probes
     <run_dir>/
-        sensitivity.json                versioned results (schema below), sorted keys
-        sensitivity.csv                 path, params, kl@bits...
-        sensitivity.png                 heatmap, modules x bits, log10 KL
-
-sensitivity.json: {"version": 1, "kind": "mlxbun.sensitivity", "metric": ..., "method",
-"bits", "group_size", "mode", "model": {fingerprint, model_type, num_layers, quantized},
-"calibration": {fingerprint, source, samples, seq_len, seed, stream_tokens}, "all_layers": [...],
-"layers": [{"path", "group", "in_features", "out_features", "params", "current", "kl": {"4": ..}}],
-"shard": null | {"index", "count", "groups"}}.
+        sensitivity.json, .csv, .png    the results (format: ``sensitivity_file.py``)
 
 Example:
     >>> doc = sensitivity(model_dir="tests/fixtures/llama-text-3m", out_dir="out", work_dir="work")
@@ -51,9 +27,7 @@ Example:
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import json
 import logging
 import time
@@ -61,17 +35,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from mlxbun import blas
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, dumps_json
-from mlxbun.io.dtypes import OUTPUT_NAMES
-from mlxbun.io.safetensors import open_model, read_config
-from mlxbun.kl import kl_from_stats, ref_stats
+from mlxbun.fingerprint import model_fingerprint
+from mlxbun.io.atomic import atomic_write_json, dumps_json
+from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
+from mlxbun.quant import fisher
 from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.exact import Sweep, group_cost
+from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
+from mlxbun.quant.sensitivity_file import SCHEMA_VERSION, document, write_reports
 from mlxbun.quant.sensitivity_ref import reference_sweep
 from mlxbun.quant.spec import QuantSpec, spec_for
 from mlxbun.source import expand
@@ -79,361 +54,13 @@ from mlxbun.source import model_dir as source_dir
 
 log = logging.getLogger("mlxbun.sensitivity")
 
-SCHEMA_VERSION = 1
-KIND = "mlxbun.sensitivity"
-METRIC = "kl(ref||cur) of float32 logits (float64 softmax), mean over tokens, then over samples"
-# The method's own settings that change the numbers, kept in sensitivity.json (fisher: the last three).
-METHOD_SETTINGS = ("batch_size", "refine", "refine_bits", "estimator")
-
-
-@dataclass(frozen=True)
-class Target:
-    """One quantizable module: where its probe starts and what its source weight is."""
-
-    path: str
-    group: int  # first block whose input it changes: 0 (also the embedding) .. L (head only)
-    in_features: int
-    out_features: int
-    dtype: str  # the source dtype candidates are quantized from
-    current: dict | None  # {"bits", "group_size", "mode"} when the source is already quantized
-
-    def row(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "group": self.group,
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "params": self.in_features * self.out_features,
-            "current": self.current,
-        }
-
-
-# ---------------------------------------------------------------- model
-
 
 def candidates(bits: list[int], *, group_size: int | None, mode: str) -> list[QuantSpec]:
     """The candidate settings, checked against what MLX's quantize supports for ``mode``."""
     return [spec_for(mode, b, group_size, key="sensitivity") for b in sorted(set(bits))]
 
 
-def find_blocks(model: Any) -> tuple[Any, str]:
-    """The module holding the transformer block list (``model.model.layers`` for llama)."""
-    import mlx.nn as nn
-
-    best = None
-    for path, mod in model.named_modules():
-        layers = mod.get("layers") if isinstance(mod, dict) else None
-        if isinstance(layers, list) and layers and all(isinstance(x, nn.Module) for x in layers):
-            if best is None or path.count(".") < best[0].count("."):
-                best = (path, mod)
-    if best is None:
-        raise InputError(f"model class {type(model).__name__} has no block list 'layers'; cannot probe")
-    return best[1], best[0]
-
-
-def load_model(model_dir: str | Path) -> tuple[Any, Any, dict[str, dict]]:
-    """mlx-lm model (float32, dequantized) + tokenizer + each quantized module's original setting."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx_lm.utils import dequantize_model, load
-
-    read_config(Path(model_dir))  # a broken config.json: the one reader's line, not mlx-lm's
-    try:
-        model, tokenizer = load(str(model_dir))
-    except (FileNotFoundError, ValueError) as e:
-        raise InputError(f"model.name={str(model_dir)!r} cannot be loaded by mlx_lm: {e}") from None
-    current, dtypes = {}, {}
-    for path, mod in model.named_modules():
-        if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            current[path] = {"bits": mod.bits, "group_size": mod.group_size, "mode": mod.mode}
-            dtypes[path] = mod.scales.dtype if mod.mode == "affine" else mx.bfloat16
-    # Dequantized weights come out in the scales' dtype: that is the candidates' source.
-    model = dequantize_model(model)
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    model.eval()
-    names = {path: str(dt).split(".")[-1] for path, dt in dtypes.items()}
-    return model, tokenizer, {"current": current, "dtypes": names}
-
-
-def targets(model: Any, *, group_size: int, source: dict[str, dict], dtypes: dict[str, str]) -> list[Target]:
-    """Quantizable modules in model order, with mlx-lm's predicate (and the model's own)."""
-    owner, owner_path = find_blocks(model)
-    n = len(owner["layers"])
-    prefix = f"{owner_path}.layers." if owner_path else "layers."
-    pred = getattr(model, "quant_predicate", None)
-    out = []
-    for path, mod in model.named_modules():
-        if not hasattr(mod, "to_quantized") or "weight" not in mod:
-            continue
-        if mod.weight.shape[-1] % group_size or (pred is not None and not pred(path, mod)):
-            continue
-        out.append(
-            Target(
-                path=path,
-                group=block_of(path, prefix=prefix, n_blocks=n),
-                in_features=int(mod.weight.shape[-1]),
-                out_features=int(mod.weight.shape[0]),
-                dtype=dtypes.get(path, "bfloat16"),
-                current=source["current"].get(path),
-            )
-        )
-    return sorted(out, key=lambda t: (t.group, t.path != "lm_head", _natural(t.path)))
-
-
-def block_of(path: str, *, prefix: str, n_blocks: int) -> int:
-    """The first block a change of ``path`` runs: its own block, ``n_blocks`` for the head."""
-    if path.startswith(prefix):
-        return int(path[len(prefix) :].split(".")[0])
-    if path == "lm_head" or path.endswith(".lm_head"):
-        return n_blocks
-    return 0  # embeddings and anything outside the blocks: a full forward is always exact
-
-
-def _natural(path: str) -> list:
-    return [int(p) if p.isdigit() else p for p in path.split(".")]
-
-
-def source_dtypes(model_dir: str | Path) -> dict[str, str]:
-    """Each module's stored weight dtype (bf16 source) from the safetensors headers."""
-
-    md = open_model(Path(model_dir))
-    out = {}
-    for name in md.names():
-        if name.endswith(".weight"):
-            out[name[: -len(".weight")]] = OUTPUT_NAMES.get(md.info(name).dtype, "bfloat16")
-    return out
-
-
-FAKE_QUANT_CHUNK = 1 << 22  # weights quantized at once: bounds the temporaries of a large embedding
-
-
-def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str) -> Any:
-    """quantize -> dequantize of ``weight`` cast to its source dtype, returned as float32.
-
-    Large weights go in slices of rows (quantization groups never cross a row: the same values),
-    each evaluated before the next, so the temporaries stay near ``FAKE_QUANT_CHUNK`` weights."""
-    import mlx.core as mx
-
-    rows = max(1, FAKE_QUANT_CHUNK // max(1, weight.size // max(1, weight.shape[0])))
-    if weight.shape[0] <= rows:
-        return _fake_quant(weight, cand, dtype)
-    parts = []
-    for lo in range(0, weight.shape[0], rows):
-        parts.append(_fake_quant(weight[lo : lo + rows], cand, dtype))
-        mx.eval(parts[-1])
-    return mx.concatenate(parts)
-
-
-def _fake_quant(weight: Any, cand: QuantSpec, dtype: str) -> Any:
-    import mlx.core as mx
-
-    src = weight.astype(getattr(mx, dtype))
-    parts = mx.quantize(src, group_size=cand.group_size, bits=cand.bits, mode=cand.mode)
-    biases = parts[2] if len(parts) > 2 else None
-    deq = mx.dequantize(
-        parts[0], parts[1], biases, group_size=cand.group_size, bits=cand.bits, mode=cand.mode
-    )
-    return deq.astype(mx.float32)
-
-
-def module_at(model: Any, path: str) -> Any:
-    mod = model
-    for part in path.split("."):
-        mod = mod[int(part)] if isinstance(mod, list) else getattr(mod, part)
-    return mod
-
-
-# ---------------------------------------------------------------- partial forwards
-
-
-class _Skip:
-    """Stands in for a block before the start: passes its input through (attributes delegate)."""
-
-    def __init__(self, layer: Any) -> None:
-        self._layer = layer
-
-    def __getattr__(self, key: str) -> Any:
-        return getattr(self._layer, key)
-
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
-
-
-class _Inject(_Skip):
-    """The block just before the start: returns the stored hidden state."""
-
-    def __init__(self, layer: Any, h: Any) -> None:
-        super().__init__(layer)
-        self._h = h
-
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return self._h
-
-
-class _Halt(Exception):
-    def __init__(self, h: Any) -> None:
-        self.h = h
-
-
-class _Stop(_Skip):
-    """The last block to run: runs it, then stops the forward with its output."""
-
-    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        raise _Halt(self._layer(x, *args, **kwargs))
-
-
-class Stack:
-    """Runs mlx-lm's own forward over a slice of the blocks.
-
-    ``forward(tokens, start=i, h=h_i)`` runs blocks i..L (+ norm and head) on the hidden state
-    ``h_i`` entering block i; ``stop=j`` instead returns the hidden state entering block j.
-    """
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.owner, _ = find_blocks(model)
-        self.blocks = list(self.owner["layers"])
-        self.n = len(self.blocks)
-
-    def forward(self, tokens: Any, *, start: int = 0, h: Any = None, stop: int | None = None) -> Any:
-        layers = list(self.blocks)
-        if start > 0:
-            layers[: start - 1] = [_Skip(b) for b in self.blocks[: start - 1]]
-            layers[start - 1] = _Inject(self.blocks[start - 1], h)
-        if stop is not None:
-            layers[stop - 1] = _Stop(self.blocks[stop - 1])
-        self.owner["layers"] = layers
-        try:
-            return self.model(tokens)
-        except _Halt as e:
-            return e.h
-        finally:
-            self.owner["layers"] = self.blocks
-
-
-# ---------------------------------------------------------------- fast sweep
-
-
-class Sweep:
-    """The fast exact sweep over groups; results go to ``on_group(group, {path: {bits: kl}})``.
-
-    Probe forwards are built lazily and queued with ``mx.async_eval`` one ahead, so MLX computes
-    the next probe while numpy scores the previous one (KL in float64 runs on the CPU too).
-    """
-
-    def __init__(self, model: Any, tokens: Any, *, batch_size: int, ref_cache_mb: float = 1024) -> None:
-        import mlx.core as mx
-
-        self.stack = Stack(model)
-        self.model = model
-        n = tokens.shape[0]
-        self.batches = [mx.array(tokens[i : i + batch_size]) for i in range(0, n, batch_size)]
-        self.n_samples = n
-        self.h_last = [self._eval(self.stack.forward(b, stop=self.stack.n)) for b in self.batches]
-        self.ref_cache_mb = ref_cache_mb
-        self._ref: list | None = None
-
-    @staticmethod
-    def _eval(x: Any) -> Any:
-        import mlx.core as mx
-
-        mx.eval(x)
-        return x
-
-    def ref_logits(self, j: int) -> Any:
-        """Reference logits of batch j (lazy; built with the weights in place now)."""
-        return self.stack.forward(self.batches[j], start=self.stack.n, h=self.h_last[j])
-
-    def cache_refs(self) -> None:
-        """Keep every batch's reference statistics when they fit ``ref_cache_mb``."""
-        first = ref_stats(self.ref_logits(0))
-        if first[0].nbytes * len(self.batches) <= self.ref_cache_mb * (1 << 20):
-            self._ref = [first] + [ref_stats(self.ref_logits(k)) for k in range(1, len(self.batches))]
-
-    def advance(self, hs: list | None, frm: int, to: int) -> list | None:
-        """Hidden states entering block ``to`` from those entering block ``frm`` (None = tokens)."""
-        if to == 0:
-            return None
-        if to == self.stack.n:
-            return self.h_last
-        if frm == to:
-            return hs
-        return [
-            self._eval(self.stack.forward(b, start=frm, h=None if hs is None else hs[j], stop=to))
-            for j, b in enumerate(self.batches)
-        ]
-
-    def probe_graphs(self, g: int, target: Target, cand: QuantSpec, hs: list | None):
-        """Lazy (logits, ref logits or None) per batch with ``target`` fake-quantized; weight restored."""
-        import mlx.core as mx
-
-        mod = module_at(self.model, target.path)
-        original = mod.weight
-        quantized = fake_quant(original, cand, dtype=target.dtype)
-        for j, b in enumerate(self.batches):
-            ref = None if self._ref is not None else self.ref_logits(j)
-            mod.weight = quantized  # the graph keeps this array; swapping back does not change it
-            try:
-                logits = self.stack.forward(b, start=g, h=None if hs is None else hs[j])
-            finally:
-                mod.weight = original
-            mx.async_eval(logits if ref is None else [logits, ref])
-            yield j, logits, ref
-
-    def jobs(self, groups: dict[int, list[Target]], cands: list[QuantSpec]):
-        """Every probe in order, then ("done", g) after the last probe of group g."""
-        hs, at = None, 0
-        for g in sorted(groups):
-            hs, at = self.advance(hs, at, g), g
-            for t in groups[g]:
-                for c in cands:
-                    if c.matches(t.current):
-                        yield "zero", g, t, c, None
-                        continue
-                    for job in self.probe_graphs(g, t, c, hs):
-                        yield "probe", g, t, c, job
-            yield "done", g, None, None, None
-
-    def run(
-        self, groups: dict[int, list[Target]], cands: list[QuantSpec], *, on_group, progress=None
-    ) -> None:
-        self.cache_refs()
-        self.n_cands = len(cands)
-        totals: dict[int, dict[str, dict[str, float]]] = {}
-        pending = None
-        for job in self.jobs(groups, cands):
-            if pending is not None:
-                self._consume(pending, totals, groups, on_group, progress)
-            pending = job  # the job just queued computes while the previous one is scored
-        if pending is not None:
-            self._consume(pending, totals, groups, on_group, progress)
-
-    def _consume(self, job: tuple, totals: dict, groups: dict, on_group, progress) -> None:
-        kind, g, t, c, payload = job
-        if kind == "done":
-            results = {
-                p: {b: v / self.n_samples for b, v in kl.items()} for p, kl in totals.pop(g, {}).items()
-            }
-            on_group(g, results)
-            return
-        acc = totals.setdefault(g, {}).setdefault(t.path, {})
-        acc.setdefault(str(c.bits), 0.0)
-        if progress is not None:  # a module counts once all its probes are in; work = blocks run
-            share = 1.0 / (self.n_cands * (len(self.batches) if kind == "probe" else 1))
-            progress.update(share, work=share * self.n_cands * (self.stack.n - g + 1))
-        if kind == "probe":
-            j, logits, ref = payload
-            stats = self._ref[j] if ref is None else ref_stats(ref)
-            for v in kl_from_stats(stats, logits).tolist():  # sample order, as the reference sums
-                acc[str(c.bits)] += v
-
-
 # ---------------------------------------------------------------- sharding and checkpoints
-
-
-def group_cost(g: int, targets_in: list[Target], n_blocks: int, n_cands: int) -> int:
-    return len(targets_in) * n_cands * (n_blocks - g + 1)
 
 
 def assign_groups(
@@ -448,27 +75,6 @@ def assign_groups(
         shards[i].append(g)
         loads[i] += group_cost(g, groups[g], n_blocks, n_cands)
     return [sorted(s) for s in shards]
-
-
-def model_fingerprint(model_dir: str | Path, *, samples: int = 16, chunk: int = 1 << 16) -> str:
-    """sha256 over config.json, every safetensors header and sampled data chunks (fast on 50 GB)."""
-    root = Path(model_dir)
-    h = hashlib.sha256()
-    for f in sorted(root.glob("*.safetensors")) + [root / "config.json"]:
-        if not f.is_file():
-            continue
-        h.update(f.name.encode() + b"\0")
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            if f.suffix != ".safetensors" or size <= samples * chunk:
-                h.update(fh.read())
-                continue
-            n = int.from_bytes(fh.read(8), "little")
-            h.update(size.to_bytes(8, "little") + fh.read(n))
-            for k in range(samples):
-                fh.seek(8 + n + (size - 8 - n - chunk) * k // max(samples - 1, 1))
-                h.update(fh.read(chunk))
-    return h.hexdigest()
 
 
 class Checkpoints:
@@ -497,77 +103,6 @@ class Checkpoints:
 
     def save(self, g: int, layers: dict) -> None:
         atomic_write_json(self.path(g), {"group": g, "layers": layers})
-
-
-# ---------------------------------------------------------------- result document and reports
-
-
-def document(
-    *, tgts: list[Target], kls: dict[str, dict], settings: dict[str, Any], shard: dict | None
-) -> dict[str, Any]:
-    """The sensitivity.json document for the targets whose results are in ``kls``."""
-    layers = [t.row() | {"kl": kls[t.path]} for t in tgts if t.path in kls]
-    return {
-        "version": SCHEMA_VERSION,
-        "kind": KIND,
-        "metric": METRIC,
-        "method": settings["method"],
-        "bits": settings["bits"],
-        "group_size": settings["group_size"],
-        "mode": settings["mode"],
-        "model": settings["model"],
-        "calibration": settings["calibration"],
-        "runtime": settings["runtime"],
-        **{k: settings[k] for k in METHOD_SETTINGS if k in settings},
-        "all_layers": [t.path for t in tgts],
-        "layers": layers,
-        "shard": shard,
-    }
-
-
-def write_reports(doc: dict[str, Any], out_dir: Path) -> list[Path]:
-    """sensitivity.json, .csv and .png in ``out_dir`` (each written atomically)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = [out_dir / "sensitivity.json", out_dir / "sensitivity.csv", out_dir / "sensitivity.png"]
-    atomic_write_json(paths[0], doc)
-    atomic_write_bytes(paths[1], to_csv(doc).encode())
-    atomic_write_bytes(paths[2], heatmap_png(doc))
-    return paths
-
-
-def to_csv(doc: dict[str, Any]) -> str:
-    buf = io.StringIO()
-    w = csv.writer(buf, lineterminator="\n")
-    w.writerow(["path", "group", "in_features", "out_features", "params"] + [f"kl_{b}" for b in doc["bits"]])
-    for r in doc["layers"]:
-        kl = [repr(r["kl"][str(b)]) for b in doc["bits"]]
-        w.writerow([r["path"], r["group"], r["in_features"], r["out_features"], r["params"], *kl])
-    return buf.getvalue()
-
-
-def heatmap_png(doc: dict[str, Any]) -> bytes:
-    """Modules x bits heatmap of log10 KL (zeros masked), deterministic PNG bytes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    rows = doc["layers"]
-    data = np.array([[r["kl"][str(b)] for b in doc["bits"]] for r in rows], dtype=np.float64).reshape(
-        len(rows), len(doc["bits"])
-    )
-    shown = np.ma.masked_less_equal(data, 0.0)
-    fig, ax = plt.subplots(figsize=(2.5 + 0.9 * len(doc["bits"]), 1.5 + 0.16 * max(len(rows), 1)))
-    im = ax.imshow(np.ma.log10(shown), aspect="auto", cmap="viridis", interpolation="nearest")
-    ax.set_xticks(range(len(doc["bits"])), [f"{b}-bit" for b in doc["bits"]])
-    ax.set_yticks(range(len(rows)), [r["path"] for r in rows], fontsize=6)
-    ax.set_title(f"log10 KL, {doc['mode']} g{doc['group_size']}", fontsize=9)
-    fig.colorbar(im, ax=ax)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
 
 
 # ---------------------------------------------------------------- library entry point
@@ -624,7 +159,7 @@ def prepare(
         **(_fisher_settings(refine, refine_bits) if method == "fisher" else {}),
         "runtime": runtime(),
         "model": {
-            "fingerprint": model_fingerprint(model_dir),
+            "fingerprint": model_fingerprint(model_dir, depth="sampled"),
             "model_type": getattr(model, "model_type", None) or _config(model_dir).get("model_type"),
             "num_layers": n_blocks,
             "quantized": bool(source["current"]),
@@ -635,9 +170,7 @@ def prepare(
 
 
 def _fisher_settings(refine: float, refine_bits: list[int] | None) -> dict[str, Any]:
-    from mlxbun.quant.fisher import VERSION  # deferred: fisher.py builds on this module
-
-    return {"refine": refine, "refine_bits": sorted(refine_bits or []), "estimator": VERSION}
+    return {"refine": refine, "refine_bits": sorted(refine_bits or []), "estimator": fisher.VERSION}
 
 
 def _config(model_dir: str | Path) -> dict:
@@ -679,7 +212,7 @@ def sensitivity(
         bits, group_size, mode: the candidates (``mode`` as in ``mx.quantize``).
         calib_path, samples, seq_len, seed: calibration (see ``mlxbun.quant.calib``).
         method: "fisher" (``fisher.py``: estimated from one backward pass, the default),
-            "exact" (this module) or "reference" (``sensitivity_ref``: one full forward per
+            "exact" (``exact.py``) or "reference" (``sensitivity_ref``: one full forward per
             sample and probe; slow, for checking).
         batch_size: samples per forward (fisher, exact).
         refine, refine_bits: fisher only: the fraction of modules (largest first) probed exactly on
@@ -767,8 +300,6 @@ def _compute(
         if method == "reference":
             reference_sweep(s.model, s.tokens, todo, s.cands, on_group=on_group, progress=progress)
         else:
-            from mlxbun.quant.fisher import timed_forward  # deferred: fisher.py imports this module
-
             # work is counted in blocks run per module and candidate: (n_blocks + 1) make one forward
             per_batch = timed_forward(s.model, s.tokens, batch_size)
             n_batches = -(-len(s.tokens) // batch_size)
@@ -782,12 +313,11 @@ def _compute(
 
 def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_dir: Path) -> dict[str, Any]:
     """The fisher estimate over all targets (its calibration is whole-model); todo's groups saved."""
-    from mlxbun.quant.fisher import estimate  # deferred: fisher.py builds on this module's Sweep
 
     def at(fraction: float) -> None:
         progress.update(fraction * progress.total - progress.done, work=fraction - progress.work)
 
-    est = estimate(
+    est = fisher.estimate(
         s.model, s.tokens, s.targets, s.cands, batch_size=batch_size, seed=s.settings["calibration"]["seed"],
         refine=s.settings["refine"], refine_bits=s.settings["refine_bits"], progress=at, hint=progress.hint,
     )  # fmt: skip

@@ -19,29 +19,11 @@ Example:
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.quant.sensitivity import KIND, METHOD_SETTINGS, SCHEMA_VERSION, write_reports
-from mlxbun.quant.spec import check_sensitivity
-
-SAME = (
-    "version",
-    "kind",
-    "metric",
-    "method",
-    "bits",
-    "group_size",
-    "mode",
-    "model",
-    "calibration",
-    "runtime",
-    *METHOD_SETTINGS,
-    "estimate",
-    "all_layers",
-)
+from mlxbun.quant.sensitivity_file import combine_shards, read_shard, write_reports
 
 
 def find_files(inputs: list[str]) -> list[Path]:
@@ -68,59 +50,11 @@ def _natural(name: str) -> tuple:
     return (0, int(name)) if name.isdigit() else (1, name)
 
 
-def read(path: Path) -> dict[str, Any]:
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"sensitivity.inputs: {str(path)!r} is not readable JSON ({e})") from None
-    if doc.get("kind") != KIND or doc.get("version") != SCHEMA_VERSION:
-        raise InputError(
-            f"sensitivity.inputs: {str(path)!r} is not a version-{SCHEMA_VERSION} sensitivity.json"
-            f" (kind={doc.get('kind')!r}, version={doc.get('version')!r})"
-        )
-    check_sensitivity(doc, source=f"sensitivity.inputs: {str(path)!r}")
-    return doc
-
-
-def combine(docs: list[dict[str, Any]], names: list[str]) -> dict[str, Any]:
-    """The merged document; raises InputError on mismatched settings, overlaps or gaps."""
-    first = docs[0]
-    for doc, name in zip(docs[1:], names[1:], strict=True):
-        for key in SAME:
-            if doc.get(key) != first.get(key):
-                lacking = [n for d, n in ((first, names[0]), (doc, name)) if key not in d]
-                why = (
-                    f"{lacking[0]!r} does not record it (written before {key!r} was recorded); rerun that shard"
-                    if len(lacking) == 1
-                    else "merge only shards of one sweep (same model, calibration and settings)"
-                )
-                raise InputError(f"sensitivity.inputs: {name!r} differs from {names[0]!r} in {key!r}; {why}")
-    rows: dict[str, dict] = {}
-    for doc, name in zip(docs, names, strict=True):
-        for row in doc["layers"]:
-            if row["path"] in rows and rows[row["path"]] != row:
-                raise InputError(
-                    f"sensitivity.inputs: {name!r} disagrees on {row['path']!r} with another shard"
-                )
-            rows[row["path"]] = row
-    missing = [p for p in first["all_layers"] if p not in rows]
-    if missing:
-        counts = sorted({(d["shard"] or {}).get("count") for d in docs}, key=str)
-        raise InputError(
-            f"sensitivity.inputs cover {len(rows)} of {len(first['all_layers'])} modules "
-            f"(missing {missing[0]!r} and {len(missing) - 1} more); pass every shard (num_shards={counts})"
-        )
-    merged = {k: first[k] for k in first if k not in ("layers", "shard")}
-    merged["layers"] = [rows[p] for p in first["all_layers"]]
-    merged["shard"] = None
-    return merged
-
-
 def merge(*, inputs: list[str], out_dir: str | Path) -> tuple[dict[str, Any], list[Path], list[Path]]:
     """Merge the shard results named by ``inputs`` into ``out_dir``; (document, inputs, outputs)."""
     files = find_files(inputs)
-    docs = [read(f) for f in files]
-    merged = combine(docs, [str(f) for f in files])
+    docs = [read_shard(f) for f in files]
+    merged = combine_shards(docs, [str(f) for f in files])
     outputs = write_reports(merged, Path(out_dir))
     return merged, files, outputs
 

@@ -21,12 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 from mlxbun.kl import kl
+from mlxbun.quant.probe import fake_quant, module_at
 
 
 def _score(model: Any, samples: list, ref: list, target: Any, cand: Any) -> float:
     import mlx.core as mx
-
-    from mlxbun.quant.sensitivity import fake_quant, module_at
 
     if cand.matches(target.current):
         return 0.0

@@ -36,10 +36,8 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
 import functools
 import json
-import math
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -222,80 +220,6 @@ def check_budget(budget_bpw: float | None, budget_bytes: int | None, *, required
             "allocate.budget_bpw and allocate.budget_bytes are both unset; set exactly one"
             " (e.g. allocate.budget_bpw=4.5)"
         )
-
-
-# ------------------------------------------------------------------------------- sensitivity.json
-
-# A measured KL may round a hair below zero; anything lower is not a KL.
-KL_TOLERANCE = 1e-9
-
-
-def check_sensitivity(doc: Mapping[str, Any], *, source: str) -> None:
-    """Refuse a sensitivity.json whose setting (mode, bits, group size) MLX does not have, or a
-    module whose KL is not a finite number >= 0 (NaN, Inf, negative): a plan would be built on it.
-    Errors name ``source`` (the key and file), the module and the value."""
-    mode, group = doc.get("mode", "affine"), doc.get("group_size")
-    bits = doc.get("bits") if isinstance(doc.get("bits"), list) else []
-    for b in bits or [None]:
-        _check_setting(mode, b, group, source=source)
-    layers = doc.get("layers")
-    for row in layers.values() if isinstance(layers, Mapping) else layers or ():
-        if not isinstance(row, Mapping):
-            continue  # the reader says what is wrong with its structure
-        for b, value in dict(row.get("kl") or {}).items():
-            _check_setting(mode, _as_bits(b, source=source), group, source=source)
-            if value is not None and not (
-                isinstance(value, (int, float)) and math.isfinite(value) and value >= -KL_TOLERANCE
-            ):
-                raise InputError(
-                    f"{source}: module {row.get('path')!r} has kl[{b!r}]={value!r}; a KL is a finite"
-                    " number >= 0 (remeasure with command=sensitivity)"
-                )
-
-
-def _as_bits(text: Any, *, source: str) -> int:
-    if not str(text).isdigit():
-        raise InputError(f"{source}: kl key {text!r} is not a bit width; choose one of {_choices(ALL_BITS)}")
-    return int(text)
-
-
-def _check_setting(mode: Any, bits: Any, group: Any, *, source: str) -> None:
-    try:
-        spec_for(mode, bits, group, key="sensitivity")
-    except InputError as e:
-        raise InputError(f"{source}: {e}") from None
-
-
-# ------------------------------------------------------------------------------- allocate.protect
-
-
-@dataclass(frozen=True)
-class Rule:
-    """``pattern:min_bits``: matching modules get at least ``min_bits``.
-
-    ``pattern`` is a glob over the module path when it has ``*?[``, else a run of whole dotted
-    components (``lm_head``, ``down_proj``, ``layers.0.mlp``); the components ``first`` and
-    ``last`` stand for the first and last block index.
-    """
-
-    pattern: str
-    min_bits: int
-
-    @classmethod
-    def parse(cls, text: str) -> Rule:
-        pattern, sep, bits = str(text).rpartition(":")
-        if not sep or not pattern or not bits.strip().isdigit():
-            raise InputError(
-                f"allocate.protect entry {text!r} is not PATTERN:BITS; e.g. lm_head:6 or layers.first.mlp.down_proj:6"
-            )
-        return cls(pattern.strip(), int(bits))
-
-    def matches(self, path: str, *, n_blocks: int) -> bool:
-        parts = [{"first": "0", "last": str(max(n_blocks - 1, 0))}.get(c, c) for c in self.pattern.split(".")]
-        pattern = ".".join(parts)
-        if any(ch in pattern for ch in "*?["):
-            return fnmatch.fnmatchcase(path, pattern)
-        return f".{pattern}." in f".{path}."
 
 
 # ------------------------------------------------------------------------------- plan.json

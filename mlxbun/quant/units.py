@@ -51,7 +51,7 @@ def stream(units: list[Unit], convert: Any, *, threads: int) -> Iterator[tuple[U
     """Convert units on ``threads`` workers, yielding results in order; at most threads+1 in flight.
 
     ``convert``: called with a unit on a worker, returns its (name, array) results; its
-    ``prefetch(unit)`` runs on this thread first (see :class:`mlxbun.quantize.Converter`).
+    ``prefetch(unit)`` runs on this thread first (see :class:`mlxbun.quant.convert.Converter`).
     """
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="quantize") as pool:
         todo = iter(units)

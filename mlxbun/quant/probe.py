@@ -1,0 +1,297 @@
+"""The model under probe: loading it, its quantizable modules, its blocks, fake quantization.
+
+The ground floor every sensitivity estimator (``exact``, ``fisher``, ``sensitivity_ref``) and
+the allocator's interaction rounds build on:
+
+- ``load_model``: an mlx-lm model in float32 (a quantized source dequantized) and, per module,
+  its original setting and source dtype; ``targets``: its quantizable modules as ``Target``s;
+- ``fake_quant``: quantize -> dequantize of a weight at a candidate, in its source dtype;
+- ``Stack``: mlx-lm's own forward over a slice of the blocks (start from a stored hidden state,
+  or stop before a block);
+- ``Spill``: arrays kept by name in a temporary directory or in memory;
+- ``timed_forward``: the seconds of one forward, for duration estimates.
+
+Example:
+    >>> model, tokenizer, source = load_model("tests/fixtures/llama-text-3m")
+    >>> tgts = targets(model, group_size=64, source=source, dtypes=source_dtypes(d) | source["dtypes"])
+    >>> Stack(model).forward(tokens, stop=1)  # the hidden state entering block 1
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxbun.errors import InputError
+from mlxbun.io.dtypes import OUTPUT_NAMES
+from mlxbun.io.safetensors import open_model, read_config
+from mlxbun.io.staging import ScratchDir
+from mlxbun.quant.spec import QuantSpec
+
+
+@dataclass(frozen=True)
+class Target:
+    """One quantizable module: where its probe starts and what its source weight is."""
+
+    path: str
+    group: int  # first block whose input it changes: 0 (also the embedding) .. L (head only)
+    in_features: int
+    out_features: int
+    dtype: str  # the source dtype candidates are quantized from
+    current: dict | None  # {"bits", "group_size", "mode"} when the source is already quantized
+
+
+def find_blocks(model: Any) -> tuple[Any, str]:
+    """The module holding the transformer block list (``model.model.layers`` for llama)."""
+    import mlx.nn as nn
+
+    best = None
+    for path, mod in model.named_modules():
+        layers = mod.get("layers") if isinstance(mod, dict) else None
+        if isinstance(layers, list) and layers and all(isinstance(x, nn.Module) for x in layers):
+            if best is None or path.count(".") < best[0].count("."):
+                best = (path, mod)
+    if best is None:
+        raise InputError(f"model class {type(model).__name__} has no block list 'layers'; cannot probe")
+    return best[1], best[0]
+
+
+def load_model(model_dir: str | Path) -> tuple[Any, Any, dict[str, dict]]:
+    """mlx-lm model (float32, dequantized) + tokenizer + each quantized module's original setting."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.utils import dequantize_model, load
+
+    read_config(Path(model_dir))  # a broken config.json: the one reader's line, not mlx-lm's
+    try:
+        model, tokenizer = load(str(model_dir))
+    except (FileNotFoundError, ValueError) as e:
+        raise InputError(f"model.name={str(model_dir)!r} cannot be loaded by mlx_lm: {e}") from None
+    current, dtypes = {}, {}
+    for path, mod in model.named_modules():
+        if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            current[path] = {"bits": mod.bits, "group_size": mod.group_size, "mode": mod.mode}
+            dtypes[path] = mod.scales.dtype if mod.mode == "affine" else mx.bfloat16
+    # Dequantized weights come out in the scales' dtype: that is the candidates' source.
+    model = dequantize_model(model)
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    model.eval()
+    names = {path: str(dt).split(".")[-1] for path, dt in dtypes.items()}
+    return model, tokenizer, {"current": current, "dtypes": names}
+
+
+def targets(model: Any, *, group_size: int, source: dict[str, dict], dtypes: dict[str, str]) -> list[Target]:
+    """Quantizable modules in model order, with mlx-lm's predicate (and the model's own)."""
+    owner, owner_path = find_blocks(model)
+    n = len(owner["layers"])
+    prefix = f"{owner_path}.layers." if owner_path else "layers."
+    pred = getattr(model, "quant_predicate", None)
+    out = []
+    for path, mod in model.named_modules():
+        if not hasattr(mod, "to_quantized") or "weight" not in mod:
+            continue
+        if mod.weight.shape[-1] % group_size or (pred is not None and not pred(path, mod)):
+            continue
+        out.append(
+            Target(
+                path=path,
+                group=block_of(path, prefix=prefix, n_blocks=n),
+                in_features=int(mod.weight.shape[-1]),
+                out_features=int(mod.weight.shape[0]),
+                dtype=dtypes.get(path, "bfloat16"),
+                current=source["current"].get(path),
+            )
+        )
+    return sorted(out, key=lambda t: (t.group, t.path != "lm_head", _natural(t.path)))
+
+
+def block_of(path: str, *, prefix: str, n_blocks: int) -> int:
+    """The first block a change of ``path`` runs: its own block, ``n_blocks`` for the head."""
+    if path.startswith(prefix):
+        return int(path[len(prefix) :].split(".")[0])
+    if path == "lm_head" or path.endswith(".lm_head"):
+        return n_blocks
+    return 0  # embeddings and anything outside the blocks: a full forward is always exact
+
+
+def _natural(path: str) -> list:
+    return [int(p) if p.isdigit() else p for p in path.split(".")]
+
+
+def source_dtypes(model_dir: str | Path) -> dict[str, str]:
+    """Each module's stored weight dtype (bf16 source) from the safetensors headers."""
+
+    md = open_model(Path(model_dir))
+    out = {}
+    for name in md.names():
+        if name.endswith(".weight"):
+            out[name[: -len(".weight")]] = OUTPUT_NAMES.get(md.info(name).dtype, "bfloat16")
+    return out
+
+
+FAKE_QUANT_CHUNK = 1 << 22  # weights quantized at once: bounds the temporaries of a large embedding
+
+
+def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str) -> Any:
+    """quantize -> dequantize of ``weight`` cast to its source dtype, returned as float32.
+
+    Large weights go in slices of rows (quantization groups never cross a row: the same values),
+    each evaluated before the next, so the temporaries stay near ``FAKE_QUANT_CHUNK`` weights."""
+    import mlx.core as mx
+
+    rows = max(1, FAKE_QUANT_CHUNK // max(1, weight.size // max(1, weight.shape[0])))
+    if weight.shape[0] <= rows:
+        return _fake_quant(weight, cand, dtype)
+    parts = []
+    for lo in range(0, weight.shape[0], rows):
+        parts.append(_fake_quant(weight[lo : lo + rows], cand, dtype))
+        mx.eval(parts[-1])
+    return mx.concatenate(parts)
+
+
+def _fake_quant(weight: Any, cand: QuantSpec, dtype: str) -> Any:
+    import mlx.core as mx
+
+    src = weight.astype(getattr(mx, dtype))
+    parts = mx.quantize(src, group_size=cand.group_size, bits=cand.bits, mode=cand.mode)
+    biases = parts[2] if len(parts) > 2 else None
+    deq = mx.dequantize(
+        parts[0], parts[1], biases, group_size=cand.group_size, bits=cand.bits, mode=cand.mode
+    )
+    return deq.astype(mx.float32)
+
+
+def module_at(model: Any, path: str) -> Any:
+    mod = model
+    for part in path.split("."):
+        mod = mod[int(part)] if isinstance(mod, list) else getattr(mod, part)
+    return mod
+
+
+# ---------------------------------------------------------------- partial forwards
+
+
+class _Skip:
+    """Stands in for a block before the start: passes its input through (attributes delegate)."""
+
+    def __init__(self, layer: Any) -> None:
+        self._layer = layer
+
+    def __getattr__(self, key: str) -> Any:
+        return getattr(self._layer, key)
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x
+
+
+class _Inject(_Skip):
+    """The block just before the start: returns the stored hidden state."""
+
+    def __init__(self, layer: Any, h: Any) -> None:
+        super().__init__(layer)
+        self._h = h
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._h
+
+
+class _Halt(Exception):
+    def __init__(self, h: Any) -> None:
+        self.h = h
+
+
+class _Stop(_Skip):
+    """The last block to run: runs it, then stops the forward with its output."""
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        raise _Halt(self._layer(x, *args, **kwargs))
+
+
+class Stack:
+    """Runs mlx-lm's own forward over a slice of the blocks.
+
+    ``forward(tokens, start=i, h=h_i)`` runs blocks i..L (+ norm and head) on the hidden state
+    ``h_i`` entering block i; ``stop=j`` instead returns the hidden state entering block j.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.owner, _ = find_blocks(model)
+        self.blocks = list(self.owner["layers"])
+        self.n = len(self.blocks)
+
+    def forward(self, tokens: Any, *, start: int = 0, h: Any = None, stop: int | None = None) -> Any:
+        layers = list(self.blocks)
+        if start > 0:
+            layers[: start - 1] = [_Skip(b) for b in self.blocks[: start - 1]]
+            layers[start - 1] = _Inject(self.blocks[start - 1], h)
+        if stop is not None:
+            layers[stop - 1] = _Stop(self.blocks[stop - 1])
+        self.owner["layers"] = layers
+        try:
+            return self.model(tokens)
+        except _Halt as e:
+            return e.h
+        finally:
+            self.owner["layers"] = self.blocks
+
+
+class Spill:
+    """Arrays kept in a temporary directory by name (.npy): reference logits, pooled gradients;
+    or in memory (``in_memory``, set before the first ``put``)."""
+
+    def __init__(self) -> None:
+        self._dir = ScratchDir("mlxbun-fisher-")  # a killed run's spill goes at the next one
+        self._names: dict[str, Path | np.ndarray] = {}
+        self._files = 0  # files ever written: a name put again gets a new file, not another's
+        self.in_memory = False
+
+    def put(self, name: str, value: Any) -> int:
+        """Stores ``value`` under ``name``; returns its bytes."""
+        arr = np.array(value)
+        if self.in_memory:
+            self._names[name] = arr
+            return arr.nbytes
+        self._files += 1
+        path = Path(self._dir.name) / f"{self._files}.npy"
+        np.save(path, arr)
+        if isinstance(old := self._names.get(name), Path):
+            old.unlink()
+        self._names[name] = path
+        return arr.nbytes
+
+    def has(self, name: str) -> bool:
+        return name in self._names
+
+    def get(self, name: str, *, mmap: bool = False) -> np.ndarray:
+        """The array stored as ``name`` (``mmap``: a read-only map of a file, not a read)."""
+        kept = self._names[name]
+        if isinstance(kept, np.ndarray):
+            return kept
+        return np.load(kept, mmap_mode="r" if mmap else None)
+
+    def clear(self) -> None:
+        for kept in self._names.values():
+            if isinstance(kept, Path):
+                kept.unlink()
+        self._names = {}
+
+    def close(self) -> None:
+        self._dir.cleanup()
+
+
+def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
+    """Seconds of one forward of a batch, from a forward of its first quarter of tokens (>= 16)."""
+    import mlx.core as mx
+
+    length = tokens.shape[1]
+    part = min(length, max(16, length // 4))
+    x = mx.array(tokens[:batch_size, :part])
+    t0 = time.perf_counter()
+    mx.eval(model(x))
+    return (time.perf_counter() - t0) * length / part
