@@ -25,8 +25,8 @@ from mlxbun.kv.store import Store
 SYSTEM = "You answer in one word. " * 8
 PROMPT = "the quick brown fox jumps over the lazy dog; " * 4
 
-# A sitecustomize.py body: every snapshot save stops after its data is written (a marker file
-# says so) until the process is killed.
+# A sitecustomize.py body: the first snapshot save stops after its data is written (a marker
+# file says so) until the file named by STALL_RELEASE exists (or the process is killed).
 STALL_MID_SAVE = """
 import os, time
 from mlxbun.kv import snapshot
@@ -35,12 +35,30 @@ def stalled(path, layers, base, **kw):
     step = kw.pop("on_step")
     def on_step(name):
         step(name)
-        if name == "tail":
+        if name == "tail" and not os.path.exists(os.environ["STALL_MARKER"]):
             open(os.environ["STALL_MARKER"], "w").close()
-            time.sleep(600)
+            while not os.path.exists(os.environ.get("STALL_RELEASE", "/nonexistent")):
+                time.sleep(0.05)
     return real(path, layers, base, on_step=on_step, **kw)
 snapshot.write_snapshot = stalled
 """
+
+
+def stalling(tmp: Path) -> tuple[dict[str, str], Path, Path]:
+    """Environment for a server whose first save stalls; (env, marker, release file)."""
+    (tmp / "site").mkdir(exist_ok=True)
+    (tmp / "site" / "sitecustomize.py").write_text(STALL_MID_SAVE)
+    marker, release = tmp / "stalled", tmp / "release"
+    env = {"PYTHONPATH": f"{tmp / 'site'}{os.pathsep}{REPO}", "STALL_MARKER": str(marker)}
+    return env | {"STALL_RELEASE": str(release)}, marker, release
+
+
+def wait_for(path: Path) -> None:
+    for _ in range(400):
+        if path.exists():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never appeared")
 
 
 @pytest.fixture(scope="module")
@@ -209,18 +227,11 @@ def test_eight_parallel_clients_share_a_system_prompt(loaded, tmp_path):
 
 def test_sigkill_mid_persist_leaves_a_store_that_verifies_and_serves(loaded, tmp_path):
     text, want = served_once(loaded, tmp_path)
-    (tmp_path / "site").mkdir()
-    (tmp_path / "site" / "sitecustomize.py").write_text(STALL_MID_SAVE)
-    marker = tmp_path / "stalled"
-    env = {"PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}", "STALL_MARKER": str(marker)}
+    env, marker, _ = stalling(tmp_path)
     server = Server(loaded.path, tmp_path, env=env)
     longer = server.post("/v1/completions", text | {"prompt": PROMPT + "and again"})
     assert cached(longer) > 0  # the response did not wait for the stalled save
-    for _ in range(200):
-        if marker.exists():
-            break
-        time.sleep(0.05)
-    assert marker.exists()
+    wait_for(marker)
     server.stop(signal.SIGKILL)
     store = Store(tmp_path / "kv")
     assert store.verify()[1] == [] and len(store.names()) == 1
@@ -313,3 +324,21 @@ def test_a_busy_port_is_refused_before_the_model_loads(tmp_path):
             f"error: serve.port={port}: cannot listen on 127.0.0.1:{port} (Address already in use); choose another"
         )
     )
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_sigterm_flushes_or_drops_the_waiting_saves(loaded, tmp_path, flush):
+    env, marker, release = stalling(tmp_path)
+    server = Server(loaded.path, tmp_path, f"serve.flush={str(flush).lower()}", env=env)
+    for i in range(3):  # the first save stalls while it runs; the other two wait behind it
+        server.post("/v1/completions", {"prompt": f"{i} {PROMPT}", "max_tokens": 4})
+    wait_for(marker)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(2)  # the waiting saves are written or dropped at the signal, before the release
+    release.touch()
+    log = server.stop()
+    assert server.proc.returncode == 0, log
+    written = 3 if flush else 1
+    assert f"{written} save(s) written, {3 - written} dropped" in log
+    store = Store(tmp_path / "kv")
+    assert len(store.names()) == written and store.verify()[1] == []
