@@ -141,8 +141,6 @@ class Engine:
             raise BadRequest(f"messages cannot be formatted by the chat template: {e}") from None
 
     def _run(self, job: Job) -> None:
-        import mlx.core as mx
-        from mlx_lm.generate import stream_generate
         from mlx_lm.models.cache import make_prompt_cache
 
         tokens = self.prompt_tokens(job)
@@ -152,15 +150,29 @@ class Engine:
         cache = hit.cache if hit.cache is not None else make_prompt_cache(self.loaded.model)
         stats = Stats(len(tokens), hit.reused, hit.source, restore_s=time.perf_counter() - start)
         job.out.put(("start", stats))
+        seen = self._generate(job, tokens[hit.reused :], cache, sampler, stats)
+        job.out.put(("end", stats))
+        self._keep(tokens + seen, cache)
+        self.served += 1
+        self.cached_tokens += stats.cached
+        log.info(stats.line(job.kind))
+        for note in hit.notes:
+            log.info("serve: note: %s", note)
+
+    def _generate(self, job: Job, rest: list[int], cache: list[Any], sampler: Any, stats: Stats) -> list[int]:
+        """Prefill ``rest`` into ``cache`` and decode, sending each token to the job; returns
+        every token fed back (an end-of-sequence token too: the cache may hold it)."""
+        import mlx.core as mx
+        from mlx_lm.generate import stream_generate
+
         if job.body.get("seed") is not None:
-            mx.random.seed(int(job.body["seed"]))
-        generated: list[int] = []
+            mx.random.seed(job.body["seed"])
         seen: list[int] = []
         begun = time.perf_counter()
         for r in stream_generate(
             self.loaded.model,
             self.loaded.tokenizer,
-            tokens[hit.reused :],
+            rest,
             max_tokens=job.max_tokens,
             sampler=sampler,
             prompt_cache=cache,
@@ -169,25 +181,18 @@ class Engine:
             quantized_kv_start=0,
             prompt_progress_callback=lambda done, total: job.out.put(("progress", done, total)),
         ):
-            if not generated and not stats.prefill_s:
+            if not seen:
                 stats.prefill_s = time.perf_counter() - begun
                 stats.ttft_s = time.perf_counter() - job.arrived
-            seen.append(int(r.token))  # an end-of-sequence token too: it may be in the cache
-            if r.finish_reason != "stop":
-                generated.append(int(r.token))
-            logprob = float(r.logprobs[r.token]) if r.finish_reason != "stop" else None
+            seen.append(int(r.token))
+            ended = r.finish_reason == "stop"  # the end-of-sequence token is not part of the answer
+            stats.generated += not ended
+            logprob = None if ended else float(r.logprobs[r.token])
             job.out.put(("token", r.text, int(r.token), logprob, r.finish_reason))
             if job.cancelled:
                 break
-        stats.generated = len(generated)
         stats.decode_s = time.perf_counter() - begun - stats.prefill_s
-        job.out.put(("end", stats))
-        self._keep(tokens + seen, cache)
-        self.served += 1
-        self.cached_tokens += stats.cached
-        log.info(stats.line(job.kind))
-        for note in hit.notes:
-            log.info("serve: note: %s", note)
+        return seen
 
     def _keep(self, known: list[int], cache: list[Any]) -> None:
         """Hand the cache to the tiers with the tokens it holds (mlx-lm computes one step
@@ -203,7 +208,8 @@ class Engine:
 
 
 def make_sampler(body: dict[str, Any]) -> Any:
-    """mlx-lm's sampler for the request's temperature, top_p, top_k and min_p (checked)."""
+    """mlx-lm's sampler for the request's temperature, top_p, top_k and min_p (checked with
+    its seed)."""
     from mlx_lm.sample_utils import make_sampler as mlx_sampler
 
     got = {}
@@ -216,6 +222,9 @@ def make_sampler(body: dict[str, Any]) -> Any:
         got[key] = value
     if got["top_p"] > 1 or got["min_p"] > 1:
         raise BadRequest("top_p and min_p must be at most 1")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+        raise BadRequest(f"seed must be an integer >= 0, not {seed!r}")
     top_p = 0.0 if got["top_p"] >= 1 else float(got["top_p"])
     return mlx_sampler(float(got["temperature"]), top_p, float(got["min_p"]), top_k=int(got["top_k"]))
 

@@ -61,6 +61,38 @@ def wait_for(path: Path) -> None:
     raise AssertionError(f"{path} never appeared")
 
 
+# requests the server refuses: (route, body, HTTP status, error)
+BAD = [
+    (
+        "/v1/completions",
+        b"{not json",
+        400,
+        "the body is not JSON: Expecting property name enclosed in double quotes: line 1 column 2 (char 1)",
+    ),
+    (
+        "/v1/completions",
+        b'{"prompt": "x", "temperature": -1}',
+        400,
+        "temperature must be a number >= 0, not -1",
+    ),
+    (
+        "/v1/completions",
+        b'{"prompt": "x", "max_tokens": 0}',
+        400,
+        "max_tokens must be an integer >= 1, not 0",
+    ),
+    ("/v1/completions", b'{"prompt": "x", "seed": "s"}', 400, "seed must be an integer >= 0, not 's'"),
+    ("/v1/completions", b'{"prompt": ""}', 400, "prompt must be a non-empty string"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": "hi"}',
+        400,
+        "messages must be a non-empty list of {role, content} objects",
+    ),
+    ("/v1/embeddings", b"{}", 404, "no route /v1/embeddings"),
+]
+
+
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     path = synth.ensure_synthetic(cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny")
@@ -102,13 +134,16 @@ class Server:
         assert found, f"no address in {line!r}; log: {self.log.read_text()}"
         self.port = int(found.group(1))
 
-    def post(self, path: str, body: dict) -> dict:
+    def call(self, path: str, body: bytes) -> tuple[int, dict]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
-        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        conn.request("POST", path, body, {"Content-Type": "application/json"})
         resp = conn.getresponse()
-        data = resp.read()
-        assert resp.status == 200, data
-        return json.loads(data)
+        return resp.status, json.loads(resp.read())
+
+    def post(self, path: str, body: dict) -> dict:
+        status, reply = self.call(path, json.dumps(body).encode())
+        assert status == 200, reply
+        return reply
 
     def stream(self, path: str, body: dict) -> list[dict]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
@@ -164,6 +199,8 @@ def test_greedy_tokens_equal_mlx_lm_and_survive_a_restart(loaded, tmp_path):
     streamed = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert streamed == whole["choices"][0]["message"]["content"]
     assert cached(chunks[-1]) == chunks[-1]["usage"]["prompt_tokens"] - 1  # the same prompt, from memory
+    for route, body, code, error in BAD:
+        assert server.call(route, body) == (code, {"error": error})
     log = server.stop()
     assert server.proc.returncode == 0, log
     assert re.search(r"serve: text: prompt \d+ tokens, cached 0 \(none\).*tok/s", log)
