@@ -379,3 +379,14 @@ def test_sigterm_flushes_or_drops_the_waiting_saves(loaded, tmp_path, flush):
     assert f"{written} save(s) written, {3 - written} dropped" in log
     store = Store(tmp_path / "kv")
     assert len(store.names()) == written and store.verify()[1] == []
+
+
+def test_kv_cap_gb_keeps_the_store_under_its_size(loaded, tmp_path):
+    cap = 0.0001  # GiB: 107 KB, room for about two of these prompts
+    server = Server(loaded.path, tmp_path, f"kv.cap_gb={cap}")
+    for i in range(4):
+        server.post("/v1/completions", {"prompt": f"{i} {PROMPT}", "max_tokens": 4})
+    log = server.stop()
+    infos = Store(tmp_path / "kv").list()[0]
+    assert 1 <= len(infos) < 4 and sum(i.file_bytes for i in infos) <= cap * 2**30, log
+    assert "serve: kv.cap_gb: evicted" in log

@@ -195,7 +195,8 @@ class DiskTier:
     """The store's snapshots of one keyspace, indexed by their tokens when the server starts.
 
     A snapshot that turns out corrupt or foreign on restore is a miss with a log line; it is
-    dropped from the index and replaced once the same tokens have been recomputed.
+    dropped from the index and saved again once a request's recomputed tokens cover its own
+    (:meth:`PromptCaches.put`).
     """
 
     def __init__(self, store: Store, space: Keyspace, *, verify: bool = True) -> None:
@@ -243,7 +244,10 @@ class DiskTier:
             try:
                 cache = self._load(name)
             except (fmt.CorruptError, fmt.UnsupportedError, InputError, OSError) as e:
-                line = f"snapshot {name!r} cannot be used ({e}); a miss, recomputed and replaced"
+                line = (
+                    f"snapshot {name!r} cannot be used ({e}); a miss, recomputed and replaced"
+                    " (once a request's tokens cover it)"
+                )
                 log.warning("serve: %s", line)
                 notes.append(line)
                 with self._lock:
