@@ -27,7 +27,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from mlxbun.errors import InputError, Interrupted
-from mlxbun.kv import tiers
+from mlxbun.kv import gc, tiers
 from mlxbun.kv.commands import digest_cache, load_model, store_of
 from mlxbun.provenance import RunResult
 from mlxbun.source import model_dir
@@ -481,7 +481,23 @@ def build_caches(cfg: Any, loaded: Any, space: tiers.Keyspace) -> tiers.PromptCa
     writer = tiers.Persister(
         store, layout=cfg.kv.layout, model_name=loaded.name, max_pending=cfg.serve.max_pending
     )
-    return tiers.PromptCaches(space, memory, disk, writer, cap_bytes=cfg.kv.cap_bytes)
+    evict = None if cfg.kv.cap_bytes is None else evictor(store, cfg.kv.cap_bytes)
+    return tiers.PromptCaches(space, memory, disk, writer, evict=evict)
+
+
+def evictor(store: Any, cap_bytes: int) -> Any:
+    """kv_gc's plan and execute (under the store's exclusive lock, so no restore in progress
+    loses its data), run after each save: the least recently used snapshots go first."""
+
+    def evict() -> list[str]:
+        plan = gc.plan(store, cap_bytes=cap_bytes)
+        if not (plan.evict or plan.blocks):
+            return []
+        gc.execute(store, plan)
+        log.info("serve: kv.cap_gb: evicted %d snapshot(s), %d bytes", len(plan.evict), plan.bytes_freed)
+        return [name for name, _ in plan.evict]
+
+    return evict
 
 
 def run(cfg: Any) -> Any:

@@ -21,7 +21,7 @@ import hashlib
 import logging
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +30,6 @@ import numpy as np
 
 from mlxbun.errors import InputError
 from mlxbun.kv import format as fmt
-from mlxbun.kv import gc
 from mlxbun.kv.store import Store
 
 log = logging.getLogger("mlxbun")
@@ -349,8 +348,8 @@ class PromptCaches:
         memory: the in-memory LRU.
         disk: the store's entries (None: memory only).
         persister: background writer into the same store (None: nothing is written).
-        cap_bytes: after each save, evict least recently used snapshots until the store fits
-            (``kv.cap_gb``; kv_gc's plan and execute, under the store's exclusive lock).
+        evict: called after each save to keep the store under its size (``kv.cap_gb``);
+            returns the names of the snapshots it removed.
     """
 
     def __init__(
@@ -360,10 +359,10 @@ class PromptCaches:
         disk: DiskTier | None = None,
         persister: Persister | None = None,
         *,
-        cap_bytes: int | None = None,
+        evict: Callable[[], list[str]] | None = None,
     ) -> None:
         self.space, self.memory, self.disk, self.persister = space, memory, disk, persister
-        self.cap_bytes = cap_bytes
+        self.evict = evict
 
     def fetch(self, tokens: Sequence[int]) -> Hit:
         """The cache serving most of ``tokens`` (``Hit.cache`` None when nothing does)."""
@@ -395,11 +394,5 @@ class PromptCaches:
 
     def _saved(self, name: str, tokens: Sequence[int]) -> None:
         self.disk.add(name, tokens)
-        if self.cap_bytes is None:
-            return
-        plan = gc.plan(self.disk.store, cap_bytes=self.cap_bytes)
-        if plan.evict or plan.blocks:
-            gc.execute(self.disk.store, plan)
-            for evicted, _ in plan.evict:
-                self.disk.forget(evicted)
-            log.info("serve: kv.cap_gb: evicted %d snapshot(s), %d bytes", len(plan.evict), plan.bytes_freed)
+        for evicted in self.evict() if self.evict is not None else ():
+            self.disk.forget(evicted)
