@@ -58,6 +58,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kv_gc": ("mlxbun.kv.gc", "plan (and with kv.execute=true free) unreferenced KV blocks"),
     "kv_import": ("mlxbun.kv.import_", "verify an mlx_lm cache_prompt file and store it as a snapshot"),
     "kv_export": ("mlxbun.kv.export", "write a stored snapshot as a plain mlx-lm prompt-cache file"),
+    "serve": ("mlxbun.serve", "OpenAI-compatible server whose prompt caches persist in the KV store"),
     "registry_scan": ("mlxbun.registry.commands:scan", "index the HF cache and local model dirs"),
     "registry_ls": ("mlxbun.registry.commands:ls", "list indexed models with filters"),
     "registry_resolve": ("mlxbun.registry.commands:resolve", "resolve a fuzzy name to one model"),
