@@ -21,11 +21,20 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hydra.experimental.callback import Callback
+
 import mlxbun
 from mlxbun import blas, schema
 from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.provenance import RunResult
-from mlxbun.runrecord import RunRecorder, describe, registry_label, remove_empty_dirs, signals_raise
+from mlxbun.runrecord import (
+    RunRecorder,
+    describe,
+    record_unmade,
+    registry_label,
+    remove_empty_dirs,
+    signals_raise,
+)
 
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
@@ -49,6 +58,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kv_gc": ("mlxbun.kv.gc", "plan (and with kv.execute=true free) unreferenced KV blocks"),
     "kv_import": ("mlxbun.kv.import_", "verify an mlx_lm cache_prompt file and store it as a snapshot"),
     "kv_export": ("mlxbun.kv.export", "write a stored snapshot as a plain mlx-lm prompt-cache file"),
+    "serve": ("mlxbun.serve", "OpenAI-compatible server whose prompt caches persist in the KV store"),
     "registry_scan": ("mlxbun.registry.commands:scan", "index the HF cache and local model dirs"),
     "registry_ls": ("mlxbun.registry.commands:ls", "list indexed models with filters"),
     "registry_resolve": ("mlxbun.registry.commands:resolve", "resolve a fuzzy name to one model"),
@@ -227,8 +237,41 @@ def _report(func: Any) -> Any:
         if "--verbose" in sys.argv or "verbose=true" in sys.argv:
             traceback.print_exc()
         if (line := _outputs_error(e)) is not None:
+            _record_unmade(line)
             fail(line, 1)
         fail(_config_error(e), 2)
+
+
+class OutputsCheck(Callback):
+    """Hydra callback (``hydra.callbacks`` in conf/config.yaml): refuse a bad ``paths.outputs``
+    before Hydra makes the run directory under it, and keep the composed config, so that a run
+    directory Hydra cannot make is still recorded failed (:func:`_record_unmade`)."""
+
+    config: Any = None
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        from omegaconf import OmegaConf
+
+        OutputsCheck.config = config
+        under = "${paths.outputs}" in str(OmegaConf.to_container(config.hydra.run, resolve=False).get("dir"))
+        try:
+            schema.check_outputs(config.paths.outputs, on_disk=under)
+        except InputError as e:  # Hydra turns a callback's exceptions into warnings: exit here
+            fail(str(e), 2)
+
+
+def _record_unmade(line: str) -> None:
+    """The run whose directory Hydra could not make, recorded failed in its registry."""
+    from omegaconf import OmegaConf
+
+    if (c := OutputsCheck.config) is None:
+        return
+    overrides = list(c.hydra.overrides.task)
+    plain = {k: v for k, v in OmegaConf.to_container(c, resolve=False).items() if k != "hydra"}
+    outputs = Path(c.paths.outputs).expanduser().absolute()
+    run_dir = str(outputs / c.command.name)  # the timestamped directory below was never made
+    args = dict(command=c.command.name, url=c.registry.url, path=c.registry.path, output_dir=run_dir)
+    record_unmade(**args, overrides=overrides, recipe=recipe_from_argv(overrides), config=plain, error=line)
 
 
 def _outputs_error(e: Exception) -> str | None:

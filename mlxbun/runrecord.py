@@ -234,6 +234,27 @@ class RunRecorder:
         return True
 
 
+def record_unmade(
+    *, command: str, url: str | None, path: str, output_dir: str, overrides: list[str], recipe: str | None,
+    config: dict[str, Any], error: str,
+) -> None:  # fmt: skip
+    """A run whose directory could not be made: a ``failed`` row, when the registry is reachable
+    (it is the run's only record; an unreachable registry leaves the error line alone)."""
+    registry = _registry_module()
+    try:
+        registry.open_db(url=url, path=path)
+        run_id = registry.record_run_start(
+            command=command,
+            recipe=recipe,
+            overrides=overrides,
+            config_hash=config_hash(config),
+            output_dir=output_dir,
+        )
+        registry.record_run_end(run_id, status="failed", error=error)
+    except Exception:  # the run directory's error is the one to report
+        return
+
+
 def remove_empty_dirs(run_dir: Path) -> None:
     """Remove ``run_dir`` and then its parent, each only when empty."""
     for d in (run_dir, run_dir.parent):

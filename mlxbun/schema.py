@@ -129,12 +129,24 @@ class PathsCfg:
     cache: str = "~/.cache/mlxbun"
 
     def __post_init__(self) -> None:
-        resolved = Path(self.outputs).expanduser().resolve()
-        if resolved == Path(resolved.anchor):
-            raise InputError(
-                f"paths.outputs={self.outputs!r} is the filesystem root; choose a directory for run"
-                " outputs, e.g. paths.outputs=outputs"
-            )
+        check_outputs(self.outputs)
+
+
+def check_outputs(outputs: str | None, *, on_disk: bool = False) -> None:
+    """``paths.outputs`` is a directory runs can go under: not empty, not the filesystem root,
+    and (``on_disk``) no existing file in the way; InputError naming the value otherwise."""
+    allowed = "choose a directory for run outputs, e.g. paths.outputs=outputs"
+    if outputs is None or not str(outputs).strip():
+        raise InputError(f"paths.outputs={outputs!r} is empty; {allowed}")
+    path = Path(outputs).expanduser()
+    resolved = path.resolve()
+    if resolved == Path(resolved.anchor):
+        raise InputError(f"paths.outputs={outputs!r} is the filesystem root; {allowed}")
+    blocker = (
+        next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None) if on_disk else None
+    )
+    if blocker is not None:
+        raise InputError(f"paths.outputs={outputs!r} is not a directory ({blocker} is a file); {allowed}")
 
 
 @dataclass
@@ -448,6 +460,8 @@ class KvCfg:
     file: str | None = None
     # kv_export: replace an existing kv.file (never one inside the store or a model directory).
     overwrite: bool = False
+    # Encode prompts through the tokenizer's chat template, as mlx-lm does (null: when it has one).
+    chat_template: bool | None = None
 
     def __post_init__(self) -> None:
         choose("kv.layout", self.layout, ("snapshot", "blocks"))
@@ -581,6 +595,40 @@ class EvalCfg:
 
 
 @dataclass
+class ServeCfg:
+    # Address to listen on (0.0.0.0 for every interface).
+    host: str = "127.0.0.1"
+    # TCP port (0: any free port, printed at start).
+    port: int = 8080
+    # GiB of prompt caches kept in memory (least recently used evicted first; 0: none).
+    cache_gb: float = 2.0
+    # Completion tokens when a request gives no max_tokens.
+    max_tokens: int = 512
+    # Persist finished prompts into kv.store (in the background) and reuse them after a restart.
+    persist: bool = True
+    # On SIGTERM: true writes the saves still waiting, false drops them (a running save finishes).
+    flush: bool = True
+    # Saves waiting at most; beyond it the oldest waiting one is dropped (responses never wait).
+    max_pending: int = 8
+    # Quantize the KV cache to this many bits (mlx-lm QuantizedKVCache: 2-8); None keeps it as is.
+    kv_bits: int | None = None
+    # Group size of the KV quantization.
+    kv_group_size: int = 64
+
+    def __post_init__(self) -> None:
+        positive("serve.port", self.port, allow_zero=True)
+        at_most("serve.port", self.port, 65535, "the largest TCP port")
+        positive("serve.cache_gb", self.cache_gb, allow_zero=True)
+        at_most("serve.cache_gb", self.cache_gb, MAX_GB, "8 EiB")
+        positive("serve.max_tokens", self.max_tokens)
+        at_most("serve.max_tokens", self.max_tokens, MAX_TOKENS, "above any model's context")
+        positive("serve.max_pending", self.max_pending)
+        if self.kv_bits is not None:
+            choose("serve.kv_bits", self.kv_bits, (2, 3, 4, 5, 6, 8))
+        choose("serve.kv_group_size", self.kv_group_size, (32, 64, 128))  # mlx-lm's QuantizedKVCache
+
+
+@dataclass
 class PipelineCfg:
     # Commands run in order in one run directory (see mlxbun/pipeline.py).
     steps: list[str] = field(default_factory=list)
@@ -607,6 +655,7 @@ class Config:
     allocate: AllocateCfg = field(default_factory=AllocateCfg)
     fold: FoldCfg = field(default_factory=FoldCfg)
     kv: KvCfg = field(default_factory=KvCfg)
+    serve: ServeCfg = field(default_factory=ServeCfg)
     registry: RegistryCfg = field(default_factory=RegistryCfg)
     runs: RunsCfg = field(default_factory=RunsCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
@@ -690,6 +739,7 @@ READS: dict[str, tuple[str, ...]] = {
     "kv_gc": ("kv",),
     "kv_import": (*MODEL_KEYS, "kv"),
     "kv_export": (*MODEL_KEYS, "kv"),
+    "serve": (*MODEL_KEYS, "kv", "serve"),
     "registry_scan": ("registry",),
     "registry_ls": ("registry",),
     "registry_resolve": (*MODEL_KEYS, "registry"),

@@ -47,6 +47,8 @@ PLAN = {
     },
 }
 SYNTH = ["model.synthetic=true", "synth.preset=tiny", "synth.outlier_channels=4"]
+SENS = ["command=sensitivity", *SYNTH, "sensitivity.bits=[2,4,8]", "sensitivity.calib.samples=4",
+        "sensitivity.calib.seq_len=64"]  # fmt: skip
 SCENARIOS: dict[str, list[str]] = {
     "quickstart": ["+recipe=quickstart"],
     "synth": ["command=synth", "synth.preset=tiny", "synth.outlier_channels=4"],
@@ -55,6 +57,8 @@ SCENARIOS: dict[str, list[str]] = {
     "quantize_mixed": ["command=quantize", *SYNTH, "quant.mixed=mixed_3_6"],
     "quantize_plan": ["command=quantize", *SYNTH, "quant.plan={plan}"],
     "rotate": ["command=rotate", *SYNTH],
+    "sensitivity_exact": [*SENS, "sensitivity.method=exact"],
+    "sensitivity_reference": [*SENS, "sensitivity.method=reference"],
 }
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlxbun.errors import InputError
-from mlxbun.quant.allocate import rescaled
-from mlxbun.quant.check import FACTOR_RANGE, correction_factors, correction_key, reference_of
+from mlxbun.quant.check import FACTOR_RANGE, correction_factors, correction_key, reference_of, rescaled
 from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
 from mlxbun.quant.spec import QuantSpec
 

@@ -294,3 +294,44 @@ def test_runs_lists_a_malformed_row_as_such_and_goes_on(tmp_path: Path) -> None:
     assert res.stderr.count("is malformed") == 4
     text = run_cli("command=runs", tmp=tmp_path)
     assert text.returncode == 0 and text.stdout.count("malformed row:") == 4 and "/ok" in text.stdout
+
+
+@pytest.mark.parametrize(("value", "why"), [("", "is empty"), ("{file}/out", "is not a directory")])
+def test_a_bad_paths_outputs_is_one_line_exit_2_before_hydra_makes_anything(
+    tmp_path: Path, value, why
+) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
+    value = value.format(file=tmp_path / "a-file")
+    keep = [f"paths.cache={tmp_path / 'cache'}", f"registry.path={tmp_path / 'registry.db'}"]
+    res = run_cli("command=synth", f"paths.outputs={value}", *keep, tmp=tmp_path, isolate=False)
+    assert res.returncode == 2, res.stderr
+    line = _one_error_line(res.stderr)
+    assert line.startswith(f"error: paths.outputs={value!r} {why}") and res.stderr.count("\n") == 1, line
+    assert _rows(tmp_path) == [] and not (REPO / value / "synth").exists()
+
+
+# Hydra cannot make the run directory under paths.outputs (permission denied).
+DENIED_OUTPUTS = """
+import errno, os, pathlib
+real = pathlib.Path.mkdir
+def mkdir(self, *a, **k):
+    if "denied-outputs" in str(self):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(self))
+    return real(self, *a, **k)
+pathlib.Path.mkdir = mkdir
+"""
+
+
+def test_a_run_directory_that_cannot_be_made_is_named_exit_1_and_recorded_failed(tmp_path: Path) -> None:
+    env = _inject(tmp_path, DENIED_OUTPUTS)
+    out = tmp_path / "denied-outputs"
+    keep = [f"paths.cache={tmp_path / 'cache'}", f"registry.path={tmp_path / 'registry.db'}"]
+    res = run_cli("command=synth", f"paths.outputs={out}", *keep, tmp=tmp_path, isolate=False, env=env)
+    assert res.returncode == 1, res.stderr
+    line = _one_error_line(res.stderr)
+    assert line.startswith(f"error: paths.outputs='{out}': cannot create") and "Permission denied" in line, (
+        line
+    )
+    (row,) = _rows(tmp_path)
+    assert row["status"] == "failed" and row["command"] == "synth" and str(out) in row["error"], row
+    assert not out.exists()

@@ -130,14 +130,14 @@ def test_a_closed_pipe_ends_quietly(tmp_path: Path) -> None:
         assert stderr == "", stderr
 
 
-def test_an_unusable_paths_outputs_names_the_key_and_exits_1(tmp_path: Path) -> None:
+def test_a_paths_outputs_through_a_file_names_the_key_and_exits_2(tmp_path: Path) -> None:
     (tmp_path / "a-file").write_text("not a directory")
     out, cache = f"paths.outputs={tmp_path / 'a-file' / 'out'}", f"paths.cache={tmp_path / 'cache'}"
     res = run_cli("command=synth", out, cache, tmp=tmp_path, isolate=False)
-    assert res.returncode == 1 and res.stderr.count("\n") == 1, res.stderr
-    assert res.stderr.startswith(f"error: paths.outputs='{tmp_path / 'a-file' / 'out'}': cannot create"), (
-        res.stderr
-    )
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith(
+        f"error: paths.outputs='{tmp_path / 'a-file' / 'out'}' is not a directory"
+    ), res.stderr
 
 
 def test_a_registry_that_is_no_database_names_registry_path(tmp_path: Path) -> None:

@@ -25,8 +25,8 @@ def loaded(tmp_path_factory):
     return commands.load_model(path)
 
 
-def scratch(loaded, text: str, n: int) -> list[int]:
-    toks = list(loaded.tokenizer.encode(text))
+def scratch(loaded, text: str, n: int, *, chat: bool = False) -> list[int]:
+    toks = commands.prompt_tokens(loaded, text, chat=chat, reply=True)
     return commands.greedy(loaded, toks, make_prompt_cache(loaded.model), max_tokens=n)
 
 
@@ -73,7 +73,9 @@ def test_cli_save_generate_verify(tmp_path, loaded):
     r = _cli(tmp_path, "command=kv_generate", f"kv.prompt={json.dumps(text)}", "kv.max_tokens=10")
     assert r.returncode == 0, r.stderr
     gen = json.loads(next((tmp_path / "outputs/kv_generate").glob("*/generation.json")).read_text())
-    assert gen["reused_tokens"] > 50 and gen["tokens"] == scratch(loaded, text, 10)
+    assert gen["reused_tokens"] > 50 and gen["tokens"] == scratch(
+        loaded, text, 10, chat=True
+    )  # its chat template
     r = _cli(tmp_path, "command=kv_ls")
     assert (
         r.returncode == 0 and "snapshot" in r.stdout and str(tmp_path / "cache/synth") in r.stdout

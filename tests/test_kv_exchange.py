@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 
 import mlx.core as mx
 import pytest
-from cli_util import run_cli
+from cli_util import REPO, run_cli
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from mlxbun import synth
@@ -29,11 +31,20 @@ def loaded(tmp_path_factory):
 
 def cached(loaded, text: str, path) -> list[int]:
     """What ``mlx_lm cache_prompt`` writes for ``text``: the whole prompt's cache, full buffers."""
-    toks = imp.prompt_tokens(loaded, text)
+    toks = commands.prompt_tokens(loaded, text, chat=True)
     cache = make_prompt_cache(loaded.model)
     commands.prefill(loaded.model, toks, cache)
     save_prompt_cache(str(path), cache, {"model": str(loaded.path), "tokenizer_config": "{}"})
     return toks
+
+
+def cli_import(loaded, tmp_path, src, prompt: str):
+    """``kv_import`` of ``src`` as ``sys`` into ``tmp_path/kv``; returns the result and the kv overrides."""
+    kv = [f"kv.store={tmp_path / 'kv'}", f"model.name={loaded.path}"]
+    args = ("command=kv_import", "kv.name=sys", f"kv.file={src}", f"kv.prompt={json.dumps(prompt)}")
+    r = run_cli(*args, *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    return r, kv
 
 
 def test_import_checks_then_stores_a_prompt_cache(loaded, tmp_path):
@@ -105,16 +116,7 @@ def test_cli_import_of_mlx_lm_cache_prompt_and_export(loaded, tmp_path):
         argv, capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1", "PATH": ""}
     )
     assert r.returncode == 0, r.stderr
-    kv = [f"kv.store={tmp_path / 'kv'}", f"model.name={loaded.path}"]
-    r = run_cli(
-        "command=kv_import",
-        "kv.name=sys",
-        f"kv.file={src}",
-        f"kv.prompt={json.dumps(PROMPT)}",
-        *kv,
-        tmp=tmp_path,
-    )
-    assert r.returncode == 0, r.stderr
+    r, kv = cli_import(loaded, tmp_path, src, PROMPT)
     assert "imported" in r.stdout and "positions recomputed in every layer within" in r.stdout
     r = run_cli("command=kv_import", "kv.name=x", f"kv.file={src}", "kv.prompt=short", *kv, tmp=tmp_path)
     assert r.returncode == 2 and "but the prompt encodes to" in r.stderr
@@ -212,10 +214,81 @@ def test_import_names_a_trailing_newline_in_the_prompt(loaded, tmp_path):
     cached(loaded, PROMPT.rstrip(), src)
     cache, _ = imp.read_prompt_cache(src)
     text = PROMPT.rstrip() + "\n"
-    toks = imp.prompt_tokens(loaded, text)
+    toks = commands.prompt_tokens(loaded, text, chat=True)
     assert len(toks) != imp.cache_tokens(cache)  # the newline is a token of its own
     with pytest.raises(InputError, match="because it ends in '\\\\n'.*final newline"):
-        imp.check_trailing_space(loaded, cache, text, toks, path=src)
+        imp.check_trailing_space(loaded, cache, text, toks, path=src, chat=True)
     imp.check_trailing_space(
-        loaded, cache, PROMPT.rstrip(), imp.prompt_tokens(loaded, PROMPT.rstrip()), path=src
+        loaded,
+        cache,
+        PROMPT.rstrip(),
+        commands.prompt_tokens(loaded, PROMPT.rstrip(), chat=True),
+        path=src,
+        chat=True,
     )
+
+
+def test_cli_import_of_a_chat_template_model_is_reused_by_generate(loaded, tmp_path):
+    """kv_import caches the prompt through the chat template, as ``mlx_lm cache_prompt`` does;
+    kv_generate encodes its prompt the same way (then the assistant's turn), so it reuses the
+    import, and says so when told to encode plain text instead."""
+    assert loaded.tokenizer.has_chat_template  # the synthetic tokenizer has one
+    src, system = tmp_path / "sys.safetensors", PROMPT.rstrip()
+    toks = cached(loaded, system, src)
+    _, kv = cli_import(loaded, tmp_path, src, system)
+    question = system + " And then?"
+    r = run_cli("command=kv_generate", f"kv.prompt={json.dumps(question)}", "json=true", *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["result"]
+    full = commands.prompt_tokens(loaded, question, chat=True, reply=True)
+    assert full[: len(toks)] == toks and got["prompt_tokens"] == len(full)
+    assert got["reused_tokens"] == len(toks)
+    assert got["tokens"] == commands.greedy(loaded, full, make_prompt_cache(loaded.model), max_tokens=32)
+    plain = ["kv.chat_template=false", f"kv.prompt={json.dumps(question)}", "json=true"]
+    r = run_cli("command=kv_generate", *plain, *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)["result"]
+    assert got["reused_tokens"] == 0 and "through the chat template" in got["notes"][-1]
+
+
+def test_cli_export_is_continued_by_mlx_lm_generate_with_a_relative_model_path(loaded, tmp_path):
+    """The exported file names the model as ``model.name`` was spelt (here relative to the cwd),
+    which is what ``mlx_lm generate --model`` must equal; the message says how to continue it."""
+    model = tmp_path / "my-model"
+    shutil.copytree(loaded.path, model)
+    rel = os.path.relpath(model, REPO)
+    kv = [f"kv.store={tmp_path / 'kv'}", f"model.name={rel}"]
+    r = run_cli("command=kv_save", "kv.name=sys", f"kv.prompt={json.dumps(PROMPT)}", *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    r = run_cli("command=kv_ls", f"kv.store={tmp_path / 'kv'}", tmp=tmp_path)
+    assert (
+        "command=kv_export kv.name=sys kv.file=sys.safetensors model.name=" in r.stdout
+    )  # how to hand it over
+    out = tmp_path / "sys-export.safetensors"
+    r = run_cli("command=kv_export", "kv.name=sys", f"kv.file={out}", *kv, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert f"--prompt-cache-file {out}" in r.stdout and repr(rel) in r.stdout
+    assert "--ignore-chat-template" not in r.stdout  # saved through the template, as mlx_lm generate goes
+    assert load_prompt_cache(str(out), return_metadata=True)[1]["model"] == rel
+    argv = [sys.executable, "-m", "mlx_lm", "generate", "--model", rel, "--prompt-cache-file", str(out)]
+    argv += ["--prompt", " and then", "--max-tokens", "4"]
+    r = subprocess.run(
+        argv, cwd=REPO, capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1"}
+    )
+    assert r.returncode == 0, r.stderr
+    other = synth.ensure_synthetic(cache_dir=tmp_path / "o", arch="llama", preset="tiny", seed=1)
+    r = run_cli(
+        "command=kv_export", "kv.name=sys", f"kv.file={tmp_path / 'x.safetensors'}", f"kv.store={tmp_path / 'kv'}",
+        f"model.name={other}", tmp=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 2 and "model.name=" in r.stderr and "another model" in r.stderr
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_export_says_ignore_chat_template_only_for_a_plain_snapshot_of_a_chat_model(tmp_path):
+    from mlxbun.kv.export import how_to_continue
+
+    out = tmp_path / "x.safetensors"
+    plain, chat, none = ({"model": "m", "chat_template": c} for c in (False, True, None))
+    assert "--ignore-chat-template" in how_to_continue(out, plain)
+    assert "--ignore-chat-template" not in how_to_continue(out, chat) + how_to_continue(out, none)

@@ -75,3 +75,67 @@ def test_eta_before_any_work_and_at_the_end() -> None:
     assert p.eta() == pytest.approx(6.0)  # one update: the pace since the start
     p.update(3)
     assert p.eta() == 0.0
+
+
+class _Recorded(Progress):
+    """A Progress that keeps (time, fraction, eta) after every update."""
+
+    def __init__(self, clock: Clock) -> None:
+        super().__init__(total=0, unit="steps", stream=io.StringIO(), log_every=1e9, clock=clock)
+        self.seen: list[tuple[float, float, float]] = []
+
+    def update(self, n: float = 1, *, work: float = 0.0) -> None:
+        super().update(n, work=work)
+        self.seen.append((self._clock(), self.fraction(), self.eta()))
+
+
+class _FakeInModel:
+    """allocate's InModel on a synthetic clock: a measurement from block ``start`` runs the
+    blocks after it and the head (1 s each, +-10%), plus a fixed 0.2 s."""
+
+    def __init__(self, clock: Clock, starts: dict[str, int], n: int) -> None:
+        self.clock, self.starts, self.noise = clock, starts, random.Random(5)
+        self.stack = type("Stack", (), {"n": n})()
+
+    def start(self, path: str) -> int:
+        return self.starts[path]
+
+    def kl_with(self, path: str, spec: object) -> float:
+        self.clock.now += 0.2 + (self.stack.n + 1 - self.starts[path]) * self.noise.uniform(0.9, 1.1)
+        return 0.0
+
+
+def test_interactions_eta_counts_blocks_run_and_is_within_30_percent_once_a_tenth_is_done() -> None:
+    """allocate's interaction steps measured in block order cost 33 blocks at the embedding and
+    2 at the head: counted as steps the ETA said 3x the time; counted as blocks run, within 30%."""
+    from mlxbun.quant import interaction_rounds as rounds
+    from mlxbun.quant.interactions import Step
+
+    clock, n = Clock(), 32
+    starts = {f"model.layers.{i % n}.m{i}": i % n for i in range(96)}
+    in_model = _FakeInModel(clock, starts, n)
+    near = [Step(i, p, 1, 0.0) for i, p in enumerate(starts)]
+    options = [[(None, 0, 0.0)] * 2 for _ in starts]
+    p = _Recorded(clock)
+    clock.now += 7.0  # the reference pass before the first step
+    rounds._round_progress(p, in_model, near, r=0, rounds=2)
+    rounds._measured(options, near, in_model, 0.0, p)
+    end = clock.now
+    worst = max(abs(eta - (end - t)) / (end - t) for t, f, eta in p.seen if 0.1 <= f < 0.99)
+    assert worst <= 0.3
+
+
+def test_sensitivity_says_what_it_does_before_the_first_progress_line(tiny_model, tmp_path, caplog) -> None:
+    """Loading, fingerprinting and calibrating come before the first progress line: each says so."""
+    from mlxbun.quant.sensitivity import sensitivity
+
+    model = tiny_model()
+    caplog.set_level("INFO", logger="mlxbun")
+    sensitivity(
+        model_dir=model, out_dir=tmp_path, work_dir=tmp_path / "w", bits=[4, 8], samples=2, seq_len=16,
+        batch_size=2, method="exact",
+    )  # fmt: skip
+    lines = [r.getMessage() for r in caplog.records]
+    first = next(i for i, m in enumerate(lines) if m.startswith("sensitivity") and "% " in m)
+    assert any("loading and fingerprinting" in m and "2 x 16 calibration tokens" in m for m in lines[:first])
+    assert any("groups to compute" in m and "timing one forward" in m for m in lines[:first])

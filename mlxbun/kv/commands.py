@@ -75,6 +75,32 @@ def prompt_text(*, prompt: str | None, prompt_file: str | None) -> str:
     return path.read_text()
 
 
+def chat_applies(loaded: Loaded, setting: bool | None) -> bool | None:
+    """Whether prompts go through the tokenizer's chat template (``kv.chat_template``; None: when
+    the tokenizer has one, as ``mlx_lm cache_prompt`` and ``mlx_lm generate`` do); None when the
+    tokenizer has none (nothing to choose, so nothing to record)."""
+    has = bool(getattr(loaded.tokenizer, "has_chat_template", False))
+    if setting and not has:
+        raise InputError(
+            f"kv.chat_template=true but the tokenizer in {loaded.path} has no chat template; "
+            "pass kv.chat_template=false or leave it unset"
+        )
+    return None if not has else has if setting is None else bool(setting)
+
+
+def prompt_tokens(loaded: Loaded, text: str, *, chat: bool | None, reply: bool = False) -> list[int]:
+    """Token ids of ``text``: plain ``encode``, or (``chat``) one user message through the chat
+    template, left open as ``mlx_lm cache_prompt`` caches it or (``reply``) followed by the
+    assistant's turn as ``mlx_lm generate`` prompts; the open form is a prefix of the other."""
+    tok = loaded.tokenizer
+    if not chat:
+        return list(tok.encode(text))
+    messages = [{"role": "user", "content": text}]
+    if reply:
+        return list(tok.apply_chat_template(messages, add_generation_prompt=True))
+    return list(tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True))
+
+
 def load_model(path: Path, *, cache_dir: Path | None = None) -> Loaded:
     """The model and tokenizer at ``path`` with their fingerprints (shard digests remembered in
     ``cache_dir``)."""
@@ -101,12 +127,13 @@ def prefill(model: Any, tokens: list[int], cache: list[Any], *, step: int = PREF
 
 
 def save_prompt(
-    store: Store, loaded: Loaded, *, name: str, text: str, layout: str
+    store: Store, loaded: Loaded, *, name: str, text: str, layout: str, chat: bool | None = None
 ) -> tuple[Any, list[int], float]:
-    """Prefill ``text`` and save its cache as ``name``; returns (info, tokens, prefill seconds)."""
+    """Prefill ``text`` (through the chat template with ``chat``) and save its cache as ``name``;
+    returns (info, tokens, prefill seconds)."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    tokens = list(loaded.tokenizer.encode(text))
+    tokens = prompt_tokens(loaded, text, chat=chat)
     if not tokens:
         raise InputError("kv.prompt encodes to zero tokens; give a non-empty prompt")
     cache = make_prompt_cache(loaded.model)
@@ -123,6 +150,7 @@ def save_prompt(
         tokenizer=loaded.tokenizer_fp,
         layout=layout,
         model_name=loaded.name,
+        chat_template=chat,
         on_bytes=bar.update,
     )
     bar.close()
@@ -141,7 +169,10 @@ def save(cfg: Any) -> Any:
     store.check_writable()  # before the model loads and the prefill runs
     loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
     start = time.perf_counter()
-    info, tokens, prefill_s = save_prompt(store, loaded, name=cfg.kv.name, text=text, layout=cfg.kv.layout)
+    chat = chat_applies(loaded, cfg.kv.chat_template)
+    info, tokens, prefill_s = save_prompt(
+        store, loaded, name=cfg.kv.name, text=text, layout=cfg.kv.layout, chat=chat
+    )
     seconds = time.perf_counter() - start - prefill_s
     record = Path(cfg.paths.run_dir) / "kv_snapshot.json"
     record.parent.mkdir(parents=True, exist_ok=True)
@@ -170,6 +201,7 @@ def _record(info: Any) -> dict[str, Any]:
         "model": info.model,
         "model_name": info.model_name,
         "tokenizer": info.tokenizer,
+        "chat_template": info.chat_template,
         "blocks": len(info.blocks),
     }
 
@@ -183,8 +215,9 @@ class Outcome:
     notes: list[str]
 
 
-def why_not(store: Store, loaded: Loaded, tokens: list[int]) -> str:
-    """One line on why no stored snapshot serves ``tokens``: the closest near miss."""
+def why_not(store: Store, loaded: Loaded, tokens: list[int], *, chat: bool | None = None) -> str:
+    """One line on why no stored snapshot serves ``tokens`` (encoded through the chat template
+    or not, ``chat``; None: unknown): the closest near miss."""
     infos, bad = store.list()
     if not infos:
         extra = f" ({len(bad)} unreadable: {bad[0]})" if bad else ""
@@ -209,6 +242,10 @@ def why_not(store: Store, loaded: Loaded, tokens: list[int]) -> str:
                     f"(fingerprint {s.tokenizer[:12]}, here {loaded.tokenizer_fp[:12]})",
                 )
             )
+        elif chat is not None and s.chat_template is not None and s.chat_template != chat:
+            misses.append(
+                (shared + 1, f"{s.name!r} {_encoded(s.chat_template)}; this prompt {_encoded(chat)}")
+            )
         elif shared < len(have):
             at = (
                 f"diverges from the prompt at token {shared}" if shared < len(tokens) else "is longer than it"
@@ -223,6 +260,15 @@ def why_not(store: Store, loaded: Loaded, tokens: list[int]) -> str:
     )
 
 
+def _encoded(chat: bool) -> str:
+    how = (
+        "through the chat template (kv.chat_template=true)"
+        if chat
+        else "as plain text (kv.chat_template=false)"
+    )
+    return f"was encoded {how}"
+
+
 def continue_from(
     store: Store,
     loaded: Loaded,
@@ -232,11 +278,13 @@ def continue_from(
     max_tokens: int,
     verify: bool,
     strict: bool = True,
+    chat: bool | None = None,
 ) -> Outcome:
     """Restore the best snapshot, prefill the rest of ``tokens``, decode greedily.
 
     A snapshot that is corrupt (or, named, missing) raises with ``strict``; otherwise its prefix
-    is recomputed and saved over it atomically, and a note says so.
+    is recomputed and saved over it atomically, and a note says so. ``chat``: whether ``tokens``
+    came through the chat template (recorded in a replaced snapshot, named in a near miss).
     """
 
     fp = dict(model=loaded.model_fp, tokenizer=loaded.tokenizer_fp)
@@ -252,14 +300,14 @@ def continue_from(
     hit = name or (m.name if (m := store.lookup(tokens, unreadable=skipped, **fp)) else None)
     if hit is None:
         cache = _fresh(loaded)
-        notes = [*unreadable, why_not(store, loaded, tokens)]
+        notes = [*unreadable, why_not(store, loaded, tokens, chat=chat)]
         return Outcome(greedy(loaded, tokens, cache, max_tokens=max_tokens), 0, notes)
     try:
         restored = store.load(hit, tokens=tokens, verify=verify, **fp)
     except (fmt.CorruptError, InputError) as e:
         if strict or isinstance(e, MismatchError | StoreBusy) or (isinstance(e, InputError) and not name):
             raise
-        return _repair(store, loaded, tokens, name=hit, why=str(e), max_tokens=max_tokens)
+        return _repair(store, loaded, tokens, name=hit, why=str(e), max_tokens=max_tokens, chat=chat)
     return _continue(
         loaded, tokens, restored.cache, len(restored.tokens), max_tokens=max_tokens, notes=unreadable
     )
@@ -288,7 +336,14 @@ def _continue(
 
 
 def _repair(
-    store: Store, loaded: Loaded, tokens: list[int], *, name: str, why: str, max_tokens: int
+    store: Store,
+    loaded: Loaded,
+    tokens: list[int],
+    *,
+    name: str,
+    why: str,
+    max_tokens: int,
+    chat: bool | None,
 ) -> Outcome:
     """Recompute the prefix snapshot ``name`` held (the whole prompt when unknown), save it over
     the damaged or missing one, and continue from it."""
@@ -308,6 +363,7 @@ def _repair(
             model=loaded.model_fp,
             tokenizer=loaded.tokenizer_fp,
             model_name=loaded.name,
+            chat_template=chat,
         )
         note += " and replaced it"
     except OSError as e:
@@ -339,7 +395,8 @@ def generate(cfg: Any) -> Any:
         check_snapshot_name(cfg.kv.name)
     text = prompt_text(prompt=cfg.kv.prompt, prompt_file=cfg.kv.prompt_file)
     loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
-    tokens = list(loaded.tokenizer.encode(text))
+    chat = chat_applies(loaded, cfg.kv.chat_template)
+    tokens = prompt_tokens(loaded, text, chat=chat, reply=True)
     if not tokens:
         raise InputError("kv.prompt encodes to zero tokens; give a non-empty prompt")
     start = time.perf_counter()
@@ -351,6 +408,7 @@ def generate(cfg: Any) -> Any:
         max_tokens=cfg.kv.max_tokens,
         verify=cfg.kv.verify,
         strict=cfg.kv.strict,
+        chat=chat,
     )
     seconds = time.perf_counter() - start
     completion = loaded.tokenizer.decode(got.tokens)
@@ -396,6 +454,7 @@ def ls(cfg: Any) -> Any:
             "blocks": len(s.blocks),
             "model": s.model_name or store.model_of(s.model) or None,
             "model_fingerprint": s.model[:16],
+            "chat_template": s.chat_template,
             "path": str(s.path),
             "last_used": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s.last_used)),
         }
@@ -410,7 +469,18 @@ def ls(cfg: Any) -> Any:
         for r in rows
     ]
     lines += [f"warning: {b}" for b in bad]
+    if rows:
+        lines += [for_mlx_lm(rows[0]["name"])]
     return RunResult(message="\n".join(lines))
+
+
+def for_mlx_lm(name: str) -> str:
+    """Which file to hand to ``mlx_lm generate --prompt-cache-file``, and how."""
+    return (
+        f"for mlx_lm generate: python -m mlxbun command=kv_export kv.name={name} kv.file={name}.safetensors "
+        f"model.name=<the model as you will spell --model>, then python -m mlx_lm generate --prompt-cache-file "
+        f"{name}.safetensors --prompt '...' (a snapshot of an org/name model opens as it is, from snapshots/)"
+    )
 
 
 def verify(cfg: Any) -> Any:

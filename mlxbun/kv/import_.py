@@ -6,7 +6,8 @@
 
 mlx-lm's file holds no token ids, so the prompt it cached is given again (``kv.prompt`` or
 ``kv.prompt_file``) and tokenized as ``cache_prompt`` does (through the chat template when the
-tokenizer has one). The import is checked before anything is stored: cache classes on the
+tokenizer has one; ``kv.chat_template`` as for kv_save, and recorded in the snapshot so that
+kv_generate, which encodes the same way, reuses it). The import is checked before anything is stored: cache classes on the
 allow-list, one cache per model layer, the cache length equal to the prompt's token count, and
 every value finite, and (``kv.verify=true``) a sample of prompt positions (the last among them)
 recomputed with the given model, each from the file's own cache of the tokens before it, must
@@ -24,7 +25,15 @@ import numpy as np
 
 from mlxbun.errors import DriftError, InputError
 from mlxbun.kv import state
-from mlxbun.kv.commands import Loaded, digest_cache, load_model, prompt_text, store_of
+from mlxbun.kv.commands import (
+    Loaded,
+    chat_applies,
+    digest_cache,
+    load_model,
+    prompt_text,
+    prompt_tokens,
+    store_of,
+)
 from mlxbun.kv.store import check_snapshot_name
 from mlxbun.progress import human_bytes
 from mlxbun.provenance import RunResult
@@ -32,17 +41,6 @@ from mlxbun.source import model_dir
 
 # recomputed K/V of the last token may differ from the file's by float rounding only
 TOLERANCE = 0.02
-
-
-def prompt_tokens(loaded: Loaded, text: str) -> list[int]:
-    """Token ids of ``text`` as ``mlx_lm cache_prompt`` makes them."""
-    tok = loaded.tokenizer
-    if getattr(tok, "has_chat_template", False):
-        messages = [{"role": "user", "content": text}]
-        return list(
-            tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
-        )
-    return list(tok.encode(text))
 
 
 def check_file(file: str | None) -> Path:
@@ -119,12 +117,12 @@ def check_against(loaded: Loaded, cache: list[Any], tokens: list[int], *, path: 
 
 
 def check_trailing_space(
-    loaded: Loaded, cache: list[Any], text: str, tokens: list[int], *, path: Path
+    loaded: Loaded, cache: list[Any], text: str, tokens: list[int], *, path: Path, chat: bool | None
 ) -> None:
     """A length mismatch that the prompt's trailing white space explains (a file's final newline)
     is named as such, with the fix."""
     n, stripped = cache_tokens(cache), text.rstrip()
-    if n == len(tokens) or stripped == text or len(prompt_tokens(loaded, stripped)) != n:
+    if n == len(tokens) or stripped == text or len(prompt_tokens(loaded, stripped, chat=chat)) != n:
         return
     raise InputError(
         f"kv.file={str(path)!r} caches {n} tokens; the prompt given encodes to {len(tokens)} because it ends in "
@@ -218,8 +216,9 @@ def run(cfg: Any) -> Any:
     store.check_writable()
     cache, _ = read_prompt_cache(path)
     loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
-    tokens = prompt_tokens(loaded, text)
-    check_trailing_space(loaded, cache, text, tokens, path=path)
+    chat = chat_applies(loaded, cfg.kv.chat_template)
+    tokens = prompt_tokens(loaded, text, chat=chat)
+    check_trailing_space(loaded, cache, text, tokens, path=path, chat=chat)
     check_against(loaded, cache, tokens, path=path)
     check_finite(cache, len(tokens), path=path)
     checked = None
@@ -233,6 +232,7 @@ def run(cfg: Any) -> Any:
         tokenizer=loaded.tokenizer_fp,
         layout=cfg.kv.layout,
         model_name=loaded.name,
+        chat_template=chat,
     )
     store.remember_model(loaded.model_fp, loaded.name or str(loaded.path))
     how = (

@@ -85,6 +85,7 @@ class SnapshotInfo:
     blocks: tuple[str, ...] = ()
     written_bytes: int = 0
     model_name: str = ""
+    chat_template: bool | None = None  # the tokens came through the chat template (None: not recorded)
 
 
 @dataclass(frozen=True)
@@ -212,13 +213,17 @@ class Store:
         """Persist ``cache`` (mlx-lm cache objects) as snapshot ``name``, replacing it atomically.
 
         Args:
-            fields: tokens, model, tokenizer, layout, model_name as below (checked by one
+            fields: tokens, model, tokenizer, layout, model_name, chat_template as below (checked by one
                 function for :meth:`save` and :meth:`save_async`).
             tokens: the token ids the cache holds (checked against the cache's length).
             model, tokenizer: fingerprints (see mlxbun.fingerprint); loads must match.
             layout: "snapshot" (one mlx-lm prompt-cache file) or "blocks" (deduplicated).
             model_name: what ``mlx_lm generate --prompt-cache-file`` loads when no ``--model``
                 is given (a path or an HF repo id); kept in snapshot files, shown by kv_ls.
+            chat_template: whether ``tokens`` came through the tokenizer's chat template
+                (recorded in the header when given, None for a tokenizer without one;
+                kv_generate names a snapshot encoded the other way, kv_export tells
+                mlx_lm generate how to continue it).
             on_bytes: progress callback; on_stage: called with the name of each step as it
                 starts (:data:`STEPS`); "data_written" once the data is durable (blocks layout:
                 before the manifest that publishes it is written).
@@ -255,6 +260,7 @@ class Store:
         tokenizer: str = "",
         layout: str = "snapshot",
         model_name: str = "",
+        chat_template: bool | None = None,
     ) -> tuple:
         check_snapshot_name(name)
         if layout not in SUFFIX:
@@ -271,6 +277,8 @@ class Store:
             "tokens_sha256": fmt.tokens_sha256(tokens),
         }
         base["model_name"] = model_name
+        if chat_template is not None:
+            base["chat_template"] = bool(chat_template)
         return name, layers, base, layout
 
     def _persist(
@@ -393,6 +401,7 @@ class Store:
             names,
             written,
             h.get("model_name", "") if isinstance(h.get("model_name"), str) else "",
+            h["chat_template"] if isinstance(h.get("chat_template"), bool) else None,
         )
 
     def info(self, name: str) -> SnapshotInfo:

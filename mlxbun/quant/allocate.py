@@ -52,7 +52,7 @@ from mlxbun.provenance import RunResult
 from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport, Source
 from mlxbun.quant.calib import load_calibration, recorded_settings
-from mlxbun.quant.check import CheckResult, check_plan, correction_key
+from mlxbun.quant.check import CheckResult, check_plan
 from mlxbun.quant.convert import resolve_dtype
 from mlxbun.quant.interaction_rounds import improve, interactions_skip
 from mlxbun.quant.interactions import InModel, Option, chosen
@@ -72,22 +72,6 @@ log = logging.getLogger("mlxbun")
 
 PLAN_FILE = "plan.json"
 DEFAULT = QuantSpec(bits=4, group_size=64, mode="affine")
-
-
-# ------------------------------------------------------------------------------- sensitivity
-
-
-def rescaled(sens: Sensitivity, factors: Mapping[str, float]) -> Sensitivity:
-    """Every candidate's KL times its quantizer's factor (``check.correction_key``; absent: 1)."""
-    layers = {
-        path: LayerSensitivity(
-            path, layer.params, {s: v * factors.get(correction_key(s), 1.0) for s, v in layer.kl.items()}
-        )
-        for path, layer in sens.layers.items()
-    }
-    return Sensitivity(
-        layers, sens.model_fingerprint, sens.calibration_fingerprint, sens.path, sens.calibration
-    )
 
 
 # ------------------------------------------------------------------------------- plan

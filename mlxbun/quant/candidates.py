@@ -228,8 +228,8 @@ def corrected(
     Each probe is the model quantized with its plan (under ``work_dir``, removed after) and its KL
     against the reference on ``tokens``."""
     from mlxbun.io.atomic import atomic_write_json
-    from mlxbun.quant.allocate import DEFAULT, allocate, rescaled
-    from mlxbun.quant.check import correction_factors, measured_kl
+    from mlxbun.quant.allocate import DEFAULT, allocate
+    from mlxbun.quant.check import correction_factors, measured_kl, rescaled
     from mlxbun.quant.quantize import quantize_model_dir
     from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
     from mlxbun.quant.spec import Plan

@@ -10,7 +10,7 @@ quantizer with whole-model probes around a plan:
     probe_k= the plan's modules of quantizer k as planned, the rest at their reference
     f_k    = (measured KL(probe_k) / r - predicted KL of the rest) / predicted KL of k's modules
 
-``allocate.rescaled`` multiplies every candidate of quantizer k by f_k before solving again.
+``rescaled`` multiplies every candidate of quantizer k by f_k before solving again.
 
 Example:
     >>> probes = correction_factors(plan.layers, lambda p, s: sens.layers[p].kl[s], measure)
@@ -31,6 +31,7 @@ from mlxbun.quant.budget import SizeReport
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.probe import load_model
 from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
 from mlxbun.quant.spec import QuantSpec
 
 FACTOR_RANGE = (0.1, 10.0)  # a probe's factor is clipped to this: one noisy probe cannot dominate
@@ -195,3 +196,16 @@ def correction_factors(
         f = min(max(f, FACTOR_RANGE[0]), FACTOR_RANGE[1])
         probes.append(Probe(key, len(mine), pk + po, m, f))
     return probes
+
+
+def rescaled(sens: Sensitivity, factors: Mapping[str, float]) -> Sensitivity:
+    """Every candidate's KL times its quantizer's factor (:func:`correction_key`; absent: 1)."""
+    layers = {
+        path: LayerSensitivity(
+            path, layer.params, {s: v * factors.get(correction_key(s), 1.0) for s, v in layer.kl.items()}
+        )
+        for path, layer in sens.layers.items()
+    }
+    return Sensitivity(
+        layers, sens.model_fingerprint, sens.calibration_fingerprint, sens.path, sens.calibration
+    )

@@ -72,8 +72,21 @@ def _measured(
     for k in order:
         s = steps[k]
         out[k] = replace(s, measured=in_model.kl_with(s.path, options[s.item][s.to][0]) - kl)
-        progress.update(1)
+        progress.update(1, work=_blocks_run(in_model, s.path))
     return out
+
+
+def _blocks_run(in_model: InModel, path: str) -> int:
+    """The blocks (and head) a measurement of ``path`` runs: its cost, as progress work."""
+    return in_model.stack.n + 1 - in_model.start(path)
+
+
+def _round_progress(progress: Progress, in_model: InModel, near: list[Step], *, r: int, rounds: int) -> None:
+    """Count ``progress`` to the end of round ``r``: its steps, and the blocks they run (a step
+    near the embedding runs the whole model, one at the head a block or two)."""
+    progress.total = progress.done + len(near)
+    progress.work_total = progress.work + sum(_blocks_run(in_model, s.path) for s in near)
+    progress.desc = f"interactions (round {r + 1} of at most {rounds})"
 
 
 def improve(
@@ -141,10 +154,7 @@ def _rounds(
     """Up to ``rounds`` rounds from ``sol`` (model KL ``kl``); each is appended to ``done``."""
     for r in range(rounds):
         near = near_threshold(options, sol.choice, paths, decisions)
-        progress.total, progress.desc = (
-            progress.done + len(near),
-            f"interactions (round {r + 1} of at most {rounds})",
-        )
+        _round_progress(progress, in_model, near, r=r, rounds=rounds)
         steps = _measured(options, near, in_model, kl, progress)
         tried: list[float] = []
         for costs in (scaled_costs, measured_only):

@@ -239,6 +239,10 @@ def sensitivity(
     Returns:
         The sensitivity.json document (also written) plus ``_stats`` (not written).
     """
+    log.info(  # before the first progress line: a 27B model takes minutes to load and hash
+        "sensitivity (%s): loading and fingerprinting %s, tokenizing %d x %d calibration tokens",
+        method, model_dir, samples, seq_len,
+    )  # fmt: skip
     s = prepare(
         model_dir=model_dir, bits=list(bits), group_size=group_size, mode=mode, calib_path=calib_path,
         samples=samples, seq_len=seq_len, seed=seed, method=method, batch_size=batch_size,
@@ -257,6 +261,12 @@ def sensitivity(
             kls.update(done)
         else:
             todo[g] = groups[g]
+    first = {"fisher": "one backward pass for the estimate", "exact": "timing one forward for the ETA"}
+    log.info(
+        "sensitivity (%s): %d of %d groups to compute (%d resumed), %d candidates each; %s",
+        method, len(todo), len(mine), len(mine) - len(todo), len(s.cands),
+        first.get(method, "one forward per sample and probe"),
+    )  # fmt: skip
     t0 = time.monotonic()
     _compute(
         s, todo, ckpt, kls, batch_size=batch_size, ref_cache_mb=ref_cache_mb, stop_after=stop_after_groups

@@ -34,7 +34,7 @@ import io
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -59,15 +59,8 @@ KL_TOLERANCE = 1e-9
 
 
 def row(t: Target) -> dict[str, Any]:
-    """A module's entry in "layers", without its "kl"."""
-    return {
-        "path": t.path,
-        "group": t.group,
-        "in_features": t.in_features,
-        "out_features": t.out_features,
-        "params": t.in_features * t.out_features,
-        "current": t.current,
-    }
+    """A module's entry in "layers", without its "kl": the target but its source dtype, and its size."""
+    return {k: v for k, v in asdict(t).items() if k != "dtype"} | {"params": t.in_features * t.out_features}
 
 
 def document(
