@@ -133,6 +133,7 @@ def test_pipeline_allocates_among_rich_candidates_and_mlx_lm_loads_the_model(tmp
     second = sorted((tmp_path / "outputs" / "pipeline").iterdir())[-1]
     assert (second / "allocate" / "plan.json").read_bytes() == (run / "allocate" / "plan.json").read_bytes()
     assert "capturing input Hessians" not in again.stderr
+    assert "29 layers x 13 settings" in again.stdout
 
 
 def test_allocate_methods_filter_the_rounding_methods(tmp_path: Path) -> None:

@@ -389,8 +389,10 @@ def run(cfg: Any) -> Any:
     out = run_dir / "sensitivity.json"
     inputs = [mdir] + ([Path(sc.calib.path).expanduser()] if sc.calib.path else [])
     part = "" if doc["shard"] is None else f" (shard {sc.shard}/{sc.num_shards})"
+    rich = doc.get("candidates")
+    settings = f"{rich['settings']} settings" if rich else f"{len(doc['bits'])} bits"
     msg = (
-        f"sensitivity{part}: {stats['layers']} layers x {len(doc['bits'])} bits in {stats['seconds']:.1f}s "
+        f"sensitivity{part}: {stats['layers']} layers x {settings} in {stats['seconds']:.1f}s "
         f"({stats['groups_resumed']} groups resumed) -> {out}"
     )
     return RunResult(
