@@ -151,3 +151,30 @@ def test_allocate_methods_filter_the_rounding_methods(tmp_path: Path) -> None:
     assert candidate_filter(sens, bits=[], group_sizes=[], modes=[], methods=[]) == set(specs)
     with pytest.raises(InputError, match=r"allocate.methods='awq' is not allowed"):
         schema.AllocateCfg(methods=["awq"])
+
+
+def test_a_killed_candidate_scoring_resumes_from_the_modules_it_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxbun.quant.sensitivity import sensitivity
+
+    kw = dict(
+        model_dir=FIXTURE, work_dir=tmp_path / "work", bits=[4], samples=2, seq_len=32,
+        candidate_methods=["gptq"], probe_bpw=None,
+    )  # fmt: skip
+    real, calls = candidates.module_errors, []
+
+    def dies_after_five(*a, **k):
+        if len(calls) == 5:
+            raise KeyboardInterrupt("killed")
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(candidates, "SAVE_EVERY", 0.0)
+    monkeypatch.setattr(candidates, "module_errors", dies_after_five)
+    with pytest.raises(KeyboardInterrupt):
+        sensitivity(out_dir=tmp_path / "a", **kw)
+    monkeypatch.setattr(candidates, "module_errors", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    doc = sensitivity(out_dir=tmp_path / "b", **kw)
+    assert len(calls) == len(doc["layers"])  # 5 before the kill, the rest after it: none twice
+    assert all("affine:4:64:gptq" in row["kl"] for row in doc["layers"])

@@ -33,7 +33,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ log = logging.getLogger("mlxbun.sensitivity")
 METHODS = ("rtn", "clip", "gptq")  # the rounding methods scored here (awq needs its folds: not yet)
 VERSION = 1  # of the estimate: a change gives new cache keys
 PROBE_BPW = 4.5  # the probes' budget when allocate has none
+SAVE_EVERY = 20.0  # seconds between saves of the modules scored so far
 ANCHOR_GROUP = 64  # the group size of the one exact GPTQ per module and bits that scales the others
 
 
@@ -187,26 +188,27 @@ def score(
     measured: Mapping[str, Mapping[QuantSpec, float]],
     specs: Sequence[QuantSpec],
     base_group: int,
-    progress: Callable[[str], None] | None = None,
+    done: Collection[str] = (),
+    on_module: Callable[[str, dict[QuantSpec, float], dict[str, float]], None] | None = None,
 ) -> tuple[dict[str, dict[QuantSpec, float]], dict[str, dict[str, float]]]:
-    """Every target in ``measured``: its KL at every candidate (:func:`to_kl`), and the anchors of
-    its GPTQ estimate. ``model``: the float32 model (``probe.load_model``); each weight is cast
-    to its target's source dtype first, as quantize rounds it."""
+    """Every target in ``measured`` but those ``done``: its KL at every candidate (:func:`to_kl`),
+    and the per-bits scales of its GPTQ estimate, each also handed to ``on_module`` as it is
+    finished. ``model``: the float32 model (``probe.load_model``); each weight is cast to its
+    target's source dtype first, as quantize rounds it."""
     import mlx.core as mx
 
     modules = dict(model.named_modules())
     out, anchors = {}, {}
     for t in targets:
-        if t.path not in measured:
+        if t.path not in measured or t.path in done:
             continue
         w = modules[t.path].weight.astype(getattr(mx, t.dtype))
         h = hessians[t.path] if t.path in hessians else None
         errs, anchor = module_errors(w, h, specs)
         out[t.path] = to_kl(measured[t.path], errs, base_group=base_group)
-        if anchor:
-            anchors[t.path] = anchor
-        if progress is not None:
-            progress(t.path)
+        anchors[t.path] = anchor
+        if on_module is not None:
+            on_module(t.path, out[t.path], anchor)
     return out, anchors
 
 
@@ -291,6 +293,7 @@ def extend(
 
         hessians.safetensors    captured on ``calib`` when ``hessians`` is None
         scored.json             every module's candidates' KL, before correction
+                                (scored.partial.json: the modules done so far, while scoring)
         corrected-<dtype>-<budget>.json   after the probes of a plan at that budget, and the probes
     """
     from mlxbun.io.atomic import atomic_write_json
@@ -335,16 +338,33 @@ def extend(
     scored = read("scored.json")
     if scored is None:
         t0 = time.monotonic()
+        # modules finished before a kill (saved every SAVE_EVERY seconds) are not scored again
+        part = read("scored.partial.json") or {"kl": {}, "gptq_scales": {}, "seconds": 0.0}
+        saved = [time.monotonic()]
         progress = Progress(total=len(kls), unit="modules", desc="sensitivity (candidates)", heartbeat=True)
+        progress.update(len(part["kl"]))
+
+        def keep(path: str, kl: dict[QuantSpec, float], scales: dict[str, float]) -> None:
+            part["kl"] |= keyed({path: kl})
+            part["gptq_scales"][path] = scales
+            progress.update(1)
+            if time.monotonic() - saved[0] >= SAVE_EVERY:
+                atomic_write_json(
+                    work_dir / "scored.partial.json",
+                    part | {"seconds": part["seconds"] + time.monotonic() - t0},
+                )
+                saved[0] = time.monotonic()
+
         try:
-            values, scales = score(
+            score(
                 model=model, targets=targets, hessians=hessian.Hessians(hessians), measured=specced(kls),
-                specs=specs, base_group=group_size, progress=lambda _: progress.update(1),
+                specs=specs, base_group=group_size, done=set(part["kl"]), on_module=keep,
             )  # fmt: skip
         finally:
             progress.close()
-        scored = {"kl": keyed(values), "gptq_scales": scales, "seconds": round(time.monotonic() - t0, 3)}
+        scored = part | {"seconds": round(part["seconds"] + time.monotonic() - t0, 3)}
         atomic_write_json(work_dir / "scored.json", scored)
+        (work_dir / "scored.partial.json").unlink(missing_ok=True)
         seconds["score"] = scored["seconds"]
     out, probes = scored["kl"], []
     if budget_bpw is not None or budget_bytes is not None:
