@@ -290,11 +290,10 @@ class CandidatesCfg:
     # Candidates beyond RTN at sensitivity.bits x sensitivity.group_size, each module's KL scored
     # from its input Hessian (mlxbun/quant/candidates.py): these affine group sizes and rounding
     # methods (rtn, clip, gptq), and microscaling modes (mxfp4, nvfp4, mxfp8). All []: none.
+    # The Hessians are quant.hessians (None: captured on sensitivity.calib, cached).
     group_sizes: list[int] = field(default_factory=list)
     methods: list[str] = field(default_factory=list)
     modes: list[str] = field(default_factory=list)
-    # Input Hessians file (mlxbun.quant.hessian); None: captured on sensitivity.calib (cached).
-    hessians: str | None = None
     # Rescale each quantizer's estimates by whole-model probes of a plan at allocate's budget
     # (4.5 bpw when none is set): one quantize + forward per quantizer.
     correct: bool = True
@@ -306,7 +305,6 @@ class CandidatesCfg:
             choose("sensitivity.candidates.methods", m, CANDIDATE_METHODS)
         for m in self.modes:
             choose("sensitivity.candidates.modes", m, tuple(x for x in MODES if x != "affine"))
-        not_empty("sensitivity.candidates.hessians", self.hessians)
 
     @property
     def enabled(self) -> bool:
@@ -719,7 +717,15 @@ READS: dict[str, tuple[str, ...]] = {
     "synth": ("synth", "io"),
     "inspect": ("inspect", *MODEL_KEYS),
     "quantize": (*MODEL_KEYS, "quant", "io"),
-    "sensitivity": (*MODEL_KEYS, "sensitivity"),
+    # sensitivity.candidates: scored with quant.hessians, probed at allocate's budget in quant.dtype
+    "sensitivity": (
+        *MODEL_KEYS,
+        "sensitivity",
+        "quant.hessians",
+        "quant.dtype",
+        "allocate.budget_bpw",
+        "allocate.budget_bytes",
+    ),  # fmt: skip
     "sensitivity_merge": ("sensitivity.inputs",),
     "allocate": (
         *MODEL_KEYS,

@@ -178,3 +178,20 @@ def test_a_killed_candidate_scoring_resumes_from_the_modules_it_finished(
     doc = sensitivity(out_dir=tmp_path / "b", **kw)
     assert len(calls) == len(doc["layers"])  # 5 before the kill, the rest after it: none twice
     assert all("affine:4:64:gptq" in row["kl"] for row in doc["layers"])
+
+
+def test_sensitivity_scores_with_the_given_quant_hessians(tmp_path: Path) -> None:
+    """quant.hessians (a calibrate step's, or a file) is what the candidates are scored with."""
+    from mlxbun.quant.hessian import capture_model_dir
+
+    h = capture_model_dir(FIXTURE, tmp_path / "h.safetensors", samples=2, seq_len=32)
+    args = [
+        "command=sensitivity", f"model.name={FIXTURE}", "sensitivity.bits=[4]", "sensitivity.calib.samples=2",
+        "sensitivity.calib.seq_len=32", "sensitivity.candidates.methods=[gptq]", "sensitivity.candidates.correct=false",
+        f"quant.hessians={h}",
+    ]  # fmt: skip
+    res = run_cli(*args, tmp=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "capturing input Hessians" not in res.stderr
+    run = next((tmp_path / "outputs" / "sensitivity").iterdir())
+    assert json.loads((run / "sensitivity.json").read_text())["candidates"]["hessians"] == str(h)

@@ -50,7 +50,7 @@ from mlxbun.quant.exact import Sweep, group_cost
 from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
 from mlxbun.quant.sensitivity_file import SCHEMA_VERSION, document, write_reports
 from mlxbun.quant.sensitivity_ref import reference_sweep
-from mlxbun.quant.spec import QuantSpec, spec_for
+from mlxbun.quant.spec import HESSIANS_FILE, QuantSpec, input_file, spec_for
 from mlxbun.source import expand
 from mlxbun.source import model_dir as source_dir
 
@@ -410,11 +410,13 @@ def _candidates(cfg: Any) -> dict[str, Any]:
     c, a = cfg.sensitivity.candidates, cfg.allocate
     if not c.enabled:
         return {}
+    if cfg.quant.hessians is not None:
+        input_file("quant.hessians", cfg.quant.hessians, what=HESSIANS_FILE)
     budget = {"probe_bpw": a.budget_bpw, "probe_bytes": a.budget_bytes}
     if a.budget_bpw is None and a.budget_bytes is None:
         budget["probe_bpw"] = rich_candidates.PROBE_BPW
     return {
         "candidate_group_sizes": list(c.group_sizes), "candidate_methods": list(c.methods),
-        "candidate_modes": list(c.modes), "hessians": c.hessians, "out_dtype": cfg.quant.dtype,
+        "candidate_modes": list(c.modes), "hessians": cfg.quant.hessians, "out_dtype": cfg.quant.dtype,
         **(budget if c.correct else {}),
     }  # fmt: skip
