@@ -58,11 +58,10 @@ from mlxbun.quant.memory import interactions_batch, interactions_skip_memory
 from mlxbun.quant.protect import Rule, count_blocks, fixed_setting, min_bits
 from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
 from mlxbun.quant.spec import (
-    HESSIANS_FILE,
     Plan,
     QuantSpec,
     check_budget,
-    input_file,
+    hessians_file,
 )
 
 log = logging.getLogger("mlxbun")
@@ -441,7 +440,7 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
         raise InputError("allocate.sensitivity is not set; pass a sensitivity.json or the run dir holding it")
     sens = load_sensitivity(a.sensitivity)
     if cfg.quant.hessians is not None:
-        input_file("quant.hessians", cfg.quant.hessians, what=HESSIANS_FILE)
+        hessians_file(cfg.quant.hessians)
     if a.extra_sensitivity:
         extra = [load_sensitivity(x, key="allocate.extra_sensitivity") for x in a.extra_sensitivity]
         sens = merge_sensitivities([sens, *extra])
