@@ -281,7 +281,8 @@ def allocate(
     report: dict[str, Any] = {}
     largest = all(j == _pick_index(opts, max) for opts, j in zip(prob.options, sol.choice, strict=True))
     if in_model is not None and decisions > 0:
-        if why := interactions_skip({o[0] for opts in prob.options for o in opts}, largest=largest):
+        settings = {o[0] for opts in prob.options for o in opts}
+        if why := interactions_skip(settings, largest=largest, hessians=in_model.hessians is not None):
             report = {"skipped": why}
             log.warning("allocate.interactions skipped: %s", why)
         else:
@@ -458,7 +459,8 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
     if a.interactions == 0:
         return plan
     cands = candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes)
-    why = interactions_skip(cands, largest=plan.solver["largest"]) or _memory_skip(
+    has_h = cfg.quant.hessians is not None
+    why = interactions_skip(cands, largest=plan.solver["largest"], hessians=has_h) or _memory_skip(
         cfg, src, plan.size.parameters
     )
     if why:
@@ -470,7 +472,8 @@ def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -
         c.samples,
         c.seq_len,
     )
-    with InModel(src, _calibration(cfg, src), batch_size=_batch(cfg, src)) as in_model:
+    tokens, hessians = _calibration(cfg, src), cfg.quant.hessians
+    with InModel(src, tokens, batch_size=_batch(cfg, src), hessians=hessians) as in_model:
         return _allocate_from_cfg(cfg, src, sens, default, in_model)
 
 
