@@ -430,3 +430,20 @@ def test_interactions_skip_gptq_without_hessians_and_awq(model, tokens, measured
         )
         assert plan.interactions["rounds"]
     assert "allocate.interactions skipped" in caplog.text
+
+
+def test_the_check_measures_the_written_model_against_the_interactions_reference(model, tokens, tmp_path):
+    """The plan as written, measured on the reference InModel already holds (no second reference
+    pass), agrees with the check's own measurement and with the plan's KL in the model."""
+    from mlxbun.quant.check import measured_kl
+    from mlxbun.quant.quantize import quantize_model_dir
+
+    layers = uniform(model, 3)
+    out = quantize_model_dir(model, tmp_path / "q", bits=3, group_size=64).out
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        in_model = m.set(layers)
+        before = m.forwards
+        written = m.kl_of(out)
+        assert m.forwards == before + 1.0
+    assert written == pytest.approx(measured_kl(model, out, tokens, batch_size=2), rel=1e-4)
+    assert written == pytest.approx(in_model, rel=1e-3)

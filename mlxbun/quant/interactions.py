@@ -286,6 +286,26 @@ class InModel:
         self._entry = (to, hs)
         return hs
 
+    def kl_of(self, model_dir: str | Path) -> float:
+        """The KL of another model (the plan as written) against this reference, on the same
+        batches: no second reference pass. The last call: the in-model weights are dropped first,
+        so memory holds one model."""
+        import mlx.core as mx
+
+        self.model = self.stack = None
+        self._original, self._rounded = {}, {}
+        cur, _, _ = load_model(model_dir)
+        total = 0.0
+        for j, b in enumerate(self.batches):
+            logits = cur(b).astype(mx.float32)
+            mx.eval(logits)
+            total += float(kl_from_stats(self._stats(j), logits).sum())
+        self.forwards += 1.0
+        return total / self.n_samples
+
+    def _stats(self, j: int) -> tuple[Any, Any]:
+        return self.refs.get(f"p{j}", mmap=True), self.refs.get(f"negent{j}")
+
     def _kl(self, start: int, hs: list | None) -> float:
         import mlx.core as mx
 
@@ -293,6 +313,5 @@ class InModel:
         for j, b in enumerate(self.batches):
             logits = self.stack.forward(b, start=start, h=None if hs is None else hs[j]).astype(mx.float32)
             mx.eval(logits)
-            stats = (self.refs.get(f"p{j}", mmap=True), self.refs.get(f"negent{j}"))
-            total += float(kl_from_stats(stats, logits).sum())
+            total += float(kl_from_stats(self._stats(j), logits).sum())
         return total / self.n_samples
