@@ -218,12 +218,9 @@ def stage_mxerrors(args: argparse.Namespace) -> None:
 
 
 def stage_hessians(args: argparse.Namespace) -> None:
-    from mlxbun.quant.hessian import capture_model_dir
+    from mlxbun.quant.calibrate import calibrate
 
-    args.dest.mkdir(parents=True, exist_ok=True)
-    capture_model_dir(
-        args.model, args.dest / "hessians.safetensors", samples=args.samples, seq_len=args.seq_len
-    )
+    calibrate(model_dir=args.model, out_dir=args.dest, samples=args.samples, seq_len=args.seq_len)
 
 
 STAGES = {
