@@ -4,6 +4,14 @@ Run: .venv/bin/python bench/allocate_interactions.py --work W
          [--fixtures llama-text-3m llama-text-12l] [--methods exact fisher] [--draws 0 1]
          [--sizes q3 mixed_3_6 q4 mixed_4_6 "q4 g32" q6] [--decisions 16] [--rounds 2]
          [--out bench/results/allocate_interactions.md] [--from-json R.json ...]
+     .venv/bin/python bench/allocate_interactions.py --cost [--fixtures llama-text-12l]
+         [--budgets 3.5 4.5] [--cost-args sensitivity.calib.samples=8 ...]
+
+``--cost``: what one allocation costs against the sensitivity it reads, through the product's
+CLI: ``command=sensitivity`` (the default fisher, bits 2-8, the default calibration), then
+``command=allocate`` (the default interactions) at each ``--budgets`` bpw, each in its own
+process; prints and writes (``bench/results/allocate_cost.md``) wall seconds, peak RSS (wait4)
+and the interactions' forward passes. The goal: an allocation costs at most its sensitivity.
 
 ``W`` is the ``--work`` directory of a ``bench/sensitivity_methods.py`` run: its sensitivities
 (``W/<fixture>/<method>`` for draw 0, ``<method>@calib<K>`` for draw K) are read, not measured
@@ -102,6 +110,82 @@ def fixture(args: argparse.Namespace, name: str) -> dict:
     return out
 
 
+def cli(argv: list[str], tmp: Path) -> dict:
+    """``python -m mlxbun *argv`` in its own process (outputs, cache, registry under ``tmp``):
+    wall seconds and peak RSS (wait4); exits with its stderr when it fails."""
+    import os
+    import subprocess
+
+    iso = [
+        f"paths.outputs={tmp / 'outputs'}",
+        f"paths.cache={tmp / 'cache'}",
+        f"registry.path={tmp / 'r.db'}",
+    ]
+    with open(tmp / "stderr.log", "w+b") as err:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlxbun", *argv, *iso], cwd=REPO, stdout=err, stderr=err
+        )
+        _, status, usage = os.wait4(proc.pid, 0)
+        seconds = time.perf_counter() - t0
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        if proc.returncode:
+            err.seek(0)
+            raise SystemExit(f"{' '.join(argv)} failed:\n{err.read().decode()[-3000:]}")
+    return {"seconds": seconds, "peak_mb": usage.ru_maxrss / 1024}
+
+
+def cost(args: argparse.Namespace, name: str) -> dict:
+    """Seconds and peak RSS of sensitivity and of one allocation per budget, through the CLI."""
+    import shutil
+    import tempfile
+
+    model = REPO / "tests" / "fixtures" / name
+    rows = {}
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        argv = [
+            "command=sensitivity",
+            f"model.name={model}",
+            "sensitivity.bits=[2,3,4,5,6,8]",
+            *args.cost_args,
+        ]
+        rows["sensitivity"] = cli(argv, tmp)
+        run = next((tmp / "outputs" / "sensitivity").iterdir())
+        calib = json.loads((run / "sensitivity.json").read_text())["calibration"]
+        rows["sensitivity"]["calibration"] = f"{calib['samples']} x {calib['seq_len']}"
+        print(f"{name} sensitivity: {json.dumps(rows['sensitivity'])}", flush=True)
+        for bpw in args.budgets:
+            argv = ["command=allocate", f"model.name={model}", f"allocate.sensitivity={run}"]
+            row = cli([*argv, f"allocate.budget_bpw={bpw}"], tmp)
+            out = next((tmp / "outputs" / "allocate").iterdir())
+            it = json.loads((out / "plan.json").read_text()).get("interactions", {})
+            shutil.rmtree(out)
+            row |= {k: it.get(k) for k in ("forwards", "skipped", "kl_before", "kl_after")}
+            rows[f"allocate {bpw} bpw"] = row
+            print(f"{name} allocate {bpw} bpw: {json.dumps(row)}", flush=True)
+    return rows
+
+
+def cost_report(args: argparse.Namespace, results: dict) -> str:
+    lines = [
+        "# allocate against the sensitivity it reads: seconds and peak RSS, through the CLI",
+        "",
+        f"Command: `{' '.join(['.venv/bin/python', 'bench/allocate_interactions.py', *sys.argv[1:]])}`",
+        "",
+        "| fixture | step | seconds | / sensitivity | interactions forwards | peak RSS (MB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, rows in results.items():
+        sens = rows["sensitivity"]["seconds"]
+        for step, r in rows.items():
+            fw = "" if r.get("forwards") is None else f"{r['forwards']:.1f}"
+            lines.append(
+                f"| {name} | {step} | {r['seconds']:.1f} | {r['seconds'] / sens:.2f} | {fw} | {r.get('peak_mb', 0):.0f} |"
+            )
+    return "\n".join(lines + [""])
+
+
 def report(args: argparse.Namespace, results: dict) -> str:
     lines = [
         "# allocate.interactions: held-out KL of plans with and without",
@@ -152,8 +236,13 @@ def report(args: argparse.Namespace, results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--work", type=Path, required=True)
-    ap.add_argument("--fixtures", nargs="+", default=["llama-text-3m", "llama-text-12l"])
+    ap.add_argument("--work", type=Path)
+    ap.add_argument("--cost", action="store_true", help="seconds and peak RSS: allocate vs its sensitivity")
+    ap.add_argument("--budgets", nargs="+", type=float, default=[3.5, 4.5])
+    ap.add_argument(
+        "--cost-args", nargs="*", default=[], help="more CLI keys for the sensitivity (calibration)"
+    )
+    ap.add_argument("--fixtures", nargs="+")
     ap.add_argument("--methods", nargs="+", default=["exact", "fisher"])
     ap.add_argument("--draws", nargs="+", type=int, default=[0])
     ap.add_argument("--sizes", nargs="+", default=[label for label, _ in sm.SIZES])
@@ -162,6 +251,18 @@ def main() -> None:
     ap.add_argument("--from-json", type=Path, nargs="+", help="report these results files instead of running")
     ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "allocate_interactions.md")
     args = ap.parse_args()
+    if args.cost:
+        args.fixtures = args.fixtures or ["llama-text-12l"]
+        results = {name: cost(args, name) for name in args.fixtures}
+        text = cost_report(args, results)
+        out = REPO / "bench" / "results" / "allocate_cost.md"
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+        print(text)
+        return
+    if args.work is None:
+        ap.error("--work is needed (or --cost)")
+    args.fixtures = args.fixtures or ["llama-text-3m", "llama-text-12l"]
     if "exact" not in args.methods:
         args.methods.insert(0, "exact")
     from mlxbun import blas

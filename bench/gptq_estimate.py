@@ -38,13 +38,12 @@ def main() -> None:
     import mlx.core as mx
 
     from mlxbun.quant import candidates
-    from mlxbun.quant.hessian import Hessians, capture_model_dir
+    from mlxbun.quant.calibrate import calibrate
+    from mlxbun.quant.hessian import Hessians
     from mlxbun.quant.probe import load_model, source_dtypes
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = capture_model_dir(
-            args.model, Path(tmp) / "h.safetensors", samples=args.samples, seq_len=args.seq_len
-        )
+        path = calibrate(model_dir=args.model, out_dir=tmp, samples=args.samples, seq_len=args.seq_len).path
         hessians = {k: v for k, v in Hessians(path).items()}
     model, _, _ = load_model(args.model)
     dtypes = source_dtypes(args.model)

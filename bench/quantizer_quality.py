@@ -5,7 +5,7 @@ Run: .venv/bin/python bench/quantizer_quality.py [--model tests/fixtures/llama-t
 
 For each model and bits in (3, 4), all at group size 64:
 
-1. Input Hessians on the calibration tokens (``mlxbun.quant.hessian.capture_model_dir``, streamed
+1. Input Hessians on the calibration tokens (``mlxbun.quant.calibrate.calibrate``, streamed
    block by block), in a child process: wall time and peak RSS.
 2. mlxbun's ``quantize_model_dir`` with ``method`` rtn, clip, gptq and awq (wall time of the
    quantize call, in this process).

@@ -48,6 +48,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "quantize": ("mlxbun.quant.quantize", "stream an HF checkpoint to a quantized MLX model"),
     "sensitivity": ("mlxbun.quant.sensitivity", "per-layer KL of candidates: fisher, exact or reference"),
     "sensitivity_merge": ("mlxbun.quant.sensitivity_merge", "combine sharded sensitivity runs"),
+    "calibrate": ("mlxbun.quant.calibrate", "input Hessians of every module on calibration text (cached)"),
     "allocate": ("mlxbun.quant.allocate", "per-layer bits under a true size budget -> plan.json"),
     "rotate": ("mlxbun.rotate", "fold a seeded randomized Hadamard R1 into a checkpoint"),
     "eval": ("mlxbun.eval", "KL-divergence statistics of quantized candidates against a reference"),

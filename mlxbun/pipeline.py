@@ -38,6 +38,7 @@ NEEDS: dict[str, tuple[tuple[str, ...], ...]] = {
     "quantize": (MODEL,),
     "sensitivity": (MODEL,),
     "sensitivity_merge": (("sensitivity.inputs",),),
+    "calibrate": (MODEL,),
     "allocate": (MODEL, ("allocate.sensitivity",), ("allocate.budget_bpw", "allocate.budget_bytes")),
     "rotate": (MODEL,),
     "inspect": (("inspect.path", *MODEL),),
@@ -55,6 +56,7 @@ PROVIDES: dict[str, tuple[str, ...]] = {
     "registry_resolve": ("model.name",),
     "sensitivity": ("allocate.sensitivity",),
     "sensitivity_merge": ("allocate.sensitivity",),
+    "calibrate": ("quant.hessians",),
     "allocate": ("quant.plan",),
 }
 
@@ -96,14 +98,15 @@ def _check_before_work(cfg: Any, steps: list[str]) -> None:
     """What a later step would refuse after earlier steps' work, refused before the first step:
     missing Hessians (or a Hessians path that is no regular file), a plan.json that does not
     read, an allocate budget below the smallest plan."""
-    from mlxbun.quant.spec import HESSIANS_FILE, check_hessians, input_file, load_plan
+    from mlxbun.quant.spec import check_hessians, hessians_file, load_plan
 
     q, provided = cfg.quant, set()
     for i, step in enumerate(steps, 1):
         try:
-            if step in ("quantize", "allocate") and q.hessians is not None:
-                input_file("quant.hessians", q.hessians, what=HESSIANS_FILE)
-            if step == "quantize":
+            given = "quant.hessians" not in provided and q.hessians is not None
+            if step in ("quantize", "allocate") and given:
+                hessians_file(q.hessians)
+            if step == "quantize" and "quant.hessians" not in provided:
                 plan = load_plan(q.plan) if q.plan and "quant.plan" not in provided else None
                 check_hessians(q.method, plan, q.hessians)
             if step == "allocate" and "model.name" not in provided and not cfg.model.synthetic:

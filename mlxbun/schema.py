@@ -246,7 +246,8 @@ class QuantCfg:
     threads: int | None = None
     # How affine weights are rounded: rtn (mx.quantize), clip (range search), gptq or awq.
     method: str = "rtn"
-    # Input Hessians (mlxbun.quant.hessian file): gptq and awq need them; clip weights columns by them.
+    # Input Hessians (hessians.safetensors, or the command=calibrate run dir holding it): gptq and
+    # awq need them; clip weights columns by them. A pipeline's calibrate step sets it.
     hessians: str | None = None
 
     def __post_init__(self) -> None:
@@ -361,6 +362,16 @@ class SensitivityCfg:
                 f"sensitivity.shard={self.shard} is out of range; it must be in 0..{self.num_shards - 1}"
                 f" for sensitivity.num_shards={self.num_shards}"
             )
+
+
+@dataclass
+class CalibrateCfg:
+    # Root of the cached Hessians, one directory per model and calibration (a rerun reuses it);
+    # None: <paths.cache>/hessians. The calibration is sensitivity.calib's.
+    work_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        not_empty("calibrate.work_dir", self.work_dir)
 
 
 @dataclass
@@ -650,6 +661,7 @@ class Config:
     inspect: InspectCfg = field(default_factory=InspectCfg)
     quant: QuantCfg = field(default_factory=QuantCfg)
     sensitivity: SensitivityCfg = field(default_factory=SensitivityCfg)
+    calibrate: CalibrateCfg = field(default_factory=CalibrateCfg)
     allocate: AllocateCfg = field(default_factory=AllocateCfg)
     fold: FoldCfg = field(default_factory=FoldCfg)
     kv: KvCfg = field(default_factory=KvCfg)
@@ -727,6 +739,7 @@ READS: dict[str, tuple[str, ...]] = {
         "allocate.budget_bytes",
     ),  # fmt: skip
     "sensitivity_merge": ("sensitivity.inputs",),
+    "calibrate": (*MODEL_KEYS, "calibrate", "sensitivity.calib", "sensitivity.batch_size"),
     "allocate": (
         *MODEL_KEYS,
         "allocate",

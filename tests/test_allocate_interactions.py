@@ -228,21 +228,6 @@ def test_spill_of_references_is_removed(model, tokens):
     assert not os.path.exists(where)
 
 
-def test_interactions_skip_candidates_they_cannot_measure(model, tokens, measured, caplog):
-    """Fake quantization rounds to nearest: a gptq candidate's measurement would be another's."""
-    path = "model.layers.0.mlp.down_proj"
-    layers = dict(measured.layers)
-    old = layers[path]
-    gptq = QuantSpec(bits=4, group_size=64, method="gptq")
-    layers[path] = sf.LayerSensitivity(path, old.params, {**old.kl, gptq: old.kl[q(4)] / 2})
-    sens = sf.Sensitivity(layers, measured.model_fingerprint, measured.calibration_fingerprint)
-    with ia.InModel(model, tokens, batch_size=2) as m:
-        plan = al.allocate(sens, model_dir=model, budget_bpw=4.5, in_model=m)
-        assert m.forwards == 1.0  # nothing measured beyond the reference
-    assert plan.interactions == {"skipped": "candidates round by gptq; interactions measure rtn only"}
-    assert "allocate.interactions skipped" in caplog.text
-
-
 def test_modules_the_default_group_does_not_fit_stay_unquantized_in_the_model(model, tokens, tmp_path):
     """At group 128 the 64-wide projections are not probed and keep the default, which they
     cannot take: the plan leaves them unquantized and so must the model interactions measure."""
@@ -356,3 +341,109 @@ def test_an_explicit_calibration_is_used_and_the_difference_said_once(
     cfg.sensitivity.calib = schema.CalibCfg(samples=2, seq_len=32)
     assert _tokens_measured_on(cfg, monkeypatch) == (2, 32)
     assert caplog.text.count("differs from the calibration") == 1
+
+
+# ---------------------------------------------------------------- clip / gptq candidates, in float32
+
+
+@pytest.fixture(scope="module")
+def hessians(model, tokens, tmp_path_factory):
+    """The model's input Hessians on the calibration tokens (quant.hessians)."""
+    from mlxbun.quant import hessian
+    from mlxbun.quant.probe import load_model
+
+    m, _, _ = load_model(model)
+    path = tmp_path_factory.mktemp("h") / "hessians.safetensors"
+    hessian.save(hessian.capture(m, tokens), path, tokens=tokens.size)
+    return path
+
+
+def with_methods(sens, paths, methods=("clip", "gptq")):
+    """``sens`` with, for each of ``paths``, clip/gptq candidates at 2 and 4 bits (half rtn's KL)."""
+    layers = dict(sens.layers)
+    for path in paths:
+        old = layers[path]
+        extra = {
+            QuantSpec(bits=b, group_size=64, method=m): old.kl[q(b)] / 2 for b in (2, 4) for m in methods
+        }
+        layers[path] = sf.LayerSensitivity(path, old.params, {**old.kl, **extra})
+    return sf.Sensitivity(
+        layers, sens.model_fingerprint, sens.calibration_fingerprint, sens.path, sens.calibration
+    )
+
+
+def test_in_model_puts_the_weights_quantize_would_write(model, tokens, hessians):
+    """A clip or gptq setting is installed with the weight its rounding gives (with the module's H),
+    dequantized to float32: the weight the quantized model has, not a round-to-nearest one."""
+    import mlx.core as mx
+
+    from mlxbun.quant import hessian, rounding
+    from mlxbun.quant.probe import module_at
+
+    path = "model.layers.0.mlp.down_proj"
+    h = hessian.Hessians(hessians)[path]
+    with ia.InModel(model, tokens, batch_size=2, hessians=hessians) as m:
+        w = module_at(m.model, path).weight
+        src = w.astype(mx.bfloat16)
+        for method in ("clip", "gptq"):
+            spec = QuantSpec(bits=3, group_size=64, method=method)
+            wq, s, b = rounding.quantize(src, bits=3, group_size=64, method=method, hessian=h)
+            want = mx.dequantize(wq, s, b, group_size=64, bits=3).astype(mx.float32)
+            m.set({path: spec})
+            got = module_at(m.model, path).weight
+            assert got.dtype == mx.float32 and np.array_equal(np.asarray(got), np.asarray(want)), method
+            rtn = m.set({path: q(3)})
+            assert not np.array_equal(np.asarray(module_at(m.model, path).weight), np.asarray(want))
+            assert rtn > 0
+        # every forward runs in float32 (through the BLAS), never bf16 matmuls on the CPU
+        from mlx.utils import tree_flatten
+
+        assert {str(v.dtype) for _, v in tree_flatten(m.model.parameters())} == {"mlx.core.float32"}
+
+
+def test_interactions_measure_clip_and_gptq_candidates(model, tokens, measured, hessians):
+    paths = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.v_proj"]
+    sens = with_methods(measured, paths)
+    with ia.InModel(model, tokens, batch_size=2, hessians=hessians) as m:
+        plan = al.allocate(sens, model_dir=model, budget_bpw=4.5, in_model=m, decisions=8)
+        assert "skipped" not in plan.interactions and plan.interactions["rounds"]
+        assert m.set(plan.layers) == pytest.approx(plan.interactions["kl_after"], rel=1e-6)
+    assert {plan.layers[p].method for p in paths} & {"clip", "gptq"}
+
+
+def test_interactions_skip_gptq_without_hessians_and_awq(model, tokens, measured, caplog):
+    """gptq rounds through H: without quant.hessians its weights cannot be made; awq folds scales
+    into the layers before: neither is measured (said in plan.json), clip is."""
+    path = "model.layers.0.mlp.down_proj"
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        plan = al.allocate(with_methods(measured, [path]), model_dir=model, budget_bpw=4.5, in_model=m)
+        assert m.forwards == 1.0  # nothing measured beyond the reference
+        assert plan.interactions == {"skipped": "gptq candidates need quant.hessians to be measured"}
+        plan = al.allocate(
+            with_methods(measured, [path], ("awq",)), model_dir=model, budget_bpw=4.5, in_model=m
+        )
+        assert plan.interactions == {
+            "skipped": "candidates round by awq; interactions measure rtn, clip and gptq"
+        }
+        plan = al.allocate(
+            with_methods(measured, [path], ("clip",)), model_dir=model, budget_bpw=4.5, in_model=m
+        )
+        assert plan.interactions["rounds"]
+    assert "allocate.interactions skipped" in caplog.text
+
+
+def test_the_check_measures_the_written_model_against_the_interactions_reference(model, tokens, tmp_path):
+    """The plan as written, measured on the reference InModel already holds (no second reference
+    pass), agrees with the check's own measurement and with the plan's KL in the model."""
+    from mlxbun.quant.check import measured_kl
+    from mlxbun.quant.quantize import quantize_model_dir
+
+    layers = uniform(model, 3)
+    out = quantize_model_dir(model, tmp_path / "q", bits=3, group_size=64).out
+    with ia.InModel(model, tokens, batch_size=2) as m:
+        in_model = m.set(layers)
+        before = m.forwards
+        written = m.kl_of(out)
+        assert m.forwards == before + 1.0
+    assert written == pytest.approx(measured_kl(model, out, tokens, batch_size=2), rel=1e-4)
+    assert written == pytest.approx(in_model, rel=1e-3)

@@ -182,9 +182,9 @@ def test_a_killed_candidate_scoring_resumes_from_the_modules_it_finished(
 
 def test_sensitivity_scores_with_the_given_quant_hessians(tmp_path: Path) -> None:
     """quant.hessians (a calibrate step's, or a file) is what the candidates are scored with."""
-    from mlxbun.quant.hessian import capture_model_dir
+    from mlxbun.quant.calibrate import calibrate
 
-    h = capture_model_dir(FIXTURE, tmp_path / "h.safetensors", samples=2, seq_len=32)
+    h = calibrate(model_dir=FIXTURE, out_dir=tmp_path / "h", samples=2, seq_len=32).path
     args = [
         "command=sensitivity", f"model.name={FIXTURE}", "sensitivity.bits=[4]", "sensitivity.calib.samples=2",
         "sensitivity.calib.seq_len=32", "sensitivity.candidates.methods=[gptq]", "sensitivity.candidates.correct=false",

@@ -11,6 +11,7 @@ from test_quantize import make_hf_model
 
 from mlxbun.errors import InputError
 from mlxbun.quant import hessian
+from mlxbun.quant.calibrate import calibrate
 
 TOKENS = np.random.default_rng(0).integers(3, 64, (5, 24))
 
@@ -72,11 +73,11 @@ def test_streamed_capture_equals_one_hooked_forward(tmp_path, arch):
     assert logits.shape[:2] == TOKENS.shape
 
 
-def test_capture_model_dir_loads_lazily_and_matches(tmp_path):
+def test_calibrate_loads_lazily_and_matches(tmp_path):
     src = make_hf_model(tmp_path / "src", "llama")
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(f"w{t}" for t in TOKENS.ravel()))
-    out = hessian.capture_model_dir(src, tmp_path / "h.safetensors", calib_path=calib, samples=2, seq_len=16)
+    out = calibrate(model_dir=src, out_dir=tmp_path, calib_path=calib, samples=2, seq_len=16).path
     lazy = hessian.Hessians(out)
     eager = hessian.load(out)
     assert sorted(lazy) == sorted(eager) and len(lazy) == len(eager)
@@ -108,7 +109,7 @@ def test_streamed_file_equals_in_memory_capture_and_golden_header(tmp_path):
     src = make_hf_model(tmp_path / "src", "qwen3")
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(f"w{t}" for t in TOKENS.ravel()))
-    out = hessian.capture_model_dir(src, tmp_path / "h.safetensors", calib_path=calib, samples=2, seq_len=16)
+    out = calibrate(model_dir=src, out_dir=tmp_path, calib_path=calib, samples=2, seq_len=16).path
     model, tok = load(str(src))
     model.set_dtype(mx.float32)
     tokens = load_calibration(tokenizer=tok, path=calib, samples=2, seq_len=16, seed=0).tokens
@@ -116,7 +117,7 @@ def test_streamed_file_equals_in_memory_capture_and_golden_header(tmp_path):
     got = hessian.load(out)
     assert sorted(got) == sorted(ref) and "model.embed_tokens" in got  # tied head
     assert all(np.allclose(np.asarray(got[k]), np.asarray(ref[k]), rtol=1e-5, atol=1e-4) for k in ref)
-    assert not list(tmp_path.glob(".h.safetensors*"))  # the spool is gone
+    assert not list(tmp_path.glob(".hessians.safetensors*"))  # the spool is gone
     hessian.save({"b": mx.eye(2), "a": mx.ones((1, 1))}, tmp_path / "g.safetensors", tokens=7)
     raw = (tmp_path / "g.safetensors").read_bytes()
     assert raw[:8] == (len(raw) - 8 - 20).to_bytes(8, "little")

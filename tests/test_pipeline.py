@@ -100,7 +100,7 @@ def test_every_pipeline_recipe_passes_the_up_front_check(recipe: str) -> None:
 def test_the_best_recipe_without_a_budget_names_the_keys_before_any_step() -> None:
     cfg = _compose_recipe("best", USER_KEYS["best"][0])
     with pytest.raises(
-        InputError, match=r"step 2 \(allocate\) needs allocate.budget_bpw or allocate.budget_bytes"
+        InputError, match=r"step 3 \(allocate\) needs allocate.budget_bpw or allocate.budget_bytes"
     ):
         pipeline.check_steps(cfg, list(cfg.pipeline.steps))
     cfg = _compose_recipe("best", USER_KEYS["best"][0], "allocate.budget_bytes=3000000")

@@ -12,6 +12,7 @@ from test_quantize import make_hf_model
 
 from mlxbun.errors import InputError
 from mlxbun.quant import rounding
+from mlxbun.quant.calibrate import calibrate
 from mlxbun.quant.quantize import quantize_model_dir
 
 BITS = (2, 3, 4, 5, 6, 8)
@@ -227,8 +228,8 @@ def test_gptq_model_loads_generates_and_is_closer_than_rtn(tmp_path):
     hessian.save(hessian.capture(model, tokens), tmp_path / "h.safetensors", tokens=tokens.size)
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(f"w{t}" for t in tokens.ravel()))
-    hessian.capture_model_dir(src, tmp_path / "c.safetensors", calib_path=calib, samples=2, seq_len=16)
-    assert "model.layers.0.self_attn.q_proj" in hessian.load(tmp_path / "c.safetensors")
+    captured = calibrate(model_dir=src, out_dir=tmp_path / "c", calib_path=calib, samples=2, seq_len=16)
+    assert "model.layers.0.self_attn.q_proj" in hessian.load(captured.path)
     with pytest.raises(InputError, match="needs quant.hessians"):
         quantize_model_dir(src, tmp_path / "x", bits=3, group_size=64, method="gptq")
     kw = dict(bits=3, group_size=64, method="gptq", hessians=tmp_path / "h.safetensors")

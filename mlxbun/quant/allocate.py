@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -61,11 +62,10 @@ from mlxbun.quant.memory import interactions_batch, interactions_skip_memory
 from mlxbun.quant.protect import Rule, count_blocks, fixed_setting, min_bits
 from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
 from mlxbun.quant.spec import (
-    HESSIANS_FILE,
     Plan,
     QuantSpec,
     check_budget,
-    input_file,
+    hessians_file,
 )
 
 log = logging.getLogger("mlxbun")
@@ -269,7 +269,8 @@ def allocate(
     report: dict[str, Any] = {}
     largest = all(j == _pick_index(opts, max) for opts, j in zip(prob.options, sol.choice, strict=True))
     if in_model is not None and decisions > 0:
-        if why := interactions_skip({o[0] for opts in prob.options for o in opts}, largest=largest):
+        settings = {o[0] for opts in prob.options for o in opts}
+        if why := interactions_skip(settings, largest=largest, hessians=in_model.hessians is not None):
             report = {"skipped": why}
             log.warning("allocate.interactions skipped: %s", why)
         else:
@@ -434,7 +435,7 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
         raise InputError("allocate.sensitivity is not set; pass a sensitivity.json or the run dir holding it")
     sens = load_sensitivity(a.sensitivity)
     if cfg.quant.hessians is not None:
-        input_file("quant.hessians", cfg.quant.hessians, what=HESSIANS_FILE)
+        hessians_file(cfg.quant.hessians)
     if a.extra_sensitivity:
         extra = [load_sensitivity(x, key="allocate.extra_sensitivity") for x in a.extra_sensitivity]
         sens = merge_sensitivities([sens, *extra])
@@ -446,26 +447,32 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
     return sens, QuantSpec(bits=a.default_bits, group_size=a.default_group_size, mode=a.default_mode)
 
 
-def _plan_from_cfg(cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec) -> Allocation:
+def _plan_from_cfg(
+    cfg: Any, src: Path, sens: Sensitivity, default: QuantSpec, stack: ExitStack
+) -> tuple[Allocation, InModel | None]:
+    """The plan, and the model it was measured in (None without interactions), open in ``stack``:
+    the check measures the written plan against its reference."""
     a = cfg.allocate
     plan = _allocate_from_cfg(cfg, src, sens, default, None)  # checks the input before any loading
     if a.interactions == 0:
-        return plan
+        return plan, None
     cands = candidate_filter(sens, bits=a.bits, group_sizes=a.group_sizes, modes=a.modes, methods=a.methods)
-    why = interactions_skip(cands, largest=plan.solver["largest"]) or _memory_skip(
+    has_h = cfg.quant.hessians is not None
+    why = interactions_skip(cands, largest=plan.solver["largest"], hessians=has_h) or _memory_skip(
         cfg, src, plan.size.parameters
     )
     if why:
         log.warning("allocate.interactions=%d skipped: %s", a.interactions, why)
-        return replace(plan, interactions={"skipped": why})
+        return replace(plan, interactions={"skipped": why}), None
     c = cfg.sensitivity.calib
     log.info(
         "allocate.interactions: the reference over %d x %d calibration tokens, then the plan in the model",
         c.samples,
         c.seq_len,
     )
-    with InModel(src, _calibration(cfg, src), batch_size=_batch(cfg, src)) as in_model:
-        return _allocate_from_cfg(cfg, src, sens, default, in_model)
+    tokens, hessians = _calibration(cfg, src), cfg.quant.hessians
+    in_model = stack.enter_context(InModel(src, tokens, batch_size=_batch(cfg, src), hessians=hessians))
+    return _allocate_from_cfg(cfg, src, sens, default, in_model), in_model
 
 
 def _vocab(src: Path) -> int:
@@ -584,14 +591,17 @@ def _summary(plan: Allocation, plan_path: Path) -> tuple[dict[str, Any], str]:
     return metrics, msg
 
 
-def _check_from_cfg(cfg: Any, plan: Allocation, plan_path: Path, src: Path, sens: Sensitivity) -> CheckResult:
-    """Quantize with the plan into ``<run_dir>/model``; check.json; DriftError if sizes differ."""
+def _check_from_cfg(
+    cfg: Any, plan: Allocation, plan_path: Path, src: Path, sens: Sensitivity, in_model: InModel | None
+) -> CheckResult:
+    """Quantize with the plan into ``<run_dir>/model``; check.json; DriftError if sizes differ. With
+    ``in_model`` (same calibration) the written model is measured against its reference."""
     c, run_dir = cfg.sensitivity.calib, plan_path.parent
     check = check_plan(
         plan, plan_path, model_dir=src, out=run_dir / "model", calib_path=c.path, samples=c.samples,
         seq_len=c.seq_len, seed=c.seed, out_dtype=cfg.quant.dtype,
         shard_bytes=cfg.io.shard_bytes, expected_calibration=sens.calibration_fingerprint,
-        hessians=cfg.quant.hessians,
+        hessians=cfg.quant.hessians, measure=None if in_model is None else in_model.kl_of,
     )  # fmt: skip
     atomic_write_json(run_dir / "check.json", check.to_json(base=run_dir))
     if check.measured != check.predicted:
@@ -606,15 +616,16 @@ def run(cfg: Any) -> Any:
     src = model_dir(cfg)
     sens, default = _check_boundary(cfg, src)
     cfg = replace(cfg, sensitivity=replace(cfg.sensitivity, calib=calibration_of(cfg, sens)))
-    plan = _plan_from_cfg(cfg, src, sens, default)
-    run_dir = Path(cfg.paths.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    plan_path = run_dir / PLAN_FILE
-    atomic_write_json(plan_path, plan.to_json() | candidates_record(sens))
+    with ExitStack() as stack:
+        plan, in_model = _plan_from_cfg(cfg, src, sens, default, stack)
+        run_dir = Path(cfg.paths.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        plan_path = run_dir / PLAN_FILE
+        atomic_write_json(plan_path, plan.to_json() | candidates_record(sens))
+        check = _check_from_cfg(cfg, plan, plan_path, src, sens, in_model) if cfg.allocate.check else None
     outputs = [plan_path]
     metrics, msg = _summary(plan, plan_path)
-    if cfg.allocate.check:
-        check = _check_from_cfg(cfg, plan, plan_path, src, sens)
+    if check is not None:
         outputs += [run_dir / "check.json", check.out]
         metrics |= {"measured_bytes": check.measured.file_bytes, "measured_kl": check.measured_kl}
         msg += f"\ncheck: wrote {check.measured.file_bytes} bytes, measured KL {check.measured_kl:.5g} -> {check.out}"

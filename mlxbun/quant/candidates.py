@@ -291,7 +291,8 @@ def extend(
     """sensitivity.json's "kl" of every module (``kls``: the measured RTN bits) with every candidate
     added, and the "candidates" record. Each stage is kept under ``work_dir`` (a rerun resumes):
 
-        hessians.safetensors    captured on ``calib`` when ``hessians`` is None
+        hessians.safetensors    captured on ``calib`` (``command=calibrate``'s capture) when
+                                ``hessians`` is None
         scored.json             every module's candidates' KL, before correction
                                 (scored.partial.json: the modules done so far, while scoring)
         corrected-<dtype>-<budget>.json   after the probes of a plan at that budget, and the probes
@@ -299,22 +300,23 @@ def extend(
     from mlxbun.io.atomic import atomic_write_json
     from mlxbun.progress import Progress
     from mlxbun.quant import hessian
+    from mlxbun.quant.calibrate import calibrate
     from mlxbun.quant.sensitivity_file import parse_setting_key, setting_key
+    from mlxbun.quant.spec import HESSIANS_NAME
 
     work_dir.mkdir(parents=True, exist_ok=True)
     bits = sorted({int(k) for kl in kls.values() for k in kl})
     specs = settings(bits, group_sizes=[group_size, *group_sizes], methods=["rtn", *methods], modes=modes)
     seconds: dict[str, float] = {}
     if hessians is None:
-        hessians = work_dir / "hessians.safetensors"
+        hessians = work_dir / HESSIANS_NAME
         if not hessians.is_file():
-            t0 = time.monotonic()
             log.info("sensitivity.candidates: capturing input Hessians on the calibration text")
-            hessian.capture_model_dir(
-                model_dir, hessians, calib_path=calib.get("path"), samples=calib["samples"],
+            done = calibrate(
+                model_dir=model_dir, out_dir=work_dir, calib_path=calib.get("path"), samples=calib["samples"],
                 seq_len=calib["seq_len"], seed=calib["seed"],
             )  # fmt: skip
-            seconds["hessians"] = round(time.monotonic() - t0, 3)
+            seconds["hessians"] = round(done.seconds, 3)
 
     def read(name: str) -> dict[str, Any] | None:
         p = work_dir / name

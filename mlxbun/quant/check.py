@@ -101,9 +101,12 @@ def check_plan(
     shard_bytes: int = 5 << 30,
     expected_calibration: str | None = None,
     hessians: str | Path | None = None,
+    measure: Callable[[Path], float] | None = None,
 ) -> CheckResult:
     """Quantize ``model_dir`` with the plan (an ``allocate.Allocation``) into ``out``; measure its
-    size and its KL (``hessians``: for plan entries rounded by ``gptq`` or weighted ``clip``).
+    size and its KL (``hessians``: for plan entries rounded by ``gptq`` or weighted ``clip``;
+    ``measure(out)``: the KL against a reference already computed on the same calibration, e.g.
+    ``InModel.kl_of``; default :func:`measured_kl`).
 
     Example:
         >>> r = check_plan(plan, "plan.json", model_dir=src, out="run/model", samples=8, seq_len=256)
@@ -117,7 +120,7 @@ def check_plan(
     measured = budget.measure(res.out, parameters=plan.size.parameters)
     tok = load_tokenizer(Path(model_dir))
     calib = load_calibration(tokenizer=tok, path=calib_path, samples=samples, seq_len=seq_len, seed=seed)
-    kl = measured_kl(model_dir, res.out, calib.tokens)
+    kl = measured_kl(model_dir, res.out, calib.tokens) if measure is None else measure(res.out)
     return CheckResult(
         out=res.out,
         predicted=plan.size,

@@ -5,18 +5,21 @@ diagonal is the per-column importance the activation-weighted range search uses,
 ``sqrt(diag(H) / tokens)`` the per-channel activation size AWQ scales by (:mod:`mlxbun.quant.awq`).
 A tied embedding, when used as the output head, gets the H of the head's inputs under its own path.
 Hessians are the bulk of a capture (q/k/v and gate/up each store the H their shared input has):
-:func:`capture_model_dir` writes each block's as soon as the block is done.
+:func:`write` puts each block's in the file as soon as the block is done.
 
 Capture is streamed block by block: the calibration tokens are embedded once, then each decoder
 block runs over the hidden states of all samples (with hooks on its linears) and hands its output
 to the next, so memory holds the hidden states of the calibration set plus one block's
-activations; :func:`capture_model_dir` loads the weights lazily and drops each block once done,
-so it also holds about one block of weights at a time.
+activations; with the weights loaded lazily (:func:`load_lazy`), :func:`write` drops each block
+once done, so it also holds about one block of weights at a time. From the CLI (and with a cache
+keyed by model and calibration): ``command=calibrate`` (:mod:`mlxbun.quant.calibrate`).
 
 On disk::
 
     hessians.safetensors      one float32 (in, in) tensor per module path;
-                              metadata {"format": "mlxbun-hessians", "tokens": "<n>"}
+                              metadata {"format": "mlxbun-hessians", "tokens": "<n>"} and, when
+                              written by command=calibrate (:mod:`mlxbun.quant.calibrate`),
+                              "model" (its fingerprint) and "calibration" (the samples' record, JSON)
 
 Example:
     >>> h = capture(model, calib.tokens)          # model: float32 mlx-lm model
@@ -41,7 +44,6 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_open
 from mlxbun.io.safetensors import SafetensorsFile, read_config
-from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.probe import find_blocks
 
 FORMAT = "mlxbun-hessians"
@@ -197,13 +199,15 @@ def capture(
     batch_size: int = 8,
     release: bool = False,
     sink: Callable[[str, np.ndarray], None] | None = None,
+    on_block: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
     """H of every Linear (and a tied embedding's head use) over ``tokens`` (samples, seq_len).
 
     Streamed block by block (module docstring). ``release=True`` drops each block's weights once
     it has run (the model is unusable afterwards): with a lazily loaded model, memory then holds
     about one block of weights. ``sink(path, H)`` takes each block's Hessians as soon as the block
-    is done (they are then not kept, and the returned dict is empty).
+    is done (they are then not kept, and the returned dict is empty). ``on_block()`` is called
+    after each block and after the head (``n_blocks + 1`` calls: progress).
     """
     store: dict[str, Any] = {}
     layers, prefix = _blocks(model)
@@ -215,9 +219,18 @@ def capture(
         if release:  # empty arrays in place of the weights: the block's memory is freed
             layers[i].update(tree_map(lambda a: mx.zeros((0,), a.dtype), layers[i].parameters()))
         _drain(store, sink)
+        if on_block is not None:
+            on_block()
     _run_head(model, layers, states, store)
     _drain(store, sink)
+    if on_block is not None:
+        on_block()
     return store
+
+
+def n_blocks(model: Any) -> int:
+    """The decoder blocks :func:`capture` runs one at a time."""
+    return len(_blocks(model)[0])
 
 
 def _drain(store: dict[str, Any], sink: Callable[[str, np.ndarray], None] | None) -> None:
@@ -245,33 +258,20 @@ def load_lazy(model_dir: str | Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def capture_model_dir(
-    model_dir: str | Path,
+def write(
+    model: Any,
+    tokens: np.ndarray,
     out: str | Path,
     *,
-    calib_path: str | Path | None = None,
-    samples: int = 16,
-    seq_len: int = 512,
-    seed: int = 0,
     batch_size: int = 8,
-) -> Path:
-    """Capture the Hessians of ``model_dir`` on calibration text (:mod:`mlxbun.quant.calib`) into ``out``.
-
-    Weights are read lazily and released block by block, so peak memory is about one block of
-    float32 weights, the embedding and head, and the calibration set's hidden states.
-
-    Example:
-        >>> capture_model_dir("hf/llama", "llama.hessians.safetensors")
-        >>> quantize_model_dir("hf/llama", "llama-3bit", bits=3, method="gptq", hessians="llama.hessians.safetensors")
-    """
-    model, tokenizer = load_lazy(model_dir)
-    calib = load_calibration(
-        tokenizer=tokenizer, path=calib_path, samples=samples, seq_len=seq_len, seed=seed
-    )
+    meta: Mapping[str, str] | None = None,
+    on_block: Callable[[], None] | None = None,
+) -> None:
+    """:func:`capture` of a lazily loaded ``model`` (released block by block) straight into the
+    file ``out`` (:class:`Writer`): memory holds one block's weights and Hessians at a time."""
     with Writer(out) as writer:
-        capture(model, calib.tokens, batch_size=batch_size, release=True, sink=writer.add)
-        writer.finish(tokens=calib.tokens.size)
-    return Path(out)
+        capture(model, tokens, batch_size=batch_size, release=True, sink=writer.add, on_block=on_block)
+        writer.finish(tokens=tokens.size, meta=meta)
 
 
 class Writer:
@@ -302,10 +302,11 @@ class Writer:
         self.entries[name] = {"dtype": "F32", "shape": list(data.shape), "data_offsets": [self.offset, end]}
         self.offset = end
 
-    def finish(self, *, tokens: int) -> None:
+    def finish(self, *, tokens: int, meta: Mapping[str, str] | None = None) -> None:
+        """Publish the file; ``meta``: more metadata strings (e.g. "model", "calibration")."""
         self.spool.close()
         header = {
-            "__metadata__": {"format": FORMAT, "tokens": str(tokens)},
+            "__metadata__": {**(meta or {}), "format": FORMAT, "tokens": str(tokens)},
             **dict(sorted(self.entries.items())),
         }
         text = json.dumps(header, separators=(",", ":")).encode()
@@ -390,7 +391,7 @@ def refused(file: str | Path, module: str, what: str) -> InputError:
     """The one line for a module's Hessian that cannot be used."""
     return InputError(
         f"quant.hessians={str(file)!r}: {module!r} {what}; capture the Hessians again"
-        " (mlxbun.quant.hessian.capture_model_dir)"
+        " (python -m mlxbun command=calibrate)"
     )
 
 

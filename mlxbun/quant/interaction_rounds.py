@@ -54,10 +54,16 @@ class Round:
         }
 
 
-def interactions_skip(settings: Collection[QuantSpec], *, largest: bool) -> str | None:
-    """Why interactions cannot help a plan over these candidates (None: they can)."""
-    if rounding := sorted({s.method for s in settings} - {"rtn"}):
-        return f"candidates round by {', '.join(rounding)}; interactions measure rtn only"
+def interactions_skip(
+    settings: Collection[QuantSpec], *, largest: bool, hessians: bool = False
+) -> str | None:
+    """Why interactions cannot help a plan over these candidates (None: they can); ``hessians``:
+    whether the modules' input Hessians are given (gptq's weights need them)."""
+    methods = {s.method for s in settings}
+    if rounding := sorted(methods - {"rtn", "clip", "gptq"}):
+        return f"candidates round by {', '.join(rounding)}; interactions measure rtn, clip and gptq"
+    if "gptq" in methods and not hessians:
+        return "gptq candidates need quant.hessians to be measured"
     if largest:
         return "every module already takes its largest candidate"
     return None

@@ -20,8 +20,10 @@ a step falls on decides the plan. So, after the first solve:
    (:func:`measured_only`). A plan is kept only when the model's KL is lower, and the next round
    starts from it (the loop: ``interaction_rounds.py``).
 
-Weights are quantized by round-to-nearest (``probe.fake_quant``), as the sensitivity probes
-are. Cost per round: one partial forward per decision and two whole forwards, over the
+Each module gets the weight quantize would write for its setting (``probe.fake_quant``):
+round-to-nearest, or the clip / gptq rounding with the module's input Hessian (``quant.hessians``),
+dequantized to float32, so every forward is a float32 matmul through the BLAS (never bf16 on the
+CPU). awq candidates are not measured (their scales fold across modules). Cost per round: one partial forward per decision and two whole forwards, over the
 calibration set; the report in plan.json (``"interactions"``) counts them.
 
 Example:
@@ -53,7 +55,7 @@ from mlxbun.quant.probe import (
     module_at,
     source_dtypes,
 )
-from mlxbun.quant.spec import QuantSpec
+from mlxbun.quant.spec import QuantSpec, hessians_file
 
 RATIO_RANGE = (1 / 4, 32.0)  # a measured step against its summed change, clipped: below, luck, not signal
 Option = tuple[QuantSpec, int, float]  # setting, bytes, summed KL
@@ -187,9 +189,15 @@ class InModel:
     blocks from its own (the hidden state entering that block is kept for the plan in place).
     ``forwards`` counts forward-pass equivalents over the calibration set."""
 
-    def __init__(self, model_dir: str | Path, tokens: Any, *, batch_size: int = 8) -> None:
+    def __init__(
+        self, model_dir: str | Path, tokens: Any, *, batch_size: int = 8, hessians: str | Path | None = None
+    ) -> None:
         import mlx.core as mx
 
+        from mlxbun.quant.hessian import Hessians  # here: it imports mlx, which the BLAS precedes
+
+        self.hessians = None if hessians is None else Hessians(hessians_file(hessians))
+        self._rounded: dict[tuple[str, QuantSpec], Any] = {}  # clip/gptq weights: made once
         self.model, _, _ = load_model(model_dir)
         self.stack = Stack(self.model)
         owner_path = find_blocks(self.model)[1]
@@ -247,10 +255,19 @@ class InModel:
 
         mod = module_at(self.model, path)
         original = self._original.setdefault(path, mod.weight)
-        mod.weight = (
-            original if spec is None else fake_quant(original, spec, dtype=self.dtypes.get(path, "bfloat16"))
-        )
+        mod.weight = original if spec is None else self._quantized(path, original, spec)
         mx.eval(mod.weight)
+
+    def _quantized(self, path: str, original: Any, spec: QuantSpec) -> Any:
+        """The float32 weight ``path`` has at ``spec``; a clip/gptq one is kept (its rounding is slow)."""
+        dtype = self.dtypes.get(path, "bfloat16")
+        if spec.method == "rtn":
+            return fake_quant(original, spec, dtype=dtype)
+        key = (path, spec)
+        if key not in self._rounded:
+            h = self.hessians.get(path) if self.hessians is not None else None
+            self._rounded[key] = fake_quant(original, spec, dtype=dtype, hessian=h)
+        return self._rounded[key]
 
     def _advance(self, to: int) -> list | None:
         """Hidden states entering block ``to`` under the plan in place (kept for the next call)."""
@@ -269,6 +286,26 @@ class InModel:
         self._entry = (to, hs)
         return hs
 
+    def kl_of(self, model_dir: str | Path) -> float:
+        """The KL of another model (the plan as written) against this reference, on the same
+        batches: no second reference pass. The last call: the in-model weights are dropped first,
+        so memory holds one model."""
+        import mlx.core as mx
+
+        self.model = self.stack = None
+        self._original, self._rounded = {}, {}
+        cur, _, _ = load_model(model_dir)
+        total = 0.0
+        for j, b in enumerate(self.batches):
+            logits = cur(b).astype(mx.float32)
+            mx.eval(logits)
+            total += float(kl_from_stats(self._stats(j), logits).sum())
+        self.forwards += 1.0
+        return total / self.n_samples
+
+    def _stats(self, j: int) -> tuple[Any, Any]:
+        return self.refs.get(f"p{j}", mmap=True), self.refs.get(f"negent{j}")
+
     def _kl(self, start: int, hs: list | None) -> float:
         import mlx.core as mx
 
@@ -276,6 +313,5 @@ class InModel:
         for j, b in enumerate(self.batches):
             logits = self.stack.forward(b, start=start, h=None if hs is None else hs[j]).astype(mx.float32)
             mx.eval(logits)
-            stats = (self.refs.get(f"p{j}", mmap=True), self.refs.get(f"negent{j}"))
-            total += float(kl_from_stats(stats, logits).sum())
+            total += float(kl_from_stats(self._stats(j), logits).sum())
         return total / self.n_samples

@@ -30,6 +30,7 @@ from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_NAMES
 from mlxbun.io.safetensors import open_model, read_config
 from mlxbun.io.staging import ScratchDir
+from mlxbun.quant import rounding
 from mlxbun.quant.spec import QuantSpec
 
 
@@ -137,12 +138,19 @@ def source_dtypes(model_dir: str | Path) -> dict[str, str]:
 FAKE_QUANT_CHUNK = 1 << 22  # weights quantized at once: bounds the temporaries of a large embedding
 
 
-def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str) -> Any:
+def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str, hessian: Any = None) -> Any:
     """quantize -> dequantize of ``weight`` cast to its source dtype, returned as float32.
 
-    Large weights go in slices of rows (quantization groups never cross a row: the same values),
-    each evaluated before the next, so the temporaries stay near ``FAKE_QUANT_CHUNK`` weights."""
+    Rounded as ``cand.method`` says: rtn by ``mx.quantize``; clip and gptq by
+    :func:`mlxbun.quant.rounding.quantize` with the module's input ``hessian`` (the weight
+    quantize writes; gptq without one is clip there). awq folds scales across modules and cannot be
+    made one module at a time. Large rtn weights go in slices of rows (quantization groups never
+    cross a row: the same values), each evaluated before the next, so the temporaries stay near
+    ``FAKE_QUANT_CHUNK`` weights."""
     import mlx.core as mx
+
+    if cand.method != "rtn":
+        return _rounded(weight, cand, dtype, hessian)
 
     rows = max(1, FAKE_QUANT_CHUNK // max(1, weight.size // max(1, weight.shape[0])))
     if weight.shape[0] <= rows:
@@ -152,6 +160,18 @@ def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str) -> Any:
         parts.append(_fake_quant(weight[lo : lo + rows], cand, dtype))
         mx.eval(parts[-1])
     return mx.concatenate(parts)
+
+
+def _rounded(weight: Any, cand: QuantSpec, dtype: str, hessian: Any) -> Any:
+    import mlx.core as mx
+
+    if cand.method not in ("clip", "gptq"):
+        raise ValueError(f"fake_quant: method {cand.method!r} cannot be applied to one module alone")
+    src = weight.astype(getattr(mx, dtype))
+    wq, s, b = rounding.quantize(
+        src, bits=cand.bits, group_size=cand.group_size, method=cand.method, hessian=hessian
+    )
+    return mx.dequantize(wq, s, b, group_size=cand.group_size, bits=cand.bits).astype(mx.float32)
 
 
 def _fake_quant(weight: Any, cand: QuantSpec, dtype: str) -> Any:

@@ -64,7 +64,7 @@ from mlxbun.quant.outdir import (
     written_files,
 )
 from mlxbun.quant.plan import Skeleton, prepare
-from mlxbun.quant.spec import HESSIANS_FILE, Plan, QuantSpec, check_hessians, input_file, load_plan
+from mlxbun.quant.spec import Plan, QuantSpec, check_hessians, hessians_file, load_plan
 from mlxbun.quant.units import Unit, plan_units, stream
 from mlxbun.source import identity, lazy_weights, model_source, open_tensors, source_dir
 
@@ -244,7 +244,7 @@ def quantize_model_dir(
         )
     rounding.check_method(method)
     if hessians is not None:
-        hessians = input_file("quant.hessians", hessians, what=HESSIANS_FILE)
+        hessians = hessians_file(hessians)
     if plan is not None and not isinstance(plan, Plan):
         plan = load_plan(plan)
     check_hessians(method, plan, hessians)

@@ -38,7 +38,7 @@ from typing import Any
 
 from mlxbun import blas
 from mlxbun.errors import InputError
-from mlxbun.fingerprint import model_fingerprint
+from mlxbun.fingerprint import model_fingerprint, shard_sha256
 from mlxbun.io.atomic import atomic_write_json, dumps_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
@@ -50,7 +50,7 @@ from mlxbun.quant.exact import Sweep, group_cost
 from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
 from mlxbun.quant.sensitivity_file import SCHEMA_VERSION, document, write_reports
 from mlxbun.quant.sensitivity_ref import reference_sweep
-from mlxbun.quant.spec import HESSIANS_FILE, QuantSpec, input_file, spec_for
+from mlxbun.quant.spec import QuantSpec, hessians_file, spec_for
 from mlxbun.source import expand
 from mlxbun.source import model_dir as source_dir
 
@@ -277,7 +277,7 @@ def sensitivity(
         if num_shards != 1:
             raise InputError("sensitivity.candidates needs the whole model: set sensitivity.num_shards=1")
         rich = {"group_sizes": sorted(candidate_group_sizes), "methods": sorted(candidate_methods),
-                "modes": sorted(candidate_modes), "hessians": None if hessians is None else str(hessians),
+                "modes": sorted(candidate_modes), "hessians": None if hessians is None else shard_sha256(Path(hessians), cache_dir=None),
                 "version": rich_candidates.VERSION}  # fmt: skip
         kls, record = rich_candidates.extend(
             model=s.model, targets=s.targets, kls=kls, model_dir=model_dir, tokens=s.tokens,
@@ -410,13 +410,12 @@ def _candidates(cfg: Any) -> dict[str, Any]:
     c, a = cfg.sensitivity.candidates, cfg.allocate
     if not c.enabled:
         return {}
-    if cfg.quant.hessians is not None:
-        input_file("quant.hessians", cfg.quant.hessians, what=HESSIANS_FILE)
+    hessians = None if cfg.quant.hessians is None else hessians_file(cfg.quant.hessians)
     budget = {"probe_bpw": a.budget_bpw, "probe_bytes": a.budget_bytes}
     if a.budget_bpw is None and a.budget_bytes is None:
         budget["probe_bpw"] = rich_candidates.PROBE_BPW
     return {
         "candidate_group_sizes": list(c.group_sizes), "candidate_methods": list(c.methods),
-        "candidate_modes": list(c.modes), "hessians": cfg.quant.hessians, "out_dtype": cfg.quant.dtype,
+        "candidate_modes": list(c.modes), "hessians": hessians, "out_dtype": cfg.quant.dtype,
         **(budget if c.correct else {}),
     }  # fmt: skip

@@ -59,7 +59,8 @@ ALL_GROUPS = tuple(sorted({g for gs in MODE_GROUPS.values() for g in gs}))
 UINT8_SCALE_MODES = frozenset({"mxfp4", "mxfp8", "nvfp4"})
 MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 PLAN_VERSION = 1
-HESSIANS_FILE = "a Hessians file (hessians.safetensors, mlxbun.quant.hessian)"
+HESSIANS_NAME = "hessians.safetensors"  # its name in a command=calibrate run directory
+HESSIANS_FILE = f"a Hessians file ({HESSIANS_NAME}, mlxbun.quant.hessian) or the calibrate run dir holding it"
 
 
 @functools.total_ordering
@@ -288,6 +289,17 @@ def input_file(key: str, path: str | Path, *, what: str, directory: bool = False
         else "a socket"
     )  # fmt: skip
     raise InputError(f"{key}={str(path)!r} is {kind}, not a regular file; pass {what}")
+
+
+def hessians_file(path: str | Path, *, key: str = "quant.hessians") -> Path:
+    """The Hessians file ``path`` names: the file itself, or the command=calibrate run directory
+    holding ``hessians.safetensors``; an InputError naming ``key`` otherwise."""
+    p = input_file(key, path, what=HESSIANS_FILE, directory=True)
+    if not p.is_dir():
+        return p
+    if not (p / HESSIANS_NAME).exists():
+        raise InputError(f"{key}={str(path)!r} is a directory without {HESSIANS_NAME}; pass {HESSIANS_FILE}")
+    return input_file(key, p / HESSIANS_NAME, what=HESSIANS_FILE)
 
 
 # Rounding methods that need the layers' input Hessians (quant.hessians); see mlxbun.quant.rounding.

@@ -1,0 +1,172 @@
+"""command=calibrate: the input Hessians of every quantizable module on calibration text, cached.
+
+Capture is streamed block by block with the weights loaded lazily and released
+(:func:`mlxbun.quant.hessian.write`): memory holds one block's weights and Hessians and the
+calibration set's hidden states, never the whole model's activations. The result is keyed like
+sensitivity's checkpoints, by the model's fingerprint and the calibration record, so a rerun
+with the same model and calibration (``sensitivity.calib.*``) reuses the file and says so::
+
+    <cache>/hessians/<key>/             key = sha256(format, model fingerprint, calibration)[:20]
+        meta.json                       what the key was made of
+        hessians.safetensors            (format: mlxbun.quant.hessian)
+    <run_dir>/
+        hessians.safetensors            the cached file (a hard link, or a copy across file systems)
+
+``quant.hessians`` of quantize and allocate may name the run directory or the file.
+
+Example:
+    >>> r = calibrate(model_dir="tests/fixtures/llama-text-3m", out_dir="out", work_dir="work")
+    >>> r.path, r.reused
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxbun.errors import InputError
+from mlxbun.fingerprint import model_fingerprint
+from mlxbun.io.atomic import atomic_open, atomic_write_json, dumps_json, file_lock, fsync_dir, tmp_sibling
+from mlxbun.progress import Progress
+from mlxbun.provenance import RunResult
+from mlxbun.quant import hessian
+from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.spec import HESSIANS_NAME
+from mlxbun.source import expand
+from mlxbun.source import model_dir as source_dir
+
+log = logging.getLogger("mlxbun.calibrate")
+
+VERSION = 1  # of the cache key: bump when the captured numbers change for the same inputs
+
+
+@dataclass(frozen=True)
+class Calibrated:
+    """A calibrate run's result: the run's file, its cache key, whether the cache had it."""
+
+    path: Path
+    key: str
+    reused: bool
+    seconds: float
+    calibration: dict[str, Any]
+
+
+def calibrate(
+    *,
+    model_dir: str | Path,
+    out_dir: str | Path,
+    work_dir: str | Path | None = None,
+    calib_path: str | Path | None = None,
+    samples: int = 24,
+    seq_len: int = 512,
+    seed: int = 0,
+    batch_size: int = 8,
+) -> Calibrated:
+    """Hessians of ``model_dir`` on its calibration into ``out_dir/hessians.safetensors``.
+
+    Args:
+        model_dir: a bf16/f16/f32 checkpoint or an mlx-lm quantized model directory.
+        out_dir: the run directory (created if missing).
+        work_dir: root of the cache (one directory per key); None captures without one.
+        calib_path, samples, seq_len, seed: calibration (see :mod:`mlxbun.quant.calib`); the same
+            keys as sensitivity's, so both measure on the same tokens.
+        batch_size: samples per block forward.
+    """
+    t0 = time.monotonic()
+    model, tokenizer = hessian.load_lazy(model_dir)
+    calib = load_calibration(
+        tokenizer=tokenizer, path=calib_path, samples=samples, seq_len=seq_len, seed=seed
+    )
+    settings = {
+        "version": VERSION,
+        "model": model_fingerprint(model_dir, depth="sampled"),
+        "calibration": calib.to_dict(),
+    }
+    key = hashlib.sha256(dumps_json(settings).encode()).hexdigest()[:20]
+    out = Path(out_dir) / HESSIANS_NAME
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if work_dir is None:
+        _capture(model, calib.tokens, settings, out, batch_size=batch_size)
+        reused = False
+    else:
+        entry = Path(work_dir) / key
+        cached = entry / HESSIANS_NAME
+        with file_lock(entry / ".lock"):
+            reused = _intact(cached)
+            if not reused:
+                atomic_write_json(entry / "meta.json", settings)
+                _capture(model, calib.tokens, settings, cached, batch_size=batch_size)
+            publish_link(cached, out)
+    seconds = time.monotonic() - t0
+    return Calibrated(path=out, key=key, reused=reused, seconds=seconds, calibration=settings["calibration"])
+
+
+def _capture(model: Any, tokens: Any, settings: dict[str, Any], out: Path, *, batch_size: int) -> None:
+    """Stream the capture into ``out`` with progress in blocks; the file records model and calibration."""
+    meta = {"model": settings["model"], "calibration": json.dumps(settings["calibration"], sort_keys=True)}
+    progress = Progress(total=hessian.n_blocks(model) + 1, unit="blocks", desc="calibrate", heartbeat=True)
+    try:
+        hessian.write(model, tokens, out, batch_size=batch_size, meta=meta, on_block=progress.update)
+    finally:
+        progress.close()
+
+
+def _intact(path: Path) -> bool:
+    """Whether the cache holds a complete Hessians file (a damaged one is captured again)."""
+    if not path.exists():
+        return False
+    try:
+        hessian.Hessians(path)
+        return True
+    except InputError as e:
+        log.warning("calibrate: %s is damaged (%s); capturing again", path, e)
+        return False
+
+
+def publish_link(src: Path, dst: Path) -> None:
+    """Put ``src`` at ``dst`` atomically: a hard link under a temporary name renamed over ``dst``
+    (no second copy of the bytes), or a copy when the two are on different file systems."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_sibling(dst)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        with atomic_open(dst) as f, open(src, "rb") as data:
+            shutil.copyfileobj(data, f, 16 << 20)
+        return
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dst.parent)
+
+
+def run(cfg: Any) -> RunResult:
+    """command=calibrate: unpack the config and call :func:`calibrate`."""
+    c = cfg.sensitivity.calib
+    mdir = source_dir(cfg)
+    work = expand(cfg.calibrate.work_dir) if cfg.calibrate.work_dir else expand(cfg.paths.cache) / "hessians"
+    r = calibrate(
+        model_dir=mdir, out_dir=Path(cfg.paths.run_dir), work_dir=work, calib_path=c.path,
+        samples=c.samples, seq_len=c.seq_len, seed=c.seed, batch_size=cfg.sensitivity.batch_size,
+    )  # fmt: skip
+    how = f"reused the cached capture {work / r.key}" if r.reused else "captured"
+    msg = (
+        f"calibrate: Hessians on {r.calibration['samples']} x {r.calibration['seq_len']} tokens {how}"
+        f" in {r.seconds:.1f}s -> {r.path}"
+    )
+    return RunResult(
+        outputs=[r.path],
+        inputs=[mdir] + ([expand(c.path)] if c.path else []),
+        metrics={"seconds": round(r.seconds, 3), "reused": r.reused, "key": r.key},
+        message=msg,
+        provides={"quant.hessians": str(r.path)},
+    )
