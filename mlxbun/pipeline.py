@@ -2,8 +2,9 @@
 
 Each step writes into ``<run_dir>/<step>`` and hands keys to later steps through
 ``RunResult.provides`` (e.g. synth provides ``model.name``; allocate provides ``quant.plan``).
-Before the first step runs, every step's required settings are checked (:data:`NEEDS`): a key
-is set in the config or provided by an earlier step (:data:`PROVIDES`), or nothing runs.
+Before the first step runs, every step's required settings are checked (``needs`` in
+:data:`mlxbun.commands.COMMANDS`): a key is set in the config or provided by an earlier step
+(``provides``), or nothing runs.
 
     <run_dir>/
         manifest.json
@@ -17,7 +18,8 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlxbun import cli, schema, synth
+from mlxbun import commands, schema, synth
+from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.provenance import RunResult
 
@@ -30,33 +32,6 @@ def set_key(cfg: Any, dotted: str, value: Any) -> Any:
     if not rest:
         return replace(cfg, **{head: value})
     return replace(cfg, **{head: set_key(getattr(cfg, head), rest, value)})
-
-
-MODEL = ("model.name", "model.synthetic")
-# Per step: groups of keys; each group needs one key set (or provided by an earlier step).
-NEEDS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "quantize": (MODEL,),
-    "sensitivity": (MODEL,),
-    "sensitivity_merge": (("sensitivity.inputs",),),
-    "allocate": (MODEL, ("allocate.sensitivity",), ("allocate.budget_bpw", "allocate.budget_bytes")),
-    "rotate": (MODEL,),
-    "inspect": (("inspect.path", *MODEL),),
-    "kv_save": (MODEL, ("kv.name",), ("kv.prompt", "kv.prompt_file")),
-    "kv_generate": (MODEL, ("kv.prompt", "kv.prompt_file")),
-    "registry_resolve": (MODEL,),
-    "registry_fit": (MODEL,),
-    "verify": (("runs.dir",),),
-}
-# The keys each step's RunResult.provides sets for later steps.
-PROVIDES: dict[str, tuple[str, ...]] = {
-    "synth": ("model.name",),
-    "rotate": ("model.name",),
-    "quantize": ("model.name",),
-    "registry_resolve": ("model.name",),
-    "sensitivity": ("allocate.sensitivity",),
-    "sensitivity_merge": ("allocate.sensitivity",),
-    "allocate": ("quant.plan",),
-}
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
@@ -73,12 +48,12 @@ def check_steps(cfg: Any, steps: list[str]) -> None:
             "pipeline.steps=[] is empty; list the commands to run, e.g. pipeline.steps=[synth,quantize]"
         )
     for step in steps:
-        if step not in cli.COMMANDS or step in ("pipeline", "help"):
-            allowed = ", ".join(n for n in cli.COMMANDS if n not in ("pipeline", "help"))
+        if step not in COMMANDS or step in ("pipeline", "help"):
+            allowed = ", ".join(n for n in COMMANDS if n not in ("pipeline", "help"))
             raise InputError(f"pipeline.steps has {step!r}; choose from {allowed}")
     provided: set[str] = set()
     for i, step in enumerate(steps, 1):
-        for group in NEEDS.get(step, ()):
+        for group in COMMANDS[step].needs:
             if not any(k in provided or get_key(cfg, k) not in (None, False, "", []) for k in group):
                 raise InputError(
                     f"pipeline.steps: step {i} ({step}) needs {' or '.join(group)}, which is not set and"
@@ -86,7 +61,7 @@ def check_steps(cfg: Any, steps: list[str]) -> None:
                 )
         if step == "quantize" and "quant.plan" in provided:
             schema.check_plan_overrides(cfg.quant, plan="<allocate's plan.json>")
-        provided.update(PROVIDES.get(step, ()))
+        provided.update(COMMANDS[step].provides)
     if "synth" in steps:
         _check_synth_room(cfg)
     _check_before_work(cfg, steps)
@@ -110,7 +85,7 @@ def _check_before_work(cfg: Any, steps: list[str]) -> None:
                 _check_budget(cfg, measured_here=set(steps[: i - 1]) & {"sensitivity", "sensitivity_merge"})
         except InputError as e:
             raise InputError(f"pipeline.steps: step {i} ({step}): {e} (nothing was run)") from None
-        provided.update(PROVIDES.get(step, ()))
+        provided.update(COMMANDS[step].provides)
 
 
 def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
@@ -162,7 +137,7 @@ def run_steps(cfg: Any, steps: list[str]) -> RunResult:
             set_key(copy.deepcopy(cfg), "paths.run_dir", str(run_dir / sub)), "command.name", step
         )
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
-        result = cli.resolve_command(step)(step_cfg)  # looked up at call time: tests replace it
+        result = commands.resolve(step)(step_cfg)  # looked up at call time: tests replace it
         for key, value in result.provides.items():
             cfg = set_key(cfg, key, value)
         total.outputs += result.outputs

@@ -1,4 +1,4 @@
-"""Run provenance: ``manifest.json`` in every run directory, file hashing, and ``verify``.
+"""Run provenance: ``manifest.json`` in every run directory, file hashing, and verifying a run.
 
 A run directory looks like::
 
@@ -23,7 +23,7 @@ import stat
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -465,17 +465,3 @@ def _special(mode: int) -> str:
     if stat.S_ISLNK(mode):
         return "a symbolic link"
     return "a FIFO" if stat.S_ISFIFO(mode) else "a special file"
-
-
-def run(cfg: Any) -> RunResult:
-    """command=verify: check a run against its manifest; exit 1 listing every difference."""
-    if not cfg.runs.dir:
-        raise InputError("runs.dir is not set; pass runs.dir=<run directory with manifest.json>")
-    drift = verify_run(cfg.runs.dir)
-    if cfg.json:
-        report = {"run_dir": cfg.runs.dir, "drift": [asdict(d) for d in drift]}
-        return RunResult(message=json.dumps(report, indent=2, sort_keys=True), exit_code=1 if drift else 0)
-    if drift:
-        lines = "; ".join(d.describe() for d in drift)
-        raise DriftError(f"{len(drift)} output(s) drifted in {cfg.runs.dir}: {lines}")
-    return RunResult(message=f"verified: every output of {cfg.runs.dir} matches its manifest")

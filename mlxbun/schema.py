@@ -23,6 +23,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
 from mlxbun.quant.protect import Rule
@@ -673,55 +674,20 @@ COMMON_KEYS = (
     "command", "seed", "verbose", "json", "blas", "help", "paths",
     "registry.url", "registry.path", "registry.hub_cache", "registry.paths",
 )  # fmt: skip
-# model.synthetic=true builds the model from the synth section (recipes keep both ready)
-MODEL_KEYS = ("model", "synth")
-# The keys each command reads besides COMMON_KEYS: whole sections or single keys. A key set to
-# something other than its default that the command does not read is refused (check_unread);
-# `help=true` lists these keys. A pipeline reads what its steps read.
-READS: dict[str, tuple[str, ...]] = {
-    "help": (),
-    "pipeline": ("pipeline",),
-    "synth": ("synth", "io"),
-    "inspect": ("inspect", *MODEL_KEYS),
-    "quantize": (*MODEL_KEYS, "quant", "io"),
-    "sensitivity": (*MODEL_KEYS, "sensitivity"),
-    "sensitivity_merge": ("sensitivity.inputs",),
-    "allocate": (
-        *MODEL_KEYS,
-        "allocate",
-        "quant.dtype",
-        "quant.hessians",
-        "io",
-        "sensitivity.calib",
-        "sensitivity.batch_size",
-    ),  # fmt: skip
-    "rotate": (*MODEL_KEYS, "fold", "io"),
-    "eval": (*MODEL_KEYS, "eval", "registry"),
-    "kv_save": (*MODEL_KEYS, "kv"),
-    "kv_generate": (*MODEL_KEYS, "kv"),
-    "kv_ls": ("kv",),
-    "kv_verify": ("kv",),
-    "kv_gc": ("kv",),
-    "kv_import": (*MODEL_KEYS, "kv"),
-    "kv_export": (*MODEL_KEYS, "kv"),
-    "serve": (*MODEL_KEYS, "kv", "serve"),
-    "registry_scan": ("registry",),
-    "registry_ls": ("registry",),
-    "registry_resolve": (*MODEL_KEYS, "registry"),
-    "registry_fit": (*MODEL_KEYS, "registry"),
-    "runs": ("runs", "registry"),
-    "verify": ("runs",),
-}
 
 
 def reads(command: str, data: dict[str, Any]) -> tuple[str, ...]:
     """The keys and sections ``command`` reads with the composed config ``data`` (a pipeline:
     its steps')."""
-    found = list(COMMON_KEYS) + list(READS.get(command, ()))
+    found = list(COMMON_KEYS) + list(_reads(command))
     if command == "pipeline":
         for step in (data.get("pipeline") or {}).get("steps") or ():
-            found += READS.get(step, ())
+            found += _reads(step)
     return tuple(found)
+
+
+def _reads(command: str) -> tuple[str, ...]:
+    return COMMANDS[command].reads if command in COMMANDS else ()
 
 
 def is_read(key: str, read: tuple[str, ...]) -> bool:
@@ -734,7 +700,7 @@ def check_unread(data: dict[str, Any], defaults: dict[str, Any], *, given: list[
     default, that the chosen command does not read: it would be silently ignored
     (``command=allocate quant.method=gptq``). Recipes are held to the same rule by a test."""
     command = str((data.get("command") or {}).get("name"))
-    if command not in READS:
+    if command not in COMMANDS:
         return
     read, keys = reads(command, data), [override_key(o) for o in given]
     for key, value, default in _leaves(data, defaults):

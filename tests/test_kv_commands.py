@@ -11,7 +11,8 @@ import pytest
 from cli_util import run_cli
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxbun import schema, synth
+from mlxbun import synth
+from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.kv import commands
 from mlxbun.kv.store import MismatchError, Store
@@ -61,7 +62,7 @@ def test_named_snapshot_for_another_prompt_is_refused(loaded, tmp_path):
 
 
 def _cli(tmp: Path, command: str, *args: str):
-    model = ["model.synthetic=true"] if "model" in schema.READS[command.partition("=")[2]] else []
+    model = ["model.synthetic=true"] if "model" in COMMANDS[command.partition("=")[2]].reads else []
     return run_cli(command, *args, *model, f"kv.store={tmp / 'kv'}", tmp=tmp)
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxbun import provenance
+from mlxbun import provenance, verify
 from mlxbun.errors import DriftError, InputError
 from mlxbun.provenance import Manifest, RunResult, cached_sha256, hash_paths, verify_run
 
@@ -136,10 +136,10 @@ def test_verify_command_prints_json_and_exits_1_on_drift(tmp_path: Path) -> None
     _model_run(run_dir)
     cfg = schema.Config()
     cfg.runs.dir, cfg.json = str(run_dir), True
-    res = provenance.run(cfg)
+    res = verify.run(cfg)
     assert res.exit_code == 0 and json.loads(res.message) == {"run_dir": str(run_dir), "drift": []}
     (run_dir / "plan.json").write_text("[]")
-    res = provenance.run(cfg)
+    res = verify.run(cfg)
     got = json.loads(res.message)
     assert res.exit_code == 1 and [d["path"] for d in got["drift"]] == ["plan.json"]
 
