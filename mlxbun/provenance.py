@@ -31,6 +31,7 @@ from typing import Any
 import mlxbun
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes, atomic_write_json
+from mlxbun.io.digest import file_digest
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -71,14 +72,6 @@ class RunResult:
     written: list[Path] | None = None
 
 
-def sha256_file(path: Path, *, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def named_sha256(path: Path) -> str | None:
     """The sha256 a Hugging Face cache file carries in its name, else None.
 
@@ -105,7 +98,7 @@ def cached_sha256(path: Path, cache_dir: Path | None) -> str:
     if (named := named_sha256(path)) is not None:
         return named
     if cache_dir is None:
-        return sha256_file(path)
+        return file_digest(path, "sha256")
     st = path.stat()
     ident = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
     key = hashlib.sha256(ident.encode()).hexdigest()
@@ -116,7 +109,7 @@ def cached_sha256(path: Path, cache_dir: Path | None) -> str:
             return digest
     except OSError:
         pass
-    digest = sha256_file(path)
+    digest = file_digest(path, "sha256")
     entry.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(entry, digest.encode())
     return digest
@@ -421,7 +414,7 @@ def _check(roots: list[Path], rel: str, want: str) -> Drift | None:
         return Drift(rel, want, "missing")
     if not stat.S_ISREG(mode):
         return Drift(rel, want, "not a regular file")
-    got = sha256_file(path)
+    got = file_digest(path, "sha256")
     return Drift(rel, want, got) if got != want else None
 
 

@@ -35,8 +35,8 @@ def test_digest_cache_reuses_unchanged_files_and_notices_changes(tmp_path: Path,
     f.write_bytes(b"x" * 1000)
     cache = tmp_path / "digests"
     calls = []
-    real = provenance.sha256_file
-    monkeypatch.setattr(provenance, "sha256_file", lambda p: calls.append(p) or real(p))
+    real = provenance.file_digest
+    monkeypatch.setattr(provenance, "file_digest", lambda p, kind: calls.append(p) or real(p, kind))
     first = cached_sha256(f, cache)
     assert cached_sha256(f, cache) == first and len(calls) == 1
     f.write_bytes(b"y" * 1000)  # same size, new content: new mtime, new key
@@ -117,8 +117,8 @@ def test_verify_never_reads_a_manifest_path_outside_the_run_dir(tmp_path: Path, 
         manifest["outputs"][entry] = {"sha256": "0" * 64, "size": 9}
     mpath.write_text(json.dumps(manifest))
     read = []
-    real = provenance.sha256_file
-    monkeypatch.setattr(provenance, "sha256_file", lambda p, **kw: read.append(Path(p)) or real(p, **kw))
+    real = provenance.file_digest
+    monkeypatch.setattr(provenance, "file_digest", lambda p, kind: read.append(Path(p)) or real(p, kind))
     drift = {d.path: d.found for d in verify_run(run_dir)}
     assert {k for k, v in drift.items() if "outside the run directory" in v} == {
         str(secret),
