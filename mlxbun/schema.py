@@ -1,5 +1,5 @@
 """Structured-config dataclasses: the types, choices and ranges of every command's arguments.
-One module (not split): Hydra registers one schema tree, and every command's arguments are read side by side in one visible place.
+Why one module: Hydra registers one schema tree, and every command's arguments are read side by side in one visible place.
 
 Hydra composes YAML from ``conf/`` and ``recipes/`` against :class:`Config` (registered in the
 ConfigStore as ``mlxbun_schema``), so unknown keys and wrong types fail at compose time. Choices
@@ -464,10 +464,6 @@ class RegistryFilterCfg:
     def __post_init__(self) -> None:
         gib_key("registry.filter.max_gb", self.max_gb)
 
-    @property
-    def max_bytes(self) -> int | None:
-        return gib_bytes(self.max_gb)
-
 
 @dataclass
 class RegistryFitCfg:
@@ -482,10 +478,6 @@ class RegistryFitCfg:
         gib_key("registry.fit.budget_gb", self.budget_gb)
         positive("registry.fit.context", self.context)
         at_most("registry.fit.context", self.context, MAX_TOKENS, "above any model's context")
-
-    @property
-    def budget_bytes(self) -> int:
-        return gib_bytes(self.budget_gb)
 
 
 @dataclass
@@ -648,8 +640,6 @@ def check_config(cfg: Config) -> None:
             f"quant.bits={q.bits} is ignored by quant.mixed={q.mixed!r}, which sets the bits of every"
             " layer; drop one of them"
         )
-    if q.mixed is not None and q.plan is not None:
-        raise InputError(f"quant.plan={q.plan!r} and quant.mixed={q.mixed!r} are both set; choose one")
     check_plan_overrides(q, plan=q.plan)
 
 

@@ -1,6 +1,6 @@
 """Streaming sharded safetensors writer in mlx-lm's layout: bounded memory, resumable, deterministic.
 
-One module (~600 lines): the shard format, the writer, its journal and its resume are one staged
+Why one module: the shard format, the writer, its journal and its resume are one staged
 protocol over the same files; a split would spread one state machine over several modules.
 
 While a :class:`ShardedWriter` runs, ``out_dir`` holds only hidden names::
