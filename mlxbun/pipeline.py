@@ -18,7 +18,7 @@ from dataclasses import fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlxbun import commands, schema, synth
+from mlxbun import commands, schema, synth_write
 from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.provenance import RunResult
@@ -117,12 +117,12 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
 
 
 def _check_synth_room(cfg: Any) -> None:
-    """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth.check_room)."""
+    """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth_write.check_room)."""
     from dataclasses import asdict
 
-    spec = synth.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
+    spec = synth_write.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "synth" / "model"
-    synth.check_room(spec, out=out, partial_root=None)
+    synth_write.check_room(spec, out=out, partial_root=None)
 
 
 def run_steps(cfg: Any, steps: list[str]) -> RunResult:
