@@ -20,7 +20,11 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
+import hydra
+from hydra._internal import utils as hydra_utils
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 import mlxbun
 from mlxbun import blas, commands, schema
@@ -141,8 +145,6 @@ class OutputsCheck(Callback):
     config: Any = None
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        from omegaconf import OmegaConf
-
         OutputsCheck.config = config
         under = "${paths.outputs}" in str(OmegaConf.to_container(config.hydra.run, resolve=False).get("dir"))
         try:
@@ -153,8 +155,6 @@ class OutputsCheck(Callback):
 
 def _record_unmade(line: str) -> None:
     """The run whose directory Hydra could not make, recorded failed in its registry."""
-    from omegaconf import OmegaConf
-
     if (c := OutputsCheck.config) is None:
         return
     overrides = list(c.hydra.overrides.task)
@@ -193,8 +193,6 @@ def fail(line: str, code: int, *, as_json: bool | None = None) -> NoReturn:
 
 
 def _task(dcfg: Any) -> None:
-    from omegaconf import OmegaConf
-
     verbose = bool(dcfg.get("verbose", False))
     try:
         with signals_raise():
@@ -287,8 +285,6 @@ def _is_json(text: str) -> bool:
 
 
 def _overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-
     try:
         return list(HydraConfig.get().overrides.task)
     except ValueError:
@@ -329,9 +325,6 @@ def check_argv(argv: list[str]) -> None:
 
 def main() -> None:
     """Console entry: check the recipe, make Hydra errors one line, then run the Hydra app."""
-    import hydra
-    from hydra._internal import utils as hydra_utils
-
     # transformers (imported by mlx-lm for tokenizers) advises installing PyTorch on every run.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     argv = sys.argv[1:] = multirun_first(sys.argv[1:])

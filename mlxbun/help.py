@@ -11,6 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
 from mlxbun import schema
 from mlxbun.commands import COMMANDS, CONF_DIR
 from mlxbun.provenance import RunResult
@@ -33,9 +36,6 @@ def recipe_summary(name: str) -> str:
 
 def command_help(argv: list[str]) -> str:
     """The chosen command's keys: type, value after the overrides and recipe, schema comment."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         raw = OmegaConf.to_container(compose("config", overrides=_help_overrides(argv)), resolve=False)
     name = raw["command"]["name"]

@@ -14,7 +14,7 @@ Before the first step runs, every step's required settings are checked (``needs`
 from __future__ import annotations
 
 import copy
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import asdict, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from mlxbun import commands, schema, synth_write
 from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.provenance import RunResult
+from mlxbun.quant.spec import HESSIANS_FILE, QuantSpec, check_hessians, input_file, load_plan, spec_for
 
 
 def set_key(cfg: Any, dotted: str, value: Any) -> Any:
@@ -71,8 +72,6 @@ def _check_before_work(cfg: Any, steps: list[str]) -> None:
     """What a later step would refuse after earlier steps' work, refused before the first step:
     missing Hessians (or a Hessians path that is no regular file), a plan.json that does not
     read, an allocate budget below the smallest plan."""
-    from mlxbun.quant.spec import HESSIANS_FILE, check_hessians, input_file, load_plan
-
     q, provided = cfg.quant, set()
     for i, step in enumerate(steps, 1):
         try:
@@ -94,7 +93,6 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
     # deferred: MLX and the model's headers, only for an allocate step
     from mlxbun.quant.allocate import candidate_filter, check_reachable
     from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity
-    from mlxbun.quant.spec import QuantSpec, spec_for
     from mlxbun.source import model_dir
 
     a, s = cfg.allocate, cfg.sensitivity
@@ -118,8 +116,6 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
 
 def _check_synth_room(cfg: Any) -> None:
     """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth_write.check_room)."""
-    from dataclasses import asdict
-
     spec = synth_write.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "synth" / "model"
     synth_write.check_room(spec, out=out, partial_root=None)

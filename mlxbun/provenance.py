@@ -25,6 +25,7 @@ import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -198,8 +199,6 @@ def git_blob_hash(path: Path) -> str:
 
 
 def versions() -> dict[str, str | None]:
-    from importlib import metadata
-
     def ver(pkg: str) -> str | None:
         try:
             return metadata.version(pkg)

@@ -23,6 +23,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from mlxbun import registry, synth_write
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import NAMES
@@ -101,7 +103,6 @@ class FileTensors:
         """Rows [r0, r1) of a tensor, read with pread straight into an mx buffer: one copy from the
         page cache, no mapped pages to fault in or leave behind."""
         import mlx.core as mx
-        import numpy as np
 
         info = self.model.info(name)
         row = info.nbytes // info.shape[0]

@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -161,8 +162,6 @@ def _quantiles() -> np.ndarray:
     """N(0, 1) quantiles at the midpoints of 2**16 equal-probability bins (float64)."""
     global _QUANTILES
     if _QUANTILES is None:
-        from statistics import NormalDist
-
         n, inv = 1 << TABLE_BITS, NormalDist().inv_cdf
         _QUANTILES = np.array([inv((k + 0.5) / n) for k in range(n)], dtype=np.float64)
     return _QUANTILES
