@@ -243,10 +243,10 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from mlxbun import blas, synth
+    from mlxbun import blas, synth_write
 
     root = Path(tempfile.mkdtemp(prefix="mlxbun-serve-bench-"))
-    model = synth.ensure_synthetic(cache_dir=Path.home() / ".cache/mlxbun/synth", **SHAPE)
+    model = synth_write.ensure_synthetic(cache_dir=Path.home() / ".cache/mlxbun/synth", **SHAPE)
     model_bytes = sum(p.stat().st_size for p in model.glob("*.safetensors"))
     tok = AutoTokenizer.from_pretrained(str(model))
     prompt, system = text_of(tok, args.tokens, 0), text_of(tok, args.system_tokens, 1)

@@ -1,8 +1,8 @@
 """Load an optimized BLAS into the global symbol scope before ``mlx.core`` is imported.
 
-MLX's Linux CPU wheel bundles the reference netlib BLAS (2-4 GFLOP/s for an f32 2048^3 matmul).
-A BLAS loaded with RTLD_GLOBAL first (Debian's OpenBLAS, or MKL from PyPI) supplies the same
-symbols and runs 20-60x faster. Harmless when none is found; never done on macOS (Accelerate).
+MLX's Linux CPU wheel bundles the reference netlib BLAS, which is slow. A BLAS loaded with
+RTLD_GLOBAL first (Debian's OpenBLAS, or MKL from PyPI) supplies the same symbols and runs much
+faster. Harmless when none is found; never done on macOS (Accelerate).
 """
 
 from __future__ import annotations

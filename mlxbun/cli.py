@@ -10,7 +10,6 @@ signal exits 128 + its number, and every run gets a manifest and a RunRecord
 from __future__ import annotations
 
 import difflib
-import importlib
 import json
 import logging
 import os
@@ -21,12 +20,17 @@ import traceback
 from pathlib import Path
 from typing import Any, NoReturn
 
+import hydra
+from hydra._internal import utils as hydra_utils
+from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 import mlxbun
-from mlxbun import blas, schema
+from mlxbun import blas, commands, schema
+from mlxbun.commands import COMMANDS, CONF_DIR
 from mlxbun.errors import EnvironmentFailure, InputError
-from mlxbun.provenance import RunResult
+from mlxbun.help import available_recipes, command_help
 from mlxbun.runrecord import (
     RunRecorder,
     describe,
@@ -36,63 +40,7 @@ from mlxbun.runrecord import (
     signals_raise,
 )
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-
-# name -> ("module[:function]", one line). Read-only commands write no run directory.
-COMMANDS: dict[str, tuple[str, str]] = {
-    "help": ("mlxbun.help", "list the commands and the recipes"),
-    "pipeline": ("mlxbun.pipeline", "run several commands in order in one run directory"),
-    "synth": ("mlxbun.synth", "write a deterministic random checkpoint of a real architecture"),
-    "inspect": ("mlxbun.inspect", "tensors, totals, metadata and quantization of a model"),
-    "quantize": ("mlxbun.quant.quantize", "stream an HF checkpoint to a quantized MLX model"),
-    "sensitivity": ("mlxbun.quant.sensitivity", "per-layer KL of candidates: fisher, exact or reference"),
-    "sensitivity_merge": ("mlxbun.quant.sensitivity_merge", "combine sharded sensitivity runs"),
-    "calibrate": ("mlxbun.quant.calibrate", "input Hessians of every module on calibration text (cached)"),
-    "allocate": ("mlxbun.quant.allocate", "per-layer bits under a true size budget -> plan.json"),
-    "rotate": ("mlxbun.rotate", "fold a seeded randomized Hadamard R1 into a checkpoint"),
-    "eval": ("mlxbun.eval", "KL-divergence statistics of quantized candidates against a reference"),
-    "kv_save": ("mlxbun.kv.commands:save", "prefill a prompt and persist its KV cache"),
-    "kv_generate": ("mlxbun.kv.commands:generate", "restore the best cached prefix and generate"),
-    "kv_ls": ("mlxbun.kv.commands:ls", "list stored KV snapshots"),
-    "kv_verify": ("mlxbun.kv.commands:verify", "re-hash stored KV snapshots and blocks"),
-    "kv_gc": ("mlxbun.kv.gc", "plan (and with kv.execute=true free) unreferenced KV blocks"),
-    "kv_import": ("mlxbun.kv.import_", "verify an mlx_lm cache_prompt file and store it as a snapshot"),
-    "kv_export": ("mlxbun.kv.export", "write a stored snapshot as a plain mlx-lm prompt-cache file"),
-    "serve": ("mlxbun.serve", "OpenAI-compatible server whose prompt caches persist in the KV store"),
-    "registry_scan": ("mlxbun.registry.commands:scan", "index the HF cache and local model dirs"),
-    "registry_ls": ("mlxbun.registry.commands:ls", "list indexed models with filters"),
-    "registry_resolve": ("mlxbun.registry.commands:resolve", "resolve a fuzzy name to one model"),
-    "registry_fit": ("mlxbun.registry.commands:fit", "does a model fit a memory budget"),
-    "runs": ("mlxbun.cli:run_runs", "list recorded runs"),
-    "verify": ("mlxbun.provenance", "re-hash a run's outputs against its manifest"),
-}
-READONLY = {
-    "help",
-    "inspect",
-    "kv_ls",
-    "kv_verify",
-    "registry_ls",
-    "registry_resolve",
-    "registry_fit",
-    "runs",
-    "verify",
-}
-
 log = logging.getLogger("mlxbun")
-
-
-def available_recipes() -> list[str]:
-    return sorted(str(p.relative_to(RECIPES_DIR).with_suffix("")) for p in RECIPES_DIR.rglob("*.yaml"))
-
-
-def recipe_summary(name: str) -> str:
-    """The recipe's first comment line (its one-line description)."""
-    for line in (RECIPES_DIR / f"{name}.yaml").read_text().splitlines():
-        text = line.lstrip("# ").strip()
-        if line.startswith("#") and text and not text.startswith("@package"):
-            return text
-    return ""
 
 
 def _argv_value(argv: list[str], key: str) -> str | None:
@@ -127,62 +75,8 @@ def nearest(name: str, choices: list[str], what: str) -> str:
     return f"available {what}: {', '.join(choices)}"
 
 
-def resolve_command(name: str):
-    """Import the chosen command's module (lazily: only this one) and return its function."""
-    check_command(name)
-    module, _, func = COMMANDS[name][0].partition(":")
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and (e.name == module or module.startswith(e.name + ".")):
-            raise InputError(
-                f"command={name!r} is not available in mlxbun {_version()} (module {module} is missing)"
-            ) from None
-        raise
-    return getattr(mod, func or "run")
-
-
 def _version() -> str:
     return mlxbun.__version__
-
-
-def run_runs(cfg: Any) -> Any:
-    from mlxbun import registry  # deferred: peewee and the hub scanner only for this command
-
-    registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
-    if cfg.runs.command == "eval":
-        return _eval_runs(cfg, registry)
-    rows = registry.list_runs(
-        command=cfg.runs.command, recipe=cfg.runs.recipe, status=cfg.runs.status, limit=cfg.runs.limit
-    )
-    if cfg.json:
-        return RunResult(message=json.dumps(rows, indent=2, sort_keys=True))
-    head = f"{'id':>5}  {'command':<18} {'recipe':<22} {'status':<8} {'secs':>8}  output_dir"
-    return RunResult(message="\n".join([head] + [_run_line(r) for r in rows]))
-
-
-def _run_line(r: dict[str, Any]) -> str:
-    if "malformed" in r:
-        return f"{r['id']:>5}  malformed row: {r['malformed']}"
-    return (
-        f"{r['id']:>5}  {r['command']:<18} {str(r['recipe'] or '-'):<22} {r['status']:<8} "
-        f"{(r['duration_s'] or 0):>8.1f}  {r['output_dir']}"
-    )
-
-
-def _eval_runs(cfg: Any, registry: Any) -> Any:
-    """runs.command=eval: a row per evaluated candidate, best mean KLD first (runs.max_gb, runs.model)."""
-    max_bytes = None if cfg.runs.max_gb is None else int(cfg.runs.max_gb * 2**30)
-    rows = registry.eval_results(reference=cfg.runs.model, max_bytes=max_bytes, limit=cfg.runs.limit)
-    if cfg.json:
-        return RunResult(message=json.dumps(rows, indent=2, sort_keys=True))
-    head = f"{'run':>5}  {'KLD mean':>10} {'99.9%':>9} {'GiB':>8} {'bpw':>6}  candidate  (reference)"
-    lines = [head] + [
-        f"{r['run']:>5}  {r['kld_mean']:>10.5f} {r['kld_p99_9']:>9.4f} {r['bytes'] / 2**30:>8.3f} {r['bpw']:>6.3f}"
-        f"  {r['name']}  ({r['reference']})"
-        for r in rows
-    ]
-    return RunResult(message="\n".join(lines))
 
 
 # Launcher plugin (as named in a Hydra "Could not load 'hydra/launcher/<x>'" error) -> extra.
@@ -251,8 +145,6 @@ class OutputsCheck(Callback):
     config: Any = None
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        from omegaconf import OmegaConf
-
         OutputsCheck.config = config
         under = "${paths.outputs}" in str(OmegaConf.to_container(config.hydra.run, resolve=False).get("dir"))
         try:
@@ -263,8 +155,6 @@ class OutputsCheck(Callback):
 
 def _record_unmade(line: str) -> None:
     """The run whose directory Hydra could not make, recorded failed in its registry."""
-    from omegaconf import OmegaConf
-
     if (c := OutputsCheck.config) is None:
         return
     overrides = list(c.hydra.overrides.task)
@@ -303,8 +193,6 @@ def fail(line: str, code: int, *, as_json: bool | None = None) -> NoReturn:
 
 
 def _task(dcfg: Any) -> None:
-    from omegaconf import OmegaConf
-
     verbose = bool(dcfg.get("verbose", False))
     try:
         with signals_raise():
@@ -354,8 +242,9 @@ def execute(cfg: Any, resolved: dict[str, Any]) -> int:
     """Run ``cfg.command.name`` with a manifest and a RunRecord around it."""
     blas_info = blas.load(cfg.blas)
     name = cfg.command.name
-    fn = resolve_command(name)
-    if name in READONLY:
+    check_command(name)
+    fn = commands.resolve(name)
+    if COMMANDS[name].readonly:
         result = fn(cfg)
         emit(cfg, result)
         return getattr(result, "exit_code", 0)
@@ -396,8 +285,6 @@ def _is_json(text: str) -> bool:
 
 
 def _overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
-
     try:
         return list(HydraConfig.get().overrides.task)
     except ValueError:
@@ -438,9 +325,6 @@ def check_argv(argv: list[str]) -> None:
 
 def main() -> None:
     """Console entry: check the recipe, make Hydra errors one line, then run the Hydra app."""
-    import hydra
-    from hydra._internal import utils as hydra_utils
-
     # transformers (imported by mlx-lm for tokenizers) advises installing PyTorch on every run.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     argv = sys.argv[1:] = multirun_first(sys.argv[1:])
@@ -451,8 +335,6 @@ def main() -> None:
     try:
         check_argv(argv)
         if (_argv_value(argv, "help") or "").lower() in ("true", "1", "yes"):
-            from mlxbun.help import command_help  # deferred: mlxbun.help imports this module
-
             _print_or_quit(command_help(argv))
             return
     except InputError as e:

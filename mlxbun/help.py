@@ -8,18 +8,34 @@ overrides) and the one-line comment from ``mlxbun/schema.py``.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
 from mlxbun import schema
-from mlxbun.cli import COMMANDS, CONF_DIR, available_recipes, recipe_summary
+from mlxbun.commands import COMMANDS, CONF_DIR
 from mlxbun.provenance import RunResult
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def available_recipes() -> list[str]:
+    return sorted(str(p.relative_to(RECIPES_DIR).with_suffix("")) for p in RECIPES_DIR.rglob("*.yaml"))
+
+
+def recipe_summary(name: str) -> str:
+    """The recipe's first comment line (its one-line description)."""
+    for line in (RECIPES_DIR / f"{name}.yaml").read_text().splitlines():
+        text = line.lstrip("# ").strip()
+        if line.startswith("#") and text and not text.startswith("@package"):
+            return text
+    return ""
 
 
 def command_help(argv: list[str]) -> str:
     """The chosen command's keys: type, value after the overrides and recipe, schema comment."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         raw = OmegaConf.to_container(compose("config", overrides=_help_overrides(argv)), resolve=False)
     name = raw["command"]["name"]
@@ -27,7 +43,7 @@ def command_help(argv: list[str]) -> str:
     docs = [d for d in schema.key_docs() if schema.is_read(d.key, read) and d.key != "command.name"]
     rows = [(d.key, d.type, _shown(_lookup(raw, d.key)), d.comment) for d in docs]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    lines = [f"command={name}: {COMMANDS[name][1]}", "", "keys (type, value, what it is):"]
+    lines = [f"command={name}: {COMMANDS[name].summary}", "", "keys (type, value, what it is):"]
     lines += [f"  {k:<{widths[0]}}  {t:<{widths[1]}}  {v:<{widths[2]}}  {c}".rstrip() for k, t, v, c in rows]
     return "\n".join(lines)
 
@@ -52,7 +68,7 @@ def run(cfg: Any) -> Any:
     width = max(len(n) for n in COMMANDS)
     lines = ["usage: python -m mlxbun command=<name> [key=value ...] | +recipe=<name>"]
     lines += ["       python -m mlxbun command=<name> help=true   (that command's keys)", "", "commands:"]
-    lines += [f"  {n:<{width}}  {d}" for n, (_, d) in COMMANDS.items()]
+    lines += [f"  {n:<{width}}  {c.summary}" for n, c in COMMANDS.items()]
     recipes = available_recipes()
     rwidth = max((len(r) for r in recipes), default=0)
     lines += ["", "recipes (+recipe=<name>):"]

@@ -7,12 +7,11 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import resource
 
 
 def available_memory() -> int | None:
     """Bytes this process may still allocate: MemAvailable, capped by RLIMIT_AS (``ulimit -v``)."""
-    import resource
-
     avail = None
     try:
         with open("/proc/meminfo") as f:

@@ -1,5 +1,5 @@
 """What a model directory holds, read from metadata only (never tensor bytes), and where HF caches it.
-One module (not split): the cache walk and the model-dir reader share the bounded, regular-file-only reads that make a hostile cache safe to scan.
+Why one module: the cache walk and the model-dir reader share the bounded, regular-file-only reads that make a hostile cache safe to scan.
 
 The Hugging Face hub cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else
 ``~/.cache/huggingface/hub``)::
@@ -275,10 +275,6 @@ def read_metadata(path: str | os.PathLike) -> bytes:
     if len(raw) > MAX_JSON:
         raise ValueError(f"larger than {MAX_JSON} bytes, the most a metadata file may hold")
     return raw
-
-
-def read_json(path: str | os.PathLike) -> Any:
-    return json.loads(read_metadata(path))
 
 
 def printable(text: str) -> str:

@@ -2,8 +2,9 @@
 
 Each step writes into ``<run_dir>/<step>`` and hands keys to later steps through
 ``RunResult.provides`` (e.g. synth provides ``model.name``; allocate provides ``quant.plan``).
-Before the first step runs, every step's required settings are checked (:data:`NEEDS`): a key
-is set in the config or provided by an earlier step (:data:`PROVIDES`), or nothing runs.
+Before the first step runs, every step's required settings are checked (``needs`` in
+:data:`mlxbun.commands.COMMANDS`): a key is set in the config or provided by an earlier step
+(``provides``), or nothing runs.
 
     <run_dir>/
         manifest.json
@@ -13,13 +14,15 @@ is set in the config or provided by an earlier step (:data:`PROVIDES`), or nothi
 from __future__ import annotations
 
 import copy
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import asdict, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlxbun import cli, schema, synth
+from mlxbun import commands, schema, synth_write
+from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.provenance import RunResult
+from mlxbun.quant.spec import QuantSpec, check_hessians, hessians_file, load_plan, spec_for
 
 
 def set_key(cfg: Any, dotted: str, value: Any) -> Any:
@@ -30,35 +33,6 @@ def set_key(cfg: Any, dotted: str, value: Any) -> Any:
     if not rest:
         return replace(cfg, **{head: value})
     return replace(cfg, **{head: set_key(getattr(cfg, head), rest, value)})
-
-
-MODEL = ("model.name", "model.synthetic")
-# Per step: groups of keys; each group needs one key set (or provided by an earlier step).
-NEEDS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "quantize": (MODEL,),
-    "sensitivity": (MODEL,),
-    "sensitivity_merge": (("sensitivity.inputs",),),
-    "calibrate": (MODEL,),
-    "allocate": (MODEL, ("allocate.sensitivity",), ("allocate.budget_bpw", "allocate.budget_bytes")),
-    "rotate": (MODEL,),
-    "inspect": (("inspect.path", *MODEL),),
-    "kv_save": (MODEL, ("kv.name",), ("kv.prompt", "kv.prompt_file")),
-    "kv_generate": (MODEL, ("kv.prompt", "kv.prompt_file")),
-    "registry_resolve": (MODEL,),
-    "registry_fit": (MODEL,),
-    "verify": (("runs.dir",),),
-}
-# The keys each step's RunResult.provides sets for later steps.
-PROVIDES: dict[str, tuple[str, ...]] = {
-    "synth": ("model.name",),
-    "rotate": ("model.name",),
-    "quantize": ("model.name",),
-    "registry_resolve": ("model.name",),
-    "sensitivity": ("allocate.sensitivity",),
-    "sensitivity_merge": ("allocate.sensitivity",),
-    "calibrate": ("quant.hessians",),
-    "allocate": ("quant.plan",),
-}
 
 
 def get_key(cfg: Any, dotted: str) -> Any:
@@ -75,12 +49,12 @@ def check_steps(cfg: Any, steps: list[str]) -> None:
             "pipeline.steps=[] is empty; list the commands to run, e.g. pipeline.steps=[synth,quantize]"
         )
     for step in steps:
-        if step not in cli.COMMANDS or step in ("pipeline", "help"):
-            allowed = ", ".join(n for n in cli.COMMANDS if n not in ("pipeline", "help"))
+        if step not in COMMANDS or step in ("pipeline", "help"):
+            allowed = ", ".join(n for n in COMMANDS if n not in ("pipeline", "help"))
             raise InputError(f"pipeline.steps has {step!r}; choose from {allowed}")
     provided: set[str] = set()
     for i, step in enumerate(steps, 1):
-        for group in NEEDS.get(step, ()):
+        for group in COMMANDS[step].needs:
             if not any(k in provided or get_key(cfg, k) not in (None, False, "", []) for k in group):
                 raise InputError(
                     f"pipeline.steps: step {i} ({step}) needs {' or '.join(group)}, which is not set and"
@@ -88,7 +62,7 @@ def check_steps(cfg: Any, steps: list[str]) -> None:
                 )
         if step == "quantize" and "quant.plan" in provided:
             schema.check_plan_overrides(cfg.quant, plan="<allocate's plan.json>")
-        provided.update(PROVIDES.get(step, ()))
+        provided.update(COMMANDS[step].provides)
     if "synth" in steps:
         _check_synth_room(cfg)
     _check_before_work(cfg, steps)
@@ -98,8 +72,6 @@ def _check_before_work(cfg: Any, steps: list[str]) -> None:
     """What a later step would refuse after earlier steps' work, refused before the first step:
     missing Hessians (or a Hessians path that is no regular file), a plan.json that does not
     read, an allocate budget below the smallest plan."""
-    from mlxbun.quant.spec import check_hessians, hessians_file, load_plan
-
     q, provided = cfg.quant, set()
     for i, step in enumerate(steps, 1):
         try:
@@ -113,7 +85,7 @@ def _check_before_work(cfg: Any, steps: list[str]) -> None:
                 _check_budget(cfg, measured_here=set(steps[: i - 1]) & {"sensitivity", "sensitivity_merge"})
         except InputError as e:
             raise InputError(f"pipeline.steps: step {i} ({step}): {e} (nothing was run)") from None
-        provided.update(PROVIDES.get(step, ()))
+        provided.update(COMMANDS[step].provides)
 
 
 def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
@@ -123,7 +95,6 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
     from mlxbun.quant import candidates
     from mlxbun.quant.allocate import candidate_filter, check_reachable
     from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity
-    from mlxbun.quant.spec import QuantSpec, spec_for
     from mlxbun.source import model_dir
 
     a, s = cfg.allocate, cfg.sensitivity
@@ -154,12 +125,10 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
 
 
 def _check_synth_room(cfg: Any) -> None:
-    """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth.check_room)."""
-    from dataclasses import asdict
-
-    spec = synth.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
+    """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth_write.check_room)."""
+    spec = synth_write.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "synth" / "model"
-    synth.check_room(spec, out=out, partial_root=None)
+    synth_write.check_room(spec, out=out, partial_root=None)
 
 
 def run_steps(cfg: Any, steps: list[str]) -> RunResult:
@@ -174,7 +143,7 @@ def run_steps(cfg: Any, steps: list[str]) -> RunResult:
             set_key(copy.deepcopy(cfg), "paths.run_dir", str(run_dir / sub)), "command.name", step
         )
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
-        result = cli.resolve_command(step)(step_cfg)  # looked up at call time: tests replace it
+        result = commands.resolve(step)(step_cfg)  # looked up at call time: tests replace it
         for key, value in result.provides.items():
             cfg = set_key(cfg, key, value)
         total.outputs += result.outputs

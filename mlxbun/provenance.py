@@ -1,4 +1,4 @@
-"""Run provenance: ``manifest.json`` in every run directory, file hashing, and ``verify``.
+"""Run provenance: ``manifest.json`` in every run directory, file hashing, and verifying a run.
 
 A run directory looks like::
 
@@ -23,14 +23,16 @@ import stat
 import subprocess
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import mlxbun
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes, atomic_write_json
+from mlxbun.io.digest import file_digest
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
@@ -71,14 +73,6 @@ class RunResult:
     written: list[Path] | None = None
 
 
-def sha256_file(path: Path, *, chunk: int = 8 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def named_sha256(path: Path) -> str | None:
     """The sha256 a Hugging Face cache file carries in its name, else None.
 
@@ -105,7 +99,7 @@ def cached_sha256(path: Path, cache_dir: Path | None) -> str:
     if (named := named_sha256(path)) is not None:
         return named
     if cache_dir is None:
-        return sha256_file(path)
+        return file_digest(path, "sha256")
     st = path.stat()
     ident = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
     key = hashlib.sha256(ident.encode()).hexdigest()
@@ -116,7 +110,7 @@ def cached_sha256(path: Path, cache_dir: Path | None) -> str:
             return digest
     except OSError:
         pass
-    digest = sha256_file(path)
+    digest = file_digest(path, "sha256")
     entry.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(entry, digest.encode())
     return digest
@@ -205,8 +199,6 @@ def git_blob_hash(path: Path) -> str:
 
 
 def versions() -> dict[str, str | None]:
-    from importlib import metadata
-
     def ver(pkg: str) -> str | None:
         try:
             return metadata.version(pkg)
@@ -421,7 +413,7 @@ def _check(roots: list[Path], rel: str, want: str) -> Drift | None:
         return Drift(rel, want, "missing")
     if not stat.S_ISREG(mode):
         return Drift(rel, want, "not a regular file")
-    got = sha256_file(path)
+    got = file_digest(path, "sha256")
     return Drift(rel, want, got) if got != want else None
 
 
@@ -465,17 +457,3 @@ def _special(mode: int) -> str:
     if stat.S_ISLNK(mode):
         return "a symbolic link"
     return "a FIFO" if stat.S_ISFIFO(mode) else "a special file"
-
-
-def run(cfg: Any) -> RunResult:
-    """command=verify: check a run against its manifest; exit 1 listing every difference."""
-    if not cfg.runs.dir:
-        raise InputError("runs.dir is not set; pass runs.dir=<run directory with manifest.json>")
-    drift = verify_run(cfg.runs.dir)
-    if cfg.json:
-        report = {"run_dir": cfg.runs.dir, "drift": [asdict(d) for d in drift]}
-        return RunResult(message=json.dumps(report, indent=2, sort_keys=True), exit_code=1 if drift else 0)
-    if drift:
-        lines = "; ".join(d.describe() for d in drift)
-        raise DriftError(f"{len(drift)} output(s) drifted in {cfg.runs.dir}: {lines}")
-    return RunResult(message=f"verified: every output of {cfg.runs.dir} matches its manifest")

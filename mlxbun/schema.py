@@ -1,5 +1,5 @@
 """Structured-config dataclasses: the types, choices and ranges of every command's arguments.
-One module (not split): Hydra registers one schema tree, and every command's arguments are read side by side in one visible place.
+Why one module: Hydra registers one schema tree, and every command's arguments are read side by side in one visible place.
 
 Hydra composes YAML from ``conf/`` and ``recipes/`` against :class:`Config` (registered in the
 ConfigStore as ``mlxbun_schema``), so unknown keys and wrong types fail at compose time. Choices
@@ -23,6 +23,7 @@ from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
 from mlxbun.quant.candidates import METHODS as CANDIDATE_METHODS
@@ -507,10 +508,6 @@ class RegistryFilterCfg:
     def __post_init__(self) -> None:
         gib_key("registry.filter.max_gb", self.max_gb)
 
-    @property
-    def max_bytes(self) -> int | None:
-        return gib_bytes(self.max_gb)
-
 
 @dataclass
 class RegistryFitCfg:
@@ -525,10 +522,6 @@ class RegistryFitCfg:
         gib_key("registry.fit.budget_gb", self.budget_gb)
         positive("registry.fit.context", self.context)
         at_most("registry.fit.context", self.context, MAX_TOKENS, "above any model's context")
-
-    @property
-    def budget_bytes(self) -> int:
-        return gib_bytes(self.budget_gb)
 
 
 @dataclass
@@ -692,8 +685,6 @@ def check_config(cfg: Config) -> None:
             f"quant.bits={q.bits} is ignored by quant.mixed={q.mixed!r}, which sets the bits of every"
             " layer; drop one of them"
         )
-    if q.mixed is not None and q.plan is not None:
-        raise InputError(f"quant.plan={q.plan!r} and quant.mixed={q.mixed!r} are both set; choose one")
     check_plan_overrides(q, plan=q.plan)
 
 
@@ -718,64 +709,20 @@ COMMON_KEYS = (
     "command", "seed", "verbose", "json", "blas", "help", "paths",
     "registry.url", "registry.path", "registry.hub_cache", "registry.paths",
 )  # fmt: skip
-# model.synthetic=true builds the model from the synth section (recipes keep both ready)
-MODEL_KEYS = ("model", "synth")
-# The keys each command reads besides COMMON_KEYS: whole sections or single keys. A key set to
-# something other than its default that the command does not read is refused (check_unread);
-# `help=true` lists these keys. A pipeline reads what its steps read.
-READS: dict[str, tuple[str, ...]] = {
-    "help": (),
-    "pipeline": ("pipeline",),
-    "synth": ("synth", "io"),
-    "inspect": ("inspect", *MODEL_KEYS),
-    "quantize": (*MODEL_KEYS, "quant", "io"),
-    # sensitivity.candidates: scored with quant.hessians, probed at allocate's budget in quant.dtype
-    "sensitivity": (
-        *MODEL_KEYS,
-        "sensitivity",
-        "quant.hessians",
-        "quant.dtype",
-        "allocate.budget_bpw",
-        "allocate.budget_bytes",
-    ),  # fmt: skip
-    "sensitivity_merge": ("sensitivity.inputs",),
-    "calibrate": (*MODEL_KEYS, "calibrate", "sensitivity.calib", "sensitivity.batch_size"),
-    "allocate": (
-        *MODEL_KEYS,
-        "allocate",
-        "quant.dtype",
-        "quant.hessians",
-        "io",
-        "sensitivity.calib",
-        "sensitivity.batch_size",
-    ),  # fmt: skip
-    "rotate": (*MODEL_KEYS, "fold", "io"),
-    "eval": (*MODEL_KEYS, "eval", "registry"),
-    "kv_save": (*MODEL_KEYS, "kv"),
-    "kv_generate": (*MODEL_KEYS, "kv"),
-    "kv_ls": ("kv",),
-    "kv_verify": ("kv",),
-    "kv_gc": ("kv",),
-    "kv_import": (*MODEL_KEYS, "kv"),
-    "kv_export": (*MODEL_KEYS, "kv"),
-    "serve": (*MODEL_KEYS, "kv", "serve"),
-    "registry_scan": ("registry",),
-    "registry_ls": ("registry",),
-    "registry_resolve": (*MODEL_KEYS, "registry"),
-    "registry_fit": (*MODEL_KEYS, "registry"),
-    "runs": ("runs", "registry"),
-    "verify": ("runs",),
-}
 
 
 def reads(command: str, data: dict[str, Any]) -> tuple[str, ...]:
     """The keys and sections ``command`` reads with the composed config ``data`` (a pipeline:
     its steps')."""
-    found = list(COMMON_KEYS) + list(READS.get(command, ()))
+    found = list(COMMON_KEYS) + list(_reads(command))
     if command == "pipeline":
         for step in (data.get("pipeline") or {}).get("steps") or ():
-            found += READS.get(step, ())
+            found += _reads(step)
     return tuple(found)
+
+
+def _reads(command: str) -> tuple[str, ...]:
+    return COMMANDS[command].reads if command in COMMANDS else ()
 
 
 def is_read(key: str, read: tuple[str, ...]) -> bool:
@@ -788,7 +735,7 @@ def check_unread(data: dict[str, Any], defaults: dict[str, Any], *, given: list[
     default, that the chosen command does not read: it would be silently ignored
     (``command=allocate quant.method=gptq``). Recipes are held to the same rule by a test."""
     command = str((data.get("command") or {}).get("name"))
-    if command not in READS:
+    if command not in COMMANDS:
         return
     read, keys = reads(command, data), [override_key(o) for o in given]
     for key, value, default in _leaves(data, defaults):

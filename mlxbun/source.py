@@ -5,7 +5,7 @@ path, a registry name or an HF repo id in the local cache (resolved by ``mlxbun.
 ``model.synthetic=true`` builds (once, cached) a random checkpoint shaped by the ``synth`` section.
 
 A command that streams tensors (quantize) calls :func:`model_source` instead: with
-``model.synthetic=true`` it gets a :class:`mlxbun.synth.SyntheticSource` whose tensors are
+``model.synthetic=true`` it gets a :class:`mlxbun.synth_values.SyntheticSource` whose tensors are
 generated when read, so no weight file is ever written. Both kinds of source are read through
 the same few calls (:func:`open_tensors`; :class:`FileTensors` for files)::
 
@@ -23,7 +23,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from mlxbun import registry, synth
+import numpy as np
+
+from mlxbun import registry, synth_write
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import NAMES
 from mlxbun.io.safetensors import open_model
@@ -37,7 +39,7 @@ def model_dir(cfg: Any) -> Path:
     """The model directory named by ``cfg.model`` (and ``cfg.synth`` when synthetic)."""
     if cfg.model.synthetic:
         spec = {k: v for k, v in asdict(cfg.synth).items() if k != "out"}
-        return synth.ensure_synthetic(cache_dir=expand(cfg.paths.cache) / "synth", **spec)
+        return synth_write.ensure_synthetic(cache_dir=expand(cfg.paths.cache) / "synth", **spec)
     name = cfg.model.name
     if not name:
         raise InputError(
@@ -64,7 +66,7 @@ def model_source(cfg: Any) -> Any:
         return model_dir(cfg)
 
     spec = {k: v for k, v in asdict(cfg.synth).items() if k != "out"}
-    return synth.ensure_synthetic_source(cache_dir=expand(cfg.paths.cache) / "synth", **spec)
+    return synth_write.ensure_synthetic_source(cache_dir=expand(cfg.paths.cache) / "synth", **spec)
 
 
 # safetensors dtype -> mx dtype name, for tensors read raw into mx buffers (the others, F64
@@ -101,7 +103,6 @@ class FileTensors:
         """Rows [r0, r1) of a tensor, read with pread straight into an mx buffer: one copy from the
         page cache, no mapped pages to fault in or leave behind."""
         import mlx.core as mx
-        import numpy as np
 
         info = self.model.info(name)
         row = info.nbytes // info.shape[0]

@@ -201,10 +201,10 @@ BITS = (2, 4, 8)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from mlxbun import synth
+    from mlxbun import synth_write
 
     cache = tmp_path_factory.mktemp("alloc-synth")
-    return synth.ensure_synthetic(cache_dir=cache, arch="llama", preset="tiny", tie_embeddings=False)
+    return synth_write.ensure_synthetic(cache_dir=cache, arch="llama", preset="tiny", tie_embeddings=False)
 
 
 def fake_sensitivity(paths, *, seed=0, bits=BITS, group_size=64):
@@ -429,9 +429,9 @@ def test_run_skips_interactions_that_would_not_fit_in_memory(model, measured, tm
 
 
 def test_run_rejects_bad_input_before_writing(model, measured, tmp_path):
-    from mlxbun import synth
+    from mlxbun import synth_write
 
-    other = synth.ensure_synthetic(cache_dir=tmp_path / "synth", arch="llama", preset="tiny", seed=1)
+    other = synth_write.ensure_synthetic(cache_dir=tmp_path / "synth", arch="llama", preset="tiny", seed=1)
     doc = json.loads(measured.read_text())
     sharded = tmp_path / "sharded.json"
     sharded.write_text(json.dumps(doc | {"shard": {"index": 0, "count": 2, "groups": [0]}}))

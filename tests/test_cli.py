@@ -11,37 +11,64 @@ from cli_util import REPO, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxbun import cli, schema
+from mlxbun import commands, schema
+from mlxbun.commands import COMMANDS, CONF_DIR
 from mlxbun.errors import InputError
+from mlxbun.help import available_recipes, recipe_summary
 
 
 def _compose(overrides: list[str]) -> schema.Config:
     schema.register()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[*overrides, "paths.run_dir=/tmp/x"])
     return OmegaConf.to_object(cfg)
 
 
-@pytest.mark.parametrize("command", sorted(cli.COMMANDS))
+@pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_command_config_composes(command: str) -> None:
     cfg = _compose([f"command={command}"])
     assert cfg.command.name == command
-    assert (cli.CONF_DIR / "command" / f"{command}.yaml").is_file()
+    assert (CONF_DIR / "command" / f"{command}.yaml").is_file()
 
 
-@pytest.mark.parametrize("recipe", cli.available_recipes())
+def test_every_command_conf_file_is_a_command_of_the_table() -> None:
+    files = {p.stem for p in (CONF_DIR / "command").glob("*.yaml")}
+    assert files == set(COMMANDS), f"conf files without a command: {sorted(files - set(COMMANDS))}"
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_is_the_run_of_its_module(command: str) -> None:
+    """command=X is ``run`` of a module named X (kv_gc: kv/gc.py), or a function of the module
+    that holds a family of commands (kv_ls: kv/commands.py's ``ls``)."""
+    target = COMMANDS[command]
+    assert callable(commands.resolve(command))
+    package, _, name = target.module.removeprefix("mlxbun.").rpartition(".")
+    if target.function == "run":
+        assert command in (name.rstrip("_"), f"{package}_{name.rstrip('_')}"), target.module
+    else:
+        assert command == f"{package}_{target.function}", target
+
+
+def test_pipeline_needs_and_provides_name_real_keys() -> None:
+    keys = set(schema.all_keys())
+    for name, c in COMMANDS.items():
+        for key in [k for group in c.needs for k in group] + list(c.provides):
+            assert key in keys, (name, key)
+
+
+@pytest.mark.parametrize("recipe", available_recipes())
 def test_every_recipe_composes_and_names_a_command(recipe: str) -> None:
     cfg = _compose([f"+recipe={recipe}"])
-    assert cfg.command.name in cli.COMMANDS
-    assert cli.recipe_summary(recipe), f"recipes/{recipe}.yaml needs a one-line description comment"
+    assert cfg.command.name in COMMANDS
+    assert recipe_summary(recipe), f"recipes/{recipe}.yaml needs a one-line description comment"
 
 
 def test_help_lists_every_command_and_recipe(tmp_path: Path) -> None:
     res = run_cli(tmp=tmp_path, isolate=False)
     assert res.returncode == 0, res.stderr
-    for name in cli.COMMANDS:
+    for name in COMMANDS:
         assert f"  {name} " in res.stdout
-    for recipe in cli.available_recipes():
+    for recipe in available_recipes():
         assert f"  {recipe} " in res.stdout or res.stdout.rstrip().endswith(recipe)
 
 
@@ -207,7 +234,7 @@ def test_launcher_presets_compose(launcher: str) -> None:
     if launcher == "ray_local":
         pytest.importorskip("hydra_plugins.hydra_ray_launcher")
     schema.register()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("config", overrides=[f"hydra/launcher={launcher}"], return_hydra_config=True)
     assert "Launcher" in cfg.hydra.launcher._target_
 
@@ -226,7 +253,7 @@ def test_submitit_local_sweep_records_each_job(tmp_path: Path) -> None:
     assert len(manifests) == 2
 
 
-@pytest.mark.parametrize("command", sorted(cli.READONLY - {"verify"}))
+@pytest.mark.parametrize("command", sorted(n for n, c in COMMANDS.items() if c.readonly and n != "verify"))
 def test_read_only_commands_leave_no_run_directory(tmp_path: Path, command: str) -> None:
     run_cli(f"command={command}", tmp=tmp_path)
     assert not (tmp_path / "outputs").exists()

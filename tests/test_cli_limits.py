@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from cli_util import run_cli
 
-from mlxbun import synth
+from mlxbun import synth_write
 from mlxbun.errors import InputError
 
 
@@ -25,28 +25,28 @@ def test_a_petabyte_synth_is_refused_before_writing(tmp_path: Path) -> None:
 
 
 def test_synth_larger_than_memory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    spec = synth.resolve_spec(arch="llama", preset="tiny", vocab_size=1_000_000)
-    monkeypatch.setattr(synth, "available_memory", lambda: 100 << 20)
+    spec = synth_write.resolve_spec(arch="llama", preset="tiny", vocab_size=1_000_000)
+    monkeypatch.setattr(synth_write, "available_memory", lambda: 100 << 20)
     with pytest.raises(InputError, match=r"needs about .* of memory .* 100.0 MiB is available"):
-        synth.check_room(spec, out=tmp_path / "m", partial_root=None)
-    monkeypatch.setattr(synth, "available_memory", lambda: 8 << 30)
-    synth.check_room(spec, out=tmp_path / "m", partial_root=None)
+        synth_write.check_room(spec, out=tmp_path / "m", partial_root=None)
+    monkeypatch.setattr(synth_write, "available_memory", lambda: 8 << 30)
+    synth_write.check_room(spec, out=tmp_path / "m", partial_root=None)
 
 
 def test_bytes_already_written_by_a_killed_build_count_as_room(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = synth.resolve_spec(arch="llama", preset="tiny")
-    need = sum(t.nbytes for t in synth.plan(spec))
+    spec = synth_write.resolve_spec(arch="llama", preset="tiny")
+    need = sum(t.nbytes for t in synth_write.plan(spec))
     partial = tmp_path / f".m.partial-{spec.hash}"
     partial.mkdir()
     (partial / "model-00001-of-00002.safetensors").write_bytes(b"\0" * (need // 2))
     usage = type("U", (), {"free": need - need // 2 + 1})
-    monkeypatch.setattr(synth.shutil, "disk_usage", lambda _: usage)
-    synth.check_room(spec, out=tmp_path / "m", partial_root=None)
+    monkeypatch.setattr(synth_write.shutil, "disk_usage", lambda _: usage)
+    synth_write.check_room(spec, out=tmp_path / "m", partial_root=None)
     (partial / "model-00001-of-00002.safetensors").unlink()
     with pytest.raises(InputError, match="of disk under"):
-        synth.check_room(spec, out=tmp_path / "m", partial_root=None)
+        synth_write.check_room(spec, out=tmp_path / "m", partial_root=None)
 
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llama-text-3m"

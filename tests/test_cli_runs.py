@@ -48,13 +48,13 @@ def _one_error_line(stderr: str) -> str:
 # A synth run that receives a signal while it writes weights (as Slurm preemption would).
 SIGNAL_DURING_SYNTH = """
 import os, signal, time
-from mlxbun import synth
-real = synth._write_weights
+from mlxbun import synth_write
+real = synth_write._write_weights
 def write_then_signal(*a, **k):
     os.kill(os.getpid(), signal.{sig})
     time.sleep(30)
     real(*a, **k)
-synth._write_weights = write_then_signal
+synth_write._write_weights = write_then_signal
 """
 
 

@@ -13,6 +13,7 @@ import pytest
 from cli_util import REPO, isolated_args, run_cli
 
 from mlxbun import cli, schema
+from mlxbun.commands import COMMANDS, CONF_DIR
 from mlxbun.progress import human_bytes, human_count, human_seconds
 
 FIXTURE = REPO / "tests" / "fixtures" / "llama-text-3m"
@@ -111,7 +112,7 @@ def test_recipes_with_repo_paths_work_from_any_directory(
     monkeypatch.chdir(tmp_path)
     schema.register()
     for recipe in ("sensitivity_quickstart", "mixed_pipeline", "sweep_sensitivity"):
-        with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = OmegaConf.to_object(
                 compose("config", overrides=[f"+recipe={recipe}", "paths.run_dir=/tmp/x"])
             )
@@ -195,5 +196,5 @@ def test_multirun_flag_works_after_the_overrides(tmp_path: Path) -> None:
 
 
 def test_the_command_list_does_not_call_sensitivity_exact() -> None:
-    summary = cli.COMMANDS["sensitivity"][1]
+    summary = COMMANDS["sensitivity"].summary
     assert "fisher" in summary and not summary.startswith("exact")

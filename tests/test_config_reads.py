@@ -10,15 +10,17 @@ from cli_util import run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxbun import cli, pipeline, schema
+from mlxbun import pipeline, schema
+from mlxbun.commands import CONF_DIR
 from mlxbun.errors import InputError
+from mlxbun.help import available_recipes
 
 
 def _check(overrides: list[str], *, given: list[str] | None = None, steps: bool = True) -> None:
     """Compose like the CLI and run its checks of unread keys (of ``given``, default the
     overrides) and of the schema."""
     schema.register()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         dcfg = compose("config", overrides=[*overrides, "paths.run_dir=/tmp/x"])
     defaults = OmegaConf.to_container(OmegaConf.structured(schema.Config))
     given = overrides if given is None else given
@@ -28,7 +30,7 @@ def _check(overrides: list[str], *, given: list[str] | None = None, steps: bool 
         pipeline.check_steps(cfg, list(cfg.pipeline.steps))
 
 
-@pytest.mark.parametrize("recipe", cli.available_recipes())
+@pytest.mark.parametrize("recipe", available_recipes())
 def test_every_recipe_sets_only_keys_its_command_reads(recipe: str) -> None:
     every_key = [f"{k}=" for k in schema.all_keys()]  # a recipe's keys, held to the command line's rule
     _check([f"+recipe={recipe}"], given=every_key, steps=False)

@@ -11,7 +11,8 @@ import pytest
 from cli_util import run_cli
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxbun import schema, synth
+from mlxbun import synth_write
+from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.kv import commands
 from mlxbun.kv.store import MismatchError, Store
@@ -21,7 +22,9 @@ PROMPT = "the quick brown fox jumps over the lazy dog; " * 6
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    path = synth.ensure_synthetic(cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny")
+    path = synth_write.ensure_synthetic(
+        cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny"
+    )
     return commands.load_model(path)
 
 
@@ -61,7 +64,7 @@ def test_named_snapshot_for_another_prompt_is_refused(loaded, tmp_path):
 
 
 def _cli(tmp: Path, command: str, *args: str):
-    model = ["model.synthetic=true"] if "model" in schema.READS[command.partition("=")[2]] else []
+    model = ["model.synthetic=true"] if "model" in COMMANDS[command.partition("=")[2]].reads else []
     return run_cli(command, *args, *model, f"kv.store={tmp / 'kv'}", tmp=tmp)
 
 
@@ -137,7 +140,7 @@ def test_cli_gc_and_bad_input(tmp_path):
 def test_fingerprints_tell_models_and_tokenizers_apart(loaded, tmp_path):
     from mlxbun.fingerprint import model_fingerprint, tokenizer_fingerprint
 
-    other = synth.ensure_synthetic(cache_dir=tmp_path, arch="llama", preset="tiny", seed=1)
+    other = synth_write.ensure_synthetic(cache_dir=tmp_path, arch="llama", preset="tiny", seed=1)
     assert model_fingerprint(other) != loaded.model_fp  # same shapes, other weights
     assert model_fingerprint(loaded.path) == loaded.model_fp
     assert tokenizer_fingerprint(other) == loaded.tokenizer_fp

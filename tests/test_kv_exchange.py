@@ -13,7 +13,7 @@ import pytest
 from cli_util import REPO, run_cli
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from mlxbun import synth
+from mlxbun import synth_write
 from mlxbun.errors import DriftError, InputError
 from mlxbun.kv import commands
 from mlxbun.kv import import_ as imp
@@ -25,7 +25,9 @@ PROMPT = "the quick brown fox jumps over the lazy dog; " * 6
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    path = synth.ensure_synthetic(cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny")
+    path = synth_write.ensure_synthetic(
+        cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny"
+    )
     return commands.load_model(path)
 
 
@@ -72,7 +74,7 @@ def test_import_refuses_another_prompt_or_model(loaded, tmp_path):
     with pytest.raises(DriftError, match="not made by this model from this prompt"):
         imp.recompute_check(loaded, imp.read_prompt_cache(src)[0], wrong, path=src)
     other = commands.load_model(
-        synth.ensure_synthetic(cache_dir=tmp_path, arch="llama", preset="tiny", seed=1)
+        synth_write.ensure_synthetic(cache_dir=tmp_path, arch="llama", preset="tiny", seed=1)
     )
     with pytest.raises(DriftError, match="not made by this model"):
         imp.recompute_check(other, imp.read_prompt_cache(src)[0], toks, path=src)
@@ -276,7 +278,7 @@ def test_cli_export_is_continued_by_mlx_lm_generate_with_a_relative_model_path(l
         argv, cwd=REPO, capture_output=True, text=True, timeout=300, env={"HF_HUB_OFFLINE": "1"}
     )
     assert r.returncode == 0, r.stderr
-    other = synth.ensure_synthetic(cache_dir=tmp_path / "o", arch="llama", preset="tiny", seed=1)
+    other = synth_write.ensure_synthetic(cache_dir=tmp_path / "o", arch="llama", preset="tiny", seed=1)
     r = run_cli(
         "command=kv_export", "kv.name=sys", f"kv.file={tmp_path / 'x.safetensors'}", f"kv.store={tmp_path / 'kv'}",
         f"model.name={other}", tmp=tmp_path,

@@ -249,7 +249,7 @@ def test_bad_block_names_rejected(model, tmp_path, bad):
 
 
 def test_symlinks_in_blocks_rejected(model, tmp_path):
-    store, _, _ = _saved(model, tmp_path, "blocks")
+    store, cache, toks = _saved(model, tmp_path, "blocks")
     block = _block(tmp_path)
     elsewhere = tmp_path / "copy"
     elsewhere.write_bytes(block.read_bytes())
@@ -262,7 +262,9 @@ def test_symlinks_in_blocks_rejected(model, tmp_path):
     (tmp_path / "blocks" / "README").write_text("stray")
     assert any("blocks/README: not a block name" in p for p in store.scan_blocks_dir())
     with pytest.raises(fmt.CorruptError, match="not a regular file"):
-        blk.put_block(tmp_path / "blocks", elsewhere.read_bytes())  # a writer will not trust it either
+        store.save(
+            "again", cache, tokens=toks, model="m", layout="blocks"
+        )  # a writer will not trust it either
 
 
 # ---------------------------------------------------------------- SIGKILL mid-save, two writers

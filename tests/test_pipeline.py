@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from mlxbun import cli, pipeline, schema
+from mlxbun import commands, pipeline, schema
+from mlxbun.commands import COMMANDS, CONF_DIR
 from mlxbun.errors import InputError
+from mlxbun.help import available_recipes
 from mlxbun.provenance import RunResult
 
 
@@ -19,11 +21,11 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     def fake(step: str):
         def run(cfg):
             calls.append(step)
-            return RunResult(provides={k: f"/x/{step}" for k in pipeline.PROVIDES.get(step, ())})
+            return RunResult(provides={k: f"/x/{step}" for k in COMMANDS[step].provides})
 
         return run
 
-    monkeypatch.setattr(cli, "resolve_command", fake)
+    monkeypatch.setattr(commands, "resolve", fake)
     return calls
 
 
@@ -64,12 +66,12 @@ def test_an_empty_pipeline_is_refused(tmp_path: Path, ran: list[str]) -> None:
 
 
 def test_provides_matches_what_the_steps_hand_on() -> None:
-    """PROVIDES is what each command's RunResult.provides sets (read from the source)."""
+    """``provides`` is what each command's RunResult.provides sets (read from the source)."""
     import inspect
     import re
 
-    for step, keys in pipeline.PROVIDES.items():
-        module = cli.resolve_command(step)
+    for step, keys in ((n, c.provides) for n, c in COMMANDS.items() if c.provides):
+        module = commands.resolve(step)
         source = inspect.getsource(inspect.getmodule(module))
         for key in keys:
             assert re.search(rf'provides=\{{[^}}]*"{re.escape(key)}"', source), (step, key)
@@ -84,13 +86,13 @@ def _compose_recipe(recipe: str, *extra: str):
     from omegaconf import OmegaConf
 
     schema.register()
-    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return OmegaConf.to_object(
             compose("config", overrides=[f"+recipe={recipe}", "paths.run_dir=/tmp/x", *extra])
         )
 
 
-@pytest.mark.parametrize("recipe", cli.available_recipes())
+@pytest.mark.parametrize("recipe", available_recipes())
 def test_every_pipeline_recipe_passes_the_up_front_check(recipe: str) -> None:
     cfg = _compose_recipe(recipe, *USER_KEYS.get(recipe, []))
     if cfg.command.name == "pipeline":

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxbun import provenance
+from mlxbun import provenance, verify
 from mlxbun.errors import DriftError, InputError
 from mlxbun.provenance import Manifest, RunResult, cached_sha256, hash_paths, verify_run
 
@@ -35,8 +35,8 @@ def test_digest_cache_reuses_unchanged_files_and_notices_changes(tmp_path: Path,
     f.write_bytes(b"x" * 1000)
     cache = tmp_path / "digests"
     calls = []
-    real = provenance.sha256_file
-    monkeypatch.setattr(provenance, "sha256_file", lambda p: calls.append(p) or real(p))
+    real = provenance.file_digest
+    monkeypatch.setattr(provenance, "file_digest", lambda p, kind: calls.append(p) or real(p, kind))
     first = cached_sha256(f, cache)
     assert cached_sha256(f, cache) == first and len(calls) == 1
     f.write_bytes(b"y" * 1000)  # same size, new content: new mtime, new key
@@ -117,8 +117,8 @@ def test_verify_never_reads_a_manifest_path_outside_the_run_dir(tmp_path: Path, 
         manifest["outputs"][entry] = {"sha256": "0" * 64, "size": 9}
     mpath.write_text(json.dumps(manifest))
     read = []
-    real = provenance.sha256_file
-    monkeypatch.setattr(provenance, "sha256_file", lambda p, **kw: read.append(Path(p)) or real(p, **kw))
+    real = provenance.file_digest
+    monkeypatch.setattr(provenance, "file_digest", lambda p, kind: read.append(Path(p)) or real(p, kind))
     drift = {d.path: d.found for d in verify_run(run_dir)}
     assert {k for k, v in drift.items() if "outside the run directory" in v} == {
         str(secret),
@@ -136,10 +136,10 @@ def test_verify_command_prints_json_and_exits_1_on_drift(tmp_path: Path) -> None
     _model_run(run_dir)
     cfg = schema.Config()
     cfg.runs.dir, cfg.json = str(run_dir), True
-    res = provenance.run(cfg)
+    res = verify.run(cfg)
     assert res.exit_code == 0 and json.loads(res.message) == {"run_dir": str(run_dir), "drift": []}
     (run_dir / "plan.json").write_text("[]")
-    res = provenance.run(cfg)
+    res = verify.run(cfg)
     got = json.loads(res.message)
     assert res.exit_code == 1 and [d["path"] for d in got["drift"]] == ["plan.json"]
 

@@ -41,8 +41,8 @@ def test_hf_cache_blob_names_are_the_input_digests(tmp_path, monkeypatch):
     assert named_sha256(snap / "config.json") is None  # a sha1 name is no sha256
     assert named_sha256(snap.parent.parent / "blobs" / _sha(snap / "model.safetensors")) is None  # not a link
     read = []
-    real = provenance.sha256_file
-    monkeypatch.setattr(provenance, "sha256_file", lambda p, **kw: read.append(Path(p).name) or real(p, **kw))
+    real = provenance.file_digest
+    monkeypatch.setattr(provenance, "file_digest", lambda p, kind: read.append(Path(p).name) or real(p, kind))
     got = hash_paths([snap], base=tmp_path)
     assert read == ["config.json"]
     for name in ("model.safetensors", "config.json"):
@@ -68,14 +68,14 @@ def test_manifest_takes_the_writers_shard_digests_without_reading_them(tmp_path,
     run_dir = tmp_path / "run"
     res = quantize_model_dir(src, run_dir / "model", bits=4, shard_bytes=20000, threads=2)
     assert len(res.digests) == len(res.files) > 1
-    real = provenance.sha256_file
+    real = provenance.file_digest
 
-    def no_shards(path, **kw):
+    def no_shards(path, kind):
         if Path(path).name.startswith("model-") and Path(path).suffix == ".safetensors":
             pytest.fail(f"{path} was read again to hash it")
-        return real(path, **kw)
+        return real(path, kind)
 
-    monkeypatch.setattr(provenance, "sha256_file", no_shards)
+    monkeypatch.setattr(provenance, "file_digest", no_shards)
     manifest = Manifest(run_dir, "quantize", {}, [], None, 0, {})
     digests = {res.out / f: d for f, d in res.digests.items()}
     manifest.finish(status="ok", result=RunResult(outputs=[res.out], digests=digests))
@@ -95,10 +95,10 @@ def test_record_takes_the_writers_xxh3_without_reading_the_shards(tmp_path, tiny
     src = tiny_model("llama")
     real = staging.file_digest
 
-    def no_shards(path):
+    def no_shards(path, kind):
         if Path(path).name.startswith((".mlxbun-shard-", "model")) and Path(path).suffix == ".safetensors":
             pytest.fail(f"{path} was read again to hash it")
-        return real(path)
+        return real(path, kind)
 
     monkeypatch.setattr(staging, "file_digest", no_shards)
     res = quantize_model_dir(src, tmp_path / "model", bits=4, shard_bytes=20000, threads=2)

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxbun import synth
+from mlxbun import synth_write
 from mlxbun.quant import convert, quantize
 from mlxbun.quant.quantize import quantize_model_dir
 
@@ -27,8 +27,8 @@ def _bits(a: mx.array) -> np.ndarray:
 
 
 def test_rows_equal_slices_of_the_whole_tensor():
-    spec = synth.resolve_spec(**{**FIELDS, "outlier_target": "activations"})
-    src = synth.SyntheticSource(spec=spec, path=Path("unused"))
+    spec = synth_write.resolve_spec(**{**FIELDS, "outlier_target": "activations"})
+    src = synth_write.SyntheticSource(spec=spec, path=Path("unused"))
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.o_proj.weight", "model.norm.weight"):
         whole = _bits(src.array(name))
         rows = whole.shape[0] if whole.ndim > 1 else 1
@@ -58,8 +58,8 @@ def test_in_memory_source_gives_the_bytes_of_its_materialised_files(tmp_path, mo
     # Small thresholds: the embedding goes through the row-block path, several shards are written.
     monkeypatch.setattr(convert, "BIG_TENSOR", 16 << 20)
     monkeypatch.setattr(convert, "CHUNK_BYTES", 1 << 20)
-    source = synth.ensure_synthetic_source(cache_dir=tmp_path / "cache", **FIELDS)
-    files = synth.synthesize(tmp_path / "files", **FIELDS)
+    source = synth_write.ensure_synthetic_source(cache_dir=tmp_path / "cache", **FIELDS)
+    files = synth_write.synthesize(tmp_path / "files", **FIELDS)
     kw = dict(bits=bits, group_size=64, shard_bytes=8 << 20, threads=2)
     mem = quantize_model_dir(source, tmp_path / "mem", **kw)
     disk = quantize_model_dir(files, tmp_path / "disk", **kw)
@@ -81,8 +81,8 @@ def test_in_memory_source_gives_the_bytes_of_its_materialised_files(tmp_path, mo
 
 
 def test_another_seed_is_another_conversion(tmp_path):
-    a = synth.ensure_synthetic_source(cache_dir=tmp_path / "cache", arch="llama", preset="tiny")
-    b = synth.ensure_synthetic_source(cache_dir=tmp_path / "cache", arch="llama", preset="tiny", seed=1)
+    a = synth_write.ensure_synthetic_source(cache_dir=tmp_path / "cache", arch="llama", preset="tiny")
+    b = synth_write.ensure_synthetic_source(cache_dir=tmp_path / "cache", arch="llama", preset="tiny", seed=1)
     ra = quantize_model_dir(a, tmp_path / "a", bits=4, threads=1)
     with pytest.raises(Exception, match="not this conversion"):
         quantize_model_dir(b, tmp_path / "a", bits=4, threads=1)
@@ -131,7 +131,7 @@ def test_interrupted_synthetic_cli_run_resumes_to_the_same_bytes(tmp_path, sig):
     assert again.returncode == 0, again.stderr[-2000:]
     assert "resuming" in again.stderr
     resumed = max((tmp_path / "outputs" / "quantize").iterdir()) / "model"
-    source = synth.ensure_synthetic_source(
+    source = synth_write.ensure_synthetic_source(
         cache_dir=tmp_path / "cache" / "synth", arch="qwen3", preset="small"
     )
     clean = quantize_model_dir(source, tmp_path / "clean", bits=4, shard_bytes=int(shard_gb * (1 << 30)))

@@ -18,7 +18,7 @@ import pytest
 from cli_util import REPO, isolated_args, run_cli
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxbun import synth
+from mlxbun import synth_write
 from mlxbun.kv import commands
 from mlxbun.kv.store import Store
 
@@ -95,7 +95,9 @@ BAD = [
 
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
-    path = synth.ensure_synthetic(cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny")
+    path = synth_write.ensure_synthetic(
+        cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny"
+    )
     return commands.load_model(path)
 
 
@@ -282,7 +284,7 @@ def test_sigkill_mid_persist_leaves_a_store_that_verifies_and_serves(loaded, tmp
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     """The tiny llama with 32-wide heads, which KV quantization with groups of 32 can take."""
-    path = synth.ensure_synthetic(
+    path = synth_write.ensure_synthetic(
         cache_dir=tmp_path_factory.mktemp("synth"), arch="llama", preset="tiny", head_dim=32
     )
     return commands.load_model(path)

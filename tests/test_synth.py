@@ -15,7 +15,7 @@ import pytest
 from cli_util import KILL_AFTER_SECOND_SHARD, REPO, run_cli
 from mlx.utils import tree_flatten
 
-from mlxbun import synth, synth_arch, synth_values
+from mlxbun import synth_arch, synth_values, synth_write
 from mlxbun.errors import InputError
 from mlxbun.synth_arch import ARCHS
 
@@ -71,17 +71,17 @@ def test_untied_head_is_written_and_used(tiny_model, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("preset", ["1b", "27b"])
 def test_plan_matches_mlx_lm_parameters(arch, preset):
-    spec = synth.resolve_spec(arch=arch, preset=preset)
-    model = _skeleton(synth.hf_config(spec))
-    planned = {t.name: t.shape for t in synth.plan(spec)}
+    spec = synth_write.resolve_spec(arch=arch, preset=preset)
+    model = _skeleton(synth_write.hf_config(spec))
+    planned = {t.name: t.shape for t in synth_write.plan(spec)}
     kept = model.sanitize(dict.fromkeys(planned))  # drops a tied lm_head, as mlx_lm.load does
     want = {k: tuple(v.shape) for k, v in tree_flatten(model.parameters())}
     assert {k: planned[k] for k in kept} == want
 
 
 def test_gemma3_27b_preset_is_gemma_3_27b():
-    spec = synth.resolve_spec(arch="gemma3_text", preset="27b")
-    cfg = synth.hf_config(spec)
+    spec = synth_write.resolve_spec(arch="gemma3_text", preset="27b")
+    cfg = synth_write.hf_config(spec)
     real = {
         "hidden_size": 5376,
         "intermediate_size": 21504,
@@ -96,7 +96,7 @@ def test_gemma3_27b_preset_is_gemma_3_27b():
         "tie_word_embeddings": True,
     }
     assert {k: cfg[k] for k in real} == real
-    tensors = {t.name: t for t in synth.plan(spec)}
+    tensors = {t.name: t for t in synth_write.plan(spec)}
     assert tensors["model.embed_tokens.weight"].shape == (262208, 5376)
     assert tensors["model.layers.61.self_attn.k_proj.weight"].shape == (2048, 5376)
     assert tensors["model.layers.61.mlp.down_proj.weight"].shape == (5376, 21504)
@@ -109,18 +109,18 @@ def test_gemma3_27b_preset_is_gemma_3_27b():
 
 
 def test_explicit_dims_override_the_preset():
-    spec = synth.resolve_spec(arch="qwen3", preset="27b", num_layers=3, vocab_size=1000)
+    spec = synth_write.resolve_spec(arch="qwen3", preset="27b", num_layers=3, vocab_size=1000)
     assert (spec.shape.num_layers, spec.shape.vocab_size, spec.shape.hidden_size) == (3, 1000, 5376)
-    spec = synth.resolve_spec(arch="llama", preset="tiny", hidden_size=128)
+    spec = synth_write.resolve_spec(arch="llama", preset="tiny", hidden_size=128)
     assert spec.shape.head_dim == 32  # derived from the new hidden size
-    assert synth.resolve_spec(arch="qwen2", preset="1.5b").shape.hidden_size == 1536
+    assert synth_write.resolve_spec(arch="qwen2", preset="1.5b").shape.hidden_size == 1536
 
 
 def test_same_spec_same_bytes(tmp_path):
     kw = dict(arch="qwen2", outlier_channels=3, norm_jitter=0.05, seed=7)
-    a = synth.synthesize(tmp_path / "a", **kw)
-    b = synth.synthesize(tmp_path / "b", **kw)
-    c = synth.synthesize(tmp_path / "c", **{**kw, "seed": 8})
+    a = synth_write.synthesize(tmp_path / "a", **kw)
+    b = synth_write.synthesize(tmp_path / "b", **kw)
+    c = synth_write.synthesize(tmp_path / "c", **{**kw, "seed": 8})
     fa, fb = _files(a), _files(b)
     assert fa == fb
     assert {"config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"} <= set(fa)
@@ -131,20 +131,20 @@ def test_same_spec_same_bytes(tmp_path):
 def test_each_tensor_is_written_as_it_is_generated(tmp_path, nothing_pending):
     """No shard is held: after every add the writer has nothing pending, with a shard ceiling
     larger than the model."""
-    nothing_pending(synth)
-    out = synth.synthesize(tmp_path / "m", arch="llama", preset="tiny", shard_bytes=1 << 40)
+    nothing_pending(synth_write)
+    out = synth_write.synthesize(tmp_path / "m", arch="llama", preset="tiny", shard_bytes=1 << 40)
     assert [p.name for p in out.glob("model*.safetensors")] == ["model.safetensors"]
 
 
 def test_values_do_not_depend_on_threads_or_order(monkeypatch):
-    spec = synth.resolve_spec(arch="llama", outlier_channels=4)
-    t = next(t for t in synth.plan(spec) if t.name.endswith("o_proj.weight"))
-    ch = synth.planted_channels(spec)
+    spec = synth_write.resolve_spec(arch="llama", outlier_channels=4)
+    t = next(t for t in synth_write.plan(spec) if t.name.endswith("o_proj.weight"))
+    ch = synth_write.planted_channels(spec)
     monkeypatch.setattr(synth_values, "CHUNK", 100)  # many chunks: rows are spread over streams
     monkeypatch.setattr(synth_values, "THREADS", 1)
-    one = np.array(synth.tensor_array(t, spec=spec, channels=ch).astype(mx.float32))
+    one = np.array(synth_write.tensor_array(t, spec=spec, channels=ch).astype(mx.float32))
     monkeypatch.setattr(synth_values, "THREADS", 3)
-    three = np.array(synth.tensor_array(t, spec=spec, channels=ch).astype(mx.float32))
+    three = np.array(synth_write.tensor_array(t, spec=spec, channels=ch).astype(mx.float32))
     np.testing.assert_array_equal(one, three)
 
 
@@ -222,10 +222,10 @@ def test_norm_jitter_moves_gains(tiny_model):
 def test_tokenizer_has_vocab_size_tokens_and_round_trips(tmp_path):
     from transformers import AutoTokenizer
 
-    for n in (synth.MIN_VOCAB, 512, 9000):
-        assert len(synth.build_tokenizer(n)) == n
-    synth.build_tokenizer(600).save_pretrained(str(tmp_path / "a"))
-    synth.build_tokenizer(600).save_pretrained(str(tmp_path / "b"))
+    for n in (synth_write.MIN_VOCAB, 512, 9000):
+        assert len(synth_write.build_tokenizer(n)) == n
+    synth_write.build_tokenizer(600).save_pretrained(str(tmp_path / "a"))
+    synth_write.build_tokenizer(600).save_pretrained(str(tmp_path / "b"))
     assert _files(tmp_path / "a") == _files(tmp_path / "b")
     tok = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
     text = "Größe: 42 tokens, naïve café — ok?\n"
@@ -239,18 +239,18 @@ def test_tokenizer_has_vocab_size_tokens_and_round_trips(tmp_path):
 
 
 def test_ensure_synthetic_builds_once(tmp_path):
-    a = synth.ensure_synthetic(cache_dir=tmp_path, arch="mistral", preset="tiny", out=None)
+    a = synth_write.ensure_synthetic(cache_dir=tmp_path, arch="mistral", preset="tiny", out=None)
     mtime = (a / "model.safetensors").stat().st_mtime_ns
     # The same resolved spec spelled differently reuses the cached directory.
-    b = synth.ensure_synthetic(cache_dir=tmp_path, arch="mistral", hidden_size=64, head_dim=16)
+    b = synth_write.ensure_synthetic(cache_dir=tmp_path, arch="mistral", hidden_size=64, head_dim=16)
     assert a == b and (b / "model.safetensors").stat().st_mtime_ns == mtime
-    assert a.name == synth.resolve_spec(arch="mistral").hash
+    assert a.name == synth_write.resolve_spec(arch="mistral").hash
 
 
 def test_interrupted_build_resumes_and_leaves_nothing_final(tmp_path, monkeypatch):
     out = tmp_path / "m"
     calls = {"n": 0}
-    real = synth.tensor_array
+    real = synth_write.tensor_array
 
     def counting(t, **kw):
         calls["n"] += 1
@@ -259,15 +259,17 @@ def test_interrupted_build_resumes_and_leaves_nothing_final(tmp_path, monkeypatc
         return real(t, **kw)
 
     kill = {"on": True}
-    monkeypatch.setattr(synth, "tensor_array", counting)
+    monkeypatch.setattr(synth_write, "tensor_array", counting)
     with pytest.raises(KeyboardInterrupt):
-        synth.synthesize(out, arch="llama", shard_bytes=20_000)
+        synth_write.synthesize(out, arch="llama", shard_bytes=20_000)
     (partial,) = tmp_path.glob(".m.partial-*[!k]")
     assert not out.exists() and partial.is_dir()
     kill["on"], calls["n"] = False, 0
-    synth.synthesize(out, arch="llama", shard_bytes=20_000)
-    assert 0 < calls["n"] < len(synth.plan(synth.resolve_spec(arch="llama")))  # resumed, not redone
-    fresh = synth.synthesize(tmp_path / "fresh", arch="llama", shard_bytes=20_000)
+    synth_write.synthesize(out, arch="llama", shard_bytes=20_000)
+    assert (
+        0 < calls["n"] < len(synth_write.plan(synth_write.resolve_spec(arch="llama")))
+    )  # resumed, not redone
+    fresh = synth_write.synthesize(tmp_path / "fresh", arch="llama", shard_bytes=20_000)
     assert _files(out) == _files(fresh)
     assert (out / "model.safetensors.index.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "m"]  # no partial, no lock left
@@ -286,7 +288,7 @@ def test_cli_rerun_after_sigkill_resumes(tmp_path):
     assert "resuming" in again.stderr
     runs = sorted((tmp_path / "outputs" / "synth").iterdir())
     assert len(runs) == 2 and not (runs[0] / "model").exists()
-    clean = synth.synthesize(tmp_path / "clean", arch="qwen3", shard_bytes=int(0.00002 * (1 << 30)))
+    clean = synth_write.synthesize(tmp_path / "clean", arch="qwen3", shard_bytes=int(0.00002 * (1 << 30)))
     assert _files(runs[1] / "model") == _files(clean)
     assert not list((tmp_path / "outputs" / ".partial").iterdir())
 
@@ -306,14 +308,14 @@ def test_cli_rerun_after_sigkill_resumes(tmp_path):
 )
 def test_bad_specs_name_the_key(tmp_path, fields, key):
     with pytest.raises(InputError, match=key.replace(".", r"\.")):
-        synth.synthesize(tmp_path / "m", **fields)
+        synth_write.synthesize(tmp_path / "m", **fields)
     assert not list(tmp_path.iterdir())
 
 
 def test_existing_output_is_refused(tmp_path):
     (tmp_path / "m").mkdir()
     with pytest.raises(InputError, match="already exists"):
-        synth.synthesize(tmp_path / "m")
+        synth_write.synthesize(tmp_path / "m")
 
 
 def test_cli_synth_writes_model_and_manifest(tmp_path):
@@ -326,7 +328,7 @@ def test_cli_synth_writes_model_and_manifest(tmp_path):
     assert "model/model.safetensors" in m["outputs"]
     assert json.loads((model / "config.json").read_text())["model_type"] == "gemma3_text"
     assert m["metrics"]["bytes"] == sum(
-        t.nbytes for t in synth.plan(synth.resolve_spec(arch="gemma3_text", outlier_channels=2))
+        t.nbytes for t in synth_write.plan(synth_write.resolve_spec(arch="gemma3_text", outlier_channels=2))
     )
 
 
@@ -347,8 +349,8 @@ def test_tiny_model_fixture_is_shared(tiny_model):
 
 def test_concurrent_ensure_synthetic_builds_once(tmp_path):
     code = (
-        "import sys; from mlxbun import synth; "
-        "print(synth.ensure_synthetic(cache_dir=sys.argv[1], arch='qwen3', preset='small'))"
+        "import sys; from mlxbun import synth_write; "
+        "print(synth_write.ensure_synthetic(cache_dir=sys.argv[1], arch='qwen3', preset='small'))"
     )
     procs = [
         subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
@@ -369,7 +371,7 @@ def test_model_synthetic_source_uses_the_cache(tmp_path):
     cfg.model.synthetic = True
     cfg.synth.arch = "gemma3_text"
     d = model_dir(cfg)
-    assert d.parent == tmp_path / "synth" and d.name == synth.resolve_spec(arch="gemma3_text").hash
+    assert d.parent == tmp_path / "synth" and d.name == synth_write.resolve_spec(arch="gemma3_text").hash
     assert model_dir(cfg) == d
 
 

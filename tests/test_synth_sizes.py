@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from cli_util import run_cli
 
-from mlxbun import synth
+from mlxbun import synth_write
 from mlxbun.errors import InputError
 from mlxbun.synth_values import plan
 
@@ -23,9 +23,9 @@ from mlxbun.synth_values import plan
     ],
 )
 def test_sizes_are_the_plans_totals(fields: dict) -> None:
-    spec = synth.resolve_spec(**fields)
+    spec = synth_write.resolve_spec(**fields)
     tensors = plan(spec)
-    total, largest = synth.sizes(spec)
+    total, largest = synth_write.sizes(spec)
     assert (total, largest.nbytes) == (sum(t.nbytes for t in tensors), max(t.nbytes for t in tensors))
 
 
@@ -37,19 +37,19 @@ def test_a_billion_layers_are_refused_without_listing_them(tmp_path: Path, monke
         assert spec.shape.num_layers <= 2, "the whole model's tensors were listed"
         return plan(spec)
 
-    monkeypatch.setattr(synth, "plan", spy)
-    spec = synth.resolve_spec(num_layers=10**9)
+    monkeypatch.setattr(synth_write, "plan", spy)
+    spec = synth_write.resolve_spec(num_layers=10**9)
     with pytest.raises(InputError, match=r"synth llama 1000000000x\d+ .* of disk"):
-        synth.check_room(spec, out=tmp_path / "model", partial_root=None)
+        synth_write.check_room(spec, out=tmp_path / "model", partial_root=None)
     assert listed
 
 
 def test_a_synthetic_source_larger_than_memory_is_refused(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setattr(synth, "available_memory", lambda: 1 << 20)
+    monkeypatch.setattr(synth_write, "available_memory", lambda: 1 << 20)
     with pytest.raises(InputError, match="of memory .* packed at 2 bits.*lower the synth"):
-        synth.ensure_synthetic_source(cache_dir=tmp_path, hidden_size=4096)
+        synth_write.ensure_synthetic_source(cache_dir=tmp_path, hidden_size=4096)
     assert not any(tmp_path.iterdir())
-    synth.ensure_synthetic_source(cache_dir=tmp_path, hidden_size=512)  # 512 x 512 x 2 bits fits
+    synth_write.ensure_synthetic_source(cache_dir=tmp_path, hidden_size=512)  # 512 x 512 x 2 bits fits
 
 
 def test_cli_synthetic_quantize_of_a_huge_width_is_refused_at_once(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ directory is fsync'd so the rename itself survives a power loss.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -87,8 +88,6 @@ def file_lock(path: str | Path) -> Iterator[None]:
     Two processes building the same output (same spec, same conversion) serialise on it; the
     second then finds the first one's result.
     """
-    import fcntl
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:

@@ -1,5 +1,5 @@
 """Validating mmap reader for safetensors files and model directories (one tensor at a time).
-One module (not split): the format's one reader and the facts read from its headers (quantization, parameter counts) share one validation.
+Why one module: the format's one reader and the facts read from its headers (quantization, parameter counts) share one validation.
 
 A safetensors file::
 

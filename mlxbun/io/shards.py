@@ -1,6 +1,6 @@
 """Streaming sharded safetensors writer in mlx-lm's layout: bounded memory, resumable, deterministic.
 
-One module (~600 lines): the shard format, the writer, its journal and its resume are one staged
+Why one module: the shard format, the writer, its journal and its resume are one staged
 protocol over the same files; a split would spread one state machine over several modules.
 
 While a :class:`ShardedWriter` runs, ``out_dir`` holds only hidden names::
@@ -35,12 +35,10 @@ and holds none. Without it, a shard's tensors are held until the shard is full.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import threading
-import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,10 +46,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import xxhash
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import TMP_MARK, atomic_write_json, fsync_dir, tmp_sibling
+from mlxbun.io.digest import HASH_CHUNK, file_digest, new_hash
 from mlxbun.io.direct import DirectFile
 from mlxbun.io.dtypes import CODES as NP_TO_ST
 from mlxbun.io.dtypes import ITEMSIZE
@@ -61,7 +59,6 @@ JOURNAL = ".mlxbun-shards.json"
 PART_PREFIX = ".mlxbun-shard-"
 JOURNAL_VERSION = 2  # 2: data in insertion order (1: sorted by name)
 DEFAULT_SHARD_BYTES = 5 << 30
-HASH_CHUNK = 16 << 20
 
 
 class WriterStateError(RuntimeError):
@@ -123,27 +120,6 @@ class _Shard:
         }
 
 
-class _Crc32:
-    """hashlib-like CRC-32 (zlib releases the GIL; ~3x faster than sha256 here)."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self) -> str:
-        return f"{self.value:08x}"
-
-
-class _NoHash:
-    def update(self, data: Any) -> None:
-        pass
-
-    def hexdigest(self) -> str:
-        return ""
-
-
 class _Hashes:
     """Several hashes fed in one pass over the bytes (each block hashed while still in cache)."""
 
@@ -160,19 +136,6 @@ class _Hashes:
 
 CHECKSUMS = ("crc32", "sha256", "none")
 EXTRA_DIGESTS = ("sha256", "xxh3_128")
-
-
-def new_hash(kind: str) -> Any:
-    kinds = {"crc32": _Crc32, "sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128, "none": _NoHash}
-    return kinds[kind]()
-
-
-def file_digest(path: Path, kind: str, *, chunk: int = HASH_CHUNK) -> str:
-    h = new_hash(kind)
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def opens_shard(filled: int, count: int, nbytes: int, shard_bytes: int) -> bool:

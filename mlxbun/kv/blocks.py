@@ -200,13 +200,6 @@ def publish_block(blocks: Path, s: Staged) -> int:
     return s.nbytes
 
 
-def put_block(blocks: Path, data: bytes | bytearray) -> tuple[str, int]:
-    """Store ``data`` under its hash unless present; returns (name, bytes written)."""
-    s = stage_block(blocks, data)
-    sync_staged(s)
-    return s.name, publish_block(blocks, s)
-
-
 def _discard(futs: list) -> None:
     for f in futs:
         if not f.cancel() and f.exception() is None and f.result().tmp is not None:
@@ -324,8 +317,7 @@ def read_block(blocks: Path, name: str, nbytes: int, *, verify: bool, what: str)
 
 
 # Consecutive tensors that share a token count, row width and dtype are restored into one buffer
-# of at most this many bytes, so a block is scattered with a few strided copies, not one per tensor
-# (512 MiB cache, 1 MiB blocks: 16 MiB pieces restore in 0.25-0.35 s, 64 MiB in 0.23-0.26 s).
+# of at most this many bytes, so a block is scattered with a few strided copies, not one per tensor.
 # A piece is freed when the last of its tensors is, so when generation moves the caches to new
 # buffers layer by layer, up to one piece more than the cache stays alive: keep it modest.
 PIECE_BYTES = 64 << 20

@@ -48,9 +48,8 @@ stores RotatingKVCache rings as they lie in memory, ``meta.ring``)::
 Blocks are named by their BLAKE3-256 (64 lower-case hex digits): a content address must be
 collision-resistant, or two different blocks could share a name. A snapshot's tensor hashes
 only have to catch damage at rest (torn writes, flipped bits), so they are XXH3-128 (32 hex
-digits): 15 GB/s per core here against BLAKE3's 3 GB/s, which took a verified snapshot
-restore from 0.34 s to 0.27 s (512 MiB; unverified: 0.25 s). Older snapshots with BLAKE3 tensor
-hashes still load; the header's "hash" says which one a file uses.
+digits), several times faster to check than BLAKE3. Older snapshots with BLAKE3 tensor hashes
+still load; the header's "hash" says which one a file uses.
 
 :func:`check_header` validates every field (class allow-list, dtypes, shapes against the meta,
 offsets, sizes) before anything is allocated, so a lying header is refused, not trusted.
@@ -78,9 +77,8 @@ VERSION = 1
 PREFIX = struct.Struct("<8sIIQ32s")
 ALIGN = 16 << 10
 # Version-2 tensors start SKEW bytes past a 16 KiB boundary. mlx's CPU allocator returns buffers
-# 24 bytes past a page boundary, and copying a page-aligned source into them is ~1.5x slower on
-# x86 (the kernel's copy hits 4K aliasing: measured 0.30-0.39 s against 0.18-0.26 s for a
-# 512 MiB mx.load here). Any offset that is not just below the destination's is fast.
+# 24 bytes past a page boundary, and copying a page-aligned source into them is slower on x86
+# (the kernel's copy hits 4K aliasing). Any offset that is not just below the destination's is fast.
 SKEW = 64
 TENSOR_ALIGN = 64  # what readers require of a tensor offset (version 1 wrote 16 KiB multiples)
 MAX_HEADER = 64 << 20

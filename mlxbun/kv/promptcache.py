@@ -25,10 +25,8 @@ The K/V tensors hold valid tokens only (mlx-lm's own files keep the 256-step pad
 the scalars (offsets, ring positions, quantization) are derived from the layer meta, so they
 cannot disagree with it.
 
-The data starts :data:`SKEW` bytes past a 16 KiB boundary (header padding only). Format 2 measured
-page-aligned tensors 1.5x slower to ``mx.load`` on a quiet machine (4K aliasing, see
-``format.SKEW``); for format 3 a loaded machine showed no clear difference (512 MiB, minimum of 12
-interleaved in-process loads: 0.199 s skewed, 0.207 s aligned, 0.189 s for mlx-lm's own file).
+The data starts :data:`SKEW` bytes past a 16 KiB boundary (header padding only), as format 2's
+tensors do (see ``format.SKEW``).
 """
 
 from __future__ import annotations

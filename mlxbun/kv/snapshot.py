@@ -16,6 +16,7 @@ into zero-filled mlx arrays instead.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -48,8 +49,6 @@ def kick_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
     """Start writing dirty pages to disk now (Linux sync_file_range), so the final fsync is short."""
     if not _LIBC:
         try:
-            import ctypes
-
             _LIBC.append(ctypes.CDLL(None, use_errno=True).sync_file_range)
         except (OSError, AttributeError):
             _LIBC.append(None)
@@ -58,8 +57,6 @@ def kick_writeback(fd: int, offset: int = 0, nbytes: int = 0) -> None:
 
 
 def ctypes_off(n: int) -> Any:
-    import ctypes
-
     return ctypes.c_longlong(n)
 
 

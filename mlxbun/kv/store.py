@@ -1,5 +1,5 @@
 """A directory of persisted prompt KV caches: save, load, longest-prefix lookup, list, verify.
-One module (not split): one Store object owns the lock, both layouts' publish order and the recovery that reads them.
+Why one module: one Store object owns the lock, both layouts' publish order and the recovery that reads them.
 
 Layout::
 

@@ -34,6 +34,7 @@ import logging
 import shutil
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -212,6 +213,18 @@ def score(
     return out, anchors
 
 
+@dataclass(frozen=True)
+class Steps:
+    """The commands' functions the candidates run, handed in by the sensitivity command (a library
+    imports no command): the Hessian capture, the allocator with its default setting, and the
+    quantizer the probes write models with."""
+
+    calibrate: Callable[..., Any]
+    allocate: Callable[..., Any]
+    quantize: Callable[..., Any]
+    default: QuantSpec
+
+
 def corrected(
     kls: dict[str, dict[QuantSpec, float]],
     *,
@@ -222,6 +235,7 @@ def corrected(
     budget_bpw: float | None = None,
     budget_bytes: int | None = None,
     out_dtype: str | None = "bfloat16",
+    steps: Steps,
 ) -> tuple[dict[str, dict[QuantSpec, float]], list[dict[str, Any]]]:
     """``kls`` with each quantizer's estimates rescaled by whole-model probes around the plan at
     the budget (:func:`mlxbun.quant.check.correction_factors`), and the probes.
@@ -229,14 +243,12 @@ def corrected(
     Each probe is the model quantized with its plan (under ``work_dir``, removed after) and its KL
     against the reference on ``tokens``."""
     from mlxbun.io.atomic import atomic_write_json
-    from mlxbun.quant.allocate import DEFAULT, allocate
     from mlxbun.quant.check import correction_factors, measured_kl, rescaled
-    from mlxbun.quant.quantize import quantize_model_dir
     from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
     from mlxbun.quant.spec import Plan
 
     sens = Sensitivity({p: LayerSensitivity(p, 0, kl) for p, kl in kls.items()})
-    plan = allocate(
+    plan = steps.allocate(
         sens, model_dir=model_dir, budget_bpw=budget_bpw, budget_bytes=budget_bytes, out_dtype=out_dtype
     )
     n = [0]
@@ -246,11 +258,11 @@ def corrected(
         t0 = time.monotonic()
         plan_path = work_dir / f"probe-{n[0]}.json"
         work_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(plan_path, Plan(default=DEFAULT, layers=layers).to_dict())
+        atomic_write_json(plan_path, Plan(default=steps.default, layers=layers).to_dict())
         out = work_dir / f"probe-{n[0]}"
         shutil.rmtree(out, ignore_errors=True)
         try:
-            res = quantize_model_dir(
+            res = steps.quantize(
                 model_dir, out, plan=plan_path, dtype=out_dtype, hessians=hessians,
                 partial_root=work_dir / "partial",
             )  # fmt: skip
@@ -287,6 +299,7 @@ def extend(
     budget_bpw: float | None = None,
     budget_bytes: int | None = None,
     out_dtype: str | None = "bfloat16",
+    steps: Steps,
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """sensitivity.json's "kl" of every module (``kls``: the measured RTN bits) with every candidate
     added, and the "candidates" record. Each stage is kept under ``work_dir`` (a rerun resumes):
@@ -300,7 +313,6 @@ def extend(
     from mlxbun.io.atomic import atomic_write_json
     from mlxbun.progress import Progress
     from mlxbun.quant import hessian
-    from mlxbun.quant.calibrate import calibrate
     from mlxbun.quant.sensitivity_file import parse_setting_key, setting_key
     from mlxbun.quant.spec import HESSIANS_NAME
 
@@ -312,7 +324,7 @@ def extend(
         hessians = work_dir / HESSIANS_NAME
         if not hessians.is_file():
             log.info("sensitivity.candidates: capturing input Hessians on the calibration text")
-            done = calibrate(
+            done = steps.calibrate(
                 model_dir=model_dir, out_dir=work_dir, calib_path=calib.get("path"), samples=calib["samples"],
                 seq_len=calib["seq_len"], seed=calib["seed"],
             )  # fmt: skip
@@ -378,7 +390,7 @@ def extend(
             t0 = time.monotonic()
             values, probes = corrected(
                 specced(out), model_dir=model_dir, hessians=hessians, tokens=tokens, work_dir=work_dir / "probes",
-                budget_bpw=budget_bpw, budget_bytes=budget_bytes, out_dtype=out_dtype,
+                budget_bpw=budget_bpw, budget_bytes=budget_bytes, out_dtype=out_dtype, steps=steps,
             )  # fmt: skip
             done = {"kl": keyed(values), "probes": probes, "seconds": round(time.monotonic() - t0, 3)}
             atomic_write_json(work_dir / f"{name}.json", done)

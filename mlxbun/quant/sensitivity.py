@@ -43,8 +43,8 @@ from mlxbun.io.atomic import atomic_write_json, dumps_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
+from mlxbun.quant import allocate, calibrate, fisher, quantize
 from mlxbun.quant import candidates as rich_candidates
-from mlxbun.quant import fisher
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.exact import Sweep, group_cost
 from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
@@ -285,7 +285,7 @@ def sensitivity(
             group_size=s.cands[0].group_size, mode=mode, group_sizes=candidate_group_sizes,
             methods=candidate_methods, modes=candidate_modes, hessians=hessians,
             calib=s.settings["calibration"] | {"path": calib_path, "seed": seed},
-            budget_bpw=probe_bpw, budget_bytes=probe_bytes, out_dtype=out_dtype,
+            budget_bpw=probe_bpw, budget_bytes=probe_bytes, out_dtype=out_dtype, steps=_candidate_steps(),
         )  # fmt: skip
     doc = document(tgts=s.targets, kls=kls, settings=s.settings, shard=shard_info)
     if record is not None:
@@ -369,6 +369,16 @@ def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_d
     for g in sorted(todo):
         on_group(g, {t.path: est.kl[t.path] for t in todo[g]})
     return extra
+
+
+def _candidate_steps() -> rich_candidates.Steps:
+    """The commands the candidates run: capture (calibrate), then the probes' allocate and quantize."""
+    return rich_candidates.Steps(
+        calibrate=calibrate.calibrate,
+        allocate=allocate.allocate,
+        quantize=quantize.quantize_model_dir,
+        default=allocate.DEFAULT,
+    )
 
 
 def run(cfg: Any) -> Any:
