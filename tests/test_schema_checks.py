@@ -87,9 +87,8 @@ def test_misspelt_key_names_the_full_path_and_a_suggestion() -> None:
 def test_every_gb_key_is_gib() -> None:
     assert schema.IoCfg().shard_bytes == 5 << 30  # mlx-lm's 5 << 30, unchanged
     assert schema.KvCfg(cap_gb=2.0).cap_bytes == 2 << 30
-    assert schema.RegistryFitCfg(budget_gb=16.0).budget_bytes == 16 << 30
-    assert schema.RegistryFilterCfg(max_gb=10.0).max_bytes == 10 << 30
-    assert schema.RegistryFilterCfg().max_bytes is None and schema.KvCfg().cap_bytes is None
+    assert schema.gib_bytes(16.0) == 16 << 30 and schema.gib_bytes(None) is None
+    assert schema.KvCfg().cap_bytes is None
 
 
 def test_key_docs_give_type_default_and_comment() -> None:
