@@ -41,8 +41,12 @@ from typing import Any
 import numpy as np
 
 from mlxbun.errors import InputError
-from mlxbun.quant.spec import MODE_BITS, MODE_DEFAULTS, QuantSpec, spec_for
+from mlxbun.io.atomic import atomic_write_json
+from mlxbun.progress import Progress
+from mlxbun.quant.spec import HESSIANS_NAME, MODE_BITS, MODE_DEFAULTS, Plan, QuantSpec, spec_for
 
+# rounding, hessian, check and sensitivity_file load mlx: they are imported where the scoring
+# starts, because schema reads this module's METHODS on every command line.
 log = logging.getLogger("mlxbun.sensitivity")
 
 METHODS = ("rtn", "clip", "gptq")  # the rounding methods scored here (awq needs its folds: not yet)
@@ -242,10 +246,8 @@ def corrected(
 
     Each probe is the model quantized with its plan (under ``work_dir``, removed after) and its KL
     against the reference on ``tokens``."""
-    from mlxbun.io.atomic import atomic_write_json
     from mlxbun.quant.check import correction_factors, measured_kl, rescaled
     from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
-    from mlxbun.quant.spec import Plan
 
     sens = Sensitivity({p: LayerSensitivity(p, 0, kl) for p, kl in kls.items()})
     plan = steps.allocate(
@@ -310,11 +312,8 @@ def extend(
                                 (scored.partial.json: the modules done so far, while scoring)
         corrected-<dtype>-<budget>.json   after the probes of a plan at that budget, and the probes
     """
-    from mlxbun.io.atomic import atomic_write_json
-    from mlxbun.progress import Progress
     from mlxbun.quant import hessian
     from mlxbun.quant.sensitivity_file import parse_setting_key, setting_key
-    from mlxbun.quant.spec import HESSIANS_NAME
 
     work_dir.mkdir(parents=True, exist_ok=True)
     bits = sorted({int(k) for kl in kls.values() for k in kl})
