@@ -17,12 +17,6 @@ ENTRY = {"mlxbun.__main__", "mlxbun.cli"}
 IO = {"mlxbun", "mlxbun.errors"}  # the package (its version) and the error types sit with io
 LAYERS = ("io", "libraries", "commands", "entry")
 
-# Known imports across or against the order inside mlxbun/quant/, whose modules are being
-# rearranged; each entry is (importer, imported). Empty this list once quant/ is in order.
-QUANT_EXCEPTIONS: set[tuple[str, str]] = {
-    ("mlxbun.quant.check", "mlxbun.quant.quantize"),  # a library reading quantize's settings
-}
-
 
 def module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
@@ -76,10 +70,6 @@ def imports(module: str) -> set[str]:
 GRAPH = {m: imports(m) for m in MODULES}
 
 
-def _in_quant(edge: tuple[str, str]) -> bool:
-    return edge in QUANT_EXCEPTIONS and all(m.startswith("mlxbun.quant.") for m in edge)
-
-
 def test_the_walk_sees_imports_at_the_top_and_inside_functions() -> None:
     assert "mlxbun.commands" in GRAPH["mlxbun.cli"]
     assert "mlxbun.quant.allocate" in GRAPH["mlxbun.pipeline"]  # imported inside a function
@@ -92,20 +82,14 @@ def test_no_import_climbs_a_layer() -> None:
         f"{m} ({layer(m)}) imports {t} ({layer(t)})"
         for m, targets in GRAPH.items()
         for t in sorted(targets)
-        if LAYERS.index(layer(t)) > LAYERS.index(layer(m)) and not _in_quant((m, t))
+        if LAYERS.index(layer(t)) > LAYERS.index(layer(m))
     ]
     assert climbs == []
 
 
 def test_no_import_circle() -> None:
-    edges = {m: {t for t in ts if not _in_quant((m, t))} for m, ts in GRAPH.items()}
-    circles = [sorted(c) for c in _strongly_connected(edges) if len(c) > 1]
+    circles = [sorted(c) for c in _strongly_connected(GRAPH) if len(c) > 1]
     assert circles == []
-
-
-def test_every_quant_exception_is_still_needed() -> None:
-    """An exception that no longer happens is taken off the list."""
-    assert {e for e in QUANT_EXCEPTIONS if e[1] not in GRAPH.get(e[0], set())} == set()
 
 
 def _strongly_connected(edges: dict[str, set[str]]) -> list[set[str]]:

@@ -60,6 +60,7 @@ from mlxbun.quant.interactions import InModel, Option, chosen
 from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.memory import interactions_batch, interactions_skip_memory
 from mlxbun.quant.protect import Rule, count_blocks, fixed_setting, min_bits
+from mlxbun.quant.quantize import quantize_model_dir
 from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
 from mlxbun.quant.spec import (
     Plan,
@@ -597,11 +598,14 @@ def _check_from_cfg(
     """Quantize with the plan into ``<run_dir>/model``; check.json; DriftError if sizes differ. With
     ``in_model`` (same calibration) the written model is measured against its reference."""
     c, run_dir = cfg.sensitivity.calib, plan_path.parent
+    res = quantize_model_dir(
+        src, run_dir / "model", plan=plan_path, dtype=cfg.quant.dtype, shard_bytes=cfg.io.shard_bytes,
+        hessians=cfg.quant.hessians,
+    )  # fmt: skip
     check = check_plan(
-        plan, plan_path, model_dir=src, out=run_dir / "model", calib_path=c.path, samples=c.samples,
-        seq_len=c.seq_len, seed=c.seed, out_dtype=cfg.quant.dtype,
-        shard_bytes=cfg.io.shard_bytes, expected_calibration=sens.calibration_fingerprint,
-        hessians=cfg.quant.hessians, measure=None if in_model is None else in_model.kl_of,
+        plan, model_dir=src, written=res.out, calib_path=c.path, samples=c.samples, seq_len=c.seq_len,
+        seed=c.seed, expected_calibration=sens.calibration_fingerprint,
+        measure=None if in_model is None else in_model.kl_of,
     )  # fmt: skip
     atomic_write_json(run_dir / "check.json", check.to_json(base=run_dir))
     if check.measured != check.predicted:

@@ -30,7 +30,6 @@ from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.probe import load_model
-from mlxbun.quant.quantize import quantize_model_dir
 from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
 from mlxbun.quant.spec import QuantSpec
 
@@ -89,40 +88,34 @@ def measured_kl(ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batc
 
 def check_plan(
     plan: Any,
-    plan_path: str | Path,
     *,
     model_dir: str | Path,
-    out: str | Path,
+    written: str | Path,
     calib_path: str | None = None,
     samples: int = 24,
     seq_len: int = 512,
     seed: int = 0,
-    out_dtype: str | None = "bfloat16",
-    shard_bytes: int = 5 << 30,
     expected_calibration: str | None = None,
-    hessians: str | Path | None = None,
     measure: Callable[[Path], float] | None = None,
 ) -> CheckResult:
-    """Quantize ``model_dir`` with the plan (an ``allocate.Allocation``) into ``out``; measure its
-    size and its KL (``hessians``: for plan entries rounded by ``gptq`` or weighted ``clip``;
-    ``measure(out)``: the KL against a reference already computed on the same calibration, e.g.
-    ``InModel.kl_of``; default :func:`measured_kl`).
+    """The model ``written`` with the plan (an ``allocate.Allocation``; allocate runs quantize)
+    against the plan: its size and its KL to ``model_dir`` (``measure(written)``: the KL against a
+    reference already computed on the same calibration, e.g. ``InModel.kl_of``; default
+    :func:`measured_kl`).
 
     Example:
-        >>> r = check_plan(plan, "plan.json", model_dir=src, out="run/model", samples=8, seq_len=256)
+        >>> r = check_plan(plan, model_dir=src, written="run/model", samples=8, seq_len=256)
         >>> r.predicted == r.measured, r.measured_kl, r.predicted_kl_sum
     """
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    res = quantize_model_dir(
-        model_dir, out, plan=plan_path, dtype=out_dtype, shard_bytes=shard_bytes, hessians=hessians
-    )
-    measured = budget.measure(res.out, parameters=plan.size.parameters)
+    written = Path(written)
+    measured = budget.measure(written, parameters=plan.size.parameters)
     tok = load_tokenizer(Path(model_dir))
     calib = load_calibration(tokenizer=tok, path=calib_path, samples=samples, seq_len=seq_len, seed=seed)
-    kl = measured_kl(model_dir, res.out, calib.tokens) if measure is None else measure(res.out)
+    kl = measured_kl(model_dir, written, calib.tokens) if measure is None else measure(written)
     return CheckResult(
-        out=res.out,
+        out=written,
         predicted=plan.size,
         measured=measured,
         predicted_kl_sum=plan.kl_sum,
