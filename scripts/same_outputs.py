@@ -12,7 +12,8 @@ outputs, cache and registry, so the two sides share nothing but the Python envir
     <tmp>/<side>/{outputs,cache,registry.db,hub}
 
 A scenario's digest set is the sha256 of every file under its run directory except
-``manifest.json`` (timestamps, the git commit) and ``*.log``, keyed by the path relative to the
+``manifest.json`` (timestamps, the git commit), ``*.log`` and a KV store's ``models/``
+(where each model lives on this machine), keyed by the path relative to the
 run directory. quantize's resume marker (``.mlxbun-quantize.json``) names the source's absolute
 path and a fingerprint of its files' mtimes, which differ between the two sides by construction:
 it is hashed as canonical JSON without those two keys (its settings, plan and quantization
@@ -83,7 +84,8 @@ def digests(run_dir: Path) -> dict[str, str]:
     """Relative path -> sha256 of every artifact under ``run_dir``."""
     out = {}
     for p in sorted(run_dir.rglob("*")):
-        if p.is_file() and p.name not in SKIP and p.suffix != ".log":
+        # kv/models/<fingerprint> holds the model's path on this machine, which differs by side
+        if p.is_file() and p.name not in SKIP and p.suffix != ".log" and p.parent.name != "models":
             out[str(p.relative_to(run_dir))] = hashlib.sha256(content(p)).hexdigest()
     return out
 
