@@ -34,11 +34,13 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import TMP_MARK, atomic_write_bytes, tmp_sibling
@@ -556,14 +558,12 @@ def _lock_file(root: Path, name: str) -> int:
         return -1
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share (vectorized: a server compares every prompt
+    with every entry)."""
+    m = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:m], dtype=np.int64) != np.asarray(b[:m], dtype=np.int64))
+    return int(differ[0]) if differ.size else m
 
 
 def _build(h: dict[str, Any], arrays: dict[str, Any]) -> list[Any]:

@@ -26,11 +26,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from mlxbun.errors import InputError
 from mlxbun.kv import format as fmt
-from mlxbun.kv.store import Store
+from mlxbun.kv.store import Store, common_prefix
 
 log = logging.getLogger("mlxbun")
 
@@ -100,19 +98,11 @@ def offset(cache: list[Any]) -> int:
     return int(cache[0].offset)
 
 
-def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens ``a`` and ``b`` share (vectorized: every request compares its
-    prompt with every entry)."""
-    m = min(len(a), len(b))
-    differ = np.flatnonzero(np.asarray(a[:m], dtype=np.int64) != np.asarray(b[:m], dtype=np.int64))
-    return int(differ[0]) if differ.size else m
-
-
 def usable(have: Sequence[int], want: Sequence[int], *, trimmable: bool) -> int:
     """How many of ``want``'s tokens a cache holding ``have`` serves: the shared prefix, at most
     all but the last token of ``want`` (the model must see one), and only all of ``have`` when
     the cache cannot be trimmed."""
-    n = min(shared_prefix(have, want), len(want) - 1)
+    n = min(common_prefix(have, want), len(want) - 1)
     if n < len(have) and not trimmable:
         return 0
     return max(n, 0)
