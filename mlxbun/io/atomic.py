@@ -12,6 +12,7 @@ import fcntl
 import json
 import os
 import secrets
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -79,6 +80,25 @@ def publish_dir(tmp_dir: Path, final_dir: Path) -> None:
     """Rename a fully written (and fsync'd) directory to its final name, then fsync the parent."""
     os.replace(tmp_dir, final_dir)
     fsync_dir(final_dir.parent)
+
+
+def publish_link(src: Path, dst: Path) -> None:
+    """Put ``src`` at ``dst`` atomically: a hard link under a temporary name renamed over ``dst``
+    (no second copy of the bytes), or a copy when the two are on different file systems."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_sibling(dst)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        with atomic_open(dst) as f, open(src, "rb") as data:
+            shutil.copyfileobj(data, f, 16 << 20)
+        return
+    try:
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(dst.parent)
 
 
 @contextlib.contextmanager

@@ -24,8 +24,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,7 @@ from typing import Any
 
 from mlxbun.errors import InputError
 from mlxbun.fingerprint import model_fingerprint
-from mlxbun.io.atomic import atomic_open, atomic_write_json, dumps_json, file_lock, fsync_dir, tmp_sibling
+from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, publish_link
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
 from mlxbun.quant import hessian
@@ -128,25 +126,6 @@ def _intact(path: Path) -> bool:
     except InputError as e:
         log.warning("calibrate: %s is damaged (%s); capturing again", path, e)
         return False
-
-
-def publish_link(src: Path, dst: Path) -> None:
-    """Put ``src`` at ``dst`` atomically: a hard link under a temporary name renamed over ``dst``
-    (no second copy of the bytes), or a copy when the two are on different file systems."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tmp_sibling(dst)
-    try:
-        os.link(src, tmp)
-    except OSError:
-        with atomic_open(dst) as f, open(src, "rb") as data:
-            shutil.copyfileobj(data, f, 16 << 20)
-        return
-    try:
-        os.replace(tmp, dst)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(dst.parent)
 
 
 def run(cfg: Any) -> RunResult:
