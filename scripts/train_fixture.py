@@ -7,6 +7,14 @@ Presets (``--preset``): ``llama-text-3m`` (4 layers, the first fixture) and ``ll
 corpus of 733K tokens with 16 more stdlib modules). The 12-layer preset's 400 steps (819K tokens
 seen, more than the first fixture's 614K) take 9.5 min on a quiet 2-core machine.
 
+``llama-narrow-6l`` (6 layers, hidden 64, MLP 256, vocabulary 4096, tied, 0.66M parameters) and
+``llama-narrow-8l`` (8 layers, hidden 64, one KV head, vocabulary 3072, untied, 0.89M) are the
+representative fixtures: narrow, 3000 steps of 2,048 tokens (6.1M tokens seen, about 7 per
+parameter), high learning rate, no weight decay. On the built-in held-out text, mlx-lm q3 g64 costs
+them what it costs real models (FIXTURE.json ``mlx_lm_kl`` records the measured held-out KL; q3
+>= 0.2 and q4 >= 0.05 is the bar). Each takes about 35 min on one core of this 2-core machine.
+``--lr`` and ``--weight-decay`` default to the preset's.
+
 The corpus is text that every Debian/Python machine carries: the licence texts in
 ``/usr/share/common-licenses`` and a fixed list of CPython 3.11 standard-library modules (English
 docstrings and comments plus Python code). A byte-level BPE tokenizer (2048 tokens) is trained on
@@ -29,6 +37,7 @@ import json
 import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,8 +81,8 @@ CONFIG = {
     "tie_word_embeddings": True,
     "torch_dtype": "bfloat16",
 }
-# name -> (config overrides, extra stdlib modules, default steps); the held-out tail is always the
-# last 8192 tokens of the corpus (the end of the last module listed).
+# name -> (config overrides, extra stdlib modules, default steps[, training defaults]); the held-out
+# tail is always the last 8192 tokens of the corpus (the end of the last module listed).
 PRESETS = {
     "llama-text-3m": ({}, (), 300),
     "llama-text-12l": (
@@ -85,6 +94,38 @@ PRESETS = {
         },
         tuple(EXTRA_MODULES),
         400,
+    ),
+    # Representative fixtures: narrow, many tokens per parameter (3000 steps x 2,048 tokens), high
+    # learning rate, no weight decay, so that quantization costs what it costs real models: mlx-lm
+    # q3 g64 held-out KL >= 0.2 and q4 g64 >= 0.05 (FIXTURE.json records the measured values).
+    "llama-narrow-6l": (
+        {
+            "hidden_size": 64,
+            "intermediate_size": 256,
+            "num_hidden_layers": 6,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "vocab_size": 4096,
+        },
+        tuple(EXTRA_MODULES),
+        3000,
+        {"lr": 8e-3, "weight_decay": 0.0},
+    ),
+    "llama-narrow-8l": (
+        {
+            "hidden_size": 64,
+            "intermediate_size": 256,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "vocab_size": 3072,
+            "tie_word_embeddings": False,
+        },
+        tuple(EXTRA_MODULES),
+        3000,
+        {"lr": 6e-3, "weight_decay": 0.0},
     ),
 }
 
@@ -127,7 +168,9 @@ def batches(ids: np.ndarray, *, seq: int, batch: int, steps: int, seed: int):
         yield mx.array(chunk[:, :-1]), mx.array(chunk[:, 1:])
 
 
-def train(model, ids: np.ndarray, *, steps: int, seq: int, batch: int, lr: float, seed: int) -> list:
+def train(
+    model, ids: np.ndarray, *, steps: int, seq: int, batch: int, lr: float, weight_decay: float, seed: int
+) -> list:
     def loss_fn(m, x, y):
         return nn.losses.cross_entropy(m(x), y, reduction="mean")
 
@@ -135,14 +178,20 @@ def train(model, ids: np.ndarray, *, steps: int, seq: int, batch: int, lr: float
     sched = optim.join_schedules(
         [optim.linear_schedule(lr / 20, lr, warm), optim.cosine_decay(lr, steps - warm, lr / 20)], [warm]
     )
-    opt = optim.AdamW(learning_rate=sched, weight_decay=0.05)
-    step_fn = nn.value_and_grad(model, loss_fn)
-    curve, t0 = [], time.time()
-    for i, (x, y) in enumerate(batches(ids, seq=seq, batch=batch, steps=steps, seed=seed)):
-        loss, grads = step_fn(model, x, y)
+    opt = optim.AdamW(learning_rate=sched, weight_decay=weight_decay)
+    state = [model.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(x, y):
+        loss, grads = nn.value_and_grad(model, loss_fn)(model, x, y)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(model, grads)
-        mx.eval(model.parameters(), opt.state, loss)
+        return loss
+
+    curve, t0 = [], time.time()
+    for i, (x, y) in enumerate(batches(ids, seq=seq, batch=batch, steps=steps, seed=seed)):
+        loss = step(x, y)
+        mx.eval(state, loss)
         if i % 10 == 0 or i == steps - 1:
             curve.append([i, round(loss.item(), 4)])
             print(f"step {i:4d}  loss {loss.item():.3f}  {time.time() - t0:6.1f}s", flush=True)
@@ -177,12 +226,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="default: the preset's")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--lr", type=float, default=None, help="default: the preset's, else 3e-3")
+    ap.add_argument("--weight-decay", type=float, default=None, help="default: the preset's, else 0.05")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    overrides, extra, steps = PRESETS[args.preset]
+    overrides, extra, steps, *rest = PRESETS[args.preset]
+    defaults = {"lr": 3e-3, "weight_decay": 0.05} | (rest[0] if rest else {})
     config = CONFIG | overrides
     args.steps = args.steps or steps
+    args.lr = defaults["lr"] if args.lr is None else args.lr
+    args.weight_decay = defaults["weight_decay"] if args.weight_decay is None else args.weight_decay
     out = Path(args.out or REPO / "tests/fixtures" / args.preset)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -204,7 +257,16 @@ def main() -> None:
         for lin in (layer.self_attn.o_proj, layer.mlp.down_proj):
             lin.weight = lin.weight / math.sqrt(2 * config["num_hidden_layers"])
     t0 = time.time()
-    curve = train(model, ids, steps=args.steps, seq=args.seq, batch=args.batch, lr=args.lr, seed=args.seed)
+    curve = train(
+        model,
+        ids,
+        steps=args.steps,
+        seq=args.seq,
+        batch=args.batch,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        seed=args.seed,
+    )
     model.update(tree_map(lambda a: a.astype(mx.bfloat16).astype(mx.float32), model.parameters()))
     held_loss = eval_loss(model, held, seq=args.seq)
     meta = {
