@@ -9,7 +9,8 @@ For each model (several ``--model`` give one section each), everything through m
    ``mlx_lm.convert`` at q2, q3, mixed_3_4, mixed_3_6, q4, mixed_4_6, q4 g32, q6;
    ``mlx_lm.quant.gptq.gptq_quantize`` (4-bit g64; its default 6-bit fallback and a 4-bit one);
    ``mlx_lm.quant.awq.awq_quantize`` (3 and 4-bit g64, its default 4-bit g32 embedding);
-   ``mlx_lm.quant.dynamic_quant`` (3/4 and 4/5 tiers at their default-style bpw targets).
+   ``mlx_lm.quant.dynamic_quant`` (3/4 and 4/5 tiers at their default-style bpw targets);
+   ``mlx_lm.quant.dwq.dwq_quantize`` (3 and 4-bit g64 students, :func:`stage_dwq`).
    The learned quantizers get mlxbun's calibration token matrix directly (offline, the same
    tokens as mlxbun's sensitivity).
 2. At the bytes of every anchor (its ``.safetensors`` files on disk):
@@ -33,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
@@ -52,7 +55,13 @@ ANCHORS = {
     "mlx-lm awq 4-bit": "awq:4",
     "mlx-lm dynamic_quant 3/4 @ 4.0 bpw": "dq:3:4:4.0",
     "mlx-lm dynamic_quant 4/5 @ 5.0 bpw": "dq:4:5:5.0",
+    "mlx-lm dwq 3-bit": "dwq:3",
+    "mlx-lm dwq 4-bit": "dwq:4",
 }
+# mlx-lm's default 1e-6 is for 2,048 long samples; over our ~28 steps a bfloat16 scale would not move
+# (narrow-6l q3: held-out KL 0.364 as converted, 0.335 after lr 1e-4, 0.298 after 1e-3).
+DWQ_LR = 1e-3
+DWQ_EPOCHS = 4  # passes over the calibration windows, in one run (its float32 copy accumulates)
 
 
 def peak_rss_mb() -> float:
@@ -133,7 +142,32 @@ def stage_dq(args: argparse.Namespace, low: str, high: str, target: str) -> None
     save(str(args.dest), str(args.model), model, tok, config)
 
 
-STAGES = {"convert": stage_convert, "gptq": stage_gptq, "awq": stage_awq, "dq": stage_dq}
+def stage_dwq(args: argparse.Namespace, bits: str) -> None:
+    """mlx-lm's DWQ as its command runs it (student = its ``quantize_model`` at ``bits`` g64, scales and
+    biases learned by KL to the reference's logits), on the calibration windows instead of an HF
+    dataset: :data:`DWQ_EPOCHS` passes in one run at :data:`DWQ_LR`, validated on 4 of the windows."""
+    import copy
+
+    import mlx.core as mx
+    import mlx.optimizers as optimizers
+    from mlx_lm.quant.dwq import dwq_quantize
+    from mlx_lm.utils import quantize_model, save
+
+    model, tok, config, data = _load_for_learned(args)
+    windows = [(np.asarray(row).tolist(), 0) for row in np.asarray(data)]
+    train, valid = windows[4:] or windows, windows[:4]
+    q_model = copy.deepcopy(model)
+    _, config = quantize_model(q_model, config, group_size=64, bits=int(bits))
+    opt = optimizers.Adam(learning_rate=DWQ_LR, bias_correction=True)
+    dwq_quantize(
+        q_model, lambda batch, idx, split: model(batch), opt, train * DWQ_EPOCHS, valid,
+        batch_size=4, max_seq_length=args.seq_len + 1, seed=123,
+    )  # fmt: skip
+    mx.eval(q_model.parameters())
+    save(str(args.dest), str(args.model), q_model, tok, config)
+
+
+STAGES = {"convert": stage_convert, "gptq": stage_gptq, "awq": stage_awq, "dq": stage_dq, "dwq": stage_dwq}
 
 
 def child(spec: str, model: Path, dest: Path, args: argparse.Namespace) -> dict:
