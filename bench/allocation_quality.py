@@ -183,6 +183,18 @@ def child(spec: str, model: Path, dest: Path, args: argparse.Namespace) -> dict:
     return {"seconds": seconds, **json.loads(out.stdout.strip().splitlines()[-1])}
 
 
+def anchor(spec: str, model: Path, args: argparse.Namespace, work: Path) -> tuple[Path, dict]:
+    """The child stage ``spec``'s output under ``work`` and its stats, reused when already run there."""
+    dest = work / ("anchor-" + spec.replace(":", "_"))
+    record = dest.with_suffix(".stage.json")
+    if record.is_file():
+        return dest, json.loads(record.read_text())
+    shutil.rmtree(dest, ignore_errors=True)
+    stats = child(spec, model, dest, args)
+    record.write_text(json.dumps(stats))
+    return dest, stats
+
+
 # ------------------------------------------------------------------------------- the product's CLI
 
 
@@ -260,23 +272,16 @@ def run_fixture(model: Path, args: argparse.Namespace) -> dict:
     anchors = {k: v for k, v in ANCHORS.items() if not wanted or any(v.startswith(w) for w in wanted)}
     rows = []
     for label, spec in anchors.items():
-        dest = work / ("anchor-" + spec.replace(":", "_"))
-        record = dest.with_suffix(".stage.json")
-        if record.is_file():
-            stats = json.loads(record.read_text())
-        else:
-            shutil.rmtree(dest, ignore_errors=True)
-            stats = child(spec, model, dest, args)
-            record.write_text(json.dumps(stats))
-        anchor = {
+        dest, stats = anchor(spec, model, args, work)
+        option = {
             "label": label,
             "path": str(dest.resolve()),
             "bytes": file_bytes(dest),
             "seconds": stats["seconds"],
         }
-        mine = best(model, anchor["bytes"], args, work)
+        mine = best(model, option["bytes"], args, work)
         mine["bytes"] = file_bytes(Path(mine["path"]))
-        rows.append({"anchor": anchor, "best": mine})
+        rows.append({"anchor": option, "best": mine})
         print(f"{model.name}: {label}: {json.dumps(rows[-1])}", flush=True)
     kl = evaluate(model, [r["anchor"]["path"] for r in rows] + [r["best"]["path"] for r in rows], args, work)
     for r in rows:

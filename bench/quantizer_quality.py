@@ -20,7 +20,6 @@ Writes ``bench/results/quantizers.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -36,11 +35,7 @@ GPTQ_BITS = (2, 4, 8)  # mlx_lm.quant.gptq asserts these
 
 
 def anchor(label: str, spec: str, model: Path, args: argparse.Namespace, work: Path) -> dict:
-    dest = work / ("anchor-" + spec.replace(":", "_"))
-    record = dest.with_suffix(".stage.json")
-    if not record.is_file():
-        stats = aq.child(spec, model, dest, args)
-        record.write_text(json.dumps(stats))
+    dest, _ = aq.anchor(spec, model, args, work)
     return {"label": label, "path": str(dest.resolve())}
 
 
