@@ -242,12 +242,14 @@ def best(model: Path, budget: int, args: argparse.Namespace, work: Path) -> dict
         "sensitivity": sens["seconds"] - sum(cand.values()),
         **{f"candidates {k}": v for k, v in cand.items()},
         "quantize": metrics["quantize"]["seconds"],
+        "tune": metrics.get("tune", {}).get("seconds", 0.0),
     }
     steps["allocate and the rest"] = wall - sum(steps.values())
     doc = json.loads((run / "sensitivity" / "sensitivity.json").read_text())
     probes = doc["candidates"]["probes"] if "candidates" in doc else []
     return {
-        "path": str(run / "quantize" / "model"),
+        "path": str(run / "tune" / "model"),
+        "untuned": str(run / "quantize" / "model"),
         "wall": wall,
         "steps": steps,
         "predicted_bytes": plan["predicted_bytes"],
@@ -270,7 +272,7 @@ def run_fixture(model: Path, args: argparse.Namespace) -> dict:
     work = args.work / model.name
     wanted = [w for w in args.only.split(",") if w]
     anchors = {k: v for k, v in ANCHORS.items() if not wanted or any(v.startswith(w) for w in wanted)}
-    rows = []
+    rows, by_budget = [], {}
     for label, spec in anchors.items():
         dest, stats = anchor(spec, model, args, work)
         option = {
@@ -279,15 +281,19 @@ def run_fixture(model: Path, args: argparse.Namespace) -> dict:
             "bytes": file_bytes(dest),
             "seconds": stats["seconds"],
         }
-        mine = best(model, option["bytes"], args, work)
+        if option["bytes"] not in by_budget:  # options of equal bytes share one run
+            by_budget[option["bytes"]] = best(model, option["bytes"], args, work)
+        mine = dict(by_budget[option["bytes"]])
         mine["bytes"] = file_bytes(Path(mine["path"]))
         rows.append({"anchor": option, "best": mine})
         print(f"{model.name}: {label}: {json.dumps(rows[-1])}", flush=True)
-    kl = evaluate(model, [r["anchor"]["path"] for r in rows] + [r["best"]["path"] for r in rows], args, work)
+    paths = [r["anchor"]["path"] for r in rows] + [r["best"][k] for r in rows for k in ("path", "untuned")]
+    kl = evaluate(model, list(dict.fromkeys(paths)), args, work)
     for r in rows:
         for side in ("anchor", "best"):
             e = kl[str(Path(r[side]["path"]).resolve())]
             r[side] |= {"kld": e["kld_mean"], "kld_err": e["kld_mean_err"]}
+        r["best"]["untuned_kld"] = kl[str(Path(r["best"]["untuned"]).resolve())]["kld_mean"]
     return {"model": str(model), "rows": rows}
 
 
@@ -316,15 +322,16 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
         " allocate.budget_bytes=<its bytes>`. KL = `command=eval`'s mean KL(reference || model) on the"
         f" built-in held-out text ({args.eval_tokens} tokens, windows of {args.seq_len}); ratio = best /"
         " option. Bytes = the `.safetensors` files on disk. Seconds: the option's whole child process;"
-        " best's per step (sensitivity, Hessians, candidate scores, probes, quantize, the rest ="
-        " allocate and start-up), the sensitivity and scores cached after the first size.",
+        " best's per step (sensitivity, Hessians, candidate scores, probes, quantize, tune, the rest ="
+        " allocate and start-up), the sensitivity and scores cached after the first size; options of"
+        " equal bytes share one run. Untuned = best's quantize step, before tune.",
         "",
     ]
     for res in results:
         lines += [f"## {_rel(res['model'])}", ""]
         lines += [
-            "| size of | option bytes | option KL | best bytes | best KL | ratio | option s | best s (steps) | best's modules |",
-            "|---|---:|---:|---:|---:|---:|---:|---|---|",
+            "| size of | option bytes | option KL | best bytes | best KL | ratio | untuned KL (ratio) | option s | best s (steps) | best's modules |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
         ]
         for r in res["rows"]:
             a, b = r["anchor"], r["best"]
@@ -332,7 +339,7 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
             used = " ".join(f"{k} {v}" for k, v in sorted(b["used"].items()))
             lines.append(
                 f"| {a['label']} | {a['bytes']} | {a['kld']:.5f} | {b['bytes']} | {b['kld']:.5f} |"
-                f" **{b['kld'] / a['kld']:.3f}** | {a['seconds']:.0f} | {b['wall']:.0f} ({steps}) | {used} |"
+                f" **{b['kld'] / a['kld']:.3f}** | {b['untuned_kld']:.5f} ({b['untuned_kld'] / a['kld']:.3f}) | {a['seconds']:.0f} | {b['wall']:.0f} ({steps}) | {used} |"
             )
         probes = res["rows"][0]["best"]["probes"] if res["rows"] else []
         lines += ["", "Probes of the first size (the correction of each quantizer's estimates):", ""]

@@ -122,6 +122,13 @@ COMMANDS: dict[str, Command] = {
         needs=(MODEL, ("allocate.sensitivity",), ("allocate.budget_bpw", "allocate.budget_bytes")),
         provides=("quant.plan",),
     ),
+    "tune": Command(
+        "mlxbun.quant.tune",
+        "learned rounding: tune a quantized model's codes, scales and norms to its reference",
+        reads=(*MODEL_SECTIONS, "tune", "io", "registry", "sensitivity.calib"),
+        needs=(MODEL, ("tune.reference",)),
+        provides=("model.name",),
+    ),
     "rotate": Command(
         "mlxbun.rotate",
         "fold a seeded randomized Hadamard R1 into a checkpoint",

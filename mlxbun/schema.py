@@ -597,6 +597,37 @@ class EvalCfg:
 
 
 @dataclass
+class TuneCfg:
+    # The unquantized model the quantized one (model.name) was made from: its next-token
+    # distributions are the target (a path, registry name or org/repo).
+    reference: str | None = None
+    # Passes over the calibration windows; 0 hands the input on unchanged.
+    epochs: int = 8
+    # Adam's first step, decayed to 0 on a cosine over all steps. Scales are log multipliers and
+    # biases shift in units of the scale, so one rate suits every model.
+    lr: float = 2.0e-3
+    # Windows per step.
+    batch_size: int = 4
+    # Calibration windows (the text and seed are sensitivity.calib's); the last eighth validate.
+    samples: int = 128
+    seq_len: int = 128
+
+    def __post_init__(self) -> None:
+        not_empty("tune.reference", self.reference)
+        positive("tune.epochs", self.epochs, allow_zero=True)
+        positive("tune.lr", self.lr)
+        positive("tune.batch_size", self.batch_size)
+        positive("tune.samples", self.samples)
+        if self.samples < 3:
+            raise InputError(
+                f"tune.samples={self.samples} is out of range; it must be >= 3 (2 are validation)"
+            )
+        positive("tune.seq_len", self.seq_len)
+        if self.seq_len < 2:
+            raise InputError(f"tune.seq_len={self.seq_len} is out of range; it must be >= 2")
+
+
+@dataclass
 class ServeCfg:
     # Address to listen on (0.0.0.0 for every interface).
     host: str = "127.0.0.1"
@@ -663,6 +694,7 @@ class Config:
     runs: RunsCfg = field(default_factory=RunsCfg)
     pipeline: PipelineCfg = field(default_factory=PipelineCfg)
     eval: EvalCfg = field(default_factory=EvalCfg)
+    tune: TuneCfg = field(default_factory=TuneCfg)
     # true: list the chosen command's keys (type, default, comment) instead of running it.
     help: bool = False
 

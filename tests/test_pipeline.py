@@ -108,6 +108,16 @@ def test_the_best_recipe_without_a_budget_names_the_keys_before_any_step() -> No
     cfg = _compose_recipe("best", USER_KEYS["best"][0], "allocate.budget_bytes=3000000")
     pipeline.check_steps(cfg, list(cfg.pipeline.steps))
     assert cfg.sensitivity.candidates.methods == ["rtn", "clip", "gptq"]
+    # tune's reference is the user's model, fixed before quantize hands on its output as model.name
+    assert cfg.pipeline.steps[-2:] == ["quantize", "tune"]
+    assert cfg.tune.reference == cfg.model.name and cfg.tune.reference.endswith("llama-text-12l")
+
+
+def test_a_tune_step_without_a_reference_fails_before_the_first_step(tmp_path: Path, ran: list[str]) -> None:
+    cfg = _cfg(tmp_path, ["quantize", "tune"], model=schema.ModelCfg(name=str(tmp_path)))
+    with pytest.raises(InputError, match=r"step 2 \(tune\) needs tune.reference"):
+        pipeline.run(cfg)
+    assert ran == []
 
 
 def test_a_synth_step_too_big_for_the_disk_fails_before_the_first_step(

@@ -1,0 +1,401 @@
+"""command=tune: learned rounding — a quantized model tuned end to end to match its reference.
+
+What it trains, for each affine quantized module below 8 bits (mx modes and 8-bit stay as they are):
+- each group's scale (a log multiplier) and bias (a shift in units of the scale); the codes stay;
+- the RMSNorm weights, which are stored unquantized and cost no bytes.
+
+The loss is KL(reference || model) of the next-token distributions on calibration windows (what
+``command=eval`` reports), minimised with Adam; the matmuls run in float32 through the BLAS.
+Every tensor keeps its shape and dtype, so the bytes on disk are the input's. The last eighth
+of the windows (at least two) are validation: the epoch with the lowest validation KL is
+written, or the input's values when no epoch beats them (``tune.json`` says which).
+
+    <run_dir>/
+        model/          the tuned model (config.json and tokenizer files copied; mlx_lm.load reads it)
+        tune.json       {"reference", "calibration", "validation": [KL before, after each epoch],
+                         "chosen_epoch", "codes_changed", "seconds", "forward_equivalents", ...}
+
+When the whole-model tuning does not fit in memory (about 16 bytes a quantized weight and the
+reference in float32), the step records why in tune.json and hands on its input unchanged.
+
+Example:
+    python -m mlxbun command=tune model.name=<quantized dir> tune.reference=<its source>
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlxbun.errors import InputError
+from mlxbun.host import available_memory
+from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
+from mlxbun.io.safetensors import INDEX_FILE, open_model
+from mlxbun.io.shards import ShardedWriter
+from mlxbun.io.staging import Stage, stable_root
+from mlxbun.progress import Progress, human_bytes
+from mlxbun.provenance import RunResult
+from mlxbun.quant.outdir import written_files
+from mlxbun.source import model_dir, named_dir
+
+log = logging.getLogger("mlxbun")
+
+TUNE_FILE = "tune.json"
+BYTES_PER_WEIGHT = 16  # float32 codes, the dense weight and its gradient, slack
+MEMORY_SHARE = 0.8
+LOGITS_CACHE_BYTES = 512 << 20  # the reference's log-probs are kept when they fit, else recomputed
+VERSION = 1  # of the method: part of the job key
+
+
+# ----------------------------------------------------------------------------- the modules
+
+
+def _modules():
+    """The trainable stand-ins, built on first use (MLX is imported lazily)."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    class TunedLinear(nn.Module):
+        """An affine QuantizedLinear as float32 codes with a trainable scale and bias per group."""
+
+        def __init__(self, q: Any, dtype: Any) -> None:
+            super().__init__()
+            self._gs, self._bits, self._dtype = q.group_size, q.bits, dtype
+            codes = mx.dequantize(
+                q.weight, mx.ones_like(q.scales), mx.zeros_like(q.biases), q.group_size, q.bits
+            )
+            rows, cols = codes.shape
+            self._codes = codes.astype(mx.float32).reshape(rows, cols // q.group_size, q.group_size)
+            self._s0, self._b0 = q.scales.astype(mx.float32), q.biases.astype(mx.float32)
+            self._bias = q["bias"] if "bias" in q else None
+            self.log_scale = mx.zeros_like(self._s0)
+            self.shift = mx.zeros_like(self._s0)
+
+        def scales_biases(self) -> tuple[Any, Any]:
+            """The stored (rounded to the model's dtype) scales and biases, as float32."""
+            s = self._s0 * mx.exp(self.log_scale)
+            b = self._b0 + self._s0 * self.shift
+            return s.astype(self._dtype).astype(mx.float32), b.astype(self._dtype).astype(mx.float32)
+
+        def weight(self) -> Any:
+            s, b = self.scales_biases()
+            w = self._codes * s[..., None] + b[..., None]
+            return w.reshape(w.shape[0], -1)
+
+        def __call__(self, x: Any) -> Any:
+            y = x.astype(mx.float32) @ self.weight().T
+            return y if self._bias is None else y + self._bias
+
+    class TunedEmbedding(TunedLinear):
+        def __call__(self, ids: Any) -> Any:
+            s, b = self.scales_biases()
+            w = self._codes[ids] * s[ids][..., None] + b[ids][..., None]
+            return w.reshape(*ids.shape, -1)
+
+        def as_linear(self, x: Any) -> Any:
+            return x.astype(mx.float32) @ self.weight().T
+
+    return TunedLinear, TunedEmbedding
+
+
+def tunable(model: Any) -> list[tuple[str, Any]]:
+    """(path, module) of each affine quantized module below 8 bits, in model order."""
+    import mlx.nn as nn
+
+    return [
+        (path, m)
+        for path, m in model.named_modules()
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and m.mode == "affine" and m.bits < 8
+    ]
+
+
+def norms(model: Any) -> list[tuple[str, Any]]:
+    import mlx.nn as nn
+
+    return [
+        (p, m)
+        for p, m in model.named_modules()
+        if isinstance(m, (nn.RMSNorm, nn.LayerNorm)) and "weight" in m
+    ]
+
+
+# ----------------------------------------------------------------------------- the tuning
+
+
+def memory_need(model: Any, ref_params: int) -> int:
+    weights = sum(m.weight.size * 32 // m.bits for _, m in tunable(model))
+    return BYTES_PER_WEIGHT * weights + 4 * ref_params
+
+
+def tune_model(
+    model: Any,
+    reference: Any,
+    tokens: np.ndarray,
+    *,
+    epochs: int,
+    lr: float,
+    batch_size: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Tune ``model`` in place (its quantized modules swapped for TunedLinear/TunedEmbedding and
+    its norms in float32); returns the record. The best epoch's values are left in the model."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    import mlx.optimizers as optim
+    from mlx.utils import tree_map, tree_unflatten
+
+    linear_cls, embedding_cls = _modules()
+    swaps = []
+    for path, q in tunable(model):
+        cls = embedding_cls if isinstance(q, nn.QuantizedEmbedding) else linear_cls
+        swaps.append((path, cls(q, q.scales.dtype)))
+    if not swaps:
+        raise InputError("model.name has no affine quantized module below 8 bits; there is nothing to tune")
+    model.update_modules(tree_unflatten(swaps))
+    norm_dtypes = {p: m.weight.dtype for p, m in norms(model)}
+    for _, m in norms(model):
+        m.weight = m.weight.astype(mx.float32)
+    model.freeze()
+    for _, m in swaps:
+        m.unfreeze(keys=["log_scale", "shift"], recurse=False)
+    for _, m in norms(model):
+        m.unfreeze(keys=["weight"], recurse=False)
+    model.train()
+
+    n = tokens.shape[0]
+    n_val = max(2, n // 8)
+    if n - n_val < 1:
+        raise InputError(f"tune.samples={n} is too few; tune needs at least 3 (2 are validation)")
+    val, train = mx.array(tokens[n - n_val :]), mx.array(tokens[: n - n_val])
+    vocab = None
+
+    def log_probs(logits: Any) -> Any:
+        logits = logits.astype(mx.float32)
+        return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+
+    def target(x: Any) -> Any:
+        return mx.stop_gradient(log_probs(reference(x)))
+
+    probe = target(train[:1])
+    vocab = probe.shape[-1]
+    cache = (n * tokens.shape[1] * vocab * 4) <= LOGITS_CACHE_BYTES
+    batches = [slice(i, i + batch_size) for i in range(0, train.shape[0], batch_size)]
+    train_t = [target(train[b]) for b in batches] if cache else None
+    val_t = [target(val[i : i + 1]) for i in range(n_val)] if cache else None
+    if cache:
+        mx.eval(train_t, val_t)
+
+    def kl(x: Any, t: Any) -> Any:
+        lq = log_probs(model(x))
+        return (mx.exp(t) * (t - lq)).sum(-1).mean()
+
+    def validation() -> float:
+        total = 0.0
+        for i in range(n_val):
+            t = val_t[i] if cache else target(val[i : i + 1])
+            total += kl(val[i : i + 1], t).item()
+        return total / n_val
+
+    def snapshot() -> dict[str, Any]:
+        return tree_map(lambda a: mx.array(a), model.trainable_parameters())
+
+    opt = optim.Adam(learning_rate=optim.cosine_decay(lr, max(1, epochs * len(batches))))
+    grad_fn = nn.value_and_grad(model, kl)
+    state = [model.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(x: Any, t: Any) -> Any:
+        loss, grads = grad_fn(x, t)
+        opt.update(model, grads)
+        return loss
+
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
+    start = time.monotonic()
+    history = [validation()]
+    best, best_epoch = snapshot(), 0
+    progress = Progress(total=epochs * len(batches), unit="steps", desc="tune", heartbeat=True)
+    for epoch in range(1, epochs + 1):
+        for k in rng.permutation(len(batches)):
+            b = batches[k]
+            t = train_t[k] if cache else target(train[b])
+            mx.eval(step(train[b], t), state)
+            progress.update(1)
+        history.append(validation())
+        log.info(
+            "tune: epoch %d/%d, validation KL %.5f (before: %.5f)", epoch, epochs, history[-1], history[0]
+        )
+        if history[-1] < history[best_epoch]:
+            best, best_epoch = snapshot(), epoch
+    progress.close()
+    model.update(best)
+    for p, m in norms(model):
+        m.weight = m.weight.astype(norm_dtypes[p])
+    train_tokens = int(train.size)
+    return {
+        "validation": [round(v, 6) for v in history],
+        "chosen_epoch": best_epoch,
+        "trainable": {
+            "groups": int(sum(m._s0.size for _, m in swaps)),
+            "norm_weights": int(sum(m.weight.size for _, m in norms(model))),
+        },
+        "seconds": round(time.monotonic() - start, 3),
+        # a backward costs about two forwards; validation and the reference are one each
+        "forward_equivalents": round(
+            (epochs * train_tokens * (3 + (0 if cache else 1)) + (epochs + 1) * n_val * tokens.shape[1] * 2)
+            / (n * tokens.shape[1]),
+            1,
+        ),
+        "_swaps": swaps,
+    }
+
+
+def tuned_tensors(model: Any, swaps: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The stored tensors tuning changed: each module's packed weight, scales and biases, and the norms."""
+
+    out: dict[str, Any] = {}
+    for path, m in swaps:
+        s, b = m.scales_biases()
+        out[f"{path}.scales"] = s.astype(m._dtype)
+        out[f"{path}.biases"] = b.astype(m._dtype)
+    for path, m in norms(model):
+        out[f"{path}.weight"] = m.weight
+    return out
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def write_tuned(src: Path, tmp: Path, tensors: dict[str, Any], *, shard_bytes: int) -> None:
+    """Every tensor of ``src`` into shards in ``tmp`` in its order, with its metadata, tuned ones
+    replaced (same names, dtypes and shapes); then the index, config.json and tokenizer files."""
+    config = json.loads((src / "config.json").read_text())
+    with open_model(src) as m:
+        infos = m.infos()
+        order = sorted(infos, key=lambda n: (str(m._file(n).path), infos[n].start))
+        declared = [(n, infos[n].dtype, tuple(infos[n].shape)) for n in order]
+        writer = ShardedWriter(
+            tmp,
+            shard_bytes=shard_bytes,
+            metadata=m.metadata,
+            quantization=config.get("quantization"),
+            tensors=declared,
+        )
+        with writer:
+            for name in order:
+                new = tensors.get(name)
+                if new is None:
+                    writer.add(name, m.array(name))
+                    continue
+                old = infos[name]
+                if tuple(new.shape) != tuple(old.shape):
+                    raise RuntimeError(f"tune changed the shape of {name}: {old.shape} -> {new.shape}")
+                writer.add(name, new)
+            layout = writer.finish()
+    if not layout.index_written:  # mlx-lm writes the index for a single shard too
+        atomic_write_json(tmp / INDEX_FILE, layout.index)
+    for f in sorted(src.iterdir()):
+        if (
+            f.is_file()
+            and not f.name.endswith(".safetensors")
+            and f.name != INDEX_FILE
+            and not f.name.startswith(".")
+        ):
+            atomic_write_bytes(tmp / f.name, f.read_bytes())
+
+
+# ----------------------------------------------------------------------------- command
+
+
+def _reference_dir(cfg: Any) -> Path:
+    if not cfg.tune.reference:
+        raise InputError(
+            "tune.reference is not set; pass the unquantized model the quantized one was made from"
+        )
+    return named_dir(cfg.tune.reference, reg=cfg.registry, key="tune.reference")
+
+
+def run(cfg: Any) -> Any:
+    """command=tune: tune ``model.name`` (quantized) against ``tune.reference`` into ``<run_dir>/model``."""
+    from mlx.utils import tree_flatten
+    from mlx_lm import load
+
+    from mlxbun.fingerprint import model_fingerprint
+    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.probe import load_model as load_reference
+
+    t = cfg.tune
+    src, ref_dir = model_dir(cfg), _reference_dir(cfg)
+    run_dir = Path(cfg.paths.run_dir)
+    out = run_dir / "model"
+    config = (src / "config.json").read_text() if (src / "config.json").is_file() else ""
+    if '"quantization"' not in config:
+        raise InputError(
+            f"model.name={str(src)!r} is not a quantized model (its config.json has no quantization)"
+        )
+    model, tokenizer = load(str(src))
+    reference, _, _ = load_reference(ref_dir)
+    c = cfg.sensitivity.calib
+    calib = load_calibration(
+        tokenizer=tokenizer, path=c.path, samples=t.samples, seq_len=t.seq_len, seed=c.seed
+    )
+    record: dict[str, Any] = {
+        "version": VERSION,
+        "input": str(src),
+        "reference": str(ref_dir),
+        "calibration": calib.to_dict(),
+        "settings": {"epochs": t.epochs, "lr": t.lr, "batch_size": t.batch_size},
+    }
+    ref_params = sum(v.size for _, v in tree_flatten(reference.parameters()))
+    need, avail = memory_need(model, ref_params), available_memory()
+    if t.epochs == 0 or (avail is not None and need > MEMORY_SHARE * avail):
+        why = (
+            "tune.epochs=0"
+            if t.epochs == 0
+            else (f"tuning needs about {human_bytes(need)} and {human_bytes(avail)} is available")
+        )
+        log.warning("tune: skipped (%s); the input model is handed on unchanged", why)
+        atomic_write_json(run_dir / TUNE_FILE, {**record, "status": "skipped", "reason": why})
+        return RunResult(
+            outputs=[run_dir / TUNE_FILE],
+            metrics={"skipped": why},
+            message=f"tune skipped ({why}); {src} is handed on",
+            provides={"model.name": str(src)},
+        )
+    key = model_fingerprint(src, depth="header")[:16] + calib.fingerprint[:16]
+    with Stage.locked(out, kind="tune", key=key, root=stable_root(cfg.paths.outputs, out)) as stage:
+        stage.claim(resume=False)
+        result = tune_model(
+            model, reference, calib.tokens, epochs=t.epochs, lr=t.lr, batch_size=t.batch_size, seed=cfg.seed
+        )
+        swaps = result.pop("_swaps")
+        del reference
+        write_tuned(src, stage.dir, tuned_tensors(model, swaps), shard_bytes=cfg.io.shard_bytes)
+        stage.publish()
+    record |= {"status": "tuned" if result["chosen_epoch"] else "unchanged", **result}
+    atomic_write_json(run_dir / TUNE_FILE, record)
+    v = result["validation"]
+    return RunResult(
+        outputs=[out, run_dir / TUNE_FILE],
+        inputs=[src, ref_dir],
+        metrics={
+            "validation_kl_before": v[0],
+            "validation_kl_after": v[result["chosen_epoch"]],
+            "chosen_epoch": result["chosen_epoch"],
+            "seconds": result["seconds"],
+            "forward_equivalents": result["forward_equivalents"],
+        },
+        message=(
+            f"tuned {src.name}: validation KL {v[0]:.4g} -> {v[result['chosen_epoch']]:.4g}"
+            f" (epoch {result['chosen_epoch']} of {t.epochs})"
+            f" -> {out}"
+        ),
+        provides={"model.name": str(out)},
+        written=written_files(out),
+    )

@@ -1,0 +1,131 @@
+"""command=tune: learned scales, biases and norms against the reference; same tensors, same bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from cli_util import run_cli
+
+from mlxbun.quant.quantize import quantize_model_dir
+
+FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llama-text-3m"
+SMALL = ["tune.samples=8", "tune.seq_len=32", "tune.epochs=3", "tune.batch_size=2"]
+
+
+@pytest.fixture(scope="module")
+def q3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("q3") / "model"
+    quantize_model_dir(FIXTURE, out, bits=3, group_size=64, dtype="bfloat16")
+    return out
+
+
+def _tensors(d: Path) -> dict[str, mx.array]:
+    return {k: v for f in sorted(d.glob("*.safetensors")) for k, v in mx.load(str(f)).items()}
+
+
+def _held_out_kl(model_dir: Path) -> float:
+    """KL(reference || model) on the built-in held-out text, computed here (not by tune)."""
+    from mlx_lm import load
+
+    from mlxbun.eval import encode, read_text
+
+    ref, tok = load(str(FIXTURE))
+    model, _ = load(str(model_dir))
+    stream = encode(tok, read_text(None)[0])[: 4 * 64]
+    x = mx.array(stream.reshape(4, 64))
+    p = ref(x).astype(mx.float32)
+    q = model(x).astype(mx.float32)
+    lp = p - mx.logsumexp(p, -1, keepdims=True)
+    lq = q - mx.logsumexp(q, -1, keepdims=True)
+    return (mx.exp(lp) * (lp - lq)).sum(-1).mean().item()
+
+
+def _run(tmp: Path, *args: str):
+    r = run_cli("command=tune", *args, tmp=tmp)
+    runs = sorted((tmp / "outputs" / "tune").glob("*")) if (tmp / "outputs" / "tune").is_dir() else []
+    return r, (runs[-1] if runs else None)
+
+
+def test_tune_lowers_held_out_kl_and_keeps_every_tensor_and_the_bytes(tmp_path: Path, q3: Path) -> None:
+    r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL)
+    assert r.returncode == 0, r.stderr
+    record = json.loads((run / "tune.json").read_text())
+    assert record["status"] == "tuned" and record["chosen_epoch"] >= 1
+    v = record["validation"]
+    assert v[record["chosen_epoch"]] < v[0]
+    before, after = _tensors(q3), _tensors(run / "model")
+    assert sorted(before) == sorted(after)
+    changed = set()
+    for k, a in before.items():
+        b = after[k]
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), k
+        if not mx.array_equal(a, b).item():
+            changed.add(k.rpartition(".")[2])
+    # codes stay; group scales/biases and norm weights are what tuning learns
+    assert changed and changed <= {"scales", "biases", "weight"}
+    for k in before:
+        if k.endswith(".weight") and before[k].dtype == mx.uint32:
+            assert mx.array_equal(before[k], after[k]).item(), k
+    size = lambda d: sum(p.stat().st_size for p in d.glob("*.safetensors"))  # noqa: E731
+    assert size(run / "model") == size(q3)
+    assert json.loads((run / "model" / "config.json").read_text()) == json.loads(
+        (q3 / "config.json").read_text()
+    )
+    assert _held_out_kl(run / "model") < _held_out_kl(q3)
+
+
+def test_tune_epochs_0_hands_the_input_on_and_says_so(tmp_path: Path, q3: Path) -> None:
+    r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", "tune.epochs=0")
+    assert r.returncode == 0, r.stderr
+    record = json.loads((run / "tune.json").read_text())
+    assert record["status"] == "skipped" and record["reason"] == "tune.epochs=0"
+    assert not (run / "model").exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([f"model.name={FIXTURE}", f"tune.reference={FIXTURE}"], "is not a quantized model"),
+        (["tune.reference=/nonexistent/ref"], "tune.reference"),
+        (["tune.samples=2"], "tune.samples=2 is out of range"),
+        (["tune.lr=0"], "tune.lr"),
+    ],
+)
+def test_bad_tune_input_is_one_line_and_exit_2(
+    tmp_path: Path, q3: Path, args: list[str], message: str
+) -> None:
+    base = [f"model.name={q3}", f"tune.reference={FIXTURE}"]
+    keys = {a.partition("=")[0] for a in args}
+    r, _ = _run(tmp_path, *[a for a in base if a.partition("=")[0] not in keys], *args)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+    assert not list((tmp_path / "outputs").rglob("model.safetensors"))
+
+
+def test_tune_without_a_reference_is_refused(tmp_path: Path, q3: Path) -> None:
+    r, _ = _run(tmp_path, f"model.name={q3}")
+    assert r.returncode == 2 and "tune.reference is not set" in r.stderr
+
+
+def test_tuned_values_round_to_the_stored_dtype_as_trained() -> None:
+    """The forward trains on what is written: scales and biases rounded to the model's dtype."""
+    import mlx.nn as nn
+
+    from mlxbun.quant.tune import _modules
+
+    linear_cls, _ = _modules()
+    layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 8), group_size=64, bits=3)
+    layer.scales = layer.scales.astype(mx.bfloat16)
+    layer.biases = layer.biases.astype(mx.bfloat16)
+    tuned = linear_cls(layer, mx.bfloat16)
+    tuned.log_scale = mx.full(tuned.log_scale.shape, 1e-3)
+    s, b = tuned.scales_biases()
+    assert mx.array_equal(s, s.astype(mx.bfloat16).astype(mx.float32)).item()
+    x = mx.random.normal((2, 128))
+    untouched = linear_cls(layer, mx.bfloat16)
+    ref = layer(x.astype(mx.bfloat16))  # the stored model's own forward (bias included)
+    assert np.allclose(np.array(untouched(x)), np.array(ref.astype(mx.float32)), atol=0.05)
