@@ -76,6 +76,11 @@ def test_tune_lowers_held_out_kl_and_keeps_every_tensor_and_the_bytes(tmp_path: 
         (q3 / "config.json").read_text()
     )
     assert _held_out_kl(run / "model") < _held_out_kl(q3)
+    # a rerun (what a killed pipeline does on its tune step) writes the same bytes
+    again, run2 = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL)
+    assert again.returncode == 0 and run2 != run
+    for f in sorted((run / "model").iterdir()):
+        assert (run2 / "model" / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 def test_tune_epochs_0_hands_the_input_on_and_says_so(tmp_path: Path, q3: Path) -> None:

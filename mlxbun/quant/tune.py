@@ -24,6 +24,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -368,7 +369,17 @@ def run(cfg: Any) -> Any:
             message=f"tune skipped ({why}); {src} is handed on",
             provides={"model.name": str(src)},
         )
-    key = model_fingerprint(src, depth="header")[:16] + calib.fingerprint[:16]
+    job = json.dumps(
+        [
+            VERSION,
+            model_fingerprint(src, depth="header"),
+            str(ref_dir),
+            record["settings"],
+            calib.fingerprint,
+            cfg.seed,
+        ]
+    )
+    key = hashlib.sha256(job.encode()).hexdigest()[:32]
     with Stage.locked(out, kind="tune", key=key, root=stable_root(cfg.paths.outputs, out)) as stage:
         stage.claim(resume=False)
         result = tune_model(
