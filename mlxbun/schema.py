@@ -610,6 +610,7 @@ class TuneCfg:
     batch_size: int = 4
     # Calibration windows (the text and seed are sensitivity.calib's); the last eighth validate.
     samples: int = 128
+    # Tokens per calibration window.
     seq_len: int = 128
 
     def __post_init__(self) -> None:
