@@ -122,7 +122,7 @@ def test_tuned_values_round_to_the_stored_dtype_as_trained() -> None:
 
     from mlxbun.quant.tune import _modules
 
-    linear_cls, _ = _modules()
+    linear_cls, _, _ = _modules()
     layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 8), group_size=64, bits=3)
     layer.scales = layer.scales.astype(mx.bfloat16)
     layer.biases = layer.biases.astype(mx.bfloat16)

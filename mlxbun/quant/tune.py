@@ -102,7 +102,22 @@ def _modules():
         def as_linear(self, x: Any) -> Any:
             return x.astype(mx.float32) @ self.weight().T
 
-    return TunedLinear, TunedEmbedding
+    class TunedNorm(nn.Module):
+        """An RMSNorm whose float32 weight trains on its value rounded to the stored dtype."""
+
+        def __init__(self, norm: Any) -> None:
+            super().__init__()
+            self._dtype, self._eps = norm.weight.dtype, norm.eps
+            self.weight = norm.weight.astype(mx.float32)
+
+        def stored(self) -> Any:
+            w = self.weight
+            return w + mx.stop_gradient(w.astype(self._dtype).astype(mx.float32) - w)
+
+        def __call__(self, x: Any) -> Any:
+            return mx.fast.rms_norm(x, self.stored(), self._eps)
+
+    return TunedLinear, TunedEmbedding, TunedNorm
 
 
 def tunable(model: Any) -> list[tuple[str, Any]]:
@@ -117,13 +132,10 @@ def tunable(model: Any) -> list[tuple[str, Any]]:
 
 
 def norms(model: Any) -> list[tuple[str, Any]]:
+    """(path, module) of each RMSNorm (mlx's own; a model's variant such as Gemma's 1 + w stays)."""
     import mlx.nn as nn
 
-    return [
-        (p, m)
-        for p, m in model.named_modules()
-        if isinstance(m, (nn.RMSNorm, nn.LayerNorm)) and "weight" in m
-    ]
+    return [(p, m) for p, m in model.named_modules() if type(m) is nn.RMSNorm]
 
 
 # ----------------------------------------------------------------------------- the tuning
@@ -151,21 +163,19 @@ def tune_model(
     import mlx.optimizers as optim
     from mlx.utils import tree_map, tree_unflatten
 
-    linear_cls, embedding_cls = _modules()
+    linear_cls, embedding_cls, norm_cls = _modules()
     swaps = []
     for path, q in tunable(model):
         cls = embedding_cls if isinstance(q, nn.QuantizedEmbedding) else linear_cls
         swaps.append((path, cls(q, q.scales.dtype)))
     if not swaps:
         raise InputError("model.name has no affine quantized module below 8 bits; there is nothing to tune")
-    model.update_modules(tree_unflatten(swaps))
-    norm_dtypes = {p: m.weight.dtype for p, m in norms(model)}
-    for _, m in norms(model):
-        m.weight = m.weight.astype(mx.float32)
+    tuned_norms = [(path, norm_cls(m)) for path, m in norms(model)]
+    model.update_modules(tree_unflatten(swaps + tuned_norms))
     model.freeze()
     for _, m in swaps:
         m.unfreeze(keys=["log_scale", "shift"], recurse=False)
-    for _, m in norms(model):
+    for _, m in tuned_norms:
         m.unfreeze(keys=["weight"], recurse=False)
     model.train()
 
@@ -174,7 +184,6 @@ def tune_model(
     if n - n_val < 1:
         raise InputError(f"tune.samples={n} is too few; tune needs at least 3 (2 are validation)")
     val, train = mx.array(tokens[n - n_val :]), mx.array(tokens[: n - n_val])
-    vocab = None
 
     def log_probs(logits: Any) -> Any:
         logits = logits.astype(mx.float32)
@@ -183,8 +192,7 @@ def tune_model(
     def target(x: Any) -> Any:
         return mx.stop_gradient(log_probs(reference(x)))
 
-    probe = target(train[:1])
-    vocab = probe.shape[-1]
+    vocab = target(train[:1]).shape[-1]
     cache = (n * tokens.shape[1] * vocab * 4) <= LOGITS_CACHE_BYTES
     batches = [slice(i, i + batch_size) for i in range(0, train.shape[0], batch_size)]
     train_t = [target(train[b]) for b in batches] if cache else None
@@ -236,15 +244,13 @@ def tune_model(
             best, best_epoch = snapshot(), epoch
     progress.close()
     model.update(best)
-    for p, m in norms(model):
-        m.weight = m.weight.astype(norm_dtypes[p])
     train_tokens = int(train.size)
     return {
         "validation": [round(v, 6) for v in history],
         "chosen_epoch": best_epoch,
         "trainable": {
             "groups": int(sum(m._s0.size for _, m in swaps)),
-            "norm_weights": int(sum(m.weight.size for _, m in norms(model))),
+            "norm_weights": int(sum(m.weight.size for _, m in tuned_norms)),
         },
         "seconds": round(time.monotonic() - start, 3),
         # a backward costs about two forwards; validation and the reference are one each
@@ -253,20 +259,20 @@ def tune_model(
             / (n * tokens.shape[1]),
             1,
         ),
-        "_swaps": swaps,
+        "_swaps": swaps + tuned_norms,
     }
 
 
-def tuned_tensors(model: Any, swaps: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The stored tensors tuning changed: each module's packed weight, scales and biases, and the norms."""
-
+def tuned_tensors(swaps: list[tuple[str, Any]]) -> dict[str, Any]:
+    """The stored tensors tuning changed: each module's scales and biases, each norm's weight."""
     out: dict[str, Any] = {}
     for path, m in swaps:
-        s, b = m.scales_biases()
-        out[f"{path}.scales"] = s.astype(m._dtype)
-        out[f"{path}.biases"] = b.astype(m._dtype)
-    for path, m in norms(model):
-        out[f"{path}.weight"] = m.weight
+        if hasattr(m, "scales_biases"):
+            s, b = m.scales_biases()
+            out[f"{path}.scales"] = s.astype(m._dtype)
+            out[f"{path}.biases"] = b.astype(m._dtype)
+        else:
+            out[f"{path}.weight"] = m.stored().astype(m._dtype)
     return out
 
 
@@ -387,7 +393,7 @@ def run(cfg: Any) -> Any:
         )
         swaps = result.pop("_swaps")
         del reference
-        write_tuned(src, stage.dir, tuned_tensors(model, swaps), shard_bytes=cfg.io.shard_bytes)
+        write_tuned(src, stage.dir, tuned_tensors(swaps), shard_bytes=cfg.io.shard_bytes)
         stage.publish()
     record |= {"status": "tuned" if result["chosen_epoch"] else "unchanged", **result}
     atomic_write_json(run_dir / TUNE_FILE, record)
