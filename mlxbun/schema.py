@@ -603,9 +603,9 @@ class TuneCfg:
     reference: str | None = None
     # Passes over the calibration windows; 0 hands the input on unchanged.
     epochs: int = 8
-    # Adam's first step, decayed to 0 on a cosine over all steps. Scales are log multipliers and
-    # biases shift in units of the scale, so one rate suits every model.
-    lr: float = 2.0e-3
+    # Adam's step after one epoch of warm-up, then decayed to 0 on a cosine. Scales and biases move
+    # in units of the quantization grid, so one rate suits every bit width.
+    lr: float = 3.0e-3
     # Windows per step.
     batch_size: int = 4
     # Calibration windows (the text and seed are sensitivity.calib's); the last eighth validate.
