@@ -114,6 +114,13 @@ def at_most(key: str, value: float | int | None, limit: float | int, why: str = 
         raise InputError(f"{key}={value!r} is out of range; it must be at most {limit}{reason}")
 
 
+def at_least(key: str, value: float | int | None, limit: float | int, why: str = "") -> None:
+    """Raise an InputError when ``value`` is below ``limit`` (``why`` says what needs it)."""
+    if value is not None and value < limit:
+        reason = f" ({why})" if why else ""
+        raise InputError(f"{key}={value!r} is out of range; it must be >= {limit}{reason}")
+
+
 @dataclass
 class CommandCfg:
     # The command to run (python -m mlxbun lists them).
@@ -280,11 +287,12 @@ class CalibCfg:
     def __post_init__(self) -> None:
         positive("sensitivity.calib.samples", self.samples)
         positive("sensitivity.calib.seq_len", self.seq_len)
-        if self.seq_len < 2:
-            raise InputError(
-                f"sensitivity.calib.seq_len={self.seq_len} is out of range; it must be >= 2"
-                " (with one token per sample attention sees nothing to mix, and q/k score 0)"
-            )
+        at_least(
+            "sensitivity.calib.seq_len",
+            self.seq_len,
+            2,
+            "with one token per sample attention sees nothing to mix, and q/k score 0",
+        )
 
 
 @dataclass
@@ -588,10 +596,7 @@ class EvalCfg:
     def __post_init__(self) -> None:
         positive("eval.tokens", self.tokens)
         positive("eval.seq_len", self.seq_len)
-        if self.seq_len < 2:
-            raise InputError(
-                f"eval.seq_len={self.seq_len} is out of range; it must be >= 2 (one token predicts none)"
-            )
+        at_least("eval.seq_len", self.seq_len, 2, "one token predicts none")
         positive("eval.top_k", self.top_k)
         positive("eval.batch_size", self.batch_size)
 
@@ -619,13 +624,9 @@ class TuneCfg:
         positive("tune.lr", self.lr)
         positive("tune.batch_size", self.batch_size)
         positive("tune.samples", self.samples)
-        if self.samples < 3:
-            raise InputError(
-                f"tune.samples={self.samples} is out of range; it must be >= 3 (2 are validation)"
-            )
+        at_least("tune.samples", self.samples, 3, "2 are validation")
         positive("tune.seq_len", self.seq_len)
-        if self.seq_len < 2:
-            raise InputError(f"tune.seq_len={self.seq_len} is out of range; it must be >= 2")
+        at_least("tune.seq_len", self.seq_len, 2, "one token predicts none")
 
 
 @dataclass
