@@ -357,6 +357,10 @@ class ModelDir:
     def names(self) -> list[str]:
         return sorted(self._owner)
 
+    def stored_order(self) -> list[str]:
+        """Tensor names as the data lies on disk: shard by shard, by offset within each."""
+        return [n for f in self._files for n in sorted(f.names(), key=lambda n: f.info(n).start)]
+
     def __contains__(self, name: str) -> bool:
         return name in self._owner
 

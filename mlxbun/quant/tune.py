@@ -44,7 +44,7 @@ from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, stable_root
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
-from mlxbun.quant.outdir import written_files
+from mlxbun.quant.outdir import copy_side_files, written_files
 from mlxbun.source import model_dir, named_dir
 
 log = logging.getLogger("mlxbun")
@@ -90,6 +90,10 @@ def _modules():
             b = self._b0 + self._s0 * self.shift
             return s.astype(self._dtype).astype(mx.float32), b.astype(self._dtype).astype(mx.float32)
 
+        def stored_tensors(self, path: str) -> dict[str, Any]:
+            s, b = self.scales_biases()
+            return {f"{path}.scales": s.astype(self._dtype), f"{path}.biases": b.astype(self._dtype)}
+
         def weight(self) -> Any:
             s, b = self.scales_biases()
             w = self._codes * s[..., None] + b[..., None]
@@ -120,6 +124,9 @@ def _modules():
         def stored(self) -> Any:
             w = self._w0 * mx.exp(self.log_gain / NORM_DAMPING)
             return w + mx.stop_gradient(w.astype(self._dtype).astype(mx.float32) - w)
+
+        def stored_tensors(self, path: str) -> dict[str, Any]:
+            return {f"{path}.weight": self.stored().astype(self._dtype)}
 
         def __call__(self, x: Any) -> Any:
             return mx.fast.rms_norm(x, self.stored(), self._eps)
@@ -162,9 +169,9 @@ def tune_model(
     lr: float,
     batch_size: int,
     seed: int,
-) -> dict[str, Any]:
-    """Tune ``model`` in place (its quantized modules swapped for TunedLinear/TunedEmbedding and
-    its norms in float32); returns the record. The best epoch's values are left in the model."""
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Tune ``model`` in place (its quantized modules and norms swapped for trainable stand-ins);
+    returns the record and the stored tensors of the best epoch (scales, biases, norm weights)."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -256,7 +263,7 @@ def tune_model(
     progress.close()
     model.update(best)
     train_tokens = int(train.size)
-    return {
+    record = {
         "validation": [round(v, 6) for v in history],
         "chosen_epoch": best_epoch,
         "trainable": {
@@ -270,21 +277,8 @@ def tune_model(
             / (n * tokens.shape[1]),
             1,
         ),
-        "_swaps": swaps + tuned_norms,
     }
-
-
-def tuned_tensors(swaps: list[tuple[str, Any]]) -> dict[str, Any]:
-    """The stored tensors tuning changed: each module's scales and biases, each norm's weight."""
-    out: dict[str, Any] = {}
-    for path, m in swaps:
-        if hasattr(m, "scales_biases"):
-            s, b = m.scales_biases()
-            out[f"{path}.scales"] = s.astype(m._dtype)
-            out[f"{path}.biases"] = b.astype(m._dtype)
-        else:
-            out[f"{path}.weight"] = m.stored().astype(m._dtype)
-    return out
+    return record, {k: v for path, m in swaps + tuned_norms for k, v in m.stored_tensors(path).items()}
 
 
 # ----------------------------------------------------------------------------- writing
@@ -295,8 +289,7 @@ def write_tuned(src: Path, tmp: Path, tensors: dict[str, Any], *, shard_bytes: i
     replaced (same names, dtypes and shapes); then the index, config.json and tokenizer files."""
     config = json.loads((src / "config.json").read_text())
     with open_model(src) as m:
-        infos = m.infos()
-        order = sorted(infos, key=lambda n: (str(m._file(n).path), infos[n].start))
+        infos, order = m.infos(), m.stored_order()
         declared = [(n, infos[n].dtype, tuple(infos[n].shape)) for n in order]
         writer = ShardedWriter(
             tmp,
@@ -318,14 +311,8 @@ def write_tuned(src: Path, tmp: Path, tensors: dict[str, Any], *, shard_bytes: i
             layout = writer.finish()
     if not layout.index_written:  # mlx-lm writes the index for a single shard too
         atomic_write_json(tmp / INDEX_FILE, layout.index)
-    for f in sorted(src.iterdir()):
-        if (
-            f.is_file()
-            and not f.name.endswith(".safetensors")
-            and f.name != INDEX_FILE
-            and not f.name.startswith(".")
-        ):
-            atomic_write_bytes(tmp / f.name, f.read_bytes())
+    atomic_write_bytes(tmp / "config.json", (src / "config.json").read_bytes())
+    copy_side_files(src, tmp)
 
 
 # ----------------------------------------------------------------------------- command
@@ -399,12 +386,11 @@ def run(cfg: Any) -> Any:
     key = hashlib.sha256(job.encode()).hexdigest()[:32]
     with Stage.locked(out, kind="tune", key=key, root=stable_root(cfg.paths.outputs, out)) as stage:
         stage.claim(resume=False)
-        result = tune_model(
+        result, tensors = tune_model(
             model, reference, calib.tokens, epochs=t.epochs, lr=t.lr, batch_size=t.batch_size, seed=cfg.seed
         )
-        swaps = result.pop("_swaps")
         del reference
-        write_tuned(src, stage.dir, tuned_tensors(swaps), shard_bytes=cfg.io.shard_bytes)
+        write_tuned(src, stage.dir, tensors, shard_bytes=cfg.io.shard_bytes)
         stage.publish()
     record |= {"status": "tuned" if result["chosen_epoch"] else "unchanged", **result}
     atomic_write_json(run_dir / TUNE_FILE, record)
