@@ -89,6 +89,23 @@ def test_clip_is_deterministic_and_blocking_does_not_change_bytes(monkeypatch):
     assert one == two
 
 
+def test_clip_and_gptq_golden_bytes():
+    """The range search and GPTQ write these bytes (the search over every ratio at once gives what
+    the ratio-by-ratio search gave)."""
+    h = hashlib.sha256()
+    w = _weight(rows=48, cols=256, seed=3)
+    x = np.random.default_rng(2).standard_normal((512, 256)).astype(np.float32)
+    hessian = x.T @ x / 512
+    for bits in (2, 3, 4, 8):
+        for g in (32, 64, 128):
+            for m in ("clip", "gptq"):
+                for a in rounding.quantize(
+                    w, bits=bits, group_size=g, method=m, hessian=hessian if m == "gptq" else None
+                ):
+                    h.update(_bytes(a))
+    assert h.hexdigest() == "19d5d721a48f3e3c3b002e387a13f9bb4563b6bc9a0787852bc8dcb709b73301"
+
+
 def test_bad_method_is_refused(tmp_path):
     with pytest.raises(
         InputError, match="quant.method='omq' is not allowed; choose one of rtn, clip, gptq, awq"

@@ -30,7 +30,7 @@ DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
 REFITS = 2
-BLOCK_ELEMENTS = 1 << 22  # rows are searched in blocks of about this many weights
+BLOCK_ELEMENTS = 1 << 18  # rows are searched in blocks of about this many weights (x the ratios)
 
 
 class NotPositiveDefinite(ValueError):
@@ -90,7 +90,12 @@ def _refit(w: Any, q: Any, imp: Any, s: Any, b: Any) -> tuple[Any, Any]:
 
 
 def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -> tuple[Any, Any, Any]:
-    """Best (codes, scale, bias) per group of a float32 block (rows, cols)."""
+    """Best (codes, scale, bias) per group of a float32 block (rows, cols).
+
+    Every range ratio is searched at once (a leading axis of ``len(RATIOS) + 1``); the candidates
+    are then taken in the order ratio by ratio, refit by refit, each kept where its error is
+    strictly below the best so far (ties keep the earlier one), starting from ``mx.quantize``'s.
+    """
     import mlx.core as mx
 
     n = (1 << bits) - 1
@@ -99,24 +104,26 @@ def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -
     ig = imp.reshape(1, cols // group_size, group_size)
     _, s0, b0 = mx.quantize(w.astype(dtype), group_size=group_size, bits=bits)
     best_s, best_b = _stored(s0[..., None], dtype), _stored(b0[..., None], dtype)
-    best_q = _codes(wg, best_s, best_b, n)
-    best_e = _err(wg, best_q, best_s, best_b, ig)
+    best_e = _err(wg, _codes(wg, best_s, best_b, n), best_s, best_b, ig)
     lo, hi = mx.min(wg, -1, keepdims=True), mx.max(wg, -1, keepdims=True)
-    for ratio in (1.0, *RATIOS):
-        s = _stored(mx.maximum((hi - lo) * ratio / n, 1e-8), dtype)
-        b = _stored(lo * ratio, dtype)
-        for step in range(REFITS + 1):
-            q = _codes(wg, s, b, n)
-            e = _err(wg, q, s, b, ig)
-            better = e < best_e
-            best_e = mx.where(better, e, best_e)
-            best_s, best_b = mx.where(better, s, best_s), mx.where(better, b, best_b)
-            best_q = mx.where(better, q, best_q)
-            if step < REFITS:
-                s, b = _refit(wg, q, ig, s, b)
-                s, b = _stored(s, dtype), _stored(b, dtype)
-        mx.eval(best_e, best_s, best_b, best_q)
-    return best_q.reshape(rows, cols), best_s[..., 0], best_b[..., 0]
+    ratios = mx.array((1.0, *RATIOS), mx.float32).reshape(-1, 1, 1, 1)
+    s = _stored(mx.maximum((hi - lo) * ratios / n, 1e-8), dtype)
+    b = _stored(lo * ratios, dtype)
+    tried = []  # per refit step: (error, scale, bias), each with the ratio axis first
+    for step in range(REFITS + 1):
+        q = _codes(wg, s, b, n)
+        tried.append((_err(wg, q, s, b, ig), s, b))
+        if step < REFITS:
+            s, b = _refit(wg, q, ig, s, b)
+            s, b = _stored(s, dtype), _stored(b, dtype)
+        mx.eval(tried[-1], s, b)
+    for r in range(ratios.shape[0]):
+        for e, s, b in tried:
+            better = e[r] < best_e
+            best_e = mx.where(better, e[r], best_e)
+            best_s, best_b = mx.where(better, s[r], best_s), mx.where(better, b[r], best_b)
+    mx.eval(best_s, best_b)
+    return _codes(wg, best_s, best_b, n).reshape(rows, cols), best_s[..., 0], best_b[..., 0]
 
 
 def _inverse_factor(h: np.ndarray) -> np.ndarray:
