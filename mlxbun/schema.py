@@ -250,7 +250,8 @@ class QuantCfg:
     # Output model directory; None writes <run_dir>/model (a re-run resumes a killed one).
     out: str | None = None
     resume: bool = True
-    # Modules read, cast and quantized in parallel; None: one per core this process may use.
+    # Modules read, cast and quantized (and sensitivity candidates scored) in parallel; None: one
+    # per core this process may use.
     threads: int | None = None
     # How affine weights are rounded: rtn (mx.quantize), clip (range search), gptq or awq.
     method: str = "rtn"
@@ -617,6 +618,11 @@ class TuneCfg:
     samples: int = 128
     # Tokens per calibration window.
     seq_len: int = 128
+    # Stop after this many epochs without a new best validation KL (0: run every epoch).
+    patience: int = 3
+    # Hand the input on untrained when its validation KL (nats per token) is below this: a plan
+    # that close to its reference has nothing measurable left to gain (0: always train).
+    min_kl: float = 1.0e-3
 
     def __post_init__(self) -> None:
         not_empty("tune.reference", self.reference)
@@ -627,6 +633,8 @@ class TuneCfg:
         at_least("tune.samples", self.samples, 3, "2 are validation")
         positive("tune.seq_len", self.seq_len)
         at_least("tune.seq_len", self.seq_len, 2, "one token predicts none")
+        positive("tune.patience", self.patience, allow_zero=True)
+        positive("tune.min_kl", self.min_kl, allow_zero=True)
 
 
 @dataclass

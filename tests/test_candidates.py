@@ -195,3 +195,45 @@ def test_sensitivity_scores_with_the_given_quant_hessians(tmp_path: Path) -> Non
     assert "capturing input Hessians" not in res.stderr
     run = next((tmp_path / "outputs" / "sensitivity").iterdir())
     assert json.loads((run / "sensitivity.json").read_text())["candidates"]["hessians"] == str(h)
+
+
+def _scored(monkeypatch: pytest.MonkeyPatch, *, threads: int, rows: int) -> dict:
+    """score() over four Linear layers of 512 rows (float32, as probe.load_model gives them)."""
+    import types
+
+    import mlx.nn as nn
+
+    monkeypatch.setattr(candidates, "SCORE_ROWS", rows)
+    model = nn.Module()
+    model.layers = [nn.Linear(256, 512, bias=False) for _ in range(4)]
+    hessians, measured, targets = {}, {}, []
+    for i, layer in enumerate(model.layers):
+        w, h = _layer(i, rows=512)
+        layer.weight = w.astype(mx.float32)
+        path = f"layers.{i}"
+        hessians[path] = h
+        measured[path] = {QuantSpec(bits=3, group_size=64): 0.1, QuantSpec(bits=4, group_size=64): 0.03}
+        targets.append(types.SimpleNamespace(path=path, dtype="bfloat16"))
+    specs = candidates.settings([3, 4], group_sizes=[32, 64, 128], methods=["rtn", "clip", "gptq"], modes=[])
+    order = []
+    out, _ = candidates.score(
+        model=model, targets=targets, hessians=hessians, measured=measured, specs=specs, base_group=64,
+        on_module=lambda p, kl, a: order.append(p), threads=threads,
+    )  # fmt: skip
+    assert order == [t.path for t in targets]  # handed on in model order, whatever finished first
+    return out
+
+
+def test_scoring_on_threads_gives_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _scored(monkeypatch, threads=2, rows=4096) == _scored(monkeypatch, threads=1, rows=4096)
+
+
+def test_a_row_sample_scores_a_big_weight_close_to_all_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Errors are sums over rows and a candidate's KL is a ratio of two errors of the same rows."""
+    full = _scored(monkeypatch, threads=1, rows=4096)
+    sample = _scored(monkeypatch, threads=1, rows=128)
+    assert candidates.rows_scored(512) is not None and len(candidates.rows_scored(512)) == 128
+    assert full != sample
+    for path, kl in full.items():
+        for spec, v in kl.items():
+            assert sample[path][spec] == pytest.approx(v, rel=0.1), (path, spec)

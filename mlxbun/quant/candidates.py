@@ -50,9 +50,10 @@ from mlxbun.quant.spec import HESSIANS_NAME, MODE_BITS, MODE_DEFAULTS, Plan, Qua
 log = logging.getLogger("mlxbun.sensitivity")
 
 METHODS = ("rtn", "clip", "gptq")  # the rounding methods scored here (awq needs its folds: not yet)
-VERSION = 1  # of the estimate: a change gives new cache keys
+VERSION = 2  # of the estimate: a change gives new cache keys
 PROBE_BPW = 4.5  # the probes' budget when allocate has none
 SAVE_EVERY = 20.0  # seconds between saves of the modules scored so far
+SCORE_ROWS = 4096  # a weight with more rows is scored on this many of them (rows_scored)
 ANCHOR_GROUP = 64  # the group size of the one exact GPTQ per module and bits that scales the others
 
 
@@ -185,6 +186,14 @@ def to_kl(
 # ------------------------------------------------------------------------------- the sweep
 
 
+def rows_scored(rows: int) -> np.ndarray | None:
+    """The rows of a weight with ``rows`` rows its candidates are scored on: all (None) up to
+    :data:`SCORE_ROWS`, else that many, drawn without replacement by a fixed seed, in order."""
+    if rows <= SCORE_ROWS:
+        return None
+    return np.sort(np.random.default_rng(0).choice(rows, SCORE_ROWS, replace=False))
+
+
 def score(
     *,
     model: Any,
@@ -195,21 +204,38 @@ def score(
     base_group: int,
     done: Collection[str] = (),
     on_module: Callable[[str, dict[QuantSpec, float], dict[str, float]], None] | None = None,
+    threads: int = 1,
 ) -> tuple[dict[str, dict[QuantSpec, float]], dict[str, dict[str, float]]]:
     """Every target in ``measured`` but those ``done``: its KL at every candidate (:func:`to_kl`),
     and the per-bits scales of its GPTQ estimate, each also handed to ``on_module`` as it is
-    finished. ``model``: the float32 model (``probe.load_model``); each weight is cast to its
-    target's source dtype first, as quantize rounds it."""
+    finished, in target order. ``model``: the float32 model (``probe.load_model``); each weight is
+    cast to its target's source dtype first, as quantize rounds it. ``threads`` modules are scored
+    at once.
+
+    Every error is a sum over the weight's rows (groups lie within a row; GPTQ treats rows alike),
+    and a candidate's KL uses only the ratio of two errors of the same rows, so a weight of more
+    than :data:`SCORE_ROWS` rows is scored on that many (:func:`rows_scored`)."""
     import mlx.core as mx
 
+    from mlxbun.quant.units import stream
+
     modules = dict(model.named_modules())
-    out, anchors = {}, {}
-    for t in targets:
-        if t.path not in measured or t.path in done:
-            continue
-        w = modules[t.path].weight.astype(getattr(mx, t.dtype))
+    todo = [t for t in targets if t.path in measured and t.path not in done]
+
+    def errors(t: Any) -> tuple[dict[QuantSpec, float], dict[str, float]]:
+        w = modules[t.path].weight
+        rows = rows_scored(w.shape[-2])
+        if rows is not None:
+            w = mx.take(w, mx.array(rows), axis=-2)
         h = hessians[t.path] if t.path in hessians else None
-        errs, anchor = module_errors(w, h, specs)
+        return module_errors(w.astype(getattr(mx, t.dtype)), h, specs)
+
+    def prefetch(t: Any) -> None:  # a lazy weight is evaluated here: MLX streams are per thread
+        mx.eval(modules[t.path].weight)
+
+    errors.prefetch = prefetch  # type: ignore[attr-defined]
+    out, anchors = {}, {}
+    for t, (errs, anchor) in stream(todo, errors, threads=threads):
         out[t.path] = to_kl(measured[t.path], errs, base_group=base_group)
         anchors[t.path] = anchor
         if on_module is not None:
@@ -302,6 +328,7 @@ def extend(
     budget_bytes: int | None = None,
     out_dtype: str | None = "bfloat16",
     steps: Steps,
+    threads: int = 1,
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """sensitivity.json's "kl" of every module (``kls``: the measured RTN bits) with every candidate
     added, and the "candidates" record. Each stage is kept under ``work_dir`` (a rerun resumes):
@@ -371,7 +398,7 @@ def extend(
         try:
             score(
                 model=model, targets=targets, hessians=hessian.Hessians(hessians), measured=specced(kls),
-                specs=specs, base_group=group_size, done=set(part["kl"]), on_module=keep,
+                specs=specs, base_group=group_size, done=set(part["kl"]), on_module=keep, threads=threads,
             )  # fmt: skip
         finally:
             progress.close()
@@ -402,6 +429,7 @@ def extend(
         "settings": len(specs),
         "hessians": str(hessians),
         "gptq": f"closed form scaled by one exact GPTQ per module and bits at group {ANCHOR_GROUP}",
+        "rows": f"at most {SCORE_ROWS} per weight (a fixed sample of a larger one)",
         "probes": probes,
         "probe_budget": {"bpw": budget_bpw, "bytes": budget_bytes},
         "seconds": seconds,  # the stages computed by this run (the others were cached)

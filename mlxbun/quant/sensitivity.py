@@ -211,6 +211,7 @@ def sensitivity(
     probe_bpw: float | None = None,
     probe_bytes: int | None = None,
     out_dtype: str | None = "bfloat16",
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Per-layer KL sensitivities of ``model_dir``; writes sensitivity.json/.csv/.png to ``out_dir``.
 
@@ -234,7 +235,8 @@ def sensitivity(
             KL scored from its input Hessian (``hessians``; None: captured on the calibration)
             and the measured RTN KL (``mlxbun.quant.candidates``); probe_bpw / probe_bytes: the
             budget of the plan whose whole-model probes correct them (None: uncorrected);
-            out_dtype: the dtype those probes are quantized with.
+            out_dtype: the dtype those probes are quantized with; threads: modules scored at
+            once (None: one per core this process may use, as quantize).
 
     Returns:
         The sensitivity.json document (also written) plus ``_stats`` (not written).
@@ -286,6 +288,7 @@ def sensitivity(
             methods=candidate_methods, modes=candidate_modes, hessians=hessians,
             calib=s.settings["calibration"] | {"path": calib_path, "seed": seed},
             budget_bpw=probe_bpw, budget_bytes=probe_bytes, out_dtype=out_dtype, steps=_candidate_steps(),
+            threads=quantize.default_threads() if threads is None else threads,
         )  # fmt: skip
     doc = document(tgts=s.targets, kls=kls, settings=s.settings, shard=shard_info)
     if record is not None:
@@ -427,5 +430,5 @@ def _candidates(cfg: Any) -> dict[str, Any]:
     return {
         "candidate_group_sizes": list(c.group_sizes), "candidate_methods": list(c.methods),
         "candidate_modes": list(c.modes), "hessians": hessians, "out_dtype": cfg.quant.dtype,
-        **(budget if c.correct else {}),
+        "threads": cfg.quant.threads, **(budget if c.correct else {}),
     }  # fmt: skip

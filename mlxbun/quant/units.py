@@ -1,21 +1,25 @@
 """The units a conversion is cut into, in mlx-lm's save order, and an ordered thread pool over them.
 
 A unit is one quantized module (its weight, bias ... in, its packed weight, scales, biases out)
-or one plain tensor. :func:`stream` converts units on worker threads and yields the results in
-order, with at most ``threads + 1`` units in flight, so memory stays at a few modules.
+or one plain tensor. :func:`stream` converts units (or scores modules: any work) on worker threads
+and yields the results in order, with at most ``threads + 1`` in flight, so memory stays at a few
+modules.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from mlx.utils import tree_flatten
 
 from mlxbun.quant.plan import Skeleton
+
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -47,28 +51,34 @@ def plan_units(sk: Skeleton) -> list[Unit]:
     return units
 
 
-def stream(units: list[Unit], convert: Any, *, threads: int) -> Iterator[tuple[Unit, list[tuple[str, Any]]]]:
-    """Convert units on ``threads`` workers, yielding results in order; at most threads+1 in flight.
+def stream(items: Sequence[T], work: Callable[[T], R], *, threads: int) -> Iterator[tuple[T, R]]:
+    """``work(item)`` on ``threads`` workers, yielding (item, result) in order; at most threads+1 in
+    flight. A failure is raised when its item's turn comes; the items not started are cancelled.
 
-    ``convert``: called with a unit on a worker, returns its (name, array) results; its
-    ``prefetch(unit)`` runs on this thread first (see :class:`mlxbun.quant.convert.Converter`).
+    ``work.prefetch(item)``, when it has one, runs on this thread first (MLX streams are per
+    thread: see :class:`mlxbun.quant.convert.Converter`).
     """
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="quantize") as pool:
-        todo = iter(units)
-        window: deque[tuple[Unit, Future]] = deque()
+    prefetch = getattr(work, "prefetch", None)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mlxbun") as pool:
+        todo = iter(items)
+        window: deque[tuple[T, Future]] = deque()
+
+        def submit(item: T) -> None:
+            if prefetch is not None:
+                prefetch(item)
+            window.append((item, pool.submit(work, item)))
+
         try:
-            for unit in todo:
-                convert.prefetch(unit)
-                window.append((unit, pool.submit(convert, unit)))
+            for item in todo:
+                submit(item)
                 if len(window) > threads:
                     break
             while window:
-                unit, fut = window.popleft()
+                item, fut = window.popleft()
                 nxt = next(todo, None)
                 if nxt is not None:
-                    convert.prefetch(nxt)
-                    window.append((nxt, pool.submit(convert, nxt)))
-                yield unit, fut.result()
+                    submit(nxt)
+                yield item, fut.result()
         finally:
             for _, fut in window:
                 fut.cancel()
