@@ -91,6 +91,27 @@ def test_tune_epochs_0_hands_the_input_on_and_says_so(tmp_path: Path, q3: Path) 
     assert not (run / "model").exists()
 
 
+def test_tune_hands_on_a_plan_already_within_min_kl(tmp_path: Path, q3: Path) -> None:
+    r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL, "tune.min_kl=100")
+    assert r.returncode == 0, r.stderr
+    record = json.loads((run / "tune.json").read_text())
+    assert record["status"] == "skipped" and "is below tune.min_kl=100" in record["reason"]
+    assert len(record["validation"]) == 1 and record["forward_equivalents"] < 1
+    assert not (run / "model").exists() and not list(run.parent.rglob("*.safetensors"))
+
+
+def test_tune_stops_after_patience_epochs_without_a_new_best(tmp_path: Path, q3: Path) -> None:
+    # a step far too large: no epoch beats the input, so the second one is the last
+    args = [f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL, "tune.epochs=6", "tune.lr=30"]
+    r, run = _run(tmp_path, *args, "tune.patience=2")
+    assert r.returncode == 0, r.stderr
+    record = json.loads((run / "tune.json").read_text())
+    assert record["status"] == "unchanged" and record["chosen_epoch"] == 0
+    assert record["epochs_run"] == 2 and len(record["validation"]) == 3
+    for f in sorted(q3.glob("*.safetensors")):  # the input's values, written unchanged
+        assert (run / "model" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -98,6 +119,8 @@ def test_tune_epochs_0_hands_the_input_on_and_says_so(tmp_path: Path, q3: Path) 
         (["tune.reference=/nonexistent/ref"], "tune.reference"),
         (["tune.samples=2"], "tune.samples=2 is out of range"),
         (["tune.lr=0"], "tune.lr"),
+        (["tune.patience=-1"], "tune.patience=-1 is out of range"),
+        (["tune.min_kl=nan"], "tune.min_kl=nan is out of range"),
     ],
 )
 def test_bad_tune_input_is_one_line_and_exit_2(

@@ -169,9 +169,15 @@ def tune_model(
     lr: float,
     batch_size: int,
     seed: int,
-) -> tuple[dict[str, Any], dict[str, Any]]:
+    patience: int = 0,
+    min_kl: float = 0.0,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Tune ``model`` in place (its quantized modules and norms swapped for trainable stand-ins);
-    returns the record and the stored tensors of the best epoch (scales, biases, norm weights)."""
+    returns the record and the stored tensors of the best epoch (scales, biases, norm weights).
+
+    Training stops after ``patience`` epochs (0: never) without a new best validation KL. When
+    the input's validation KL is below ``min_kl`` nothing is trained: the tensors are None and
+    the record's "reason" says why."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -206,13 +212,12 @@ def tune_model(
     def target(x: Any) -> Any:
         return mx.stop_gradient(log_probs(reference(x)))
 
-    vocab = target(train[:1]).shape[-1]
+    vocab = target(val[:1]).shape[-1]
     cache = (n * tokens.shape[1] * vocab * 4) <= LOGITS_CACHE_BYTES
     batches = [slice(i, i + batch_size) for i in range(0, train.shape[0], batch_size)]
-    train_t = [target(train[b]) for b in batches] if cache else None
     val_t = [target(val[i : i + 1]) for i in range(n_val)] if cache else None
     if cache:
-        mx.eval(train_t, val_t)
+        mx.eval(val_t)
 
     def kl(x: Any, t: Any) -> Any:
         lq = log_probs(model(x))
@@ -242,10 +247,23 @@ def tune_model(
         opt.update(model, grads)
         return loss
 
-    mx.random.seed(seed)
-    rng = np.random.default_rng(seed)
     start = time.monotonic()
     history = [validation()]
+    val_tokens = n_val * tokens.shape[1]
+    if history[0] < min_kl:
+        record = {
+            "validation": [round(history[0], 6)],
+            "chosen_epoch": 0,
+            "reason": f"the input's validation KL {history[0]:.3g} is below tune.min_kl={min_kl:g}",
+            "seconds": round(time.monotonic() - start, 3),
+            "forward_equivalents": round(2 * val_tokens / (n * tokens.shape[1]), 2),
+        }
+        return record, None
+    train_t = [target(train[b]) for b in batches] if cache else None
+    if cache:
+        mx.eval(train_t)
+    mx.random.seed(seed)
+    rng = np.random.default_rng(seed)
     best, best_epoch = snapshot(), 0
     progress = Progress(total=epochs * len(batches), unit="steps", desc="tune", heartbeat=True)
     for epoch in range(1, epochs + 1):
@@ -260,20 +278,27 @@ def tune_model(
         )
         if history[-1] < history[best_epoch]:
             best, best_epoch = snapshot(), epoch
+        elif patience and epoch - best_epoch >= patience and epoch < epochs:
+            log.info("tune: no new best in %d epochs; stopping after epoch %d", patience, epoch)
+            break
     progress.close()
     model.update(best)
-    train_tokens = int(train.size)
+    train_tokens, ran = int(train.size), len(history) - 1
     record = {
         "validation": [round(v, 6) for v in history],
         "chosen_epoch": best_epoch,
+        "epochs_run": ran,
         "trainable": {
             "groups": int(sum(m._s0.size for _, m in swaps)),
             "norm_weights": int(sum(m._w0.size for _, m in tuned_norms)),
         },
         "seconds": round(time.monotonic() - start, 3),
-        # a backward costs about two forwards; validation and the reference are one each
+        # a backward costs about two forwards; each model's forward one (the reference's once when cached)
         "forward_equivalents": round(
-            (epochs * train_tokens * (3 + (0 if cache else 1)) + (epochs + 1) * n_val * tokens.shape[1] * 2)
+            (
+                train_tokens * (ran * 3 + (1 if cache else ran))
+                + val_tokens * (ran + 1 + (1 if cache else ran + 1))
+            )
             / (n * tokens.shape[1]),
             1,
         ),
@@ -355,24 +380,27 @@ def run(cfg: Any) -> Any:
         "input": str(src),
         "reference": str(ref_dir),
         "calibration": calib.to_dict(),
-        "settings": {"epochs": t.epochs, "lr": t.lr, "batch_size": t.batch_size},
-    }
+        "settings": {
+            "epochs": t.epochs, "lr": t.lr, "batch_size": t.batch_size, "patience": t.patience, "min_kl": t.min_kl,
+        },
+    }  # fmt: skip
     ref_params = sum(v.size for _, v in tree_flatten(reference.parameters()))
     need, avail = memory_need(model, ref_params), available_memory()
-    if t.epochs == 0 or (avail is not None and need > MEMORY_SHARE * avail):
-        why = (
-            "tune.epochs=0"
-            if t.epochs == 0
-            else (f"tuning needs about {human_bytes(need)} and {human_bytes(avail)} is available")
-        )
+
+    def handed_on(why: str, **measured: Any) -> RunResult:
         log.warning("tune: skipped (%s); the input model is handed on unchanged", why)
-        atomic_write_json(run_dir / TUNE_FILE, {**record, "status": "skipped", "reason": why})
+        atomic_write_json(run_dir / TUNE_FILE, {**record, "status": "skipped", "reason": why, **measured})
         return RunResult(
             outputs=[run_dir / TUNE_FILE],
             metrics={"skipped": why},
             message=f"tune skipped ({why}); {src} is handed on",
             provides={"model.name": str(src)},
         )
+
+    if t.epochs == 0:
+        return handed_on("tune.epochs=0")
+    if avail is not None and need > MEMORY_SHARE * avail:
+        return handed_on(f"tuning needs about {human_bytes(need)} and {human_bytes(avail)} is available")
     job = json.dumps(
         [
             VERSION,
@@ -387,9 +415,13 @@ def run(cfg: Any) -> Any:
     with Stage.locked(out, kind="tune", key=key, root=stable_root(cfg.paths.outputs, out)) as stage:
         stage.claim(resume=False)
         result, tensors = tune_model(
-            model, reference, calib.tokens, epochs=t.epochs, lr=t.lr, batch_size=t.batch_size, seed=cfg.seed
-        )
+            model, reference, calib.tokens, epochs=t.epochs, lr=t.lr, batch_size=t.batch_size, seed=cfg.seed,
+            patience=t.patience, min_kl=t.min_kl,
+        )  # fmt: skip
         del reference
+        if tensors is None:
+            stage.discard()  # nothing to write: the input is handed on
+            return handed_on(result.pop("reason"), **result)
         write_tuned(src, stage.dir, tensors, shard_bytes=cfg.io.shard_bytes)
         stage.publish()
     record |= {"status": "tuned" if result["chosen_epoch"] else "unchanged", **result}
