@@ -248,7 +248,7 @@ def best(model: Path, budget: int, args: argparse.Namespace, work: Path) -> dict
     doc = json.loads((run / "sensitivity" / "sensitivity.json").read_text())
     probes = doc["candidates"]["probes"] if "candidates" in doc else []
     return {
-        "path": str(run / "tune" / "model"),
+        "path": metrics["provides"]["model.name"],  # tune's model, or quantize's when tune handed it on
         "untuned": str(run / "quantize" / "model"),
         "wall": wall,
         "steps": steps,

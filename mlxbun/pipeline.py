@@ -135,7 +135,7 @@ def run_steps(cfg: Any, steps: list[str]) -> RunResult:
 
     check_steps(cfg, steps)
     total = RunResult()
-    run_dir, seen = Path(cfg.paths.run_dir), {}
+    run_dir, seen, provided = Path(cfg.paths.run_dir), {}, {}
     for step in steps:
         seen[step] = seen.get(step, 0) + 1
         sub = step if seen[step] == 1 else f"{step}-{seen[step]}"
@@ -146,6 +146,7 @@ def run_steps(cfg: Any, steps: list[str]) -> RunResult:
         result = commands.resolve(step)(step_cfg)  # looked up at call time: tests replace it
         for key, value in result.provides.items():
             cfg = set_key(cfg, key, value)
+            provided[key] = value
         total.outputs += result.outputs
         total.written = [
             *(total.written or []),
@@ -155,6 +156,10 @@ def run_steps(cfg: Any, steps: list[str]) -> RunResult:
         total.metrics[sub] = result.metrics
         if result.message:
             total.message += f"[{sub}] {result.message}\n"
+    # what the run ends with (e.g. model.name: the last step's model), for the manifest's reader
+    total.metrics["provides"] = provided
+    if "model.name" in provided:
+        total.message += f"\nmodel: {provided['model.name']}"
     total.message = total.message.rstrip()
     return total
 

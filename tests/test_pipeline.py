@@ -50,8 +50,11 @@ def test_keys_provided_by_earlier_steps_count_as_set(tmp_path: Path, ran: list[s
         ["synth", "sensitivity", "allocate", "quantize"],
         allocate=schema.AllocateCfg(budget_bpw=4.5),
     )
-    pipeline.run(cfg)
+    res = pipeline.run(cfg)
     assert ran == ["synth", "sensitivity", "allocate", "quantize"]
+    # the run says what it ends with: the last model handed on, in the manifest and the message
+    assert res.metrics["provides"]["model.name"] == "/x/quantize"
+    assert res.message.splitlines()[-1] == "model: /x/quantize"
 
 
 def test_a_step_without_its_model_is_refused(tmp_path: Path, ran: list[str]) -> None:

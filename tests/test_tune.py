@@ -100,6 +100,15 @@ def test_tune_hands_on_a_plan_already_within_min_kl(tmp_path: Path, q3: Path) ->
     assert not (run / "model").exists() and not list(run.parent.rglob("*.safetensors"))
 
 
+def test_tune_hands_on_when_training_would_outlast_max_minutes(tmp_path: Path, q3: Path) -> None:
+    r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL, "tune.max_minutes=1e-6")
+    assert r.returncode == 0, r.stderr
+    record = json.loads((run / "tune.json").read_text())
+    assert record["status"] == "skipped" and "over tune.max_minutes=1e-06" in record["reason"]
+    assert record["predicted_seconds"] > 0 and not (run / "model").exists()
+    assert "is handed on" in r.stdout + r.stderr
+
+
 def test_tune_stops_after_patience_epochs_without_a_new_best(tmp_path: Path, q3: Path) -> None:
     # a step far too large: no epoch beats the input, so the second one is the last
     args = [f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL, "tune.epochs=6", "tune.lr=30"]
@@ -121,6 +130,7 @@ def test_tune_stops_after_patience_epochs_without_a_new_best(tmp_path: Path, q3:
         (["tune.lr=0"], "tune.lr"),
         (["tune.patience=-1"], "tune.patience=-1 is out of range"),
         (["tune.min_kl=nan"], "tune.min_kl=nan is out of range"),
+        (["tune.max_minutes=0"], "tune.max_minutes=0"),
     ],
 )
 def test_bad_tune_input_is_one_line_and_exit_2(

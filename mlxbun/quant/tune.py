@@ -171,13 +171,15 @@ def tune_model(
     seed: int,
     patience: int = 0,
     min_kl: float = 0.0,
+    max_minutes: float | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Tune ``model`` in place (its quantized modules and norms swapped for trainable stand-ins);
     returns the record and the stored tensors of the best epoch (scales, biases, norm weights).
 
     Training stops after ``patience`` epochs (0: never) without a new best validation KL. When
-    the input's validation KL is below ``min_kl`` nothing is trained: the tensors are None and
-    the record's "reason" says why."""
+    the input's validation KL is below ``min_kl``, or the training would take longer than
+    ``max_minutes`` at the speed of the first validation pass, nothing is trained: the tensors
+    are None and the record's "reason" says why."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
@@ -250,11 +252,26 @@ def tune_model(
     start = time.monotonic()
     history = [validation()]
     val_tokens = n_val * tokens.shape[1]
+    # a training window costs about 3 forwards (its backward 2), its reference 1 (once when cached)
+    per_window = (time.monotonic() - start) / n_val
+    train_forwards = train.shape[0] * (3 * epochs + (1 if cache else epochs)) + n_val * epochs * (
+        1 if cache else 2
+    )
+    predicted = per_window * train_forwards
+    why = None
     if history[0] < min_kl:
+        why = f"the input's validation KL {history[0]:.3g} is below tune.min_kl={min_kl:g}"
+    elif max_minutes is not None and predicted > 60 * max_minutes:
+        why = (
+            f"{epochs} epochs would take about {predicted / 60:.0f} min at the speed of the first"
+            f" validation pass, over tune.max_minutes={max_minutes:g}"
+        )
+    if why is not None:
         record = {
             "validation": [round(history[0], 6)],
             "chosen_epoch": 0,
-            "reason": f"the input's validation KL {history[0]:.3g} is below tune.min_kl={min_kl:g}",
+            "reason": why,
+            "predicted_seconds": round(predicted, 1),
             "seconds": round(time.monotonic() - start, 3),
             "forward_equivalents": round(2 * val_tokens / (n * tokens.shape[1]), 2),
         }
@@ -288,6 +305,7 @@ def tune_model(
         "validation": [round(v, 6) for v in history],
         "chosen_epoch": best_epoch,
         "epochs_run": ran,
+        "predicted_seconds": round(predicted, 1),
         "trainable": {
             "groups": int(sum(m._s0.size for _, m in swaps)),
             "norm_weights": int(sum(m._w0.size for _, m in tuned_norms)),
@@ -382,6 +400,7 @@ def run(cfg: Any) -> Any:
         "calibration": calib.to_dict(),
         "settings": {
             "epochs": t.epochs, "lr": t.lr, "batch_size": t.batch_size, "patience": t.patience, "min_kl": t.min_kl,
+            "max_minutes": t.max_minutes,
         },
     }  # fmt: skip
     ref_params = sum(v.size for _, v in tree_flatten(reference.parameters()))
@@ -392,7 +411,10 @@ def run(cfg: Any) -> Any:
         atomic_write_json(run_dir / TUNE_FILE, {**record, "status": "skipped", "reason": why, **measured})
         return RunResult(
             outputs=[run_dir / TUNE_FILE],
-            metrics={"skipped": why},
+            metrics={
+                "skipped": why,
+                **{k: measured[k] for k in ("seconds", "forward_equivalents") if k in measured},
+            },
             message=f"tune skipped ({why}); {src} is handed on",
             provides={"model.name": str(src)},
         )
@@ -416,7 +438,7 @@ def run(cfg: Any) -> Any:
         stage.claim(resume=False)
         result, tensors = tune_model(
             model, reference, calib.tokens, epochs=t.epochs, lr=t.lr, batch_size=t.batch_size, seed=cfg.seed,
-            patience=t.patience, min_kl=t.min_kl,
+            patience=t.patience, min_kl=t.min_kl, max_minutes=t.max_minutes,
         )  # fmt: skip
         del reference
         if tensors is None:
