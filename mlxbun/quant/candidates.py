@@ -88,17 +88,10 @@ def reference(spec: QuantSpec, base_group: int) -> QuantSpec:
 
 
 def _dequantized(w: Any, spec: QuantSpec, hessian: Any) -> Any:
-    import mlx.core as mx
+    """``w`` (its source dtype) rounded at ``spec`` and back, float32: what quantize would write."""
+    from mlxbun.quant.probe import fake_quant
 
-    from mlxbun.quant import rounding
-
-    if spec.mode != "affine":
-        parts = mx.quantize(w, spec.group_size, spec.bits, mode=spec.mode)
-        return mx.dequantize(*parts, group_size=spec.group_size, bits=spec.bits, mode=spec.mode)
-    parts = rounding.quantize(
-        w, bits=spec.bits, group_size=spec.group_size, method=spec.method, hessian=hessian
-    )
-    return mx.dequantize(*parts, group_size=spec.group_size, bits=spec.bits)
+    return fake_quant(w, spec, dtype=str(w.dtype).rpartition(".")[2], hessian=hessian)
 
 
 def _error(dw: Any, h: Any) -> float:
@@ -136,7 +129,7 @@ def module_errors(
     for spec in specs:
         if not spec.fits(w.shape) or spec.method == "gptq":
             continue
-        dw = _dequantized(w, spec, h).astype(mx.float32) - ref
+        dw = _dequantized(w, spec, h) - ref
         errs[spec] = _error(dw, h)
         if spec.method == "clip" or (spec.method == "rtn" and (spec.bits, spec.group_size) not in residuals):
             residuals[(spec.bits, spec.group_size)] = dw
@@ -144,7 +137,7 @@ def module_errors(
         return errs, {}
     if exact_gptq:
         for spec in gptq:
-            errs[spec] = _error(_dequantized(w, spec, h).astype(mx.float32) - ref, h)
+            errs[spec] = _error(_dequantized(w, spec, h) - ref, h)
         return errs, {}
     inv_diag = np.abs(np.diag(rounding._inverse_factor(np.asarray(h))))
     closed = {}
@@ -152,13 +145,13 @@ def module_errors(
         r = residuals.get((spec.bits, spec.group_size))
         if r is None:  # no rtn/clip of this setting among the candidates: the range search's own
             r = _dequantized(w, QuantSpec(bits=spec.bits, group_size=spec.group_size, method="clip"), h)
-            r = r.astype(mx.float32) - ref
+            r = r - ref
         closed[spec] = gptq_closed_form(np.asarray(r), inv_diag)
     anchors: dict[str, float] = {}
     for bits in sorted({s.bits for s in gptq}):
         mine = [s for s in gptq if s.bits == bits]
         at = min(mine, key=lambda s: (abs(s.group_size - ANCHOR_GROUP), s.group_size))
-        exact = _error(_dequantized(w, at, h).astype(mx.float32) - ref, h)
+        exact = _error(_dequantized(w, at, h) - ref, h)
         scale = exact / closed[at] if closed[at] > 0 else 1.0
         for spec in mine:
             errs[spec] = closed[spec] * scale
