@@ -251,21 +251,9 @@ def tune_model(
 
     start = time.monotonic()
     history = [validation()]
-    val_tokens = n_val * tokens.shape[1]
-    # a training window costs about 3 forwards (its backward 2), its reference 1 (once when cached)
-    per_window = (time.monotonic() - start) / n_val
-    train_forwards = train.shape[0] * (3 * epochs + (1 if cache else epochs)) + n_val * epochs * (
-        1 if cache else 2
-    )
-    predicted = per_window * train_forwards
-    why = None
-    if history[0] < min_kl:
-        why = f"the input's validation KL {history[0]:.3g} is below tune.min_kl={min_kl:g}"
-    elif max_minutes is not None and predicted > 60 * max_minutes:
-        why = (
-            f"{epochs} epochs would take about {predicted / 60:.0f} min at the speed of the first"
-            f" validation pass, over tune.max_minutes={max_minutes:g}"
-        )
+    windows = {"train": train.shape[0], "val": n_val, "all": n}
+    predicted = (time.monotonic() - start) / n_val * _forwards(windows, epochs, cache=cache)
+    why = _skip_reason(history[0], predicted, epochs=epochs, min_kl=min_kl, max_minutes=max_minutes)
     if why is not None:
         record = {
             "validation": [round(history[0], 6)],
@@ -273,7 +261,7 @@ def tune_model(
             "reason": why,
             "predicted_seconds": round(predicted, 1),
             "seconds": round(time.monotonic() - start, 3),
-            "forward_equivalents": round(2 * val_tokens / (n * tokens.shape[1]), 2),
+            "forward_equivalents": round(2 * n_val / n, 2),
         }
         return record, None
     train_t = [target(train[b]) for b in batches] if cache else None
@@ -300,7 +288,7 @@ def tune_model(
             break
     progress.close()
     model.update(best)
-    train_tokens, ran = int(train.size), len(history) - 1
+    ran = len(history) - 1
     record = {
         "validation": [round(v, 6) for v in history],
         "chosen_epoch": best_epoch,
@@ -311,17 +299,31 @@ def tune_model(
             "norm_weights": int(sum(m._w0.size for _, m in tuned_norms)),
         },
         "seconds": round(time.monotonic() - start, 3),
-        # a backward costs about two forwards; each model's forward one (the reference's once when cached)
-        "forward_equivalents": round(
-            (
-                train_tokens * (ran * 3 + (1 if cache else ran))
-                + val_tokens * (ran + 1 + (1 if cache else ran + 1))
-            )
-            / (n * tokens.shape[1]),
-            1,
-        ),
+        "forward_equivalents": round((_forwards(windows, ran, cache=cache) + 2 * n_val) / n, 1),
     }
     return record, {k: v for path, m in swaps + tuned_norms for k, v in m.stored_tensors(path).items()}
+
+
+def _forwards(windows: dict[str, int], epochs: int, *, cache: bool) -> int:
+    """Window forwards of ``epochs`` after the first validation pass: a training window costs 3
+    (its backward 2) and its reference 1 (once, when the reference's log-probs are cached); each
+    epoch's validation 1 a window, and the reference's again when not cached."""
+    train = windows["train"] * (3 * epochs + (1 if cache else epochs))
+    return train + windows["val"] * epochs * (1 if cache else 2)
+
+
+def _skip_reason(
+    kl: float, predicted: float, *, epochs: int, min_kl: float, max_minutes: float | None
+) -> str | None:
+    """Why the input is handed on untrained (None: train it)."""
+    if kl < min_kl:
+        return f"the input's validation KL {kl:.3g} is below tune.min_kl={min_kl:g}"
+    if max_minutes is not None and predicted > 60 * max_minutes:
+        return (
+            f"{epochs} epochs would take about {predicted / 60:.0f} min at the speed of the first"
+            f" validation pass, over tune.max_minutes={max_minutes:g}"
+        )
+    return None
 
 
 # ----------------------------------------------------------------------------- writing
