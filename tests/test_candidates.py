@@ -198,12 +198,14 @@ def test_sensitivity_scores_with_the_given_quant_hessians(tmp_path: Path) -> Non
 
 
 def _scored(monkeypatch: pytest.MonkeyPatch, *, threads: int, rows: int) -> dict:
-    """score() over four Linear layers of 512 rows (float32, as probe.load_model gives them)."""
+    """score() over four Linear layers of 512 x 256 (float32, as probe.load_model gives them),
+    each scored on ``rows`` of its rows."""
     import types
 
     import mlx.nn as nn
 
-    monkeypatch.setattr(candidates, "SCORE_ROWS", rows)
+    monkeypatch.setattr(candidates, "SCORE_WEIGHTS", rows * 256)
+    monkeypatch.setattr(candidates, "MIN_SCORE_ROWS", 1)
     model = nn.Module()
     model.layers = [nn.Linear(256, 512, bias=False) for _ in range(4)]
     hessians, measured, targets = {}, {}, []
@@ -225,14 +227,19 @@ def _scored(monkeypatch: pytest.MonkeyPatch, *, threads: int, rows: int) -> dict
 
 
 def test_scoring_on_threads_gives_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _scored(monkeypatch, threads=2, rows=4096) == _scored(monkeypatch, threads=1, rows=4096)
+    assert _scored(monkeypatch, threads=2, rows=512) == _scored(monkeypatch, threads=1, rows=512)
 
 
 def test_a_row_sample_scores_a_big_weight_close_to_all_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Errors are sums over rows and a candidate's KL is a ratio of two errors of the same rows."""
-    full = _scored(monkeypatch, threads=1, rows=4096)
+    full = _scored(monkeypatch, threads=1, rows=512)
     sample = _scored(monkeypatch, threads=1, rows=128)
-    assert candidates.rows_scored(512) is not None and len(candidates.rows_scored(512)) == 128
+    assert candidates.rows_scored(512, 256) is not None and len(candidates.rows_scored(512, 256)) == 128
+    assert candidates.rows_scored(128, 256) is None
+    monkeypatch.undo()
+    assert candidates.rows_scored(4096, 64) is None  # the narrow fixtures' embeddings stay whole
+    assert len(candidates.rows_scored(4864, 896)) == 292  # a 0.5B-shaped MLP weight
+    assert len(candidates.rows_scored(896, 4864)) == candidates.MIN_SCORE_ROWS
     assert full != sample
     for path, kl in full.items():
         for spec, v in kl.items():

@@ -50,10 +50,13 @@ from mlxbun.quant.spec import HESSIANS_NAME, MODE_BITS, MODE_DEFAULTS, Plan, Qua
 log = logging.getLogger("mlxbun.sensitivity")
 
 METHODS = ("rtn", "clip", "gptq")  # the rounding methods scored here (awq needs its folds: not yet)
-VERSION = 2  # of the estimate: a change gives new cache keys
+VERSION = 3  # of the estimate: a change gives new cache keys
 PROBE_BPW = 4.5  # the probes' budget when allocate has none
 SAVE_EVERY = 20.0  # seconds between saves of the modules scored so far
-SCORE_ROWS = 4096  # a weight with more rows is scored on this many of them (rows_scored)
+# A weight of more than SCORE_WEIGHTS is scored on a fixed sample of its rows (rows_scored), never
+# fewer than MIN_SCORE_ROWS: every fixture's weights fit whole; at 0.5B an MLP weight keeps 292 rows.
+SCORE_WEIGHTS = 1 << 18
+MIN_SCORE_ROWS = 256
 ANCHOR_GROUP = 64  # the group size of the one exact GPTQ per module and bits that scales the others
 
 
@@ -179,12 +182,14 @@ def to_kl(
 # ------------------------------------------------------------------------------- the sweep
 
 
-def rows_scored(rows: int) -> np.ndarray | None:
-    """The rows of a weight with ``rows`` rows its candidates are scored on: all (None) up to
-    :data:`SCORE_ROWS`, else that many, drawn without replacement by a fixed seed, in order."""
-    if rows <= SCORE_ROWS:
+def rows_scored(rows: int, cols: int) -> np.ndarray | None:
+    """The rows of a (rows, cols) weight its candidates are scored on: all (None) when it has at
+    most :data:`SCORE_WEIGHTS` weights, else ``max(MIN_SCORE_ROWS, SCORE_WEIGHTS // cols)`` of
+    them, drawn without replacement by a fixed seed, in order."""
+    keep = max(MIN_SCORE_ROWS, SCORE_WEIGHTS // max(1, cols))
+    if rows <= keep:
         return None
-    return np.sort(np.random.default_rng(0).choice(rows, SCORE_ROWS, replace=False))
+    return np.sort(np.random.default_rng(0).choice(rows, keep, replace=False))
 
 
 def score(
@@ -206,8 +211,8 @@ def score(
     at once.
 
     Every error is a sum over the weight's rows (groups lie within a row; GPTQ treats rows alike),
-    and a candidate's KL uses only the ratio of two errors of the same rows, so a weight of more
-    than :data:`SCORE_ROWS` rows is scored on that many (:func:`rows_scored`)."""
+    and a candidate's KL uses only the ratio of two errors of the same rows, so a big weight is
+    scored on a sample of its rows (:func:`rows_scored`)."""
     import mlx.core as mx
 
     from mlxbun.quant.units import stream
@@ -217,7 +222,7 @@ def score(
 
     def errors(t: Any) -> tuple[dict[QuantSpec, float], dict[str, float]]:
         w = modules[t.path].weight
-        rows = rows_scored(w.shape[-2])
+        rows = rows_scored(w.shape[-2], w.shape[-1])
         if rows is not None:
             w = mx.take(w, mx.array(rows), axis=-2)
         h = hessians[t.path] if t.path in hessians else None
@@ -422,7 +427,7 @@ def extend(
         "settings": len(specs),
         "hessians": str(hessians),
         "gptq": f"closed form scaled by one exact GPTQ per module and bits at group {ANCHOR_GROUP}",
-        "rows": f"at most {SCORE_ROWS} per weight (a fixed sample of a larger one)",
+        "rows": f"a weight of over {SCORE_WEIGHTS} weights: a fixed sample of its rows (at least {MIN_SCORE_ROWS})",
         "probes": probes,
         "probe_budget": {"bpw": budget_bpw, "bytes": budget_bytes},
         "seconds": seconds,  # the stages computed by this run (the others were cached)
