@@ -264,12 +264,14 @@ def corrected(
     budget_bytes: int | None = None,
     out_dtype: str | None = "bfloat16",
     steps: Steps,
+    reference: Any = None,
 ) -> tuple[dict[str, dict[QuantSpec, float]], list[dict[str, Any]]]:
     """``kls`` with each quantizer's estimates rescaled by whole-model probes around the plan at
     the budget (:func:`mlxbun.quant.check.correction_factors`), and the probes.
 
     Each probe is the model quantized with its plan (under ``work_dir``, removed after) and its KL
-    against the reference on ``tokens``."""
+    against the reference on ``tokens``; ``reference``: ``model_dir`` as ``probe.load_model``
+    gives it, when already loaded."""
     from mlxbun.quant.check import correction_factors, measured_kl, rescaled
     from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
 
@@ -292,7 +294,7 @@ def corrected(
                 model_dir, out, plan=plan_path, dtype=out_dtype, hessians=hessians,
                 partial_root=work_dir / "partial",
             )  # fmt: skip
-            kl = measured_kl(model_dir, res.out, tokens)
+            kl = measured_kl(model_dir, res.out, tokens, reference=reference)
         finally:
             shutil.rmtree(out, ignore_errors=True)
             plan_path.unlink(missing_ok=True)
@@ -415,6 +417,7 @@ def extend(
             values, probes = corrected(
                 specced(out), model_dir=model_dir, hessians=hessians, tokens=tokens, work_dir=work_dir / "probes",
                 budget_bpw=budget_bpw, budget_bytes=budget_bytes, out_dtype=out_dtype, steps=steps,
+                reference=model,
             )  # fmt: skip
             done = {"kl": keyed(values), "probes": probes, "seconds": round(time.monotonic() - t0, 3)}
             atomic_write_json(work_dir / f"{name}.json", done)

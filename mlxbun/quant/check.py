@@ -68,22 +68,37 @@ class CheckResult:
         }
 
 
-def measured_kl(ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batch_size: int = 8) -> float:
+KL_BYTES = 256 << 20  # float64 log-probs held at once by measured_kl (a 150K vocabulary: ~200 tokens)
+
+
+def measured_kl(
+    ref_dir: str | Path, model_dir: str | Path, tokens: Any, *, batch_size: int = 8, reference: Any = None
+) -> float:
     """KL(reference || model) of the output distributions, mean over tokens and samples.
 
     Both models run dequantized in float32 (BLAS matmuls on CPU), as the sensitivity probes do,
-    so the number is on the same scale as the per-layer KLs it is compared with.
+    so the number is on the same scale as the per-layer KLs it is compared with. ``reference``:
+    ``ref_dir`` already loaded by :func:`load_model` (not loaded again). Samples go ``batch_size``
+    at a time, fewer (and their tokens in slices) when their float64 log-probs would pass
+    :data:`KL_BYTES`.
     """
     import mlx.core as mx
     import numpy as np
 
-    ref, _, _ = load_model(ref_dir)
+    ref = reference if reference is not None else load_model(ref_dir)[0]
     cur, _, _ = load_model(model_dir)
+    n, length = tokens.shape
+    per_token = 8 * ref(mx.array(tokens[:1, :1])).shape[-1]
+    batch_size = max(1, min(batch_size, KL_BYTES // (per_token * length)))
+    step = max(1, min(length, KL_BYTES // per_token))
     total = 0.0
-    for i in range(0, len(tokens), batch_size):
+    for i in range(0, n, batch_size):
         batch = mx.array(tokens[i : i + batch_size])
-        total += float(np.sum(np.asarray(kl_rows(log_probs(ref(batch)), cur(batch)), dtype=np.float64)))
-    return total / len(tokens)
+        r, c = ref(batch), cur(batch)
+        for t in range(0, length, step):
+            rows = kl_rows(log_probs(r[:, t : t + step]), c[:, t : t + step])  # mean over the slice
+            total += float(np.sum(np.asarray(rows, dtype=np.float64))) * min(step, length - t) / length
+    return total / n
 
 
 def check_plan(
