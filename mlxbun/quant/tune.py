@@ -251,7 +251,7 @@ def tune_model(
 
     start = time.monotonic()
     history = [validation()]
-    windows = {"train": train.shape[0], "val": n_val, "all": n}
+    windows = {"train": train.shape[0], "val": n_val}
     predicted = (time.monotonic() - start) / n_val * _forwards(windows, epochs, cache=cache)
     why = _skip_reason(history[0], predicted, epochs=epochs, min_kl=min_kl, max_minutes=max_minutes)
     if why is not None:
