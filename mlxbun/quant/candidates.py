@@ -10,7 +10,7 @@ at ``sensitivity.bits`` x ``sensitivity.group_size``; every other candidate of t
 Errors of RTN, of the microscaling modes and of the range search (``clip``) are exact (one
 quantize -> dequantize each). GPTQ's is estimated, not run per setting: GPTQ's output error is
 exactly ``sum_k |r_k|^2 / U_kk^2`` over columns k, with ``r_k`` the column's rounding residual and
-``U`` the Cholesky factor of ``H^-1`` (:func:`mlxbun.quant.rounding._inverse_factor`). The
+``U`` the Cholesky factor of ``H^-1`` (:func:`mlxbun.quant.rounding.inverse_factor`). The
 residual of each column is taken as the range search's at that setting (GPTQ rounds with the same
 search), which gives every (bits, group size) from one factorisation per module; one exact GPTQ
 per module and bits (at :data:`ANCHOR_GROUP`) then scales that bits' estimates to the real one.
@@ -90,11 +90,12 @@ def reference(spec: QuantSpec, base_group: int) -> QuantSpec:
 # ------------------------------------------------------------------------------- output errors
 
 
-def _dequantized(w: Any, spec: QuantSpec, hessian: Any) -> Any:
-    """``w`` (its source dtype) rounded at ``spec`` and back, float32: what quantize would write."""
+def _dequantized(w: Any, spec: QuantSpec, hessian: Any, factor: Any = None) -> Any:
+    """``w`` (its source dtype) rounded at ``spec`` and back, float32: what quantize would write
+    (``factor``: the Hessian's ``rounding.inverse_factor``, when computed already)."""
     from mlxbun.quant.probe import fake_quant
 
-    return fake_quant(w, spec, dtype=str(w.dtype).rpartition(".")[2], hessian=hessian)
+    return fake_quant(w, spec, dtype=str(w.dtype).rpartition(".")[2], hessian=hessian, factor=factor)
 
 
 def _error(dw: Any, h: Any) -> float:
@@ -142,7 +143,8 @@ def module_errors(
         for spec in gptq:
             errs[spec] = _error(_dequantized(w, spec, h) - ref, h)
         return errs, {}
-    inv_diag = np.abs(np.diag(rounding._inverse_factor(np.asarray(h))))
+    factor = rounding.inverse_factor(np.asarray(h))  # once per module: every GPTQ below shares it
+    inv_diag = np.abs(np.diag(factor))
     closed = {}
     for spec in gptq:
         r = residuals.get((spec.bits, spec.group_size))
@@ -154,7 +156,7 @@ def module_errors(
     for bits in sorted({s.bits for s in gptq}):
         mine = [s for s in gptq if s.bits == bits]
         at = min(mine, key=lambda s: (abs(s.group_size - ANCHOR_GROUP), s.group_size))
-        exact = _error(_dequantized(w, at, h) - ref, h)
+        exact = _error(_dequantized(w, at, h, factor) - ref, h)
         scale = exact / closed[at] if closed[at] > 0 else 1.0
         for spec in mine:
             errs[spec] = closed[spec] * scale

@@ -398,7 +398,7 @@ def refused(file: str | Path, module: str, what: str) -> InputError:
 def check(h: np.ndarray, *, file: str | Path, module: str) -> None:
     """Refuse an H that no set of inputs gives: a NaN or Inf, a negative diagonal, an asymmetry,
     or an entry beyond sqrt(H_ii H_jj) (not positive semi-definite). The rest of positive
-    definiteness is the Cholesky GPTQ takes (``mlxbun.quant.rounding._inverse_factor``)."""
+    definiteness is the Cholesky GPTQ takes (``mlxbun.quant.rounding.inverse_factor``)."""
     finite = np.isfinite(h)
     if not finite.all():
         raise refused(file, module, f"holds {int(h.size - finite.sum())} NaN or Inf value(s)")

@@ -138,19 +138,20 @@ def source_dtypes(model_dir: str | Path) -> dict[str, str]:
 FAKE_QUANT_CHUNK = 1 << 22  # weights quantized at once: bounds the temporaries of a large embedding
 
 
-def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str, hessian: Any = None) -> Any:
+def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str, hessian: Any = None, factor: Any = None) -> Any:
     """quantize -> dequantize of ``weight`` cast to its source dtype, returned as float32.
 
     Rounded as ``cand.method`` says: rtn by ``mx.quantize``; clip and gptq by
     :func:`mlxbun.quant.rounding.quantize` with the module's input ``hessian`` (the weight
-    quantize writes; gptq without one is clip there). awq folds scales across modules and cannot be
+    quantize writes; gptq without one is clip there; ``factor``: the Hessian's
+    ``rounding.inverse_factor``, when computed already). awq folds scales across modules and cannot be
     made one module at a time. Large rtn weights go in slices of rows (quantization groups never
     cross a row: the same values), each evaluated before the next, so the temporaries stay near
     ``FAKE_QUANT_CHUNK`` weights."""
     import mlx.core as mx
 
     if cand.method != "rtn":
-        return _rounded(weight, cand, dtype, hessian)
+        return _rounded(weight, cand, dtype, hessian, factor)
 
     rows = max(1, FAKE_QUANT_CHUNK // max(1, weight.size // max(1, weight.shape[0])))
     if weight.shape[0] <= rows:
@@ -162,14 +163,14 @@ def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str, hessian: Any = None)
     return mx.concatenate(parts)
 
 
-def _rounded(weight: Any, cand: QuantSpec, dtype: str, hessian: Any) -> Any:
+def _rounded(weight: Any, cand: QuantSpec, dtype: str, hessian: Any, factor: Any) -> Any:
     import mlx.core as mx
 
     if cand.method not in ("clip", "gptq"):
         raise ValueError(f"fake_quant: method {cand.method!r} cannot be applied to one module alone")
     src = weight.astype(getattr(mx, dtype))
     wq, s, b = rounding.quantize(
-        src, bits=cand.bits, group_size=cand.group_size, method=cand.method, hessian=hessian
+        src, bits=cand.bits, group_size=cand.group_size, method=cand.method, hessian=hessian, factor=factor
     )
     return mx.dequantize(wq, s, b, group_size=cand.group_size, bits=cand.bits).astype(mx.float32)
 

@@ -30,7 +30,7 @@ DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
 REFITS = 2
-BLOCK_ELEMENTS = 1 << 18  # rows are searched in blocks of about this many weights (x the ratios)
+BLOCK_ELEMENTS = 1 << 14  # rows are searched in blocks of about this many weights (x the ratios)
 
 
 class NotPositiveDefinite(ValueError):
@@ -109,24 +109,55 @@ def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -
     ratios = mx.array((1.0, *RATIOS), mx.float32).reshape(-1, 1, 1, 1)
     s = _stored(mx.maximum((hi - lo) * ratios / n, 1e-8), dtype)
     b = _stored(lo * ratios, dtype)
-    tried = []  # per refit step: (error, scale, bias), each with the ratio axis first
+    errs, scales, biases = [best_e[None]], [best_s[None]], [best_b[None]]
     for step in range(REFITS + 1):
         q = _codes(wg, s, b, n)
-        tried.append((_err(wg, q, s, b, ig), s, b))
+        errs.append(_err(wg, q, s, b, ig))
+        scales.append(s)
+        biases.append(b)
         if step < REFITS:
             s, b = _refit(wg, q, ig, s, b)
             s, b = _stored(s, dtype), _stored(b, dtype)
-        mx.eval(tried[-1], s, b)
-    for r in range(ratios.shape[0]):
-        for e, s, b in tried:
-            better = e[r] < best_e
-            best_e = mx.where(better, e[r], best_e)
-            best_s, best_b = mx.where(better, s[r], best_s), mx.where(better, b[r], best_b)
+    # order: mx.quantize's, then ratio by ratio, refit by refit; argmin keeps the first minimum
+    e = _in_order(errs, ratios.shape[0])
+    pick = mx.argmin(mx.where(mx.isnan(e), mx.inf, e), axis=0, keepdims=True)
+    best_s = mx.take_along_axis(_in_order(scales, ratios.shape[0]), pick, axis=0)[0]
+    best_b = mx.take_along_axis(_in_order(biases, ratios.shape[0]), pick, axis=0)[0]
     mx.eval(best_s, best_b)
     return _codes(wg, best_s, best_b, n).reshape(rows, cols), best_s[..., 0], best_b[..., 0]
 
 
-def _inverse_factor(h: np.ndarray) -> np.ndarray:
+def _in_order(parts: list[Any], ratios: int) -> Any:
+    """[first (1, ...), then one (ratios, ...) per refit step] -> (1 + ratios x steps, ...), ratio-major."""
+    import mlx.core as mx
+
+    tried = mx.stack(parts[1:], axis=1).reshape(-1, *parts[1].shape[1:])
+    return mx.concatenate([parts[0], tried], axis=0)
+
+
+def _search(
+    w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any, codes: bool = True
+) -> tuple[np.ndarray | None, Any, Any]:
+    """:func:`_search_block` over ``w`` (rows, cols; any float dtype) in blocks of rows of about
+    :data:`BLOCK_ELEMENTS` weights: the codes packed (:func:`pack`; None unless ``codes``),
+    scales and biases (float32)."""
+    import mlx.core as mx
+
+    rows, cols = w.shape
+    step = max(1, BLOCK_ELEMENTS // cols)
+    packed, scales, biases = [], [], []
+    for r0 in range(0, rows, step):
+        q, s, b = _search_block(
+            w[r0 : r0 + step].astype(mx.float32), imp, bits=bits, group_size=group_size, dtype=dtype
+        )
+        if codes:  # else never evaluated (mlx is lazy)
+            packed.append(pack(np.asarray(q.astype(mx.uint8)), bits))
+        scales.append(s)
+        biases.append(b)
+    return np.concatenate(packed) if codes else None, mx.concatenate(scales), mx.concatenate(biases)
+
+
+def inverse_factor(h: np.ndarray) -> np.ndarray:
     """Upper-triangular U with ``H^-1 = U^T U`` (dampened H), without forming ``H^-1``.
 
     With P the reversal, ``P H P = L L^T`` gives ``H = (P L P)(P L P)^T``, so ``U = P L^-1 P``:
@@ -169,8 +200,11 @@ def _gptq_group(
     return codes, err
 
 
-def _gptq(w: Any, h: Any, *, bits: int, group_size: int) -> tuple[np.ndarray, Any, Any]:
-    """GPTQ codes, scales and biases of ``w`` (rows, cols) for the input Hessian ``h``.
+def _gptq(
+    w: Any, h: Any, *, bits: int, group_size: int, factor: np.ndarray | None = None
+) -> tuple[np.ndarray, Any, Any]:
+    """GPTQ codes, scales and biases of ``w`` (rows, cols) for the input Hessian ``h``
+    (``factor``: its :func:`inverse_factor`, when already computed).
 
     float32 throughout (as the reference implementation); the update of the columns after each
     group is one matmul through mlx (BLAS), the column loop runs on the group's slice only.
@@ -180,14 +214,19 @@ def _gptq(w: Any, h: Any, *, bits: int, group_size: int) -> tuple[np.ndarray, An
     n = (1 << bits) - 1
     W = np.array(w.astype(mx.float32), dtype=np.float32)
     imp = np.maximum(np.diag(np.asarray(h, dtype=np.float32)), 0)
-    U = _inverse_factor(h)
+    U = inverse_factor(h) if factor is None else factor
     rows, cols = W.shape
     codes = np.empty((rows, cols), dtype=np.uint8)
     scales, biases = [], []
     for i in range(0, cols, group_size):
         j = i + group_size
-        _, s, b = _search_block(
-            mx.array(W[:, i:j]), mx.array(imp[i:j]), bits=bits, group_size=group_size, dtype=w.dtype
+        _, s, b = _search(
+            mx.array(W[:, i:j]),
+            mx.array(imp[i:j]),
+            bits=bits,
+            group_size=group_size,
+            dtype=w.dtype,
+            codes=False,
         )
         scales.append(s)
         biases.append(b)
@@ -222,6 +261,7 @@ def quantize(
     method: str = "clip",
     importance: Any = None,
     hessian: Any = None,
+    factor: np.ndarray | None = None,
 ) -> tuple[Any, Any, Any]:
     """``mx.quantize(w, group_size, bits)`` (affine) with the rounding chosen by ``method``.
 
@@ -235,6 +275,8 @@ def quantize(
         importance: optional non-negative weight per input column (length ``in``) for "clip";
             default: diag(``hessian``) when given, else uniform.
         hessian: the layer's input Hessian (in, in); "gptq" without it does "clip".
+        factor: ``inverse_factor(hessian)`` when the caller has it (GPTQ of one module at
+            several settings factors its Hessian once).
     """
     import mlx.core as mx
 
@@ -244,24 +286,23 @@ def quantize(
     if w.ndim > 2:  # stacked experts (SwitchLinear): each (out, in) matrix on its own
         parts = [
             quantize(
-                w[e], bits=bits, group_size=group_size, method=method, importance=importance, hessian=hessian
-            )
+                w[e],
+                bits=bits,
+                group_size=group_size,
+                method=method,
+                importance=importance,
+                hessian=hessian,
+                factor=factor,
+            )  # fmt: skip
             for e in range(w.shape[0])
         ]
         return tuple(mx.stack([p[k] for p in parts]) for k in range(3))
     if method == "gptq" and hessian is not None:
-        codes, s, b = _gptq(w, hessian, bits=bits, group_size=group_size)
+        codes, s, b = _gptq(w, hessian, bits=bits, group_size=group_size, factor=factor)
         return mx.array(pack(codes, bits)), s.astype(w.dtype), b.astype(w.dtype)
     rows, cols = w.shape
     if importance is None and hessian is not None:
         importance = np.maximum(np.diag(np.asarray(hessian, dtype=np.float32)), 0)
     imp = mx.ones((cols,), mx.float32) if importance is None else mx.array(importance).astype(mx.float32)
-    step = max(1, BLOCK_ELEMENTS // cols)
-    packed, scales, biases = [], [], []
-    for r0 in range(0, rows, step):
-        block = w[r0 : r0 + step].astype(mx.float32)
-        q, s, b = _search_block(block, imp, bits=bits, group_size=group_size, dtype=w.dtype)
-        packed.append(pack(np.asarray(q.astype(mx.uint8)), bits))
-        scales.append(s.astype(w.dtype))
-        biases.append(b.astype(w.dtype))
-    return mx.array(np.concatenate(packed)), mx.concatenate(scales), mx.concatenate(biases)
+    packed, s, b = _search(w, imp, bits=bits, group_size=group_size, dtype=w.dtype)
+    return mx.array(packed), s.astype(w.dtype), b.astype(w.dtype)
