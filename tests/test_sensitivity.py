@@ -340,3 +340,32 @@ def test_merge_names_a_shard_written_before_a_setting_was_recorded():
         combine_shards([new, old], ["new", "old"])
     with pytest.raises(InputError, match=r"in 'batch_size'; merge only shards of one sweep"):
         combine_shards([new, {**new, "batch_size": 4}], ["new", "other"])
+
+
+def test_a_quantized_model_loads_dequantized_one_slice_at_a_time(tmp_path, monkeypatch):
+    """The float32 model a quantized source gives is mlx-lm's dequantize_model's, value for value,
+    for affine and microscaling modules; its peak stays near one float32 copy (all weights
+    dequantized in one evaluation held two: bf16 and float32 copies and their temporaries)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import dequantize_model, load
+
+    def predicate(path: str, module: Any) -> Any:
+        if path.endswith("mlp.up_proj"):
+            return {"group_size": 32, "bits": 4, "mode": "mxfp4"}
+        return {"group_size": 64, "bits": 3 if "self_attn" in path else 4, "mode": "affine"}
+
+    qdir = quantized_fixture(tmp_path / "mixed", 4, predicate)
+    monkeypatch.setattr(probe, "FAKE_QUANT_CHUNK", 4096)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    model = probe.load_model(qdir)[0]
+    peak = mx.get_peak_memory()
+    ours = dict(tree_flatten(model.parameters()))
+    f32 = sum(v.nbytes for v in ours.values())
+    theirs, _ = load(str(qdir))
+    theirs = dequantize_model(theirs)
+    theirs.set_dtype(mx.float32)
+    theirs = dict(tree_flatten(theirs.parameters()))
+    assert ours.keys() == theirs.keys()
+    assert all(ours[k].dtype == mx.float32 and mx.array_equal(ours[k], theirs[k]).item() for k in ours)
+    assert peak < 1.4 * f32, (peak, f32)

@@ -65,7 +65,8 @@ def load_model(model_dir: str | Path) -> tuple[Any, Any, dict[str, dict]]:
     """mlx-lm model (float32, dequantized) + tokenizer + each quantized module's original setting."""
     import mlx.core as mx
     import mlx.nn as nn
-    from mlx_lm.utils import dequantize_model, load
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load
 
     read_config(Path(model_dir))  # a broken config.json: the one reader's line, not mlx-lm's
     try:
@@ -77,13 +78,55 @@ def load_model(model_dir: str | Path) -> tuple[Any, Any, dict[str, dict]]:
         if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             current[path] = {"bits": mod.bits, "group_size": mod.group_size, "mode": mod.mode}
             dtypes[path] = mod.scales.dtype if mod.mode == "affine" else mx.bfloat16
-    # Dequantized weights come out in the scales' dtype: that is the candidates' source.
-    model = dequantize_model(model)
+    _dequantize(model)
     model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
+    for _, value in tree_flatten(model.parameters()):  # one at a time: no two copies of the model
+        mx.eval(value)
     model.eval()
     names = {path: str(dt).split(".")[-1] for path, dt in dtypes.items()}
     return model, tokenizer, {"current": current, "dtypes": names}
+
+
+def _dequantize(model: Any) -> None:
+    """mlx-lm's ``dequantize_model`` in place, each weight in slices of rows of about
+    :data:`FAKE_QUANT_CHUNK` weights cast to float32 one after the other. The values come out in
+    the scales' dtype first (the candidates' source), as there; dequantized whole, a 150K-row
+    embedding's temporaries alone peaked at 4 GB."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_unflatten
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    kinds = {
+        nn.QuantizedLinear: nn.Linear,
+        nn.QuantizedEmbedding: nn.Embedding,
+        QuantizedSwitchLinear: SwitchLinear,
+    }
+    plain = []
+    for name, mod in model.named_modules():
+        cls = kinds.get(type(mod))
+        if cls is None:
+            continue
+        rows = mod.weight.shape[-2]
+        step = max(1, FAKE_QUANT_CHUNK // max(1, mod.weight.size * 32 // mod.bits // rows))
+        parts = []
+        for lo in range(0, rows, step):
+            biases = mod.get("biases")
+            part = mx.dequantize(
+                mod.weight[..., lo : lo + step, :], mod.scales[..., lo : lo + step, :],
+                None if biases is None else biases[..., lo : lo + step, :], mod.group_size, mod.bits, mod.mode,
+            )  # fmt: skip
+            parts.append(part.astype(mx.float32))
+            mx.eval(parts[-1])
+        weight = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
+        kwargs = {} if cls is nn.Embedding else {"bias": "bias" in mod}
+        new = cls(*weight.shape[::-1], **kwargs)
+        if "bias" in mod:
+            new.bias = mod.bias
+        new.weight = weight
+        plain.append((name, new))
+    if plain:
+        model.update_modules(tree_unflatten(plain))
 
 
 def targets(model: Any, *, group_size: int, source: dict[str, dict], dtypes: dict[str, str]) -> list[Target]:
