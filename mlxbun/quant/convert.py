@@ -63,12 +63,16 @@ class Converter:
         fold: Any = None,
         *,
         hessians_file: Path | None = None,
+        rounded: Any = None,
     ) -> None:
         """``tensors``: the source's tensor reader (``mlxbun.source``); ``fold``: an
         :class:`mlxbun.quant.awq.Fold` applied to every tensor as it is read; ``hessians_file``:
-        where ``hessians`` came from, to name in errors."""
+        where ``hessians`` came from, to name in errors; ``rounded``: a
+        :class:`mlxbun.quant.rounded.Rounded` of those Hessians, where clip and GPTQ roundings
+        are looked up before and kept after (not with a fold: its Hessians are not the file's)."""
         self.sk, self.src, self.method, self.hessians = sk, tensors, method, hessians or {}
         self.hessians_file = hessians_file
+        self.rounded = rounded if fold is None else None
         self.fold = fold
         self.dtype = getattr(mx, dtype) if dtype else None
         self.cast_ok = getattr(sk.model, "cast_predicate", lambda _: True)
@@ -196,12 +200,18 @@ class Converter:
         if not self.varies(q, path):
             return tuple(mx.quantize(w, q["group_size"], q["bits"], mode=q.get("mode", "affine")))
         h = self.hessians.get(path)
+        setting = {"bits": q["bits"], "group_size": q["group_size"], "method": self.method_of(path)}
+        if self.rounded is not None and (kept := self.rounded.get(path, w, **setting)) is not None:
+            return kept
         try:
-            return rounding.quantize(
-                w, bits=q["bits"], group_size=q["group_size"], method=self.method_of(path), hessian=h
-            )
+            out = rounding.quantize(w, hessian=h, **setting)
         except rounding.NotPositiveDefinite as e:
             raise hessian.refused(self.hessians_file, path, str(e)) from None
+        if self.rounded is not None:
+            mx.eval(*out)
+            rounding.check_finite(path, dict(zip((f"{path}.scales", f"{path}.biases"), out[1:], strict=True)))
+            self.rounded.put(path, w, out, **setting)
+        return out
 
     def finish(self, unit: Unit, out: dict[str, Any]) -> list[tuple[str, Any]]:
         mx.eval([v for v in out.values() if isinstance(v, mx.array)])

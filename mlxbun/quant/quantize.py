@@ -64,6 +64,7 @@ from mlxbun.quant.outdir import (
     written_files,
 )
 from mlxbun.quant.plan import Skeleton, prepare
+from mlxbun.quant.rounded import Rounded
 from mlxbun.quant.spec import Plan, QuantSpec, check_hessians, hessians_file, load_plan
 from mlxbun.quant.units import Unit, plan_units, stream
 from mlxbun.source import identity, lazy_weights, model_source, open_tensors, source_dir
@@ -124,6 +125,7 @@ def _write_shards(
     threads: int,
     method: str = "rtn",
     hessians: Mapping | None = None,
+    rounded: Any = None,
 ) -> Written:
     """Stream every unit into the ShardedWriter in ``partial``."""
     units = plan_units(sk)
@@ -134,7 +136,7 @@ def _write_shards(
         h_file = getattr(hessians, "path", None)
         if fold is not None:
             hessians = fold.hessians(hessians or {})
-        convert = Converter(sk, tensors, dtype, method, hessians, fold, hessians_file=h_file)
+        convert = Converter(sk, tensors, dtype, method, hessians, fold, hessians_file=h_file, rounded=rounded)
         writer = ShardedWriter(
             partial,
             shard_bytes=shard_bytes,
@@ -159,6 +161,11 @@ def _write_shards(
     if not layout.index_written:  # mlx-lm writes the index for a single shard too
         atomic_write_json(partial / INDEX_FILE, layout.index)
     mx.clear_cache()
+    if convert.rounded is not None and (convert.rounded.hits or convert.rounded.misses):
+        log.info(
+            "quantize: %d rounded module(s) read back from %s, %d rounded here",
+            convert.rounded.hits, convert.rounded.dir, convert.rounded.misses,
+        )  # fmt: skip
     xxh3 = {n: d[DIGEST] for n, d in layout.extra_digests.items() if DIGEST in d}
     return Written(total, layout.total_size or written, layout.digests, xxh3)
 
@@ -211,6 +218,7 @@ def quantize_model_dir(
     partial_root: str | Path | None = None,
     method: str = "rtn",
     hessians: str | Path | None = None,
+    rounded: str | Path | None = None,
 ) -> QuantizeResult:
     """Quantize the HF model in ``src`` into an mlx-lm-loadable directory ``out``.
 
@@ -229,6 +237,8 @@ def quantize_model_dir(
         method: how affine weights are rounded (:mod:`mlxbun.quant.rounding`); "rtn" is mx.quantize.
         hessians: a :mod:`mlxbun.quant.hessian` file; "gptq" and "awq" need it, "clip" weights
             columns by it.
+        rounded: where clip and GPTQ roundings with these Hessians are kept and read back
+            (:mod:`mlxbun.quant.rounded`; command=quantize: ``<paths.cache>/rounded``); None: not kept.
 
     Example:
         >>> r = quantize_model_dir("hf/llama", "llama-4bit", bits=4, group_size=64)
@@ -270,9 +280,12 @@ def quantize_model_dir(
             return QuantizeResult(out, done[1], done[0], 0, 0, 0.0, reused=True, warnings=_warnings(src))
         stage.claim(resume=resume)
         state = "complete" if weights_written(stage.dir) else "writing"
+        kept = (
+            Rounded(rounded, settings["hessians"]) if rounded is not None and hessians is not None else None
+        )
         w = _convert(
             sk, source, stage.dir, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads, method=method,
-            hessians=hessians,
+            hessians=hessians, rounded=kept,
         )  # fmt: skip
         reached("weights")
         write_side_files(sk, src, stage.dir)
@@ -316,6 +329,7 @@ def _convert(
     threads: int,
     method: str = "rtn",
     hessians: str | Path | None = None,
+    rounded: Any = None,
 ) -> Written:
     """Write the shards unless a killed run already did (``state="complete"``)."""
     if state == "complete":
@@ -334,6 +348,7 @@ def _convert(
             threads=threads,
             method=method,
             hessians=h,
+            rounded=rounded,
         )
     finally:
         mx.set_cache_limit(previous)
@@ -376,6 +391,7 @@ def run(cfg: Any) -> Any:
         partial_root=partial_root,
         method=q.method,
         hessians=q.hessians,
+        rounded=Path(cfg.paths.cache).expanduser() / "rounded",
     )
     _register(cfg, res.out, res.quantization)
     rate = res.source_bytes / res.seconds / 1e9 if res.seconds else 0.0

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 METHODS = ("rtn", "clip", "gptq", "awq")
+VERSION = 1  # of what the rounding gives: bump on any change of its bytes (it keys mlxbun.quant.rounded)
 DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))

@@ -27,6 +27,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -212,6 +213,7 @@ def sensitivity(
     probe_bytes: int | None = None,
     out_dtype: str | None = "bfloat16",
     threads: int | None = None,
+    rounded: str | Path | None = None,
 ) -> dict[str, Any]:
     """Per-layer KL sensitivities of ``model_dir``; writes sensitivity.json/.csv/.png to ``out_dir``.
 
@@ -236,7 +238,8 @@ def sensitivity(
             and the measured RTN KL (``mlxbun.quant.candidates``); probe_bpw / probe_bytes: the
             budget of the plan whose whole-model probes correct them (None: uncorrected);
             out_dtype: the dtype those probes are quantized with; threads: modules scored at
-            once (None: one per core this process may use, as quantize).
+            once (None: one per core this process may use, as quantize); rounded: where the
+            probes keep their clip and GPTQ roundings (``mlxbun.quant.rounded``) for quantize.
 
     Returns:
         The sensitivity.json document (also written) plus ``_stats`` (not written).
@@ -287,7 +290,7 @@ def sensitivity(
             group_size=s.cands[0].group_size, mode=mode, group_sizes=candidate_group_sizes,
             methods=candidate_methods, modes=candidate_modes, hessians=hessians,
             calib=s.settings["calibration"] | {"path": calib_path, "seed": seed},
-            budget_bpw=probe_bpw, budget_bytes=probe_bytes, out_dtype=out_dtype, steps=_candidate_steps(),
+            budget_bpw=probe_bpw, budget_bytes=probe_bytes, out_dtype=out_dtype, steps=_candidate_steps(rounded),
             threads=quantize.default_threads() if threads is None else threads,
         )  # fmt: skip
     doc = document(tgts=s.targets, kls=kls, settings=s.settings, shard=shard_info)
@@ -374,12 +377,13 @@ def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_d
     return extra
 
 
-def _candidate_steps() -> rich_candidates.Steps:
-    """The commands the candidates run: capture (calibrate), then the probes' allocate and quantize."""
+def _candidate_steps(rounded: str | Path | None) -> rich_candidates.Steps:
+    """The commands the candidates run: capture (calibrate), then the probes' allocate and quantize
+    (its clip and GPTQ roundings kept in ``rounded`` for the final quantize)."""
     return rich_candidates.Steps(
         calibrate=calibrate.calibrate,
         allocate=allocate.allocate,
-        quantize=quantize.quantize_model_dir,
+        quantize=functools.partial(quantize.quantize_model_dir, rounded=rounded),
         default=allocate.DEFAULT,
     )
 
@@ -430,5 +434,6 @@ def _candidates(cfg: Any) -> dict[str, Any]:
     return {
         "candidate_group_sizes": list(c.group_sizes), "candidate_methods": list(c.methods),
         "candidate_modes": list(c.modes), "hessians": hessians, "out_dtype": cfg.quant.dtype,
-        "threads": cfg.quant.threads, **(budget if c.correct else {}),
+        "threads": cfg.quant.threads, "rounded": expand(cfg.paths.cache) / "rounded",
+        **(budget if c.correct else {}),
     }  # fmt: skip

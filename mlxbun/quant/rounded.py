@@ -1,0 +1,118 @@
+"""Rounded modules kept on disk: a weight's clip or GPTQ rounding is computed once per setting and
+Hessians, then read back by every quantize that asks for it again.
+
+The range search and GPTQ are most of a quantize's time at real sizes, and one ``+recipe=best``
+run rounds the same modules at the same settings more than once: the sensitivity's probes write
+the model with a plan's quantizers, then quantize writes the final plan, which keeps most of their
+settings (and a run at another budget keeps most again). :class:`Rounded` is what
+:class:`mlxbun.quant.convert.Converter` looks in before it rounds::
+
+    <paths.cache>/rounded/<sha256 of the Hessians file, 16 hex>/<key[:2]>/<key>.safetensors
+        key = sha256 of (FORMAT, rounding.VERSION, module path, method, bits, group size,
+              the weight's dtype, shape and bytes, as quantize rounds it)
+        tensors: weight (packed codes), scales, biases; metadata "sha256": of their bytes
+
+A file is written atomically (temporary name, fsync, rename) and read only when its digest
+verifies: one that does not read or verify is a miss, rounded again and replaced. The same inputs
+give the same bytes whether rounded here or read back (tests/test_rounded.py).
+
+Example:
+    >>> cache = Rounded(Path("~/.cache/mlxbun/rounded").expanduser(), hessians_sha256)
+    >>> cache.get("model.layers.0.mlp.down_proj", w, bits=4, group_size=64, method="gptq")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from mlxbun.io.atomic import fsync_dir, tmp_sibling
+
+FORMAT = 1
+NAMES = ("weight", "scales", "biases")
+log = logging.getLogger("mlxbun")
+
+
+def _bytes(a: Any) -> bytes:
+    """An mlx array's bytes (bfloat16 as its bit pattern: numpy has no bfloat16)."""
+    import mlx.core as mx
+    import numpy as np
+
+    if a.dtype == mx.bfloat16:
+        a = mx.view(a, mx.uint16)
+    return np.asarray(a).tobytes()
+
+
+def _digest(arrays: tuple[Any, ...]) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(str((a.dtype, a.shape)).encode())
+        h.update(_bytes(a))
+    return h.hexdigest()
+
+
+class Rounded:
+    """The rounded modules of one Hessians file (``hessians``: its sha256) under ``root``."""
+
+    def __init__(self, root: str | Path, hessians: str) -> None:
+        self.dir = Path(root).expanduser() / hessians[:16]
+        self.hits = self.misses = 0
+
+    def _path(self, path: str, w: Any, *, bits: int, group_size: int, method: str) -> Path:
+        from mlxbun.quant import rounding
+
+        head = json.dumps([FORMAT, rounding.VERSION, path, method, bits, group_size, str(w.dtype), w.shape])
+        key = hashlib.sha256(head.encode() + b"\0" + _bytes(w)).hexdigest()
+        return self.dir / key[:2] / f"{key}.safetensors"
+
+    def get(self, path: str, w: Any, *, bits: int, group_size: int, method: str) -> tuple[Any, ...] | None:
+        """(weight, scales, biases) as ``rounding.quantize`` gave them for this input, or None."""
+        import mlx.core as mx
+
+        file = self._path(path, w, bits=bits, group_size=group_size, method=method)
+        if not file.is_file():
+            self.misses += 1
+            return None
+        try:
+            arrays, meta = mx.load(str(file), return_metadata=True)
+            out = tuple(arrays[n] for n in NAMES)
+            if meta.get("sha256") != _digest(out):
+                raise ValueError("its digest does not match its tensors")
+        except Exception as e:  # any unreadable file is a miss: rounded again and replaced
+            log.warning("quantize: rounded module %s is unusable (%s); rounding %s again", file, e, path)
+            self.misses += 1
+            return None
+        self.hits += 1
+        return out
+
+    def put(
+        self, path: str, w: Any, out: tuple[Any, ...], *, bits: int, group_size: int, method: str
+    ) -> None:
+        """Keep ``out`` (weight, scales, biases) for this input; written atomically (a write that
+        fails, e.g. a full disk, is logged with the path and skipped)."""
+        import mlx.core as mx
+
+        file = self._path(path, w, bits=bits, group_size=group_size, method=method)
+        tmp = Path(f"{tmp_sibling(file)}.safetensors")  # mlx would append the suffix
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            mx.save_safetensors(
+                str(tmp), dict(zip(NAMES, out, strict=True)), metadata={"sha256": _digest(out)}
+            )
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, file)
+            fsync_dir(file.parent)
+        except OSError as e:  # a cache that cannot be written costs time, not the model
+            log.warning("quantize: cannot keep the rounded %s in %s (%s)", path, file.parent, e)
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)

@@ -1,0 +1,101 @@
+"""Rounded modules kept on disk (mlxbun.quant.rounded): read back, a quantize writes the same bytes;
+a damaged file is rounded again; a cache that cannot be written costs nothing but time."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_quantize import make_hf_model
+
+from mlxbun.quant import hessian, rounded
+from mlxbun.quant.quantize import quantize_model_dir
+
+L0 = "model.layers.0"
+
+
+@pytest.fixture(scope="module")
+def gptq_source(tmp_path_factory):
+    from mlx_lm import load
+
+    tmp = tmp_path_factory.mktemp("rounded")
+    src = make_hf_model(tmp / "src", "llama", intermediate_size=256)
+    model, _ = load(str(src))
+    model.set_dtype(mx.float32)
+    tokens = np.random.default_rng(0).integers(3, 64, (4, 32))
+    hessian.save(hessian.capture(model, tokens), tmp / "h.safetensors", tokens=tokens.size)
+    plan = tmp / "plan.json"
+    layers = {
+        f"{L0}.mlp.up_proj": {"bits": 3, "group_size": 32, "method": "gptq"},
+        f"{L0}.mlp.gate_proj": {"bits": 3, "group_size": 64, "method": "clip"},
+        f"{L0}.mlp.down_proj": {"bits": 4, "group_size": 64, "method": "gptq"},
+    }
+    plan.write_text(json.dumps({"version": 1, "default": {"bits": 4, "group_size": 64}, "layers": layers}))
+    return src, plan, tmp / "h.safetensors"
+
+
+def _bytes(out):
+    return [p.read_bytes() for p in sorted(out.glob("*.safetensors"))]
+
+
+def _quantize(gptq_source, out, cache=None):
+    src, plan, h = gptq_source
+    return quantize_model_dir(src, out, plan=plan, hessians=h, rounded=cache).out
+
+
+def test_read_back_roundings_write_the_same_bytes(gptq_source, tmp_path, caplog):
+    plain = _quantize(gptq_source, tmp_path / "plain")
+    with caplog.at_level(logging.INFO, logger="mlxbun"):
+        first = _quantize(gptq_source, tmp_path / "first", tmp_path / "cache")
+    assert "0 rounded module(s) read back" in caplog.text and "3 rounded here" in caplog.text
+    kept = sorted((tmp_path / "cache").rglob("*.safetensors"))
+    assert len(kept) == 3  # the two gptq and the clip module; rtn is never kept
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mlxbun"):
+        second = _quantize(gptq_source, tmp_path / "second", tmp_path / "cache")
+    assert "3 rounded module(s) read back" in caplog.text and "0 rounded here" in caplog.text
+    assert _bytes(plain) == _bytes(first) == _bytes(second)
+
+
+def test_a_damaged_file_is_rounded_again_and_replaced(gptq_source, tmp_path, caplog):
+    plain = _quantize(gptq_source, tmp_path / "plain")
+    _quantize(gptq_source, tmp_path / "first", tmp_path / "cache")
+    kept = sorted((tmp_path / "cache").rglob("*.safetensors"))
+    data = bytearray(kept[0].read_bytes())
+    data[-1] ^= 0xFF  # a tensor byte: the file still parses, its digest does not match
+    kept[0].write_bytes(bytes(data))
+    kept[1].write_bytes(b"not a safetensors file")
+    with caplog.at_level(logging.INFO, logger="mlxbun"):
+        again = _quantize(gptq_source, tmp_path / "again", tmp_path / "cache")
+    assert caplog.text.count("is unusable") == 2 and "1 rounded module(s) read back" in caplog.text
+    assert _bytes(again) == _bytes(plain)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="mlxbun"):
+        _quantize(gptq_source, tmp_path / "third", tmp_path / "cache")
+    assert "3 rounded module(s) read back" in caplog.text  # the two were replaced
+
+
+def test_a_cache_that_cannot_be_written_is_skipped(gptq_source, tmp_path, caplog):
+    blocked = tmp_path / "blocked"
+    blocked.write_text("a file where the cache directory would be")
+    with caplog.at_level(logging.WARNING, logger="mlxbun"):
+        out = _quantize(gptq_source, tmp_path / "out", blocked / "rounded")
+    assert "cannot keep the rounded" in caplog.text and str(blocked) in caplog.text
+    assert _bytes(out) == _bytes(_quantize(gptq_source, tmp_path / "plain"))
+
+
+def test_the_key_covers_the_setting_the_weight_and_the_hessians(tmp_path):
+    w = mx.array(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)).astype(mx.bfloat16)
+    a = rounded.Rounded(tmp_path, "a" * 64)
+    base = a._path("m", w, bits=4, group_size=64, method="gptq")
+    assert base.parent.parent.name == "a" * 16
+    assert base != a._path("m", w, bits=3, group_size=64, method="gptq")
+    assert base != a._path("m", w, bits=4, group_size=32, method="gptq")
+    assert base != a._path("m", w, bits=4, group_size=64, method="clip")
+    assert base != a._path("n", w, bits=4, group_size=64, method="gptq")
+    assert base != a._path("m", w + 1, bits=4, group_size=64, method="gptq")
+    assert base != a._path("m", w.astype(mx.float16), bits=4, group_size=64, method="gptq")
+    assert base != rounded.Rounded(tmp_path, "b" * 64)._path("m", w, bits=4, group_size=64, method="gptq")
