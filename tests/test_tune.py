@@ -76,6 +76,11 @@ def test_tune_lowers_held_out_kl_and_keeps_every_tensor_and_the_bytes(tmp_path: 
         (q3 / "config.json").read_text()
     )
     assert _held_out_kl(run / "model") < _held_out_kl(q3)
+    from mlxbun import registry  # indexed under its input's name (a directory "model": its config's type)
+
+    registry.open_db(path=tmp_path / "registry.db")
+    assert registry.resolve("llama-tuned", hub_cache=tmp_path / "hub", paths=[]) == (run / "model").resolve()
+    assert "registered as llama-tuned" in r.stdout + r.stderr
     # a rerun (what a killed pipeline does on its tune step) writes the same bytes
     again, run2 = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL)
     assert again.returncode == 0 and run2 != run

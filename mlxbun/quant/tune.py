@@ -450,6 +450,7 @@ def run(cfg: Any) -> Any:
         stage.publish()
     record |= {"status": "tuned" if result["chosen_epoch"] else "unchanged", **result}
     atomic_write_json(run_dir / TUNE_FILE, record)
+    name = _register(cfg, out, src)
     v = result["validation"]
     return RunResult(
         outputs=[out, run_dir / TUNE_FILE],
@@ -464,8 +465,20 @@ def run(cfg: Any) -> Any:
         message=(
             f"tuned {src.name}: validation KL {v[0]:.4g} -> {v[result['chosen_epoch']]:.4g}"
             f" (epoch {result['chosen_epoch']} of {t.epochs})"
-            f" -> {out}"
+            f" -> {out} (registered as {name})"
         ),
         provides={"model.name": str(out)},
         written=written_files(out),
     )
+
+
+def _register(cfg: Any, out: Path, src: Path) -> str:
+    """Index the tuned model as its input's registry name + ``-tuned`` (e.g.
+    ``Qwen3-4B-mixed-3.50bpw-tuned``), so later recipes can name it; returns the name."""
+    from mlxbun import registry
+    from mlxbun.quant.quantize import source_name
+
+    registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
+    name = f"{source_name(str(src))}-tuned"
+    registry.register_model(out, name=name)
+    return name
