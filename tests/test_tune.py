@@ -102,6 +102,7 @@ def test_tune_hands_on_a_plan_already_within_min_kl(tmp_path: Path, q3: Path) ->
     record = json.loads((run / "tune.json").read_text())
     assert record["status"] == "skipped" and "is below tune.min_kl=100" in record["reason"]
     assert len(record["validation"]) == 1 and record["forward_equivalents"] < 1
+    assert record["validation_windows"] == 2  # tune.samples=8: the last eighth, at least 2
     assert not (run / "model").exists() and not list(run.parent.rglob("*.safetensors"))
 
 
@@ -111,6 +112,7 @@ def test_tune_hands_on_when_training_would_outlast_max_minutes(tmp_path: Path, q
     record = json.loads((run / "tune.json").read_text())
     assert record["status"] == "skipped" and "over tune.max_minutes=1e-06" in record["reason"]
     assert record["predicted_seconds"] > 0 and not (run / "model").exists()
+    assert record["validation_windows"] == 1  # decided on the first window, not the whole pass
     assert "is handed on" in r.stdout + r.stderr
 
 

@@ -240,6 +240,7 @@ def score(
         anchors[t.path] = anchor
         if on_module is not None:
             on_module(t.path, out[t.path], anchor)
+    mx.clear_cache()  # the scoring's freed buffers: not held through the probes
     return out, anchors
 
 
@@ -274,6 +275,8 @@ def corrected(
     Each probe is the model quantized with its plan (under ``work_dir``, removed after) and its KL
     against the reference on ``tokens``; ``reference``: ``model_dir`` as ``probe.load_model``
     gives it, when already loaded."""
+    import mlx.core as mx
+
     from mlxbun.quant.check import correction_factors, measured_kl, rescaled
     from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
 
@@ -296,8 +299,10 @@ def corrected(
                 model_dir, out, plan=plan_path, dtype=out_dtype, hessians=hessians,
                 partial_root=work_dir / "partial",
             )  # fmt: skip
+            mx.clear_cache()  # freed buffers back to the OS before a second float32 model loads
             kl = measured_kl(model_dir, res.out, tokens, reference=reference)
         finally:
+            mx.clear_cache()
             shutil.rmtree(out, ignore_errors=True)
             plan_path.unlink(missing_ok=True)
         log.info(
