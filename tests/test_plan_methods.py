@@ -7,10 +7,10 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_quantize import make_hf_model
+from test_quantize import hessians_of, make_hf_model
 
 from mlxbun.errors import InputError
-from mlxbun.quant import hessian, rounding
+from mlxbun.quant import rounding
 from mlxbun.quant.quantize import quantize_model_dir
 from mlxbun.quant.spec import Plan, QuantSpec
 
@@ -65,11 +65,7 @@ def test_a_plan_mixing_methods_and_modes_writes_each_module_as_its_quantizer_alo
     from mlx_lm import generate, load
 
     src = make_hf_model(tmp_path / "src", "llama", intermediate_size=256)
-    model, _ = load(str(src))
-    model.set_dtype(mx.float32)
-    tokens = np.random.default_rng(0).integers(3, 64, (4, 32))
-    h = hessian.capture(model, tokens)
-    hessian.save(h, tmp_path / "h.safetensors", tokens=tokens.size)
+    h, _ = hessians_of(src, tmp_path / "h.safetensors")
     layers = {
         f"{L0}.mlp.up_proj": {"bits": 3, "group_size": 32, "method": "gptq"},
         f"{L0}.mlp.gate_proj": {"bits": 3, "group_size": 64, "method": "clip"},

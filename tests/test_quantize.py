@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 import pytest
 import xxhash
 from cli_util import KILL_AFTER_SECOND_SHARD
@@ -75,6 +76,21 @@ def make_hf_model(path: Path, arch: str, *, seed: int = 0, files: int = 1, **ove
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     make_tokenizer_dir(path, vocab_size=cfg["vocab_size"])
     return path
+
+
+def hessians_of(src: Path, out: Path, *, rows: int = 4) -> tuple[dict, np.ndarray]:
+    """The input Hessians of the tiny model ``src`` (float32) on ``rows`` x 32 random tokens,
+    saved to ``out``; (the Hessians, the tokens)."""
+    from mlx_lm import load
+
+    from mlxbun.quant import hessian
+
+    model, _ = load(str(src))
+    model.set_dtype(mx.float32)
+    tokens = np.random.default_rng(0).integers(3, 64, (rows, 32))
+    h = hessian.capture(model, tokens)
+    hessian.save(h, out, tokens=tokens.size)
+    return h, tokens
 
 
 def make_mixtral(path: Path) -> Path:

@@ -9,9 +9,9 @@ import logging
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_quantize import make_hf_model
+from test_quantize import hessians_of, make_hf_model
 
-from mlxbun.quant import hessian, rounded
+from mlxbun.quant import rounded
 from mlxbun.quant.quantize import quantize_model_dir
 
 L0 = "model.layers.0"
@@ -19,14 +19,9 @@ L0 = "model.layers.0"
 
 @pytest.fixture(scope="module")
 def gptq_source(tmp_path_factory):
-    from mlx_lm import load
-
     tmp = tmp_path_factory.mktemp("rounded")
     src = make_hf_model(tmp / "src", "llama", intermediate_size=256)
-    model, _ = load(str(src))
-    model.set_dtype(mx.float32)
-    tokens = np.random.default_rng(0).integers(3, 64, (4, 32))
-    hessian.save(hessian.capture(model, tokens), tmp / "h.safetensors", tokens=tokens.size)
+    hessians_of(src, tmp / "h.safetensors")
     plan = tmp / "plan.json"
     layers = {
         f"{L0}.mlp.up_proj": {"bits": 3, "group_size": 32, "method": "gptq"},

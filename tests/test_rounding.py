@@ -8,7 +8,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from test_quantize import make_hf_model
+from test_quantize import hessians_of, make_hf_model
 
 from mlxbun.errors import InputError
 from mlxbun.quant import rounding
@@ -239,10 +239,9 @@ def test_gptq_model_loads_generates_and_is_closer_than_rtn(tmp_path):
     from mlxbun.quant import hessian
 
     src = make_hf_model(tmp_path / "src", "llama", intermediate_size=256)
-    model, _ = load(str(src))
+    _, tokens = hessians_of(src, tmp_path / "h.safetensors", rows=8)
+    model = load(str(src))[0]
     model.set_dtype(mx.float32)
-    tokens = np.random.default_rng(0).integers(3, 64, (8, 32))
-    hessian.save(hessian.capture(model, tokens), tmp_path / "h.safetensors", tokens=tokens.size)
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(f"w{t}" for t in tokens.ravel()))
     captured = calibrate(model_dir=src, out_dir=tmp_path / "c", calib_path=calib, samples=2, seq_len=16)

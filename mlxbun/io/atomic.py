@@ -13,7 +13,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
@@ -64,6 +64,26 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write ``data`` to ``path`` atomically."""
     with atomic_open(path, "wb") as f:
         f.write(data)
+
+
+def atomic_save(path: str | Path, save: Callable[[str], None]) -> None:
+    """``save(name)`` writes a file (e.g. ``mx.save_safetensors``, which appends ``.safetensors``
+    to a name without it) under a temp name ending like ``path``; then fsync, rename over ``path``,
+    fsync the directory. On an exception the temp file is removed and ``path`` is left as it was."""
+    path = Path(path)
+    tmp = Path(f"{tmp_sibling(path)}{path.suffix}")
+    try:
+        save(str(tmp))
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def dumps_json(obj: Any) -> str:

@@ -15,13 +15,12 @@ the directory the store recorded for its fingerprint.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
 from mlxbun.fingerprint import model_fingerprint
-from mlxbun.io.atomic import fsync_dir, tmp_sibling
+from mlxbun.io.atomic import atomic_save
 from mlxbun.kv.commands import digest_cache, model_reference, store_of
 from mlxbun.kv.store import check_snapshot_name
 from mlxbun.provenance import RunResult
@@ -37,18 +36,7 @@ def export(store: Any, name: str, path: Path, *, model_ref: str | None = None) -
     _, header = store.header(name)
     ref = model_ref or header.get("model_name") or store.model_of(header["model"]) or ""
     meta = {"model": ref, "tokenizer_config": header.get("tokenizer_config", "{}")}
-    tmp = Path(f"{tmp_sibling(path)}.safetensors")  # mlx appends the suffix otherwise
-    try:
-        save_prompt_cache(str(tmp), restored.cache, meta)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
+    atomic_save(path, lambda name: save_prompt_cache(name, restored.cache, meta))
     chat = header.get("chat_template") if isinstance(header.get("chat_template"), bool) else None
     return {"tokens": len(restored.tokens), "model": ref, "bytes": path.stat().st_size, "chat_template": chat}
 

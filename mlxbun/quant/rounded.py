@@ -23,15 +23,13 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
-from mlxbun.io.atomic import fsync_dir, tmp_sibling
+from mlxbun.io.atomic import atomic_save
 
 FORMAT = 1
 NAMES = ("weight", "scales", "biases")
@@ -98,21 +96,9 @@ class Rounded:
         import mlx.core as mx
 
         file = self._path(path, w, bits=bits, group_size=group_size, method=method)
-        tmp = Path(f"{tmp_sibling(file)}.safetensors")  # mlx would append the suffix
+        arrays, meta = dict(zip(NAMES, out, strict=True)), {"sha256": _digest(out)}
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
-            mx.save_safetensors(
-                str(tmp), dict(zip(NAMES, out, strict=True)), metadata={"sha256": _digest(out)}
-            )
-            fd = os.open(tmp, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, file)
-            fsync_dir(file.parent)
+            atomic_save(file, lambda name: mx.save_safetensors(name, arrays, metadata=meta))
         except OSError as e:  # a cache that cannot be written costs time, not the model
             log.warning("quantize: cannot keep the rounded %s in %s (%s)", path, file.parent, e)
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)

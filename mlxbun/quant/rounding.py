@@ -285,18 +285,8 @@ def quantize(
     if method == "rtn":
         return tuple(mx.quantize(w, group_size=group_size, bits=bits))
     if w.ndim > 2:  # stacked experts (SwitchLinear): each (out, in) matrix on its own
-        parts = [
-            quantize(
-                w[e],
-                bits=bits,
-                group_size=group_size,
-                method=method,
-                importance=importance,
-                hessian=hessian,
-                factor=factor,
-            )  # fmt: skip
-            for e in range(w.shape[0])
-        ]
+        kw = {"bits": bits, "group_size": group_size, "method": method, "importance": importance}
+        parts = [quantize(w[e], **kw, hessian=hessian, factor=factor) for e in range(w.shape[0])]
         return tuple(mx.stack([p[k] for p in parts]) for k in range(3))
     if method == "gptq" and hessian is not None:
         codes, s, b = _gptq(w, hessian, bits=bits, group_size=group_size, factor=factor)
