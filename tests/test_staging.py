@@ -257,3 +257,19 @@ def _waiting_on(path: Path) -> bool:
     """Is some thread of this process blocked in flock on ``path``? (from /proc/locks)"""
     ino = os.stat(path).st_ino
     return any(f":{ino} " in line and "->" in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_atomic_save_publishes_whole_files_and_leaves_no_temporary(tmp_path):
+    from mlxbun.io.atomic import atomic_save
+
+    out = tmp_path / "x.safetensors"
+    atomic_save(out, lambda name: Path(name).write_bytes(b"one"))
+    assert out.read_bytes() == b"one" and [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]
+
+    def fails(name: str) -> None:
+        Path(name).write_bytes(b"half")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_save(out, fails)
+    assert out.read_bytes() == b"one" and [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]
