@@ -14,6 +14,8 @@ Before the first step runs, every step's required settings are checked (``needs`
 from __future__ import annotations
 
 import copy
+import gc
+import sys
 from dataclasses import asdict, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -144,6 +146,7 @@ def run_steps(cfg: Any, steps: list[str]) -> RunResult:
         )
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
         result = commands.resolve(step)(step_cfg)  # looked up at call time: tests replace it
+        _release()
         for key, value in result.provides.items():
             cfg = set_key(cfg, key, value)
             provided[key] = value
@@ -162,6 +165,15 @@ def run_steps(cfg: Any, steps: list[str]) -> RunResult:
         total.message += f"\nmodel: {provided['model.name']}"
     total.message = total.message.rstrip()
     return total
+
+
+def _release() -> None:
+    """A finished step's memory back to the OS before the next starts: its objects (a model in
+    float32, say) collected, and MLX's cache of freed buffers emptied (it keeps them otherwise:
+    a 0.5B sensitivity's 2 GB reference stayed resident through quantize and tune)."""
+    gc.collect()
+    if (mx := sys.modules.get("mlx.core")) is not None:
+        mx.clear_cache()
 
 
 def _under(path: Path, root: Path) -> bool:

@@ -82,6 +82,7 @@ def load_model(model_dir: str | Path) -> tuple[Any, Any, dict[str, dict]]:
     model.set_dtype(mx.float32)
     for _, value in tree_flatten(model.parameters()):  # one at a time: no two copies of the model
         mx.eval(value)
+    mx.clear_cache()  # the source dtype's freed copy back to the OS, not kept in MLX's cache
     model.eval()
     names = {path: str(dt).split(".")[-1] for path, dt in dtypes.items()}
     return model, tokenizer, {"current": current, "dtypes": names}
