@@ -94,3 +94,17 @@ def test_the_key_covers_the_setting_the_weight_and_the_hessians(tmp_path):
     assert base != a._path("m", w + 1, bits=4, group_size=64, method="gptq")
     assert base != a._path("m", w.astype(mx.float16), bits=4, group_size=64, method="gptq")
     assert base != rounded.Rounded(tmp_path, "b" * 64)._path("m", w, bits=4, group_size=64, method="gptq")
+
+
+def test_a_cache_mlx_cannot_write_is_skipped(gptq_source, tmp_path, caplog, monkeypatch):
+    """mlx's own save raises RuntimeError (a full disk, a file it cannot open): logged, skipped."""
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("[save_safetensors] Failed to open file")
+
+    monkeypatch.setattr(mx, "save_safetensors", refuse)
+    with caplog.at_level(logging.WARNING, logger="mlxbun"):
+        out = _quantize(gptq_source, tmp_path / "out", tmp_path / "cache")
+    assert caplog.text.count("cannot keep the rounded") == 3
+    monkeypatch.undo()
+    assert _bytes(out) == _bytes(_quantize(gptq_source, tmp_path / "plain"))

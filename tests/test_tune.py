@@ -110,7 +110,7 @@ def test_tune_hands_on_when_training_would_outlast_max_minutes(tmp_path: Path, q
     r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL, "tune.max_minutes=1e-6")
     assert r.returncode == 0, r.stderr
     record = json.loads((run / "tune.json").read_text())
-    assert record["status"] == "skipped" and "over tune.max_minutes=1e-06" in record["reason"]
+    assert record["status"] == "skipped" and "over 4 x tune.max_minutes=1e-06" in record["reason"]
     assert record["predicted_seconds"] > 0 and not (run / "model").exists()
     assert record["validation_windows"] == 1  # decided on the first window, not the whole pass
     assert "is handed on" in r.stdout + r.stderr

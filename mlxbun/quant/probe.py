@@ -105,7 +105,7 @@ def _dequantize(model: Any) -> None:
     }
     plain = []
     for name, mod in model.named_modules():
-        cls = kinds.get(type(mod))
+        cls = next((plain_cls for q, plain_cls in kinds.items() if isinstance(mod, q)), None)
         if cls is None:
             continue
         rows = mod.weight.shape[-2]

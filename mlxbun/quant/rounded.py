@@ -8,7 +8,7 @@ settings (and a run at another budget keeps most again). :class:`Rounded` is wha
 :class:`mlxbun.quant.convert.Converter` looks in before it rounds::
 
     <paths.cache>/rounded/<sha256 of the Hessians file, 16 hex>/<key[:2]>/<key>.safetensors
-        key = sha256 of (FORMAT, rounding.VERSION, module path, method, bits, group size,
+        key = sha256 of (FORMAT, rounding.VERSION, mlx's version, module path, method, bits, group size,
               the weight's dtype, shape and bytes, as quantize rounds it)
         tensors: weight (packed codes), scales, biases; metadata "sha256": of their bytes
 
@@ -62,9 +62,14 @@ class Rounded:
         self.hits = self.misses = 0
 
     def _path(self, path: str, w: Any, *, bits: int, group_size: int, method: str) -> Path:
+        import mlx.core as mx
+
         from mlxbun.quant import rounding
 
-        head = json.dumps([FORMAT, rounding.VERSION, path, method, bits, group_size, str(w.dtype), w.shape])
+        # mlx's version too: the roundings go through its quantize, reductions and LAPACK
+        head = json.dumps(
+            [FORMAT, rounding.VERSION, mx.__version__, path, method, bits, group_size, str(w.dtype), w.shape]
+        )
         key = hashlib.sha256(head.encode() + b"\0" + _bytes(w)).hexdigest()
         return self.dir / key[:2] / f"{key}.safetensors"
 
@@ -100,5 +105,5 @@ class Rounded:
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
             atomic_save(file, lambda name: mx.save_safetensors(name, arrays, metadata=meta))
-        except OSError as e:  # a cache that cannot be written costs time, not the model
+        except (OSError, RuntimeError) as e:  # (mlx's save raises RuntimeError) costs time, not the model
             log.warning("quantize: cannot keep the rounded %s in %s (%s)", path, file.parent, e)

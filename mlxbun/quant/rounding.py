@@ -122,6 +122,7 @@ def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -
     # order: mx.quantize's, then ratio by ratio, refit by refit; argmin keeps the first minimum
     e = _in_order(errs, ratios.shape[0])
     pick = mx.argmin(mx.where(mx.isnan(e), mx.inf, e), axis=0, keepdims=True)
+    pick = mx.where(mx.isnan(e[:1]), 0, pick)  # no error is below a NaN one: mx.quantize's stays
     best_s = mx.take_along_axis(_in_order(scales, ratios.shape[0]), pick, axis=0)[0]
     best_b = mx.take_along_axis(_in_order(biases, ratios.shape[0]), pick, axis=0)[0]
     mx.eval(best_s, best_b)

@@ -255,11 +255,14 @@ def tune_model(
 
     start = time.monotonic()
     windows = {"train": train.shape[0], "val": n_val}
-    # the first window alone decides a run that would outlast max_minutes many times over (a big
-    # model's whole validation pass is minutes); its time includes the first call's start-up
+    # the first window alone decides a run that would outlast max_minutes EARLY_MARGIN times over
+    # (a big model's whole validation pass is minutes); its time includes the first call's start-up
     first = validated(0, 1)
     predicted = (time.monotonic() - start) * (n_val - 1 + _forwards(windows, epochs, cache=cache))
-    why = _skip_reason(first, predicted, epochs=epochs, min_kl=-math.inf, max_minutes=max_minutes)
+    limit = None if max_minutes is None else EARLY_MARGIN * max_minutes
+    why = _skip_reason(first, predicted, epochs=epochs, min_kl=-math.inf, max_minutes=limit)
+    if why is not None:
+        why = why.replace(f"tune.max_minutes={limit:g}", f"{EARLY_MARGIN} x tune.max_minutes={max_minutes:g}")
     done = 1
     if why is None:
         history = [validated(1, n_val, first) / n_val]
@@ -317,6 +320,9 @@ def tune_model(
         "forward_equivalents": round((_forwards(windows, ran, cache=cache) + 2 * n_val) / n, 1),
     }
     return record, {k: v for path, m in swaps + tuned_norms for k, v in m.stored_tensors(path).items()}
+
+
+EARLY_MARGIN = 4  # the first validation window hands on only a run predicted this many times too long
 
 
 def _forwards(windows: dict[str, int], epochs: int, *, cache: bool) -> int:
