@@ -85,15 +85,15 @@ def test_a_cache_that_cannot_be_written_is_skipped(gptq_source, tmp_path, caplog
 def test_the_key_covers_the_setting_the_weight_and_the_hessians(tmp_path):
     w = mx.array(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32)).astype(mx.bfloat16)
     a = rounded.Rounded(tmp_path, "a" * 64)
-    base = a._path("m", w, bits=4, group_size=64, method="gptq")
+    base = a.file("m", w, bits=4, group_size=64, method="gptq")
     assert base.parent.parent.name == "a" * 16
-    assert base != a._path("m", w, bits=3, group_size=64, method="gptq")
-    assert base != a._path("m", w, bits=4, group_size=32, method="gptq")
-    assert base != a._path("m", w, bits=4, group_size=64, method="clip")
-    assert base != a._path("n", w, bits=4, group_size=64, method="gptq")
-    assert base != a._path("m", w + 1, bits=4, group_size=64, method="gptq")
-    assert base != a._path("m", w.astype(mx.float16), bits=4, group_size=64, method="gptq")
-    assert base != rounded.Rounded(tmp_path, "b" * 64)._path("m", w, bits=4, group_size=64, method="gptq")
+    assert base != a.file("m", w, bits=3, group_size=64, method="gptq")
+    assert base != a.file("m", w, bits=4, group_size=32, method="gptq")
+    assert base != a.file("m", w, bits=4, group_size=64, method="clip")
+    assert base != a.file("n", w, bits=4, group_size=64, method="gptq")
+    assert base != a.file("m", w + 1, bits=4, group_size=64, method="gptq")
+    assert base != a.file("m", w.astype(mx.float16), bits=4, group_size=64, method="gptq")
+    assert base != rounded.Rounded(tmp_path, "b" * 64).file("m", w, bits=4, group_size=64, method="gptq")
 
 
 def test_a_cache_mlx_cannot_write_is_skipped(gptq_source, tmp_path, caplog, monkeypatch):

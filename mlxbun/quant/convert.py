@@ -201,16 +201,17 @@ class Converter:
             return tuple(mx.quantize(w, q["group_size"], q["bits"], mode=q.get("mode", "affine")))
         h = self.hessians.get(path)
         setting = {"bits": q["bits"], "group_size": q["group_size"], "method": self.method_of(path)}
-        if self.rounded is not None and (kept := self.rounded.get(path, w, **setting)) is not None:
+        file = None if self.rounded is None else self.rounded.file(path, w, **setting)
+        if file is not None and (kept := self.rounded.get(file, path)) is not None:
             return kept
         try:
             out = rounding.quantize(w, hessian=h, **setting)
         except rounding.NotPositiveDefinite as e:
             raise hessian.refused(self.hessians_file, path, str(e)) from None
-        if self.rounded is not None:
+        if file is not None:
             mx.eval(*out)
             rounding.check_finite(path, dict(zip((f"{path}.scales", f"{path}.biases"), out[1:], strict=True)))
-            self.rounded.put(path, w, out, **setting)
+            self.rounded.put(file, out, path)
         return out
 
     def finish(self, unit: Unit, out: dict[str, Any]) -> list[tuple[str, Any]]:

@@ -18,7 +18,8 @@ give the same bytes whether rounded here or read back (tests/test_rounded.py).
 
 Example:
     >>> cache = Rounded(Path("~/.cache/mlxbun/rounded").expanduser(), hessians_sha256)
-    >>> cache.get("model.layers.0.mlp.down_proj", w, bits=4, group_size=64, method="gptq")
+    >>> file = cache.file("model.layers.0.mlp.down_proj", w, bits=4, group_size=64, method="gptq")
+    >>> cache.get(file, "model.layers.0.mlp.down_proj")  # None: round it, then cache.put(file, out, path)
 """
 
 from __future__ import annotations
@@ -36,21 +37,22 @@ NAMES = ("weight", "scales", "biases")
 log = logging.getLogger("mlxbun")
 
 
-def _bytes(a: Any) -> bytes:
-    """An mlx array's bytes (bfloat16 as its bit pattern: numpy has no bfloat16)."""
+def _feed(h: Any, a: Any) -> None:
+    """Hash an mlx array's bytes into ``h`` without copying them (bfloat16 as its bit pattern:
+    numpy has no bfloat16)."""
     import mlx.core as mx
     import numpy as np
 
     if a.dtype == mx.bfloat16:
         a = mx.view(a, mx.uint16)
-    return np.asarray(a).tobytes()
+    h.update(np.ascontiguousarray(np.asarray(a)).data)
 
 
 def _digest(arrays: tuple[Any, ...]) -> str:
     h = hashlib.sha256()
     for a in arrays:
         h.update(str((a.dtype, a.shape)).encode())
-        h.update(_bytes(a))
+        _feed(h, a)
     return h.hexdigest()
 
 
@@ -61,7 +63,9 @@ class Rounded:
         self.dir = Path(root).expanduser() / hessians[:16]
         self.hits = self.misses = 0
 
-    def _path(self, path: str, w: Any, *, bits: int, group_size: int, method: str) -> Path:
+    def file(self, path: str, w: Any, *, bits: int, group_size: int, method: str) -> Path:
+        """Where module ``path``'s weight ``w`` rounded at this setting is kept (hashed once per
+        rounding: :meth:`get` and :meth:`put` take it)."""
         import mlx.core as mx
 
         from mlxbun.quant import rounding
@@ -70,14 +74,16 @@ class Rounded:
         head = json.dumps(
             [FORMAT, rounding.VERSION, mx.__version__, path, method, bits, group_size, str(w.dtype), w.shape]
         )
-        key = hashlib.sha256(head.encode() + b"\0" + _bytes(w)).hexdigest()
+        h = hashlib.sha256(head.encode() + b"\0")
+        _feed(h, w)
+        key = h.hexdigest()
         return self.dir / key[:2] / f"{key}.safetensors"
 
-    def get(self, path: str, w: Any, *, bits: int, group_size: int, method: str) -> tuple[Any, ...] | None:
-        """(weight, scales, biases) as ``rounding.quantize`` gave them for this input, or None."""
+    def get(self, file: Path, path: str) -> tuple[Any, ...] | None:
+        """(weight, scales, biases) as ``rounding.quantize`` gave them for module ``path``'s input
+        kept in ``file``, or None."""
         import mlx.core as mx
 
-        file = self._path(path, w, bits=bits, group_size=group_size, method=method)
         if not file.is_file():
             self.misses += 1
             return None
@@ -93,14 +99,11 @@ class Rounded:
         self.hits += 1
         return out
 
-    def put(
-        self, path: str, w: Any, out: tuple[Any, ...], *, bits: int, group_size: int, method: str
-    ) -> None:
-        """Keep ``out`` (weight, scales, biases) for this input; written atomically (a write that
-        fails, e.g. a full disk, is logged with the path and skipped)."""
+    def put(self, file: Path, out: tuple[Any, ...], path: str) -> None:
+        """Keep module ``path``'s ``out`` (weight, scales, biases) in ``file``; written atomically
+        (a write that fails, e.g. a full disk, is logged with the path and skipped)."""
         import mlx.core as mx
 
-        file = self._path(path, w, bits=bits, group_size=group_size, method=method)
         arrays, meta = dict(zip(NAMES, out, strict=True)), {"sha256": _digest(out)}
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
