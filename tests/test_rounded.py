@@ -108,3 +108,18 @@ def test_a_cache_mlx_cannot_write_is_skipped(gptq_source, tmp_path, caplog, monk
     assert caplog.text.count("cannot keep the rounded") == 3
     monkeypatch.undo()
     assert _bytes(out) == _bytes(_quantize(gptq_source, tmp_path / "plain"))
+
+
+def test_roundings_on_worker_processes_write_the_same_bytes(gptq_source, tmp_path, monkeypatch):
+    """A big model's clip and GPTQ roundings run on processes (mlxbun.quant.workers): the same bytes."""
+    from mlxbun.quant import workers
+
+    src, plan, h = gptq_source
+    plain = quantize_model_dir(src, tmp_path / "plain", plan=plan, hessians=h, threads=1).out
+    monkeypatch.setattr(workers, "MIN_WEIGHTS", 0)
+    sent = []
+    real = workers.quantize
+    monkeypatch.setattr(workers, "quantize", lambda *a, **k: sent.append(k["method"]) or real(*a, **k))
+    pooled = quantize_model_dir(src, tmp_path / "pooled", plan=plan, hessians=h, threads=2).out
+    assert sorted(sent) == ["clip", "gptq", "gptq"]
+    assert _bytes(plain) == _bytes(pooled)

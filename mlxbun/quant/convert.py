@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxbun.io.dtypes import CODES as ST_CODES
 from mlxbun.io.dtypes import OUTPUT_DTYPES as CONVERSION_DTYPES
-from mlxbun.quant import hessian, rounding
+from mlxbun.quant import hessian, rounding, workers
 from mlxbun.quant.plan import Skeleton
 from mlxbun.quant.units import Unit
 
@@ -69,8 +69,11 @@ class Converter:
         :class:`mlxbun.quant.awq.Fold` applied to every tensor as it is read; ``hessians_file``:
         where ``hessians`` came from, to name in errors; ``rounded``: a
         :class:`mlxbun.quant.rounded.Rounded` of those Hessians, where clip and GPTQ roundings
-        are looked up before and kept after (not with a fold: its Hessians are not the file's)."""
+        are looked up before and kept after (not with a fold: its Hessians are not the file's).
+        ``pool``, when set: worker processes the clip and GPTQ roundings run on
+        (:mod:`mlxbun.quant.workers`)."""
         self.sk, self.src, self.method, self.hessians = sk, tensors, method, hessians or {}
+        self.pool: Any = None
         self.hessians_file = hessians_file
         self.rounded = rounded if fold is None else None
         self.fold = fold
@@ -205,7 +208,10 @@ class Converter:
         if file is not None and (kept := self.rounded.get(file, path)) is not None:
             return kept
         try:
-            out = rounding.quantize(w, hessian=h, **setting)
+            if self.pool is None:
+                out = rounding.quantize(w, hessian=h, **setting)
+            else:
+                out = workers.quantize(self.pool, w, hessian=h, **setting)
         except rounding.NotPositiveDefinite as e:
             raise hessian.refused(self.hessians_file, path, str(e)) from None
         if file is not None:

@@ -35,6 +35,7 @@ import logging
 import os
 import time
 from collections.abc import Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import DIGEST, Stage, reached, read_json_object, stable_root, weights_written
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult, prehash
-from mlxbun.quant import awq, hessian, rounding
+from mlxbun.quant import awq, hessian, rounding, workers
 from mlxbun.quant.convert import Converter, resolve_dtype
 from mlxbun.quant.outdir import (
     FORMAT_VERSION,
@@ -131,12 +132,16 @@ def _write_shards(
     units = plan_units(sk)
     total = sum(u.nbytes for u in units)
     written = 0
-    with open_tensors(source) as tensors:
+    with ExitStack() as stack:
+        tensors = stack.enter_context(open_tensors(source))
         fold = _awq_fold(sk, tensors, hessians) if method == "awq" else None
         h_file = getattr(hessians, "path", None)
         if fold is not None:
             hessians = fold.hessians(hessians or {})
         convert = Converter(sk, tensors, dtype, method, hessians, fold, hessians_file=h_file, rounded=rounded)
+        # weights clip or GPTQ round (source bytes / 2): a big model's go to worker processes
+        rounds = sum(u.nbytes // 2 for u in units if u.quant is not None and convert.varies(u.quant, u.path))
+        convert.pool = stack.enter_context(workers.pool(threads=threads, weights=rounds))
         writer = ShardedWriter(
             partial,
             shard_bytes=shard_bytes,
