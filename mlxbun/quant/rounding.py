@@ -80,9 +80,10 @@ def _refit(w: Any, q: Any, imp: Any, s: Any, b: Any) -> tuple[Any, Any]:
     """Weighted least-squares scale and bias for fixed codes (unchanged where degenerate)."""
     import mlx.core as mx
 
-    sw, sq = mx.sum(imp, -1, keepdims=True), mx.sum(imp * q, -1, keepdims=True)
-    sqq, swx = mx.sum(imp * q * q, -1, keepdims=True), mx.sum(imp * w, -1, keepdims=True)
-    sqx = mx.sum(imp * q * w, -1, keepdims=True)
+    iq = imp * q  # once: (imp * q) * q and (imp * q) * w are what imp * q * q and imp * q * w compute
+    sw, sq = mx.sum(imp, -1, keepdims=True), mx.sum(iq, -1, keepdims=True)
+    sqq, swx = mx.sum(iq * q, -1, keepdims=True), mx.sum(imp * w, -1, keepdims=True)
+    sqx = mx.sum(iq * w, -1, keepdims=True)
     det = sw * sqq - sq * sq
     ok = det > 1e-12 * mx.maximum(sw * sqq, 1e-30)
     s_new = (sw * sqx - sq * swx) / mx.where(ok, det, 1.0)
