@@ -69,8 +69,9 @@ class _Tap:
 HEAD = "@head"  # the tap of a tied embedding used as the output head
 CHUNK = 1 << 22  # weights per slice of rows scored at once (bounds the float32 temporaries)
 # Batches' gradients and inputs wait on disk until they reach this, then are scored together: each
-# candidate's quantization error is computed once per pool, not once per batch.
-POOL_BYTES = 4 << 30
+# candidate's quantization error is computed once per pool, not once per batch (at 0.5B, about
+# 35 s a pool for the six bit widths; a 256-token sample pools 0.72 GB there: 16 make two pools).
+POOL_BYTES = 8 << 30
 # A pool whose batches all fit in this stays in memory: a small model's pass skips the disk.
 POOL_MEMORY_BYTES = 512 << 20
 # One Fisher batch's taps, their gradients, recorded inputs and float32 logits stay under this:
