@@ -230,6 +230,19 @@ def test_scoring_on_threads_gives_the_same_values(monkeypatch: pytest.MonkeyPatc
     assert _scored(monkeypatch, threads=2, rows=512) == _scored(monkeypatch, threads=1, rows=512)
 
 
+def test_scoring_on_worker_processes_gives_the_same_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big model's modules are scored on processes (mlxbun.quant.workers): the same bits."""
+    from mlxbun.quant import workers
+
+    here = _scored(monkeypatch, threads=1, rows=512)
+    monkeypatch.setattr(workers, "MIN_WEIGHTS", 0)
+    started = []
+    real = workers.module_errors
+    monkeypatch.setattr(workers, "module_errors", lambda *a: started.append(1) or real(*a))
+    assert _scored(monkeypatch, threads=2, rows=512) == here
+    assert len(started) == 4
+
+
 def test_a_row_sample_scores_a_big_weight_close_to_all_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     """Errors are sums over rows and a candidate's KL is a ratio of two errors of the same rows."""
     full = _scored(monkeypatch, threads=1, rows=512)
@@ -244,3 +257,4 @@ def test_a_row_sample_scores_a_big_weight_close_to_all_its_rows(monkeypatch: pyt
     for path, kl in full.items():
         for spec, v in kl.items():
             assert sample[path][spec] == pytest.approx(v, rel=0.1), (path, spec)
+

@@ -210,36 +210,40 @@ def score(
     and the per-bits scales of its GPTQ estimate, each also handed to ``on_module`` as it is
     finished, in target order. ``model``: the float32 model (``probe.load_model``); each weight is
     cast to its target's source dtype first, as quantize rounds it. ``threads`` modules are scored
-    at once.
+    at once (on as many processes for a big model: :mod:`mlxbun.quant.workers`).
 
     Every error is a sum over the weight's rows (groups lie within a row; GPTQ treats rows alike),
     and a candidate's KL uses only the ratio of two errors of the same rows, so a big weight is
     scored on a sample of its rows (:func:`rows_scored`)."""
     import mlx.core as mx
 
+    from mlxbun.quant import workers
     from mlxbun.quant.units import stream
 
     modules = dict(model.named_modules())
     todo = [t for t in targets if t.path in measured and t.path not in done]
-
-    def errors(t: Any) -> tuple[dict[QuantSpec, float], dict[str, float]]:
-        w = modules[t.path].weight
-        rows = rows_scored(w.shape[-2], w.shape[-1])
-        if rows is not None:
-            w = mx.take(w, mx.array(rows), axis=-2)
-        h = hessians[t.path] if t.path in hessians else None
-        return module_errors(w.astype(getattr(mx, t.dtype)), h, specs)
-
-    def prefetch(t: Any) -> None:  # a lazy weight is evaluated here: MLX streams are per thread
-        mx.eval(modules[t.path].weight)
-
-    errors.prefetch = prefetch  # type: ignore[attr-defined]
+    weights = sum(int(modules[t.path].weight.size) for t in todo)
     out, anchors = {}, {}
-    for t, (errs, anchor) in stream(todo, errors, threads=threads):
-        out[t.path] = to_kl(measured[t.path], errs, base_group=base_group)
-        anchors[t.path] = anchor
-        if on_module is not None:
-            on_module(t.path, out[t.path], anchor)
+    with workers.pool(threads=threads, weights=weights) as pool:
+
+        def errors(t: Any) -> tuple[dict[QuantSpec, float], dict[str, float]]:
+            w = modules[t.path].weight
+            rows = rows_scored(w.shape[-2], w.shape[-1])
+            if rows is not None:
+                w = mx.take(w, mx.array(rows), axis=-2)
+            h = hessians[t.path] if t.path in hessians else None
+            w = w.astype(getattr(mx, t.dtype))
+            return module_errors(w, h, specs) if pool is None else workers.module_errors(pool, w, h, specs)
+
+        def prefetch(t: Any) -> None:  # a lazy weight is evaluated here: MLX streams are per thread
+            mx.eval(modules[t.path].weight)
+
+        errors.prefetch = prefetch  # type: ignore[attr-defined]
+        for t, (errs, anchor) in stream(todo, errors, threads=threads):
+            out[t.path] = to_kl(measured[t.path], errs, base_group=base_group)
+            anchors[t.path] = anchor
+            if on_module is not None:
+                on_module(t.path, out[t.path], anchor)
     mx.clear_cache()  # the scoring's freed buffers: not held through the probes
     return out, anchors
 
