@@ -252,9 +252,40 @@ def test_a_row_sample_scores_a_big_weight_close_to_all_its_rows(monkeypatch: pyt
     monkeypatch.undo()
     assert candidates.rows_scored(4096, 64) is None  # the narrow fixtures' embeddings stay whole
     assert len(candidates.rows_scored(4864, 896)) == 292  # a 0.5B-shaped MLP weight
-    assert len(candidates.rows_scored(896, 4864)) == candidates.MIN_SCORE_ROWS
+    assert len(candidates.rows_scored(896, 4864)) == candidates.MIN_SCORE_ROWS == 128  # a 0.5B down_proj
     assert full != sample
     for path, kl in full.items():
         for spec, v in kl.items():
             assert sample[path][spec] == pytest.approx(v, rel=0.1), (path, spec)
 
+
+def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probes' whole-model KL runs on the samples the estimate's own KLs were measured on."""
+    from types import SimpleNamespace
+
+    from mlxbun.quant import check, fisher
+    from mlxbun.quant.spec import Plan
+
+    seen = []
+
+    def measured(ref_dir, model_dir, tokens, **_):  # noqa: ANN001, ANN003, ANN202
+        seen.append(tokens.shape)
+        return 0.1
+
+    monkeypatch.setattr(check, "measured_kl", measured)
+    default = QuantSpec(bits=4, group_size=64)
+    gptq = QuantSpec(bits=4, group_size=64, method="gptq")
+    steps = candidates.Steps(
+        calibrate=None,
+        allocate=lambda *a, **k: Plan(default=default, layers={"a": gptq, "b": default}),
+        quantize=lambda model_dir, out, **k: SimpleNamespace(out=out),
+        default=default,
+    )
+    kls = {p: {default: 0.05, gptq: 0.03} for p in ("a", "b")}
+    tokens = np.zeros((32, 16), dtype=np.int32)
+    _, probes = candidates.corrected(
+        kls, model_dir="m", hessians="h", tokens=tokens, work_dir=tmp_path, steps=steps, budget_bpw=4.5
+    )
+    assert [p["key"] for p in probes] == ["rtn", "gptq"]
+    assert seen == [(32 // fisher.CALIB_FRACTION, 16)] * 2
+    assert fisher.calibration_subset(tokens[:3]).shape == (1, 16)  # at least one sample

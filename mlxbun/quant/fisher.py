@@ -9,7 +9,7 @@ passes over the calibration set, whatever the depth or the number of candidates:
    KL is estimated as 1/(2T) * sum_t (g_t . dW x_t)^2, cross-channel terms included.
 2. **Scores** per (module, candidate), once per pool of batches: quantize -> dequantize the
    weight once, then one matmul with the pooled inputs.
-3. **Calibration** (per candidate, one forward over a quarter of the calibration samples per
+3. **Calibration** (per candidate, one forward over an eighth of the calibration samples per
    group of modules: one role, and at <= 3 bits one quarter of the depth; ``GroupKL``): the
    group's modules at candidate s together, KL(ref || cur) measured exactly; its scores are
    scaled by measured / sum of estimates. This corrects the second-order formula where it breaks
@@ -137,7 +137,18 @@ class GroupKL:
 # ---------------------------------------------------------------- entry point
 
 
-CALIB_FRACTION = 4  # calibration runs on the first 1/4 of the calibration samples (at least one)
+# Whole-model KL measurements (the group calibration, exact refinement and the candidates' probes)
+# run on the first 1/CALIB_FRACTION of the calibration samples (at least one). 4 -> 8 halved the
+# group calibration's forwards (about 5 of a 0.5B recipe's minutes) and the probes' KL; 2 against
+# 4 had moved plan KL by a few percent either way (bench/results/sensitivity_draws.md).
+CALIB_FRACTION = 8
+
+
+def calibration_subset(tokens: Any) -> Any:
+    """The calibration samples whole-model KL measurements run on: the first 1/CALIB_FRACTION."""
+    return tokens[: max(1, len(tokens) // CALIB_FRACTION)]
+
+
 LOW_BITS = 3  # at and below, the second-order estimate breaks down by depth: calibrate per depth too
 DEPTH_BUCKETS = 4
 
@@ -152,8 +163,8 @@ CARRY_BITS = 6  # affine candidates above take this candidate's factors (when it
 # run never returns what an older estimator cached (2: 8 bits takes 6 bits' factors; 3: only
 # measured factors are carried, and a quantized source's own setting stays at KL 0; 4: a quantized
 # source's modules are not fitted to fall with bits; 5: 8 bits is measured where 6 bits leaves
-# some of its modules unchanged).
-VERSION = 5
+# some of its modules unchanged; 6: the calibration subset is an eighth of the samples, not a quarter).
+VERSION = 6
 
 
 def carried(cands: list[QuantSpec]) -> dict[str, str]:
@@ -231,7 +242,7 @@ def estimate(
         )
         batch_size = fewer
     batches = [mx.array(tokens[i : i + batch_size]) for i in range(0, n, batch_size)]
-    n_sub = max(1, n // CALIB_FRACTION)
+    n_sub = len(calibration_subset(tokens))
     sub = [mx.array(tokens[i : min(i + batch_size, n_sub)]) for i in range(0, n_sub, batch_size)]
     groups = {str(c.bits): calibration_groups(tgts, c) for c in cands}
     todo = to_measure(groups, cands)
