@@ -344,7 +344,13 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
         probes = res["rows"][0]["best"]["probes"] if res["rows"] else []
         lines += ["", "Probes of the first size (the correction of each quantizer's estimates):", ""]
         lines += [
-            f"- {p['key']}: {p['modules']} modules, predicted {p['predicted']:.5g}, measured {p['measured']:.5g}, factor {p['factor']:.2f}"
+            f"- {p['key']}: {p['modules']} modules, predicted {p['predicted']:.5g}, "
+            + (
+                f"measured {p['measured']:.5g}"
+                if p["measured"] is not None
+                else "not probed (under 5% of the KL)"
+            )
+            + f", factor {p['factor']:.2f}"
             for p in probes
         ]
         lines.append("")

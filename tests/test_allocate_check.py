@@ -60,3 +60,13 @@ def test_rescaled_multiplies_each_candidate_by_its_quantizers_factor():
     out = rescaled(sens, {"gptq": 3.0, "mxfp4": 0.5})
     assert out.layers["a"].kl == {RTN3: 1.0, RTN4: 0.25, GPTQ3: pytest.approx(0.6), CLIP4: 0.2, MX4: 0.15}
     assert (out.model_fingerprint, out.calibration_fingerprint) == ("m", "c")
+
+
+def test_a_quantizer_with_too_small_a_share_of_the_kl_is_not_probed():
+    """One clip module among many: its factor would be the whole model's measurement noise."""
+    layers = {f"m{i}": GPTQ3 for i in range(40)} | {"c": CLIP4}
+    calls: list = []
+    probes = correction_factors(layers, lambda p, s: PREDICTED[s], lambda x: _measure(x, calls))
+    assert [(p.key, p.measured, p.factor) for p in probes][1] == ("clip", None, 1.0)
+    assert len(calls) == 2  # the reference plan and gptq's: clip is 0.2 of 40 x 1.0 + 0.2
+    assert probes[2].factor == pytest.approx(TRUE_FACTOR["gptq"])

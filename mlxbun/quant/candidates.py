@@ -50,8 +50,8 @@ from mlxbun.quant.spec import HESSIANS_NAME, MODE_BITS, MODE_DEFAULTS, Plan, Qua
 log = logging.getLogger("mlxbun.sensitivity")
 
 METHODS = ("rtn", "clip", "gptq")  # the rounding methods scored here (awq needs its folds: not yet)
-VERSION = 4  # of the estimate: a change gives new cache keys (4: MIN_SCORE_ROWS 256 -> 128, probes
-# on the calibration subset)
+VERSION = 5  # of the estimate: a change gives new cache keys (4: MIN_SCORE_ROWS 256 -> 128, probes
+# on the calibration subset; 5: no probe of a quantizer under check.MIN_PROBE_SHARE of the KL)
 PROBE_BPW = 4.5  # the probes' budget when allocate has none
 SAVE_EVERY = 20.0  # seconds between saves of the modules scored so far
 # A weight of more than SCORE_WEIGHTS is scored on a fixed sample of its rows (rows_scored), never
