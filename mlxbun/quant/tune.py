@@ -179,16 +179,29 @@ def tune_model(
 
     Training stops after ``patience`` epochs (0: never) without a new best validation KL. When
     the input's validation KL is below ``min_kl``, or the training would take longer than
-    ``max_minutes`` (``EARLY_MARGIN`` times over at the speed of the reference's first validation
-    window, before any stand-in is built; then at the speed of the whole first validation pass),
-    nothing is trained: the tensors are None and the record's "reason" says why."""
+    ``max_minutes`` at the speed of the first validation window (then of the whole first
+    validation pass), nothing is trained: the tensors are None and the record's "reason" says why."""
     import mlx.core as mx
     import mlx.nn as nn
     import mlx.optimizers as optim
     from mlx.utils import tree_map, tree_unflatten
 
-    if not tunable(model):
+    linear_cls, embedding_cls, norm_cls = _modules()
+    swaps = []
+    for path, q in tunable(model):
+        cls = embedding_cls if isinstance(q, nn.QuantizedEmbedding) else linear_cls
+        swaps.append((path, cls(q, q.scales.dtype)))
+    if not swaps:
         raise InputError("model.name has no affine quantized module below 8 bits; there is nothing to tune")
+    tuned_norms = [(path, norm_cls(m)) for path, m in norms(model)]
+    model.update_modules(tree_unflatten(swaps + tuned_norms))
+    model.freeze()
+    for _, m in swaps:
+        m.unfreeze(keys=["log_scale", "shift"], recurse=False)
+    for _, m in tuned_norms:
+        m.unfreeze(keys=["log_gain"], recurse=False)
+    model.train()
+
     n = tokens.shape[0]
     n_val = max(2, n // 8)
     if n - n_val < 1:
@@ -202,49 +215,9 @@ def tune_model(
     def target(x: Any) -> Any:
         return mx.stop_gradient(log_probs(reference(x)))
 
-    # the reference's first validation window decides a run that would outlast max_minutes
-    # EARLY_MARGIN times over, before the stand-ins (a float32 copy of every quantized weight) are
-    # built: a big model's whole validation pass is minutes, and its stand-ins gigabytes
-    start = time.monotonic()
-    first_t = target(val[:1])
-    mx.eval(first_t)
-    vocab = first_t.shape[-1]
+    vocab = target(val[:1]).shape[-1]
     cache = (n * tokens.shape[1] * vocab * 4) <= LOGITS_CACHE_BYTES
     batches = [slice(i, i + batch_size) for i in range(0, train.shape[0], batch_size)]
-    windows = {"train": train.shape[0], "val": n_val}
-    # a stand-in forward is at least the reference's (the same float32 matmuls)
-    predicted = (time.monotonic() - start) * (n_val + _forwards(windows, epochs, cache=cache))
-    limit = None if max_minutes is None else EARLY_MARGIN * max_minutes
-    why = _skip_reason(math.inf, predicted, epochs=epochs, min_kl=-math.inf, max_minutes=limit)
-    if why is not None:
-        why = why.replace("first validation window(s)", "reference's first validation window")
-        why = why.replace(f"tune.max_minutes={limit:g}", f"{EARLY_MARGIN} x tune.max_minutes={max_minutes:g}")
-        record = {
-            "validation": [],
-            "validation_windows": 0,
-            "chosen_epoch": 0,
-            "reason": why,
-            "predicted_seconds": round(predicted, 1),
-            "seconds": round(time.monotonic() - start, 3),
-            "forward_equivalents": round(1 / n, 2),
-        }
-        return record, None
-    del first_t
-
-    linear_cls, embedding_cls, norm_cls = _modules()
-    swaps = []
-    for path, q in tunable(model):
-        cls = embedding_cls if isinstance(q, nn.QuantizedEmbedding) else linear_cls
-        swaps.append((path, cls(q, q.scales.dtype)))
-    tuned_norms = [(path, norm_cls(m)) for path, m in norms(model)]
-    model.update_modules(tree_unflatten(swaps + tuned_norms))
-    model.freeze()
-    for _, m in swaps:
-        m.unfreeze(keys=["log_scale", "shift"], recurse=False)
-    for _, m in tuned_norms:
-        m.unfreeze(keys=["log_gain"], recurse=False)
-    model.train()
-
     val_t = [target(val[i : i + 1]) for i in range(n_val)] if cache else None
     if cache:
         mx.eval(val_t)
@@ -281,18 +254,32 @@ def tune_model(
         return loss
 
     start = time.monotonic()
-    history = [validation()]
-    predicted = (time.monotonic() - start) / n_val * _forwards(windows, epochs, cache=cache)
-    why = _skip_reason(history[0], predicted, epochs=epochs, min_kl=min_kl, max_minutes=max_minutes)
+    windows = {"train": train.shape[0], "val": n_val}
+    # the first window alone decides a run that would outlast max_minutes EARLY_MARGIN times over
+    # (a big model's whole validation pass is minutes); its time includes the first call's start-up
+    first = validated(0, 1)
+    predicted = (time.monotonic() - start) * (n_val - 1 + _forwards(windows, epochs, cache=cache))
+    limit = None if max_minutes is None else EARLY_MARGIN * max_minutes
+    why = _skip_reason(first, predicted, epochs=epochs, min_kl=-math.inf, max_minutes=limit)
+    if why is not None:
+        why = why.replace(f"tune.max_minutes={limit:g}", f"{EARLY_MARGIN} x tune.max_minutes={max_minutes:g}")
+    done = 1
+    if why is None:
+        history = [validated(1, n_val, first) / n_val]
+        predicted = (time.monotonic() - start) / n_val * _forwards(windows, epochs, cache=cache)
+        why = _skip_reason(history[0], predicted, epochs=epochs, min_kl=min_kl, max_minutes=max_minutes)
+        done = n_val
+    else:
+        history = [first]
     if why is not None:
         record = {
             "validation": [round(history[0], 6)],
-            "validation_windows": n_val,
+            "validation_windows": done,
             "chosen_epoch": 0,
             "reason": why,
             "predicted_seconds": round(predicted, 1),
             "seconds": round(time.monotonic() - start, 3),
-            "forward_equivalents": round(2 * n_val / n, 2),
+            "forward_equivalents": round(2 * done / n, 2),
         }
         return record, None
     train_t = [target(train[b]) for b in batches] if cache else None
@@ -335,7 +322,7 @@ def tune_model(
     return record, {k: v for path, m in swaps + tuned_norms for k, v in m.stored_tensors(path).items()}
 
 
-EARLY_MARGIN = 4  # the reference's first window hands on only a run predicted this many times too long
+EARLY_MARGIN = 4  # the first validation window hands on only a run predicted this many times too long
 
 
 def _forwards(windows: dict[str, int], epochs: int, *, cache: bool) -> int:
