@@ -237,8 +237,8 @@ def test_scoring_on_worker_processes_gives_the_same_values(monkeypatch: pytest.M
     here = _scored(monkeypatch, threads=1, rows=512)
     monkeypatch.setattr(workers, "MIN_WEIGHTS", 0)
     started = []
-    real = workers.module_errors
-    monkeypatch.setattr(workers, "module_errors", lambda *a: started.append(1) or real(*a))
+    real = workers.sent
+    monkeypatch.setattr(workers, "sent", lambda w: started.append(1) or real(w))
     assert _scored(monkeypatch, threads=2, rows=512) == here
     assert len(started) == 4
 

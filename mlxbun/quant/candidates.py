@@ -167,6 +167,15 @@ def module_errors(
     return errs, anchors
 
 
+def _module_errors_on_worker(
+    w: np.ndarray, dtype: str, h: np.ndarray | None, specs: list
+) -> tuple[dict, dict]:
+    """:func:`module_errors` in a worker process (:mod:`mlxbun.quant.workers`)."""
+    from mlxbun.quant import workers
+
+    return module_errors(workers.received(w, dtype), h, specs)
+
+
 def to_kl(
     measured: Mapping[QuantSpec, float], errors: Mapping[QuantSpec, float], *, base_group: int
 ) -> dict[QuantSpec, float]:
@@ -236,7 +245,10 @@ def score(
                 w = mx.take(w, mx.array(rows), axis=-2)
             h = hessians[t.path] if t.path in hessians else None
             w = w.astype(getattr(mx, t.dtype))
-            return module_errors(w, h, specs) if pool is None else workers.module_errors(pool, w, h, specs)
+            if pool is None:
+                return module_errors(w, h, specs)
+            h = None if h is None else np.asarray(h)
+            return pool.submit(_module_errors_on_worker, *workers.sent(w), h, list(specs)).result()
 
         def prefetch(t: Any) -> None:  # a lazy weight is evaluated here: MLX streams are per thread
             mx.eval(modules[t.path].weight)

@@ -10,6 +10,7 @@ A worker runs exactly the in-process code on the same inputs, so the results are
 Example:
     >>> with workers.pool(threads=2, weights=n) as pool:
     ...     packed, scales, biases = workers.quantize(pool, w, hessian=h, bits=4, group_size=64, method="gptq")
+    ...     errs = pool.submit(task, *workers.sent(w)).result()  # task: a module-level function
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ def pool(*, threads: int, weights: int) -> Iterator[ProcessPoolExecutor | None]:
         yield ex
 
 
-def _sent(w: Any) -> tuple[np.ndarray, str]:
+def sent(w: Any) -> tuple[np.ndarray, str]:
     """An mx array as float32 numpy and its dtype's name (bfloat16 has no numpy dtype; the
     float32 round trip is exact)."""
     import mlx.core as mx
@@ -60,7 +61,7 @@ def _sent(w: Any) -> tuple[np.ndarray, str]:
     return np.asarray(w.astype(mx.float32)), str(w.dtype).rpartition(".")[2]
 
 
-def _received(a: np.ndarray, dtype: str) -> Any:
+def received(a: np.ndarray, dtype: str) -> Any:
     import mlx.core as mx
 
     return mx.array(a).astype(getattr(mx, dtype))
@@ -71,7 +72,7 @@ def _quantize(w: np.ndarray, dtype: str, hessian: np.ndarray | None, kw: dict) -
 
     from mlxbun.quant import rounding
 
-    packed, s, b = rounding.quantize(_received(w, dtype), hessian=hessian, **kw)
+    packed, s, b = rounding.quantize(received(w, dtype), hessian=hessian, **kw)
     mx.eval(packed, s, b)
     return np.asarray(packed), np.asarray(s.astype(mx.float32)), np.asarray(b.astype(mx.float32))
 
@@ -80,19 +81,7 @@ def quantize(ex: ProcessPoolExecutor, w: Any, *, hessian: Any, **kw: Any) -> tup
     """``rounding.quantize(w, hessian=hessian, **kw)`` on a worker (``kw``: bits, group_size, method)."""
     import mlx.core as mx
 
-    a, dtype = _sent(w)
+    a, dtype = sent(w)
     h = None if hessian is None else np.asarray(hessian)
     packed, s, b = ex.submit(_quantize, a, dtype, h, kw).result()
-    return mx.array(packed), _received(s, dtype), _received(b, dtype)
-
-
-def _module_errors(w: np.ndarray, dtype: str, h: np.ndarray | None, specs: list) -> tuple[dict, dict]:
-    from mlxbun.quant.candidates import module_errors
-
-    return module_errors(_received(w, dtype), h, specs)
-
-
-def module_errors(ex: ProcessPoolExecutor, w: Any, h: Any, specs: list) -> tuple[dict, dict]:
-    """``candidates.module_errors(w, h, specs)`` on a worker."""
-    a, dtype = _sent(w)
-    return ex.submit(_module_errors, a, dtype, None if h is None else np.asarray(h), list(specs)).result()
+    return mx.array(packed), received(s, dtype), received(b, dtype)
