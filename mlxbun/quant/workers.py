@@ -2,7 +2,7 @@
 
 MLX's CPU work from two Python threads of one process runs about one at a time: two 0.5B-shaped
 modules' candidate errors took 6.95 s one after the other, 6.70 s on two threads and 3.7 s in
-two processes. So a big model's rounding goes to ``threads`` processes (each started with the
+two processes (measured while another job shared the two cores). So a big model's rounding goes to ``threads`` processes (each started with the
 same BLAS, ``mlxbun.blas``), fed by the threads that stream its modules; a small one's stays on
 threads, where a process's start-up (about 2 s: importing mlx) would cost more than it saves.
 A worker runs exactly the in-process code on the same inputs, so the results are the same bits.
