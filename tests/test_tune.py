@@ -174,3 +174,26 @@ def test_tuned_values_round_to_the_stored_dtype_as_trained() -> None:
     untouched = linear_cls(layer, mx.bfloat16)
     ref = layer(x.astype(mx.bfloat16))  # the stored model's own forward (bias included)
     assert np.allclose(np.array(untouched(x)), np.array(ref.astype(mx.float32)), atol=0.05)
+
+
+def test_a_large_5_bit_embedding_stands_in_within_a_few_bytes_a_weight() -> None:
+    """The stand-in keeps one byte a code, and its codes come out in slices of rows: whole, mlx's
+    dequantize of a 0.5B model's 5-bit embedding took 3.4 GB of temporaries (25 bytes a weight)
+    and float32 codes 4 more, the peak of tune's run at that size."""
+    import mlx.nn as nn
+
+    from mlxbun.quant.tune import _modules
+
+    _, embedding_cls, _ = _modules()
+    rows, cols = 32768, 1024
+    emb = nn.QuantizedEmbedding(rows, cols, group_size=128, bits=5)
+    emb.scales = mx.ones_like(emb.scales).astype(mx.bfloat16)
+    emb.biases = mx.zeros_like(emb.biases).astype(mx.bfloat16)
+    mx.eval(emb.parameters())
+    mx.clear_cache()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    tuned = embedding_cls(emb, mx.bfloat16)
+    mx.eval(tuned._codes)
+    assert tuned._codes.dtype == mx.uint8
+    assert (mx.get_peak_memory() - base) / (rows * cols) < 8

@@ -108,18 +108,10 @@ def _dequantize(model: Any) -> None:
         cls = next((plain_cls for q, plain_cls in kinds.items() if isinstance(mod, q)), None)
         if cls is None:
             continue
-        rows = mod.weight.shape[-2]
-        step = max(1, FAKE_QUANT_CHUNK // max(1, mod.weight.size * 32 // mod.bits // rows))
-        parts = []
-        for lo in range(0, rows, step):
-            biases = mod.get("biases")
-            part = mx.dequantize(
-                mod.weight[..., lo : lo + step, :], mod.scales[..., lo : lo + step, :],
-                None if biases is None else biases[..., lo : lo + step, :], mod.group_size, mod.bits, mod.mode,
-            )  # fmt: skip
-            parts.append(part.astype(mx.float32))
-            mx.eval(parts[-1])
-        weight = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
+        weight = dequantized(
+            mod.weight, mod.scales, mod.get("biases"), group_size=mod.group_size, bits=mod.bits, mode=mod.mode,
+            dtype=mx.float32,
+        )  # fmt: skip
         kwargs = {} if cls is nn.Embedding else {"bias": "bias" in mod}
         new = cls(*weight.shape[::-1], **kwargs)
         if "bias" in mod:
@@ -128,6 +120,26 @@ def _dequantize(model: Any) -> None:
         plain.append((name, new))
     if plain:
         model.update_modules(tree_unflatten(plain))
+
+
+def dequantized(
+    wq: Any, scales: Any, biases: Any, *, group_size: int, bits: int, mode: str = "affine", dtype: Any
+) -> Any:
+    """mlx's dequantize as ``dtype``, in slices of rows of about :data:`FAKE_QUANT_CHUNK` weights,
+    each evaluated before the next (whole, a 150K-row 5-bit embedding takes 3.4 GB of temporaries)."""
+    import mlx.core as mx
+
+    rows = wq.shape[-2]
+    step = max(1, FAKE_QUANT_CHUNK // max(1, wq.size * 32 // bits // rows))
+    parts = []
+    for lo in range(0, rows, step):
+        part = mx.dequantize(
+            wq[..., lo : lo + step, :], scales[..., lo : lo + step, :],
+            None if biases is None else biases[..., lo : lo + step, :], group_size, bits, mode,
+        )  # fmt: skip
+        parts.append(part.astype(dtype))
+        mx.eval(parts[-1])
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
 
 
 def targets(model: Any, *, group_size: int, source: dict[str, dict], dtypes: dict[str, str]) -> list[Target]:
@@ -216,7 +228,7 @@ def _rounded(weight: Any, cand: QuantSpec, dtype: str, hessian: Any, factor: Any
     wq, s, b = rounding.quantize(
         src, bits=cand.bits, group_size=cand.group_size, method=cand.method, hessian=hessian, factor=factor
     )
-    return mx.dequantize(wq, s, b, group_size=cand.group_size, bits=cand.bits).astype(mx.float32)
+    return dequantized(wq, s, b, group_size=cand.group_size, bits=cand.bits, dtype=mx.float32)
 
 
 def _fake_quant(weight: Any, cand: QuantSpec, dtype: str) -> Any:

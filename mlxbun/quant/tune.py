@@ -17,7 +17,7 @@ written, or the input's values when no epoch beats them (``tune.json`` says whic
         tune.json       {"reference", "calibration", "validation": [KL before, after each epoch],
                          "chosen_epoch", "codes_changed", "seconds", "forward_equivalents", ...}
 
-When the whole-model tuning does not fit in memory (about 16 bytes a quantized weight and the
+When the whole-model tuning does not fit in memory (about 13 bytes a quantized weight and the
 reference in float32), the step records why in tune.json and hands on its input unchanged.
 
 Example:
@@ -51,7 +51,7 @@ from mlxbun.source import model_dir, named_dir
 log = logging.getLogger("mlxbun")
 
 TUNE_FILE = "tune.json"
-BYTES_PER_WEIGHT = 16  # float32 codes, the dense weight and its gradient, slack
+BYTES_PER_WEIGHT = 13  # its code (a byte), the float32 weight kept for the backward, its gradient, slack
 MEMORY_SHARE = 0.8
 LOGITS_CACHE_BYTES = 512 << 20  # the reference's log-probs are kept when they fit, else recomputed
 # A norm's gain moves 1/NORM_DAMPING as fast as a scale: every channel it scales feeds every
@@ -68,18 +68,23 @@ def _modules():
     import mlx.core as mx
     import mlx.nn as nn
 
+    from mlxbun.quant.probe import dequantized
+
     class TunedLinear(nn.Module):
-        """An affine QuantizedLinear as float32 codes with a trainable scale and bias per group."""
+        """An affine QuantizedLinear as its codes (one byte each; a float32 copy of a 0.5B model's
+        would be 2 GB) with a trainable scale and bias per group."""
 
         def __init__(self, q: Any, dtype: Any) -> None:
             super().__init__()
             self._gs, self._bits, self._dtype = q.group_size, q.bits, dtype
             self._steps = float(2**q.bits - 1)  # grid steps across a group's range
-            codes = mx.dequantize(
-                q.weight, mx.ones_like(q.scales), mx.zeros_like(q.biases), q.group_size, q.bits
-            )
+            codes = dequantized(
+                q.weight, mx.ones_like(q.scales), mx.zeros_like(q.biases), group_size=q.group_size, bits=q.bits,
+                dtype=mx.uint8,
+            )  # fmt: skip
             rows, cols = codes.shape
-            self._codes = codes.astype(mx.float32).reshape(rows, cols // q.group_size, q.group_size)
+            self._codes = codes.reshape(rows, cols // q.group_size, q.group_size)
+            mx.eval(self._codes)
             self._s0, self._b0 = q.scales.astype(mx.float32), q.biases.astype(mx.float32)
             self._bias = q["bias"] if "bias" in q else None
             self.log_scale = mx.zeros_like(self._s0)
@@ -97,7 +102,7 @@ def _modules():
 
         def weight(self) -> Any:
             s, b = self.scales_biases()
-            w = self._codes * s[..., None] + b[..., None]
+            w = self._codes.astype(mx.float32) * s[..., None] + b[..., None]
             return w.reshape(w.shape[0], -1)
 
         def __call__(self, x: Any) -> Any:
@@ -107,7 +112,7 @@ def _modules():
     class TunedEmbedding(TunedLinear):
         def __call__(self, ids: Any) -> Any:
             s, b = self.scales_biases()
-            w = self._codes[ids] * s[ids][..., None] + b[ids][..., None]
+            w = self._codes[ids].astype(mx.float32) * s[ids][..., None] + b[ids][..., None]
             return w.reshape(*ids.shape, -1)
 
         def as_linear(self, x: Any) -> Any:
