@@ -344,7 +344,8 @@ def report(args: argparse.Namespace, results: list[dict], seconds: float) -> str
         probes = res["rows"][0]["best"]["probes"] if res["rows"] else []
         lines += ["", "Probes of the first size (the correction of each quantizer's estimates):", ""]
         lines += [
-            f"- {p['key']}: {p['modules']} modules, predicted {p['predicted']:.5g}, "
+            f"- {p['key']}: {p['modules']} modules ({p.get('planned', p['modules'])} planned),"
+            f" predicted {p['predicted']:.5g}, "
             + (
                 f"measured {p['measured']:.5g}"
                 if p["measured"] is not None

@@ -36,19 +36,23 @@ def test_factors_recover_each_quantizers_error_with_one_probe_each():
     layers = {"a": GPTQ3, "b": GPTQ3, "c": CLIP4, "d": MX4, "e": RTN4, "f": None, "g": RTN3}
     calls: list = []
     probes = correction_factors(
-        layers, lambda p, s: None if p == "g" else PREDICTED[s], lambda x: _measure(x, calls)
+        layers, lambda p, s: None if p == "g" else PREDICTED.get(s), lambda x: _measure(x, calls)
     )
     assert [p.key for p in probes] == ["rtn", "clip", "gptq", "mxfp4"]
     assert len(calls) == 4  # the reference plan, then one probe per quantizer other than RTN
     assert calls[0] == {"a": RTN3, "b": RTN3, "c": RTN4, "d": RTN4, "e": RTN4, "f": None, "g": RTN3}
-    assert calls[2]["a"] == GPTQ3 and calls[2]["c"] == RTN4
+    assert calls[2]["a"] == GPTQ3 and calls[2]["c"] == RTN4  # no 4-bit gptq setting to add
     for p in probes:
         assert p.factor == pytest.approx(TRUE_FACTOR[p.key])
-    assert probes[2].modules == 2 and probes[0].modules == 5
+    assert (probes[2].modules, probes[2].planned) == (2, 2) and probes[0].modules == 5
+    # clip's one module carried 0.2 of 2.7: the 4-bit modules were added at clip (3-bit: no setting)
+    assert (probes[1].modules, probes[1].planned) == (3, 1)
+    assert [calls[1][p] for p in "abcde"] == [RTN3, RTN3, CLIP4, CLIP4, CLIP4]
+    assert [calls[3][p] for p in "abcde"] == [RTN3, RTN3, MX4, MX4, MX4]
 
 
 def test_a_factor_is_clipped_and_a_missing_reference_is_named():
-    probes = correction_factors({"a": GPTQ3, "b": RTN4}, lambda p, s: PREDICTED[s],
+    probes = correction_factors({"a": GPTQ3, "b": RTN4}, lambda p, s: PREDICTED.get(s),
                                 lambda x: 1000.0 if x["a"] == GPTQ3 else 1.0)  # fmt: skip
     assert probes[1].factor == FACTOR_RANGE[1]
     with pytest.raises(InputError, match=r"no KL for 'a' at affine:3:64; probe its RTN reference"):
@@ -63,10 +67,39 @@ def test_rescaled_multiplies_each_candidate_by_its_quantizers_factor():
 
 
 def test_a_quantizer_with_too_small_a_share_of_the_kl_is_not_probed():
-    """One clip module among many: its factor would be the whole model's measurement noise."""
+    """One clip module among many, and no other module with a clip setting: its factor would be
+    the whole model's measurement noise."""
     layers = {f"m{i}": GPTQ3 for i in range(40)} | {"c": CLIP4}
     calls: list = []
-    probes = correction_factors(layers, lambda p, s: PREDICTED[s], lambda x: _measure(x, calls))
+    probes = correction_factors(layers, lambda p, s: PREDICTED.get(s), lambda x: _measure(x, calls))
     assert [(p.key, p.measured, p.factor) for p in probes][1] == ("clip", None, 1.0)
     assert len(calls) == 2  # the reference plan and gptq's: clip is 0.2 of 40 x 1.0 + 0.2
     assert probes[2].factor == pytest.approx(TRUE_FACTOR["gptq"])
+
+
+def test_a_small_quantizer_is_probed_on_the_largest_other_modules_until_half_the_kl():
+    """One planned clip module of 41 (the 8-layer fixture's case): measured alone, the whole
+    model's measurement noise over its share is its factor; the largest others at clip fix that."""
+    layers = {f"m{i}": RTN3 for i in range(40)} | {"c": CLIP4}
+    clip3 = QuantSpec(bits=3, method="clip")
+    kls = {f"m{i}": {RTN3: 0.06, clip3: 0.03 + i / 2000} for i in range(40)} | {"c": {RTN4: 0.25, CLIP4: 0.2}}
+    truth = {"rtn": 1.0, "clip": 1.5}
+
+    def probed(kl):
+        calls: list = []
+
+        def measure(settings):  # exact for the reference plan, 3% high for a probe
+            calls.append(settings)
+            exact = sum(kls[p][s] * truth[correction_key(s)] for p, s in settings.items())
+            return exact * (1.0 if len(calls) == 1 else 1.03)
+
+        return correction_factors(layers, kl, measure)[1], calls
+
+    alone, _ = probed(lambda p, s: kls[p].get(s) if s != clip3 else None)  # no other clip setting
+    assert alone.modules == 1 and abs(alone.factor - 1.5) > 0.35
+    clip, calls = probed(lambda p, s: kls[p].get(s))
+    assert clip.planned == 1 and clip.factor == pytest.approx(1.5, rel=0.06)
+    added = [p for p, s in calls[1].items() if s == clip3]
+    assert set(added) == {f"m{i}" for i in range(39, 39 - len(added), -1)}  # the largest first
+    assert sum(kls[p][clip3] for p in added) + 0.2 >= 0.5 * sum(kls[p][calls[1][p]] for p in layers)
+    assert clip.modules == 1 + len(added) < 41

@@ -7,7 +7,9 @@ quantizer with whole-model probes around a plan:
 
     base   = the plan with every module at its measured reference (RTN, same bits)
     r      = measured KL(base) / predicted KL(base)                  how modules interact
-    probe_k= the plan's modules of quantizer k as planned, the rest at their reference
+    probe_k= the plan's modules of quantizer k as planned, the rest at their reference; when those
+             carry under PROBE_SHARE of the probe's predicted KL, the rest's largest are made k's
+             too (k at their reference's bits), so the factor is not the noise of a small share
     f_k    = (measured KL(probe_k) / r - predicted KL of the rest) / predicted KL of k's modules
 
 ``rescaled`` multiplies every candidate of quantizer k by f_k before solving again.
@@ -26,18 +28,20 @@ from typing import Any
 
 from mlxbun.errors import InputError
 from mlxbun.kl import kl_rows, log_probs
-from mlxbun.quant import budget
+from mlxbun.quant import budget, candidates
 from mlxbun.quant.budget import SizeReport
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.probe import load_model
 from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
-from mlxbun.quant.spec import QuantSpec
+from mlxbun.quant.spec import MODE_BITS, QuantSpec
 
 FACTOR_RANGE = (0.1, 10.0)  # a probe's factor is clipped to this: one noisy probe cannot dominate
-# A quantizer whose planned modules carry less than this share of its probe's predicted KL is not
-# probed (factor 1): its factor would be the noise of the whole model's KL over that share. (On the
-# 8-layer fixture one clip module of 58 measured factors 0.47-0.68, moved 42 modules to clip and
-# cost 9% more held-out KL at three sizes; that module carried more than this share: not caught.)
+# A probe's factor is its quantizer's share of the measured KL over its share of the predicted:
+# the whole model's measurement noise over that share. Under PROBE_SHARE, the probe takes more
+# modules at the quantizer (on the 8-layer fixture one clip module of 58 measured factors
+# 0.47-0.68, moved 42 modules to clip and cost 9% more held-out KL at three sizes); a quantizer
+# that still carries under MIN_PROBE_SHARE is not probed (factor 1).
+PROBE_SHARE = 0.5
 MIN_PROBE_SHARE = 0.05
 
 
@@ -169,6 +173,7 @@ class Probe:
     predicted: float
     measured: float | None  # None: not probed (its modules' share of the KL is under MIN_PROBE_SHARE)
     factor: float
+    planned: int = 0  # of ``modules``, those the plan has at this quantizer (the rest: added)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -182,9 +187,10 @@ def correction_factors(
     kl: Callable[[str, QuantSpec], float | None],
     measure: Callable[[Layers], float],
 ) -> list[Probe]:
-    """Per-quantizer factors from 1 + (quantizers other than RTN in ``layers``) whole-model probes;
-    a quantizer whose modules carry under :data:`MIN_PROBE_SHARE` of its probe's predicted KL is
-    not probed (measured None, factor 1).
+    """Per-quantizer factors from 1 + (quantizers other than RTN in ``layers``) whole-model probes.
+    A probe whose planned modules carry under :data:`PROBE_SHARE` of its predicted KL takes the
+    other modules at the quantizer too (:func:`variant`), largest predicted KL first, until they
+    do; one that still carries under :data:`MIN_PROBE_SHARE` is not made (measured None, factor 1).
 
     Args:
         layers: a plan's setting of every module (None: unquantized).
@@ -205,20 +211,39 @@ def correction_factors(
 
     pred_base, meas_base = predicted(base, scored), measure(base)
     r = meas_base / pred_base if pred_base > 0 else 1.0
-    probes = [Probe("rtn", len(scored), pred_base, meas_base, 1.0)]
+    planned_rtn = sum(correction_key(layers[p]) == "rtn" for p in scored)
+    probes = [Probe("rtn", len(scored), pred_base, meas_base, 1.0, planned_rtn)]
     for key in sorted({correction_key(layers[p]) for p in scored} - {"rtn"}):
         mine = [p for p in scored if correction_key(layers[p]) == key]
-        rest = [p for p in scored if p not in mine]
         settings = {p: (layers[p] if p in mine else base[p]) for p in layers}
-        pk, po = predicted(settings, mine), predicted(base, rest)
+        planned = len(mine)
+        pk, po = predicted(settings, mine), predicted(base, [p for p in scored if p not in mine])
+        others = [(p, variant(base[p], key)) for p in scored if p not in mine]
+        values = [(kl(p, v), p, v) for p, v in others if v is not None]
+        for value, p, v in sorted((x for x in values if x[0] is not None), key=lambda x: -x[0]):
+            if pk >= PROBE_SHARE * (pk + po):
+                break
+            settings[p] = v
+            mine.append(p)
+            pk, po = pk + value, po - kl(p, base[p])
         if pk < MIN_PROBE_SHARE * (pk + po):
-            probes.append(Probe(key, len(mine), pk + po, None, 1.0))
+            probes.append(Probe(key, len(mine), pk + po, None, 1.0, planned))
             continue
         m = measure(settings)
         f = (m / r - po) / pk if pk > 0 else 1.0
         f = min(max(f, FACTOR_RANGE[0]), FACTOR_RANGE[1])
-        probes.append(Probe(key, len(mine), pk + po, m, f))
+        probes.append(Probe(key, len(mine), pk + po, m, f, planned))
     return probes
+
+
+def variant(reference: QuantSpec, key: str) -> QuantSpec | None:
+    """Quantizer ``key``'s setting at an RTN ``reference``'s bits (and group size, when affine);
+    None when the quantizer has no such setting."""
+    if key in candidates.METHODS:
+        return QuantSpec(bits=reference.bits, group_size=reference.group_size, method=key)
+    if key in MODE_BITS and key != "affine" and reference.bits in MODE_BITS[key]:
+        return QuantSpec(mode=key)
+    return None
 
 
 def rescaled(sens: Sensitivity, factors: Mapping[str, float]) -> Sensitivity:
