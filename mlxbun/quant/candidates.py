@@ -365,9 +365,10 @@ def extend(
                                 ``hessians`` is None
         scored.json             every module's candidates' KL, before correction
                                 (scored.partial.json: the modules done so far, while scoring)
-        corrected-<dtype>-<budget>.json   after the probes of a plan at that budget, and the probes
+        corrected-v<check.VERSION>-<dtype>-<budget>.json   after the probes of a plan at that budget,
+                                and the probes
     """
-    from mlxbun.quant import hessian
+    from mlxbun.quant import check, hessian
     from mlxbun.quant.sensitivity_file import parse_setting_key, setting_key
 
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -436,7 +437,7 @@ def extend(
         seconds["score"] = scored["seconds"]
     out, probes = scored["kl"], []
     if budget_bpw is not None or budget_bytes is not None:
-        name = f"corrected-{out_dtype}-" + (
+        name = f"corrected-v{check.VERSION}-{out_dtype}-" + (
             f"{budget_bpw}bpw" if budget_bpw is not None else f"{budget_bytes}B"
         )
         done = read(f"{name}.json")

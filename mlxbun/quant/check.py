@@ -42,6 +42,7 @@ FACTOR_RANGE = (0.1, 10.0)  # a probe's factor is clipped to this: one noisy pro
 # 0.47-0.68, moved 42 modules to clip and cost 9% more held-out KL at three sizes); a quantizer
 # that still carries under MIN_PROBE_SHARE is not probed (factor 1).
 PROBE_SHARE = 0.5
+VERSION = 2  # of the probes: in the name of the corrected estimates a run keeps (2: PROBE_SHARE)
 MIN_PROBE_SHARE = 0.05
 
 
