@@ -125,7 +125,7 @@ COMMANDS: dict[str, Command] = {
     "tune": Command(
         "mlxbun.quant.tune",
         "learned rounding: tune a quantized model's group scales, biases and norms to its reference",
-        reads=(*MODEL_SECTIONS, "tune", "io", "registry", "sensitivity.calib"),
+        reads=(*MODEL_SECTIONS, "tune", "io", "sensitivity.calib.path", "sensitivity.calib.seed"),
         needs=(MODEL, ("tune.reference",)),
         provides=("model.name",),
     ),
@@ -139,7 +139,7 @@ COMMANDS: dict[str, Command] = {
     "eval": Command(
         "mlxbun.eval",
         "KL-divergence statistics of quantized candidates against a reference",
-        reads=(*MODEL_SECTIONS, "eval", "registry"),
+        reads=(*MODEL_SECTIONS, "eval"),
     ),
     "kv_save": Command(
         "mlxbun.kv.commands:save",

@@ -138,6 +138,13 @@ def test_tune_stops_after_patience_epochs_without_a_new_best(tmp_path: Path, q3:
         (["tune.patience=-1"], "tune.patience=-1 is out of range"),
         (["tune.min_kl=nan"], "tune.min_kl=nan is out of range"),
         (["tune.max_minutes=0"], "tune.max_minutes=0"),
+        # another model as the reference: a raw mlx broadcast error, exit 1, a staging dir left
+        (
+            [f"tune.reference={FIXTURE.parent / 'llama-text-12l'}"],
+            "is not the model model.name was quantized from",
+        ),
+        (["sensitivity.calib.samples=3"], "sensitivity.calib.samples=3 is not read by command=tune"),
+        (["registry.fit.budget_gb=1"], "registry.fit.budget_gb=1.0 is not read by command=tune"),
     ],
 )
 def test_bad_tune_input_is_one_line_and_exit_2(
@@ -149,6 +156,21 @@ def test_bad_tune_input_is_one_line_and_exit_2(
     assert r.returncode == 2, r.stderr
     assert message in r.stderr and "Traceback" not in r.stderr
     assert not list((tmp_path / "outputs").rglob("model.safetensors"))
+
+
+def test_a_reference_that_cannot_be_loaded_or_is_quantized_is_named_as_the_reference(
+    tmp_path: Path, q3: Path
+) -> None:
+    empty = tmp_path / "noweights"
+    empty.mkdir()
+    (empty / "config.json").write_text((FIXTURE / "config.json").read_text())
+    r, _ = _run(tmp_path, f"model.name={q3}", f"tune.reference={empty}")
+    assert r.returncode == 2 and f"tune.reference={str(empty)!r} cannot be loaded" in r.stderr, r.stderr
+    r, _ = _run(tmp_path, f"model.name={q3}", f"tune.reference={q3}")
+    assert r.returncode == 2 and "is a quantized model; pass the unquantized model" in r.stderr, r.stderr
+    assert not (tmp_path / "outputs" / ".partial").exists() or not any(
+        (tmp_path / "outputs" / ".partial").iterdir()
+    )
 
 
 def test_tune_without_a_reference_is_refused(tmp_path: Path, q3: Path) -> None:

@@ -61,8 +61,9 @@ def find_blocks(model: Any) -> tuple[Any, str]:
     return best[1], best[0]
 
 
-def load_model(model_dir: str | Path) -> tuple[Any, Any, dict[str, dict]]:
-    """mlx-lm model (float32, dequantized) + tokenizer + each quantized module's original setting."""
+def load_model(model_dir: str | Path, *, key: str = "model.name") -> tuple[Any, Any, dict[str, dict]]:
+    """mlx-lm model (float32, dequantized) + tokenizer + each quantized module's original setting;
+    ``key``: the setting that named ``model_dir``, for the error when mlx-lm cannot load it."""
     import mlx.core as mx
     import mlx.nn as nn
     from mlx.utils import tree_flatten
@@ -72,7 +73,7 @@ def load_model(model_dir: str | Path) -> tuple[Any, Any, dict[str, dict]]:
     try:
         model, tokenizer = load(str(model_dir))
     except (FileNotFoundError, ValueError) as e:
-        raise InputError(f"model.name={str(model_dir)!r} cannot be loaded by mlx_lm: {e}") from None
+        raise InputError(f"{key}={str(model_dir)!r} cannot be loaded by mlx_lm: {e}") from None
     current, dtypes = {}, {}
     for path, mod in model.named_modules():
         if isinstance(mod, (nn.QuantizedLinear, nn.QuantizedEmbedding)):

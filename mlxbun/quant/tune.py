@@ -394,7 +394,33 @@ def _reference_dir(cfg: Any) -> Path:
         raise InputError(
             "tune.reference is not set; pass the unquantized model the quantized one was made from"
         )
-    return named_dir(cfg.tune.reference, reg=cfg.registry, key="tune.reference")
+    ref = named_dir(cfg.tune.reference, reg=cfg.registry, key="tune.reference")
+    config = ref / "config.json"
+    if config.is_file() and '"quantization"' in config.read_text():
+        raise InputError(
+            f"tune.reference={str(ref)!r} is a quantized model; pass the unquantized model"
+            " the quantized one was made from"
+        )
+    return ref
+
+
+def check_reference(model: Any, reference: Any, ref_dir: Path) -> None:
+    """Refuse a reference that is not the quantized model's source: each tuned module must be
+    there with the weight shape it was quantized from."""
+    from mlxbun.quant.probe import module_at
+
+    for path, q in tunable(model):
+        want = (q.weight.shape[0], q.weight.shape[1] * 32 // q.bits)
+        try:
+            got = tuple(module_at(reference, path).weight.shape)
+        except (AttributeError, IndexError):
+            got = None
+        if got != want:
+            there = "missing" if got is None else f"{got[0]} x {got[1]}"
+            raise InputError(
+                f"tune.reference={str(ref_dir)!r} is not the model model.name was quantized from:"
+                f" its {path} is {there}, model.name's is {want[0]} x {want[1]}"
+            )
 
 
 def run(cfg: Any) -> Any:
@@ -416,7 +442,8 @@ def run(cfg: Any) -> Any:
             f"model.name={str(src)!r} is not a quantized model (its config.json has no quantization)"
         )
     model, tokenizer = load(str(src))
-    reference, _, _ = load_reference(ref_dir)
+    reference, _, _ = load_reference(ref_dir, key="tune.reference")
+    check_reference(model, reference, ref_dir)
     c = cfg.sensitivity.calib
     calib = load_calibration(
         tokenizer=tokenizer, path=c.path, samples=t.samples, seq_len=t.seq_len, seed=c.seed
