@@ -28,7 +28,7 @@ from typing import Any
 
 from mlxbun.errors import InputError
 from mlxbun.kl import kl_rows, log_probs
-from mlxbun.quant import budget, candidates
+from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.probe import load_model
@@ -239,10 +239,11 @@ def correction_factors(
 
 def variant(reference: QuantSpec, key: str) -> QuantSpec | None:
     """Quantizer ``key``'s setting at an RTN ``reference``'s bits (and group size, when affine);
-    None when the quantizer has no such setting."""
-    if key in candidates.METHODS:
+    None when the mode has no such bits. (A rounding method's setting the objective has not scored
+    has no KL: the probe passes it by.)"""
+    if key not in MODE_BITS:
         return QuantSpec(bits=reference.bits, group_size=reference.group_size, method=key)
-    if key in MODE_BITS and key != "affine" and reference.bits in MODE_BITS[key]:
+    if key != "affine" and reference.bits in MODE_BITS[key]:
         return QuantSpec(mode=key)
     return None
 
