@@ -166,6 +166,9 @@ def test_a_reference_that_cannot_be_loaded_or_is_quantized_is_named_as_the_refer
     (empty / "config.json").write_text((FIXTURE / "config.json").read_text())
     r, _ = _run(tmp_path, f"model.name={q3}", f"tune.reference={empty}")
     assert r.returncode == 2 and f"tune.reference={str(empty)!r} cannot be loaded" in r.stderr, r.stderr
+    (empty / "config.json").unlink()  # was mlx-lm's "[Errno 2] No such file" under model.name
+    r, _ = _run(tmp_path, f"model.name={q3}", f"tune.reference={empty}")
+    assert r.returncode == 2 and f"tune.reference={str(empty)!r} has no config.json; pass a" in r.stderr
     r, _ = _run(tmp_path, f"model.name={q3}", f"tune.reference={q3}")
     assert r.returncode == 2 and "is a quantized model; pass the unquantized model" in r.stderr, r.stderr
     assert not (tmp_path / "outputs" / ".partial").exists() or not any(

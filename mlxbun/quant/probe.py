@@ -69,6 +69,8 @@ def load_model(model_dir: str | Path, *, key: str = "model.name") -> tuple[Any, 
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load
 
+    if not (Path(model_dir) / "config.json").is_file():
+        raise InputError(f"{key}={str(model_dir)!r} has no config.json; pass a Hugging Face model directory")
     read_config(Path(model_dir))  # a broken config.json: the one reader's line, not mlx-lm's
     try:
         model, tokenizer = load(str(model_dir))
