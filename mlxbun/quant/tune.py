@@ -40,7 +40,7 @@ import numpy as np
 from mlxbun.errors import InputError
 from mlxbun.host import available_memory
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
-from mlxbun.io.safetensors import INDEX_FILE, open_model
+from mlxbun.io.safetensors import INDEX_FILE, open_model, read_config
 from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, stable_root
 from mlxbun.progress import Progress, human_bytes
@@ -395,8 +395,7 @@ def _reference_dir(cfg: Any) -> Path:
             "tune.reference is not set; pass the unquantized model the quantized one was made from"
         )
     ref = named_dir(cfg.tune.reference, reg=cfg.registry, key="tune.reference")
-    config = ref / "config.json"
-    if config.is_file() and '"quantization"' in config.read_text():
+    if read_config(ref).get("quantization"):
         raise InputError(
             f"tune.reference={str(ref)!r} is a quantized model; pass the unquantized model"
             " the quantized one was made from"
