@@ -10,7 +10,7 @@ at ``sensitivity.bits`` x ``sensitivity.group_size``; every other candidate of t
 Errors of RTN, of the microscaling modes and of the range search (``clip``) are exact (one
 quantize -> dequantize each). GPTQ's is estimated, not run per setting: GPTQ's output error is
 exactly ``sum_k |r_k|^2 / U_kk^2`` over columns k, with ``r_k`` the column's rounding residual and
-``U`` the Cholesky factor of ``H^-1`` (:func:`mlxbun.quant.rounding.inverse_factor`). The
+``U`` the Cholesky factor of ``H^-1`` in GPTQ's column order (:func:`mlxbun.quant.rounding.gptq_factor`). The
 residual of each column is taken as the range search's at that setting (GPTQ rounds with the same
 search), which gives every (bits, group size) from one factorisation per module; one exact GPTQ
 per module and bits (at :data:`ANCHOR_GROUP`) then scales that bits' estimates to the real one.
@@ -50,8 +50,9 @@ from mlxbun.quant.spec import HESSIANS_NAME, MODE_BITS, MODE_DEFAULTS, Plan, Qua
 log = logging.getLogger("mlxbun.sensitivity")
 
 METHODS = ("rtn", "clip", "gptq")  # the rounding methods scored here (awq needs its folds: not yet)
-VERSION = 5  # of the estimate: a change gives new cache keys (4: MIN_SCORE_ROWS 256 -> 128, probes
-# on the calibration subset; 5: no probe of a quantizer under check.MIN_PROBE_SHARE of the KL)
+VERSION = 6  # of the estimate: a change gives new cache keys (4: MIN_SCORE_ROWS 256 -> 128, probes
+# on the calibration subset; 5: no probe of a quantizer under check.MIN_PROBE_SHARE of the KL;
+# 6: GPTQ in act-order)
 PROBE_BPW = 4.5  # the probes' budget when allocate has none
 SAVE_EVERY = 20.0  # seconds between saves of the modules scored so far
 # A weight of more than SCORE_WEIGHTS is scored on a fixed sample of its rows (rows_scored), never
@@ -95,7 +96,7 @@ def reference(spec: QuantSpec, base_group: int) -> QuantSpec:
 
 def _dequantized(w: Any, spec: QuantSpec, hessian: Any, factor: Any = None) -> Any:
     """``w`` (its source dtype) rounded at ``spec`` and back, float32: what quantize would write
-    (``factor``: the Hessian's ``rounding.inverse_factor``, when computed already)."""
+    (``factor``: the Hessian's ``rounding.gptq_factor``, when computed already)."""
     from mlxbun.quant.probe import fake_quant
 
     return fake_quant(w, spec, dtype=str(w.dtype).rpartition(".")[2], hessian=hessian, factor=factor)
@@ -146,8 +147,10 @@ def module_errors(
         for spec in gptq:
             errs[spec] = _error(_dequantized(w, spec, h) - ref, h)
         return errs, {}
-    factor = rounding.inverse_factor(np.asarray(h))  # once per module: every GPTQ below shares it
-    inv_diag = np.abs(np.diag(factor))
+    factor = rounding.gptq_factor(np.asarray(h))  # once per module: every GPTQ below shares it
+    order, U = factor
+    inv_diag = np.empty(len(order))
+    inv_diag[order] = np.abs(np.diag(U))  # column k's U_kk, k in GPTQ's order
     closed = {}
     for spec in gptq:
         r = residuals.get((spec.bits, spec.group_size))

@@ -203,7 +203,7 @@ def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str, hessian: Any = None,
     Rounded as ``cand.method`` says: rtn by ``mx.quantize``; clip and gptq by
     :func:`mlxbun.quant.rounding.quantize` with the module's input ``hessian`` (the weight
     quantize writes; gptq without one is clip there; ``factor``: the Hessian's
-    ``rounding.inverse_factor``, when computed already). awq folds scales across modules and cannot be
+    ``rounding.gptq_factor``, when computed already). awq folds scales across modules and cannot be
     made one module at a time. Large rtn weights go in slices of rows (quantization groups never
     cross a row: the same values), each evaluated before the next, so the temporaries stay near
     ``FAKE_QUANT_CHUNK`` weights."""

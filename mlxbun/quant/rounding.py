@@ -7,8 +7,9 @@ optionally weighted per input column (e.g. by the mean squared activation E[x_j^
 it the layer's output error for independent inputs). ``mx.quantize``'s own result is always
 one of the candidates, so the error is never above it. ``method="gptq"`` (Frantar et al. 2022)
 rounds column by column and spreads each column's rounding error over the columns not yet
-rounded, through the inverse of the layer's input Hessian H (:mod:`mlxbun.quant.hessian`);
-each group's scale and bias come from the range search on the group as it stands when reached.
+rounded, through the inverse of the layer's input Hessian H (:mod:`mlxbun.quant.hessian`); the
+groups' scales and biases come first from the range search, then the columns are rounded in
+act-order (largest diag(H) first; :func:`gptq_factor`).
 A module without H falls back to the range search. ``method="awq"`` is the range search on a
 weight whose columns :mod:`mlxbun.quant.awq` has already scaled (the scales live in the weights). The output is ``(packed, scales,
 biases)`` exactly as ``mx.quantize`` lays them out (codes packed as one little-endian bit stream
@@ -26,7 +27,8 @@ from typing import Any
 import numpy as np
 
 METHODS = ("rtn", "clip", "gptq", "awq")
-VERSION = 1  # of what the rounding gives: bump on any change of its bytes (it keys mlxbun.quant.rounded)
+VERSION = 2  # of what the rounding gives: bump on any change of its bytes (it keys mlxbun.quant.rounded;
+# 2: GPTQ in act-order with static groups)
 DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
@@ -187,57 +189,68 @@ def _check_factor(L: np.ndarray) -> None:
         raise NotPositiveDefinite("is not positive definite (its Cholesky failed after dampening)")
 
 
-def _gptq_group(
+def gptq_factor(h: Any) -> tuple[np.ndarray, np.ndarray]:
+    """GPTQ's column order and the :func:`inverse_factor` of ``h`` taken in that order.
+
+    The order is act-order (GPTQ's ``desc_act``): the columns of largest diag(H) first (ties in
+    column order), so the inputs that carry the most energy are rounded while the most columns are
+    left to absorb their error. On the two narrow fixtures' Hessians it lowers GPTQ's output error
+    at 2, 4 and 6 bits x group 32/64/128 by 4-25% (mean over modules) against the plain order."""
+    order = np.argsort(-np.diag(np.asarray(h, dtype=np.float64)), kind="stable")
+    return order, inverse_factor(np.asarray(h, dtype=np.float64)[np.ix_(order, order)])
+
+
+def _gptq_block(
     W: np.ndarray, U: np.ndarray, s: np.ndarray, b: np.ndarray, n: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Round the columns of one group (``W``: rows x group, updated in place) one by one, each
-    column's error spread over the group's later columns; (codes, scaled errors)."""
+    """Round the columns of one block (``W``: rows x block, updated in place; ``s``, ``b``: each
+    column's group scale and bias) one by one, each column's error spread over the block's later
+    columns; (codes, scaled errors)."""
     codes = np.empty(W.shape, dtype=np.uint8)
     err = np.empty(W.shape, dtype=np.float32)
     for k in range(W.shape[1]):
-        q = np.clip(np.round((W[:, k] - b) / s), 0, n)
+        q = np.clip(np.round((W[:, k] - b[:, k]) / s[:, k]), 0, n)
         codes[:, k] = q
-        e = (W[:, k] - (s * q + b)) / U[k, k]
+        e = (W[:, k] - (s[:, k] * q + b[:, k])) / U[k, k]
         W[:, k + 1 :] -= np.outer(e, U[k, k + 1 :])
         err[:, k] = e
     return codes, err
 
 
 def _gptq(
-    w: Any, h: Any, *, bits: int, group_size: int, factor: np.ndarray | None = None
+    w: Any, h: Any, *, bits: int, group_size: int, factor: tuple[np.ndarray, np.ndarray] | None = None
 ) -> tuple[np.ndarray, Any, Any]:
     """GPTQ codes, scales and biases of ``w`` (rows, cols) for the input Hessian ``h``
-    (``factor``: its :func:`inverse_factor`, when already computed).
+    (``factor``: its :func:`gptq_factor`, when already computed).
 
-    float32 throughout (as the reference implementation); the update of the columns after each
-    group is one matmul through mlx (BLAS), the column loop runs on the group's slice only.
+    Static groups with act-order: every group's scale and bias come first from the range search
+    (weighted by diag(H)) on the weight as given, then the columns are rounded in
+    :func:`gptq_factor`'s order, each on its own group's grid, so the groups stay mlx's contiguous
+    ones. float32 throughout (as the reference implementation); the update of the later columns
+    after each block of ``group_size`` columns is one matmul through mlx (BLAS), the column loop
+    runs on the block's slice only.
     """
     import mlx.core as mx
 
     n = (1 << bits) - 1
     W = np.array(w.astype(mx.float32), dtype=np.float32)
     imp = np.maximum(np.diag(np.asarray(h, dtype=np.float32)), 0)
-    U = inverse_factor(h) if factor is None else factor
+    order, U = gptq_factor(h) if factor is None else factor
+    _, scales, biases = _search(
+        mx.array(W), mx.array(imp), bits=bits, group_size=group_size, dtype=w.dtype, codes=False
+    )
+    s, b = np.asarray(scales, np.float32), np.asarray(biases, np.float32)
+    group = order // group_size
+    W = W[:, order]
     rows, cols = W.shape
     codes = np.empty((rows, cols), dtype=np.uint8)
-    scales, biases = [], []
     for i in range(0, cols, group_size):
         j = i + group_size
-        _, s, b = _search(
-            mx.array(W[:, i:j]),
-            mx.array(imp[i:j]),
-            bits=bits,
-            group_size=group_size,
-            dtype=w.dtype,
-            codes=False,
-        )
-        scales.append(s)
-        biases.append(b)
-        sn, bn = np.asarray(s, np.float32)[:, 0], np.asarray(b, np.float32)[:, 0]
-        codes[:, i:j], err = _gptq_group(W[:, i:j], U[i:j, i:j], sn, bn, n)
+        g = group[i:j]
+        codes[:, order[i:j]], err = _gptq_block(W[:, i:j], U[i:j, i:j], s[:, g], b[:, g], n)
         if j < cols:
             W[:, j:] -= np.asarray(mx.array(err) @ mx.array(U[i:j, j:]))
-    return codes, mx.concatenate(scales, axis=-1), mx.concatenate(biases, axis=-1)
+    return codes, scales, biases
 
 
 def check_finite(path: str, arrays: dict[str, Any]) -> None:
@@ -264,7 +277,7 @@ def quantize(
     method: str = "clip",
     importance: Any = None,
     hessian: Any = None,
-    factor: np.ndarray | None = None,
+    factor: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[Any, Any, Any]:
     """``mx.quantize(w, group_size, bits)`` (affine) with the rounding chosen by ``method``.
 
@@ -278,7 +291,7 @@ def quantize(
         importance: optional non-negative weight per input column (length ``in``) for "clip";
             default: diag(``hessian``) when given, else uniform.
         hessian: the layer's input Hessian (in, in); "gptq" without it does "clip".
-        factor: ``inverse_factor(hessian)`` when the caller has it (GPTQ of one module at
+        factor: ``gptq_factor(hessian)`` when the caller has it (GPTQ of one module at
             several settings factors its Hessian once).
     """
     import mlx.core as mx
