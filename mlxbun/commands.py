@@ -124,7 +124,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "tune": Command(
         "mlxbun.quant.tune",
-        "learned rounding: tune a quantized model's group scales, biases and norms to its reference",
+        "learned rounding: tune a quantized model's group scales, biases, norms and codes to its reference",
         reads=(*MODEL_SECTIONS, "tune", "io", "sensitivity.calib.path", "sensitivity.calib.seed"),
         needs=(MODEL, ("tune.reference",)),
         provides=("model.name",),

@@ -1,4 +1,4 @@
-"""command=tune: learned scales, biases and norms against the reference; same tensors, same bytes."""
+"""command=tune: learned codes, scales, biases and norms against the reference; same tensors, same bytes."""
 
 from __future__ import annotations
 
@@ -14,6 +14,9 @@ from mlxbun.quant.quantize import quantize_model_dir
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llama-text-3m"
 SMALL = ["tune.samples=8", "tune.seq_len=32", "tune.epochs=3", "tune.batch_size=2"]
+# enough windows and steps for the codes phase to move codes (64 of them) and gain (its best epoch
+# the last): with SMALL's 9 steps any code moved costs more than it gains, so that phase keeps none
+LEARN = ["tune.samples=64", "tune.seq_len=64", "tune.epochs=4", "tune.batch_size=4"]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,7 @@ def _run(tmp: Path, *args: str):
 
 
 def test_tune_lowers_held_out_kl_and_keeps_every_tensor_and_the_bytes(tmp_path: Path, q3: Path) -> None:
-    r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL)
+    r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *LEARN)
     assert r.returncode == 0, r.stderr
     record = json.loads((run / "tune.json").read_text())
     assert record["status"] == "tuned" and record["chosen_epoch"] >= 1
@@ -65,11 +68,17 @@ def test_tune_lowers_held_out_kl_and_keeps_every_tensor_and_the_bytes(tmp_path: 
         assert (a.dtype, a.shape) == (b.dtype, b.shape), k
         if not mx.array_equal(a, b).item():
             changed.add(k.rpartition(".")[2])
-    # codes stay; group scales/biases and norm weights are what tuning learns
+    # codes, group scales/biases and norm weights are what tuning learns
     assert changed and changed <= {"scales", "biases", "weight"}
-    for k in before:
-        if k.endswith(".weight") and before[k].dtype == mx.uint32:
-            assert mx.array_equal(before[k], after[k]).item(), k
+    moved = sum(
+        int(mx.sum(_codes(before[k]) != _codes(after[k])).item())
+        for k in before
+        if k.endswith(".weight") and before[k].dtype == mx.uint32
+    )
+    assert moved == record["codes_changed"] > 0
+    assert record["trainable"]["codes"] == sum(
+        _codes(v).size for k, v in before.items() if k.endswith(".weight") and v.dtype == mx.uint32
+    )
     size = lambda d: sum(p.stat().st_size for p in d.glob("*.safetensors"))  # noqa: E731
     assert size(run / "model") == size(q3)
     assert json.loads((run / "model" / "config.json").read_text()) == json.loads(
@@ -82,10 +91,36 @@ def test_tune_lowers_held_out_kl_and_keeps_every_tensor_and_the_bytes(tmp_path: 
     assert registry.resolve("llama-tuned", hub_cache=tmp_path / "hub", paths=[]) == (run / "model").resolve()
     assert "registered as llama-tuned" in r.stdout + r.stderr
     # a rerun (what a killed pipeline does on its tune step) writes the same bytes
-    again, run2 = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL)
+    again, run2 = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *LEARN)
     assert again.returncode == 0 and run2 != run
     for f in sorted((run / "model").iterdir()):
         assert (run2 / "model" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def _codes(packed: mx.array, bits: int = 3) -> mx.array:
+    """The codes of a packed 3-bit weight (q3's)."""
+    ones = mx.ones((packed.shape[0], packed.shape[1] * 32 // bits // 64), mx.float32)
+    return mx.dequantize(packed, ones, mx.zeros_like(ones), group_size=64, bits=bits)
+
+
+def test_tune_codes_lr_0_keeps_the_codes_and_learned_codes_fit_better(tmp_path: Path, q3: Path) -> None:
+    """Scales and biases alone leave every code; with the codes trained in a second phase the
+    validation KL ends lower than scales alone reach in as many steps."""
+    scales_only = [*LEARN[:2], "tune.epochs=8", LEARN[3], "tune.codes_lr=0"]  # 8 epochs: both phases' steps
+    r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *scales_only)
+    assert r.returncode == 0, r.stderr
+    kept = json.loads((run / "tune.json").read_text())
+    assert kept["status"] == "tuned" and kept["codes_changed"] == 0 and kept["trainable"]["codes"] == 0
+    before, after = _tensors(q3), _tensors(run / "model")
+    for k in before:
+        if k.endswith(".weight") and before[k].dtype == mx.uint32:
+            assert mx.array_equal(before[k], after[k]).item(), k
+    r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *LEARN)
+    assert r.returncode == 0, r.stderr
+    learned = json.loads((run / "tune.json").read_text())
+    assert learned["validation"][0] == kept["validation"][0]
+    assert learned["chosen_epoch"] > 4 and learned["codes_changed"] > 0  # the codes phase's
+    assert min(learned["validation"]) < min(kept["validation"])
 
 
 def test_tune_epochs_0_hands_the_input_on_and_says_so(tmp_path: Path, q3: Path) -> None:
@@ -117,13 +152,14 @@ def test_tune_hands_on_when_training_would_outlast_max_minutes(tmp_path: Path, q
 
 
 def test_tune_stops_after_patience_epochs_without_a_new_best(tmp_path: Path, q3: Path) -> None:
-    # a step far too large: no epoch beats the input, so the second one is the last
+    # a step far too large: no epoch beats the input, so each phase's second epoch is its last
     args = [f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL, "tune.epochs=6", "tune.lr=30"]
     r, run = _run(tmp_path, *args, "tune.patience=2")
     assert r.returncode == 0, r.stderr
     record = json.loads((run / "tune.json").read_text())
     assert record["status"] == "unchanged" and record["chosen_epoch"] == 0
-    assert record["epochs_run"] == 2 and len(record["validation"]) == 3
+    assert record["phases"] == ["scales", "codes"]
+    assert record["epochs_run"] == 4 and len(record["validation"]) == 5 and record["codes_changed"] == 0
     for f in sorted(q3.glob("*.safetensors")):  # the input's values, written unchanged
         assert (run / "model" / f.name).read_bytes() == f.read_bytes(), f.name
 

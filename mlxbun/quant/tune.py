@@ -2,23 +2,29 @@
 
 What it trains, for each affine quantized module below 8 bits (mx modes and 8-bit stay as they are):
 - each group's scale (a log multiplier in units of 1 / (2^bits - 1), so a step moves the top
-  code as far at every bit width) and bias (a shift in units of the scale); the codes stay;
-- the RMSNorm weights (a damped log gain), which are stored unquantized and cost no bytes.
+  code as far at every bit width) and bias (a shift in units of the scale);
+- the RMSNorm weights (a damped log gain), which are stored unquantized and cost no bytes;
+- then, in a second phase from the first's best, each code too (learned rounding, as AutoRound's
+  but end to end): a trained offset in grid steps, rounded on the way forward and passed straight
+  through on the way back, so a code moves to the next level once its offset passes one half
+  (``tune.codes_lr``; 0 keeps the codes and skips the phase). Codes moved too far at once can
+  cost the phase its epochs, never the first phase's result.
 
 The loss is KL(reference || model) of the next-token distributions on calibration windows (what
-``command=eval`` reports), minimised with Adam (one epoch of warm-up, then a cosine decay); the
-matmuls run in float32 through the BLAS.
+``command=eval`` reports), minimised with Adam (each phase ``tune.epochs`` epochs: one of warm-up,
+then a cosine decay); the matmuls run in float32 through the BLAS.
 Every tensor keeps its shape and dtype, so the bytes on disk are the input's. The last eighth
-of the windows (at least two) are validation: the epoch with the lowest validation KL is
-written, or the input's values when no epoch beats them (``tune.json`` says which).
+of the windows (at least two) are validation: the epoch (of either phase) with the lowest
+validation KL is written, or the input's values when no epoch beats them (``tune.json`` says which).
 
     <run_dir>/
         model/          the tuned model (config.json and tokenizer files copied; mlx_lm.load reads it)
-        tune.json       {"reference", "calibration", "validation": [KL before, after each epoch],
-                         "chosen_epoch", "codes_changed", "seconds", "forward_equivalents", ...}
+        tune.json       {"reference", "calibration", "validation": [KL before, after each epoch of
+                         each phase], "phases", "chosen_epoch", "codes_changed", "seconds", ...}
 
 When the whole-model tuning does not fit in memory (about 13 bytes a quantized weight and the
-reference in float32), the step records why in tune.json and hands on its input unchanged.
+reference in float32), the step records why in tune.json and hands on its input unchanged; when
+it fits only without the codes' offsets (CODE_BYTES_PER_WEIGHT more), the codes stay.
 
 Example:
     python -m mlxbun command=tune model.name=<quantized dir> tune.reference=<its source>
@@ -52,12 +58,15 @@ log = logging.getLogger("mlxbun")
 
 TUNE_FILE = "tune.json"
 BYTES_PER_WEIGHT = 13  # its code (a byte), the float32 weight kept for the backward, its gradient, slack
+CODE_BYTES_PER_WEIGHT = (
+    20  # a trained code: its float32 offset, the offset's gradient, Adam's two moments, slack
+)
 MEMORY_SHARE = 0.8
 LOGITS_CACHE_BYTES = 512 << 20  # the reference's log-probs are kept when they fit, else recomputed
 # A norm's gain moves 1/NORM_DAMPING as fast as a scale: every channel it scales feeds every
 # later module, and at the scales' rate the first epoch raised validation KL 30-60x at 4-6 bits.
 NORM_DAMPING = 10.0
-VERSION = 1  # of the method: part of the job key
+VERSION = 2  # of the method: part of the job key (2: the codes are trained too)
 
 
 # ----------------------------------------------------------------------------- the modules
@@ -76,7 +85,7 @@ def _modules():
 
         def __init__(self, q: Any, dtype: Any) -> None:
             super().__init__()
-            self._gs, self._bits, self._dtype = q.group_size, q.bits, dtype
+            self._gs, self._bits, self._dtype, self._rate = q.group_size, q.bits, dtype, 0.0
             self._steps = float(2**q.bits - 1)  # grid steps across a group's range
             codes = dequantized(
                 q.weight, mx.ones_like(q.scales), mx.zeros_like(q.biases), group_size=q.group_size, bits=q.bits,
@@ -90,6 +99,26 @@ def _modules():
             self.log_scale = mx.zeros_like(self._s0)
             self.shift = mx.zeros_like(self._s0)
 
+        def train_codes(self, rate: float) -> None:
+            """Make the codes trainable: each moves by its offset x ``rate`` (grid steps), rounded.
+            Made only once the training starts: a float32 offset a weight."""
+            self._rate = rate
+            self.offset = mx.zeros(self._codes.shape, mx.float32)
+
+        def codes(self) -> Any:
+            """The codes (float32): as stored, or moved by their rounded offsets and kept on the
+            grid, the rounding's gradient passed straight through."""
+            q = self._codes.astype(mx.float32)
+            if not self._rate:
+                return q
+            q = q + self._rate * self.offset
+            return q + mx.stop_gradient(mx.clip(mx.round(q), 0, self._steps) - q)
+
+        def codes_changed(self) -> int:
+            if not self._rate:
+                return 0
+            return int(mx.sum(self.codes().astype(mx.uint8) != self._codes).item())
+
         def scales_biases(self) -> tuple[Any, Any]:
             """The stored (rounded to the model's dtype) scales and biases, as float32."""
             s = self._s0 * mx.exp(self.log_scale / self._steps)
@@ -98,11 +127,14 @@ def _modules():
 
         def stored_tensors(self, path: str) -> dict[str, Any]:
             s, b = self.scales_biases()
-            return {f"{path}.scales": s.astype(self._dtype), f"{path}.biases": b.astype(self._dtype)}
+            out = {f"{path}.scales": s.astype(self._dtype), f"{path}.biases": b.astype(self._dtype)}
+            if self._rate:
+                out[f"{path}.weight"] = _packed(self.codes().astype(mx.uint8), self._bits)
+            return out
 
         def weight(self) -> Any:
             s, b = self.scales_biases()
-            w = self._codes.astype(mx.float32) * s[..., None] + b[..., None]
+            w = self.codes() * s[..., None] + b[..., None]
             return w.reshape(w.shape[0], -1)
 
         def __call__(self, x: Any) -> Any:
@@ -112,7 +144,8 @@ def _modules():
     class TunedEmbedding(TunedLinear):
         def __call__(self, ids: Any) -> Any:
             s, b = self.scales_biases()
-            w = self._codes[ids].astype(mx.float32) * s[ids][..., None] + b[ids][..., None]
+            codes = self.codes()[ids] if self._rate else self._codes[ids].astype(mx.float32)
+            w = codes * s[ids][..., None] + b[ids][..., None]
             return w.reshape(*ids.shape, -1)
 
         def as_linear(self, x: Any) -> Any:
@@ -140,6 +173,20 @@ def _modules():
     return TunedLinear, TunedEmbedding, TunedNorm
 
 
+def _packed(codes: Any, bits: int) -> Any:
+    """Codes (rows, groups, group) uint8 -> mlx's packed uint32 weight (rows, cols * bits / 32), in
+    blocks of rows (the packing's temporaries are 4 x bits bytes a code)."""
+    import mlx.core as mx
+
+    from mlxbun.quant.rounding import BLOCK_ELEMENTS, pack
+
+    codes = codes.reshape(codes.shape[0], -1)
+    step = max(1, BLOCK_ELEMENTS // codes.shape[1])
+    return mx.array(
+        np.concatenate([pack(np.asarray(codes[r : r + step]), bits) for r in range(0, codes.shape[0], step)])
+    )
+
+
 def tunable(model: Any) -> list[tuple[str, Any]]:
     """(path, module) of each affine quantized module below 8 bits, in model order."""
     import mlx.nn as nn
@@ -161,9 +208,9 @@ def norms(model: Any) -> list[tuple[str, Any]]:
 # ----------------------------------------------------------------------------- the tuning
 
 
-def memory_need(model: Any, ref_params: int) -> int:
+def memory_need(model: Any, ref_params: int, *, codes: bool) -> int:
     weights = sum(m.weight.size * 32 // m.bits for _, m in tunable(model))
-    return BYTES_PER_WEIGHT * weights + 4 * ref_params
+    return (BYTES_PER_WEIGHT + (CODE_BYTES_PER_WEIGHT if codes else 0)) * weights + 4 * ref_params
 
 
 def tune_model(
@@ -175,12 +222,14 @@ def tune_model(
     lr: float,
     batch_size: int,
     seed: int,
+    codes_lr: float = 0.0,
     patience: int = 0,
     min_kl: float = 0.0,
     max_minutes: float | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Tune ``model`` in place (its quantized modules and norms swapped for trainable stand-ins);
-    returns the record and the stored tensors of the best epoch (scales, biases, norm weights).
+    returns the record and the stored tensors of the best epoch (scales, biases, norm weights,
+    and the packed codes when ``codes_lr`` trains them: Adam's step for their offsets, in grid steps).
 
     Training stops after ``patience`` epochs (0: never) without a new best validation KL. When
     the input's validation KL is below ``min_kl``, or the training would take longer than
@@ -244,35 +293,24 @@ def tune_model(
     def snapshot() -> dict[str, Any]:
         return tree_map(lambda a: mx.array(a), model.trainable_parameters())
 
-    total, warm = max(1, epochs * len(batches)), len(batches)  # one epoch of linear warm-up
-    schedule = optim.join_schedules(
-        [optim.linear_schedule(lr / warm, lr, warm), optim.cosine_decay(lr, max(1, total - warm))], [warm]
-    )
-    opt = optim.Adam(learning_rate=schedule)
-    grad_fn = nn.value_and_grad(model, kl)
-    state = [model.state, opt.state]
-
-    @partial(mx.compile, inputs=state, outputs=state)
-    def step(x: Any, t: Any) -> Any:
-        loss, grads = grad_fn(x, t)
-        opt.update(model, grads)
-        return loss
-
     start = time.monotonic()
     windows = {"train": train.shape[0], "val": n_val}
     # the first window alone decides a run that would outlast max_minutes EARLY_MARGIN times over
     # (a big model's whole validation pass is minutes); its time includes the first call's start-up
     first = validated(0, 1)
-    predicted = (time.monotonic() - start) * (n_val - 1 + _forwards(windows, epochs, cache=cache))
+    phases = 2 if codes_lr else 1
+    predicted = (time.monotonic() - start) * (n_val - 1 + _forwards(windows, phases * epochs, cache=cache))
     limit = None if max_minutes is None else EARLY_MARGIN * max_minutes
-    why = _skip_reason(first, predicted, epochs=epochs, min_kl=-math.inf, max_minutes=limit)
+    why = _skip_reason(first, predicted, epochs=phases * epochs, min_kl=-math.inf, max_minutes=limit)
     if why is not None:
         why = why.replace(f"tune.max_minutes={limit:g}", f"{EARLY_MARGIN} x tune.max_minutes={max_minutes:g}")
     done = 1
     if why is None:
         history = [validated(1, n_val, first) / n_val]
-        predicted = (time.monotonic() - start) / n_val * _forwards(windows, epochs, cache=cache)
-        why = _skip_reason(history[0], predicted, epochs=epochs, min_kl=min_kl, max_minutes=max_minutes)
+        predicted = (time.monotonic() - start) / n_val * _forwards(windows, phases * epochs, cache=cache)
+        why = _skip_reason(
+            history[0], predicted, epochs=phases * epochs, min_kl=min_kl, max_minutes=max_minutes
+        )
         done = n_val
     else:
         history = [first]
@@ -290,37 +328,72 @@ def tune_model(
     train_t = [target(train[b]) for b in batches] if cache else None
     if cache:
         mx.eval(train_t)
+    grad_fn = nn.value_and_grad(model, kl)
     mx.random.seed(seed)
     rng = np.random.default_rng(seed)
     best, best_epoch = snapshot(), 0
-    progress = Progress(total=epochs * len(batches), unit="steps", desc="tune", heartbeat=True)
-    for epoch in range(1, epochs + 1):
-        for k in rng.permutation(len(batches)):
-            b = batches[k]
-            t = train_t[k] if cache else target(train[b])
-            mx.eval(step(train[b], t), state)
-            progress.update(1)
-        history.append(validation())
-        log.info(
-            "tune: epoch %d/%d, validation KL %.5f (before: %.5f)", epoch, epochs, history[-1], history[0]
+
+    def phase(name: str) -> None:
+        """``epochs`` epochs of Adam over the trainable values (one epoch of linear warm-up, then a
+        cosine decay), from the best so far; keeps the best epoch by validation KL."""
+        nonlocal best, best_epoch
+        total, warm = max(1, epochs * len(batches)), len(batches)
+        schedule = optim.join_schedules(
+            [optim.linear_schedule(lr / warm, lr, warm), optim.cosine_decay(lr, max(1, total - warm))], [warm]
         )
-        if history[-1] < history[best_epoch]:
-            best, best_epoch = snapshot(), epoch
-        elif patience and epoch - best_epoch >= patience and epoch < epochs:
-            log.info("tune: no new best in %d epochs; stopping after epoch %d", patience, epoch)
-            break
-    progress.close()
+        opt = optim.Adam(learning_rate=schedule)
+        state = [model.state, opt.state]
+
+        @partial(mx.compile, inputs=state, outputs=state)
+        def step(x: Any, t: Any) -> Any:
+            loss, grads = grad_fn(x, t)
+            opt.update(model, grads)
+            return loss
+
+        progress = Progress(total=epochs * len(batches), unit="steps", desc=f"tune ({name})", heartbeat=True)
+        opened = len(history)  # this phase's first epoch
+        for epoch in range(1, epochs + 1):
+            for k in rng.permutation(len(batches)):
+                b = batches[k]
+                t = train_t[k] if cache else target(train[b])
+                mx.eval(step(train[b], t), state)
+                progress.update(1)
+            history.append(validation())
+            log.info(
+                "tune (%s): epoch %d/%d, validation KL %.5f (before: %.5f)",
+                name, epoch, epochs, history[-1], history[0],
+            )  # fmt: skip
+            if history[-1] < history[best_epoch]:
+                best, best_epoch = snapshot(), len(history) - 1
+            elif patience and len(history) - 1 - max(best_epoch, opened - 1) >= patience and epoch < epochs:
+                log.info("tune: no new best in %d epochs; stopping after epoch %d", patience, epoch)
+                break
+        progress.close()
+
+    phase("scales")
+    if codes_lr:
+        # then the codes too, from the best scales: a step that moves codes too far can only lose
+        # its own epochs (at 1.5x this rate the 8-layer fixture's codes never beat their start)
+        model.update(best)
+        for _, m in swaps:
+            m.train_codes(codes_lr / lr)  # one Adam for all: an offset's step is lr x rate
+            m.unfreeze(keys=["offset"], recurse=False)
+        best = snapshot()  # the same values, the offsets at 0
+        phase("codes")
     model.update(best)
     ran = len(history) - 1
     record = {
         "validation": [round(v, 6) for v in history],
         "chosen_epoch": best_epoch,
         "epochs_run": ran,
+        "phases": ["scales", "codes"] if codes_lr else ["scales"],
         "predicted_seconds": round(predicted, 1),
         "trainable": {
             "groups": int(sum(m._s0.size for _, m in swaps)),
+            "codes": int(sum(m._codes.size for _, m in swaps)) if codes_lr else 0,
             "norm_weights": int(sum(m._w0.size for _, m in tuned_norms)),
         },
+        "codes_changed": int(sum(m.codes_changed() for _, m in swaps)),
         "seconds": round(time.monotonic() - start, 3),
         "forward_equivalents": round((_forwards(windows, ran, cache=cache) + 2 * n_val) / n, 1),
     }
@@ -453,12 +526,21 @@ def run(cfg: Any) -> Any:
         "reference": str(ref_dir),
         "calibration": calib.to_dict(),
         "settings": {
-            "epochs": t.epochs, "lr": t.lr, "batch_size": t.batch_size, "patience": t.patience, "min_kl": t.min_kl,
-            "max_minutes": t.max_minutes,
+            "epochs": t.epochs, "lr": t.lr, "codes_lr": t.codes_lr, "batch_size": t.batch_size, "patience": t.patience,
+            "min_kl": t.min_kl, "max_minutes": t.max_minutes,
         },
     }  # fmt: skip
     ref_params = sum(v.size for _, v in tree_flatten(reference.parameters()))
-    need, avail = memory_need(model, ref_params), available_memory()
+    avail = available_memory()
+    need = memory_need(model, ref_params, codes=False)
+    codes_lr = t.codes_lr
+    if codes_lr and avail is not None and memory_need(model, ref_params, codes=True) > MEMORY_SHARE * avail:
+        codes_lr = 0.0
+        record["codes"] = (
+            f"kept: training them needs about {human_bytes(memory_need(model, ref_params, codes=True))}"
+            f" and {human_bytes(avail)} is available"
+        )
+        log.info("tune: the codes stay (%s)", record["codes"])
 
     def handed_on(why: str, **measured: Any) -> RunResult:
         log.warning("tune: skipped (%s); the input model is handed on unchanged", why)
@@ -492,7 +574,7 @@ def run(cfg: Any) -> Any:
         stage.claim(resume=False)
         result, tensors = tune_model(
             model, reference, calib.tokens, epochs=t.epochs, lr=t.lr, batch_size=t.batch_size, seed=cfg.seed,
-            patience=t.patience, min_kl=t.min_kl, max_minutes=t.max_minutes,
+            patience=t.patience, min_kl=t.min_kl, max_minutes=t.max_minutes, codes_lr=codes_lr,
         )  # fmt: skip
         del reference
         if tensors is None:
@@ -516,7 +598,7 @@ def run(cfg: Any) -> Any:
         },
         message=(
             f"tuned {src.name}: validation KL {v[0]:.4g} -> {v[result['chosen_epoch']]:.4g}"
-            f" (epoch {result['chosen_epoch']} of {t.epochs})"
+            f" (epoch {result['chosen_epoch']} of {result['epochs_run']}, {result['codes_changed']} codes moved)"
             f" -> {out} (registered as {name})"
         ),
         provides={"model.name": str(out)},
