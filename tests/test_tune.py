@@ -258,3 +258,22 @@ def test_a_large_5_bit_embedding_stands_in_within_a_few_bytes_a_weight() -> None
     mx.eval(tuned._codes)
     assert tuned._codes.dtype == mx.uint8
     assert (mx.get_peak_memory() - base) / (rows * cols) < 8
+
+
+def test_codes_that_do_not_fit_in_memory_stay_and_the_scales_are_still_tuned(
+    tmp_path: Path, q3: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from mlxbun import schema
+    from mlxbun.quant import tune
+
+    monkeypatch.setattr(tune, "CODE_BYTES_PER_WEIGHT", 1 << 40)  # the codes' offsets never fit
+    cfg = schema.Config(model=schema.ModelCfg(name=str(q3)), tune=schema.TuneCfg(reference=str(FIXTURE)))
+    for kv in SMALL:
+        key, value = kv.split("=")
+        setattr(cfg.tune, key.partition(".")[2], int(value))
+    cfg.paths.outputs, cfg.paths.run_dir = str(tmp_path / "outputs"), str(tmp_path / "run")
+    cfg.registry.path = str(tmp_path / "registry.db")
+    tune.run(cfg)
+    record = json.loads((tmp_path / "run" / "tune.json").read_text())
+    assert record["codes"].startswith("kept: training them needs about") and "% of the" in record["codes"]
+    assert record["status"] == "tuned" and record["phases"] == ["scales"] and record["codes_changed"] == 0

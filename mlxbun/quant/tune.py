@@ -537,8 +537,8 @@ def run(cfg: Any) -> Any:
     if codes_lr and avail is not None and memory_need(model, ref_params, codes=True) > MEMORY_SHARE * avail:
         codes_lr = 0.0
         record["codes"] = (
-            f"kept: training them needs about {human_bytes(memory_need(model, ref_params, codes=True))}"
-            f" and {human_bytes(avail)} is available"
+            f"kept: training them needs about {human_bytes(memory_need(model, ref_params, codes=True))},"
+            f" over {MEMORY_SHARE:.0%} of the {human_bytes(avail)} available"
         )
         log.info("tune: the codes stay (%s)", record["codes"])
 
@@ -558,7 +558,9 @@ def run(cfg: Any) -> Any:
     if t.epochs == 0:
         return handed_on("tune.epochs=0")
     if avail is not None and need > MEMORY_SHARE * avail:
-        return handed_on(f"tuning needs about {human_bytes(need)} and {human_bytes(avail)} is available")
+        return handed_on(
+            f"tuning needs about {human_bytes(need)}, over {MEMORY_SHARE:.0%} of the {human_bytes(avail)} available"
+        )
     job = json.dumps(
         [
             VERSION,
