@@ -602,6 +602,9 @@ class EvalCfg:
         positive("eval.batch_size", self.batch_size)
 
 
+CODES_LR_RATIO = 1.0e4  # tune.codes_lr / tune.lr at most: the offsets' multiplier stays finite in float32
+
+
 @dataclass
 class TuneCfg:
     # The unquantized model the quantized one (model.name) was made from: its next-token
@@ -639,6 +642,16 @@ class TuneCfg:
         positive("tune.epochs", self.epochs, allow_zero=True)
         positive("tune.lr", self.lr)
         positive("tune.codes_lr", self.codes_lr, allow_zero=True)
+        at_most(
+            "tune.codes_lr", self.codes_lr, 1.0, "grid steps a step: more moves codes by whole levels at once"
+        )
+        # the codes' offsets move at codes_lr / lr times the scales' step (one Adam for both)
+        at_least(
+            "tune.lr",
+            self.lr,
+            self.codes_lr / CODES_LR_RATIO,
+            f"tune.codes_lr={self.codes_lr:g} / {CODES_LR_RATIO:g}",
+        )
         positive("tune.batch_size", self.batch_size)
         positive("tune.samples", self.samples)
         at_least("tune.samples", self.samples, 3, "2 are validation")

@@ -123,6 +123,33 @@ def test_tune_codes_lr_0_keeps_the_codes_and_learned_codes_fit_better(tmp_path: 
     assert min(learned["validation"]) < min(kept["validation"])
 
 
+def test_an_epoch_whose_validation_kl_is_not_finite_is_never_written(tmp_path: Path, q3: Path) -> None:
+    """A step so large the scales overflow: that epoch's KL is NaN; tune.json stays strict JSON
+    (the epoch's value null) and the input's values are written (it was recorded "tuned", NaN in
+    the JSON, when codes_lr / lr overflowed)."""
+    args = [f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL, "tune.epochs=1", "tune.lr=1e30"]
+    r, run = _run(tmp_path, *args, "tune.codes_lr=0")
+    assert r.returncode == 0, r.stderr
+    record = json.loads(
+        (run / "tune.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in tune.json")
+    )
+    assert record["validation"][1] is None and record["chosen_epoch"] == 0 and record["chosen_phase"] is None
+    assert record["status"] == "unchanged" and "cannot be the one written" in r.stderr
+    assert "unchanged by tune" in r.stdout + r.stderr
+    for f in sorted(q3.glob("*.safetensors")):
+        assert (run / "model" / f.name).read_bytes() == f.read_bytes(), f.name
+
+
+def test_a_model_with_nothing_to_tune_is_refused_before_anything_is_staged(tmp_path: Path) -> None:
+    mx4 = tmp_path / "mxfp4"
+    quantize_model_dir(FIXTURE, mx4, bits=4, group_size=32, mode="mxfp4", dtype="bfloat16")
+    r, _ = _run(tmp_path, f"model.name={mx4}", f"tune.reference={FIXTURE}", *SMALL)
+    assert r.returncode == 2 and "there is nothing to tune" in r.stderr and "Traceback" not in r.stderr
+    assert not list((tmp_path / "outputs").rglob("*.partial*")) and not list(
+        (tmp_path / "outputs").rglob("*.lock")
+    )
+
+
 def test_tune_epochs_0_hands_the_input_on_and_says_so(tmp_path: Path, q3: Path) -> None:
     r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", "tune.epochs=0")
     assert r.returncode == 0, r.stderr
@@ -174,6 +201,13 @@ def test_tune_stops_after_patience_epochs_without_a_new_best(tmp_path: Path, q3:
         (["tune.patience=-1"], "tune.patience=-1 is out of range"),
         (["tune.min_kl=nan"], "tune.min_kl=nan is out of range"),
         (["tune.max_minutes=0"], "tune.max_minutes=0"),
+        # an offset multiplier of codes_lr / lr that overflowed float32 wrote scrambled codes, exit 0
+        (["tune.codes_lr=1e37"], "tune.codes_lr=1e+37 is out of range; it must be at most 1.0"),
+        (
+            ["tune.lr=1e-42"],
+            "tune.lr=1e-42 is out of range; it must be >= 6e-07 (tune.codes_lr=0.006 / 10000)",
+        ),
+        (["tune.codes_lr=-1"], "tune.codes_lr=-1"),
         # another model as the reference: a raw mlx broadcast error, exit 1, a staging dir left
         (
             [f"tune.reference={FIXTURE.parent / 'llama-text-12l'}"],

@@ -66,6 +66,7 @@ LOGITS_CACHE_BYTES = 512 << 20  # the reference's log-probs are kept when they f
 # A norm's gain moves 1/NORM_DAMPING as fast as a scale: every channel it scales feeds every
 # later module, and at the scales' rate the first epoch raised validation KL 30-60x at 4-6 bits.
 NORM_DAMPING = 10.0
+NOTHING_TO_TUNE = "model.name has no affine quantized module below 8 bits; there is nothing to tune"
 VERSION = 2  # of the method: part of the job key (2: the codes are trained too)
 
 
@@ -246,7 +247,7 @@ def tune_model(
         cls = embedding_cls if isinstance(q, nn.QuantizedEmbedding) else linear_cls
         swaps.append((path, cls(q, q.scales.dtype)))
     if not swaps:
-        raise InputError("model.name has no affine quantized module below 8 bits; there is nothing to tune")
+        raise InputError(NOTHING_TO_TUNE)
     tuned_norms = [(path, norm_cls(m)) for path, m in norms(model)]
     model.update_modules(tree_unflatten(swaps + tuned_norms))
     model.freeze()
@@ -288,7 +289,12 @@ def tune_model(
         return total
 
     def validation() -> float:
-        return validated(0, n_val) / n_val
+        """The mean validation KL; a non-finite one (a step that overflowed) as +inf, never the best."""
+        v = validated(0, n_val) / n_val
+        if not math.isfinite(v):
+            log.warning("tune: the validation KL is %s; this epoch cannot be the one written", v)
+            return math.inf
+        return v
 
     def snapshot() -> dict[str, Any]:
         return tree_map(lambda a: mx.array(a), model.trainable_parameters())
@@ -352,6 +358,7 @@ def tune_model(
 
         progress = Progress(total=epochs * len(batches), unit="steps", desc=f"tune ({name})", heartbeat=True)
         opened = len(history)  # this phase's first epoch
+        started = history[best_epoch]
         for epoch in range(1, epochs + 1):
             for k in rng.permutation(len(batches)):
                 b = batches[k]
@@ -360,8 +367,8 @@ def tune_model(
                 progress.update(1)
             history.append(validation())
             log.info(
-                "tune (%s): epoch %d/%d, validation KL %.5f (before: %.5f)",
-                name, epoch, epochs, history[-1], history[0],
+                "tune (%s): epoch %d/%d, validation KL %.5f (the phase started at %.5f)",
+                name, epoch, epochs, history[-1], started,
             )  # fmt: skip
             if history[-1] < history[best_epoch]:
                 best, best_epoch = snapshot(), len(history) - 1
@@ -369,7 +376,9 @@ def tune_model(
                 log.info("tune: no new best in %d epochs; stopping after epoch %d", patience, epoch)
                 break
         progress.close()
+        phase_epochs.append(len(history) - opened)
 
+    phase_epochs: list[int] = []
     phase("scales")
     if codes_lr:
         # then the codes too, from the best scales: a step that moves codes too far can only lose
@@ -383,10 +392,12 @@ def tune_model(
     model.update(best)
     ran = len(history) - 1
     record = {
-        "validation": [round(v, 6) for v in history],
+        "validation": [round(v, 6) if math.isfinite(v) else None for v in history],
         "chosen_epoch": best_epoch,
         "epochs_run": ran,
         "phases": ["scales", "codes"] if codes_lr else ["scales"],
+        "phase_epochs": phase_epochs,  # epochs each phase ran (tune.patience can stop one early)
+        "chosen_phase": _chosen_phase(best_epoch, phase_epochs),
         "predicted_seconds": round(predicted, 1),
         "trainable": {
             "groups": int(sum(m._s0.size for _, m in swaps)),
@@ -398,6 +409,14 @@ def tune_model(
         "forward_equivalents": round((_forwards(windows, ran, cache=cache) + 2 * n_val) / n, 1),
     }
     return record, {k: v for path, m in swaps + tuned_norms for k, v in m.stored_tensors(path).items()}
+
+
+def _chosen_phase(epoch: int, phase_epochs: list[int]) -> str | None:
+    """The phase whose epoch ``epoch`` (of the validation list) is; None for the input's values."""
+    for name, end in zip(("scales", "codes"), np.cumsum(phase_epochs), strict=False):
+        if 0 < epoch <= end:
+            return name
+    return None
 
 
 EARLY_MARGIN = 4  # the first validation window hands on only a run predicted this many times too long
@@ -514,6 +533,8 @@ def run(cfg: Any) -> Any:
             f"model.name={str(src)!r} is not a quantized model (its config.json has no quantization)"
         )
     model, tokenizer = load(str(src))
+    if not tunable(model):  # refused before anything is staged
+        raise InputError(NOTHING_TO_TUNE)
     reference, _, _ = load_reference(ref_dir, key="tune.reference")
     check_reference(model, reference, ref_dir)
     c = cfg.sensitivity.calib
@@ -595,13 +616,18 @@ def run(cfg: Any) -> Any:
             "validation_kl_before": v[0],
             "validation_kl_after": v[result["chosen_epoch"]],
             "chosen_epoch": result["chosen_epoch"],
+            "chosen_phase": result["chosen_phase"],
+            "codes_changed": result["codes_changed"],
             "seconds": result["seconds"],
             "forward_equivalents": result["forward_equivalents"],
         },
         message=(
             f"tuned {src.name}: validation KL {v[0]:.4g} -> {v[result['chosen_epoch']]:.4g}"
-            f" (epoch {result['chosen_epoch']} of {result['epochs_run']}, {result['codes_changed']} codes moved)"
-            f" -> {out} (registered as {name})"
+            f" (epoch {result['chosen_epoch']} of {result['epochs_run']}, {result['chosen_phase']} phase,"
+            f" {result['codes_changed']} codes moved) -> {out} (registered as {name})"
+            if result["chosen_epoch"]
+            else f"{src.name} unchanged by tune: none of its {result['epochs_run']} epochs beat the input's"
+            f" validation KL {v[0]:.4g}; its values are written to {out} (registered as {name})"
         ),
         provides={"model.name": str(out)},
         written=written_files(out),
