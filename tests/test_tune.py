@@ -53,6 +53,7 @@ def _run(tmp: Path, *args: str):
     return r, (runs[-1] if runs else None)
 
 
+@pytest.mark.slow  # 64 windows x 2 phases: about 25 s a run
 def test_tune_lowers_held_out_kl_and_keeps_every_tensor_and_the_bytes(tmp_path: Path, q3: Path) -> None:
     r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *LEARN)
     assert r.returncode == 0, r.stderr
@@ -103,6 +104,7 @@ def _codes(packed: mx.array, bits: int = 3) -> mx.array:
     return mx.dequantize(packed, ones, mx.zeros_like(ones), group_size=64, bits=bits)
 
 
+@pytest.mark.slow  # 64 windows x 2 phases: about 25 s a run
 def test_tune_codes_lr_0_keeps_the_codes_and_learned_codes_fit_better(tmp_path: Path, q3: Path) -> None:
     """Scales and biases alone leave every code; with the codes trained in a second phase the
     validation KL ends lower than scales alone reach in as many steps."""
