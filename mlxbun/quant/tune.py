@@ -553,12 +553,12 @@ def run(cfg: Any) -> Any:
     }  # fmt: skip
     ref_params = sum(v.size for _, v in tree_flatten(reference.parameters()))
     avail = available_memory()
-    need = memory_need(model, ref_params, codes=False)
+    need, need_codes = (memory_need(model, ref_params, codes=c) for c in (False, True))
     codes_lr = t.codes_lr
-    if codes_lr and avail is not None and memory_need(model, ref_params, codes=True) > MEMORY_SHARE * avail:
+    if codes_lr and avail is not None and need_codes > MEMORY_SHARE * avail:
         codes_lr = 0.0
         record["codes"] = (
-            f"kept: training them needs about {human_bytes(memory_need(model, ref_params, codes=True))},"
+            f"kept: training them needs about {human_bytes(need_codes)},"
             f" over {MEMORY_SHARE:.0%} of the {human_bytes(avail)} available"
         )
         log.info("tune: the codes stay (%s)", record["codes"])
