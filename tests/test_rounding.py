@@ -15,6 +15,8 @@ from mlxbun.quant import rounding
 from mlxbun.quant.calibrate import calibrate
 from mlxbun.quant.quantize import quantize_model_dir
 
+pytestmark = pytest.mark.blas
+
 BITS = (2, 3, 4, 5, 6, 8)
 
 
