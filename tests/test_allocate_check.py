@@ -17,6 +17,11 @@ TRUE_FACTOR = {"rtn": 1.0, "gptq": 3.0, "clip": 1.5, "mxfp4": 0.5}  # how wrong 
 INTERACTION = 1.3  # the whole model's KL over the sum of its modules' KLs
 
 
+def _each(measure):
+    """correction_factors measures its probes all at once: one call, a list of settings."""
+    return lambda settings: [measure(x) for x in settings]
+
+
 def _measure(layers, calls):
     """A model whose KL is INTERACTION x the sum of each module's true KL ("g": a module the
     objective does not score, and that costs nothing)."""
@@ -36,7 +41,7 @@ def test_factors_recover_each_quantizers_error_with_one_probe_each():
     layers = {"a": GPTQ3, "b": GPTQ3, "c": CLIP4, "d": MX4, "e": RTN4, "f": None, "g": RTN3}
     calls: list = []
     probes = correction_factors(
-        layers, lambda p, s: None if p == "g" else PREDICTED.get(s), lambda x: _measure(x, calls)
+        layers, lambda p, s: None if p == "g" else PREDICTED.get(s), _each(lambda x: _measure(x, calls))
     )
     assert [p.key for p in probes] == ["rtn", "clip", "gptq", "mxfp4"]
     assert len(calls) == 4  # the reference plan, then one probe per quantizer other than RTN
@@ -53,10 +58,12 @@ def test_factors_recover_each_quantizers_error_with_one_probe_each():
 
 def test_a_factor_is_clipped_and_a_missing_reference_is_named():
     probes = correction_factors({"a": GPTQ3, "b": RTN4}, lambda p, s: PREDICTED.get(s),
-                                lambda x: 1000.0 if x["a"] == GPTQ3 else 1.0)  # fmt: skip
+                                _each(lambda x: 1000.0 if x["a"] == GPTQ3 else 1.0))  # fmt: skip
     assert probes[1].factor == FACTOR_RANGE[1]
     with pytest.raises(InputError, match=r"no KL for 'a' at affine:3:64; probe its RTN reference"):
-        correction_factors({"a": GPTQ3}, lambda p, s: PREDICTED[s] if s != RTN3 else None, lambda x: 1.0)
+        correction_factors(
+            {"a": GPTQ3}, lambda p, s: PREDICTED[s] if s != RTN3 else None, _each(lambda x: 1.0)
+        )
 
 
 def test_rescaled_multiplies_each_candidate_by_its_quantizers_factor():
@@ -71,7 +78,7 @@ def test_a_quantizer_with_too_small_a_share_of_the_kl_is_not_probed():
     the whole model's measurement noise."""
     layers = {f"m{i}": GPTQ3 for i in range(40)} | {"c": CLIP4}
     calls: list = []
-    probes = correction_factors(layers, lambda p, s: PREDICTED.get(s), lambda x: _measure(x, calls))
+    probes = correction_factors(layers, lambda p, s: PREDICTED.get(s), _each(lambda x: _measure(x, calls)))
     assert [(p.key, p.measured, p.factor) for p in probes][1] == ("clip", None, 1.0)
     assert len(calls) == 2  # the reference plan and gptq's: clip is 0.2 of 40 x 1.0 + 0.2
     assert probes[2].factor == pytest.approx(TRUE_FACTOR["gptq"])
@@ -93,7 +100,7 @@ def test_a_small_quantizer_is_probed_on_the_largest_other_modules_until_half_the
             exact = sum(kls[p][s] * truth[correction_key(s)] for p, s in settings.items())
             return exact * (1.0 if len(calls) == 1 else 1.03)
 
-        return correction_factors(layers, kl, measure)[1], calls
+        return correction_factors(layers, kl, _each(measure))[1], calls
 
     alone, _ = probed(lambda p, s: kls[p].get(s) if s != clip3 else None)  # no other clip setting
     assert alone.modules == 1 and abs(alone.factor - 1.5) > 0.35

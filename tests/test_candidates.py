@@ -198,7 +198,7 @@ def test_sensitivity_scores_with_the_given_quant_hessians(tmp_path: Path) -> Non
 
 
 def _scored(monkeypatch: pytest.MonkeyPatch, *, threads: int, rows: int) -> dict:
-    """score() over four Linear layers of 512 x 256 (float32, as probe.load_model gives them),
+    """score() over four Linear layers of 512 x 256 (float32, as the stream reads them),
     each scored on ``rows`` of its rows."""
     import types
 
@@ -215,11 +215,12 @@ def _scored(monkeypatch: pytest.MonkeyPatch, *, threads: int, rows: int) -> dict
         path = f"layers.{i}"
         hessians[path] = h
         measured[path] = {QuantSpec(bits=3, group_size=64): 0.1, QuantSpec(bits=4, group_size=64): 0.03}
-        targets.append(types.SimpleNamespace(path=path, dtype="bfloat16"))
+        targets.append(types.SimpleNamespace(path=path, dtype="bfloat16", in_features=256, out_features=512))
     specs = candidates.settings([3, 4], group_sizes=[32, 64, 128], methods=["rtn", "clip", "gptq"], modes=[])
     order = []
+    modules = dict(model.named_modules())
     out, _ = candidates.score(
-        model=model, targets=targets, hessians=hessians, measured=measured, specs=specs, base_group=64,
+        weight=lambda p: modules[p].weight, targets=targets, hessians=hessians, measured=measured, specs=specs, base_group=64,
         on_module=lambda p, kl, a: order.append(p), threads=threads,
     )  # fmt: skip
     assert order == [t.path for t in targets]  # handed on in model order, whatever finished first
@@ -260,32 +261,38 @@ def test_a_row_sample_scores_a_big_weight_close_to_all_its_rows(monkeypatch: pyt
 
 
 def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The probes' whole-model KL runs on the samples the estimate's own KLs were measured on."""
+    """The probes' whole-model KL runs on the samples the estimate's own KLs were measured on,
+    every probe in one streamed pass."""
     from types import SimpleNamespace
 
-    from mlxbun.quant import check, fisher
+    from mlxbun.quant import fisher, hessian, variants
     from mlxbun.quant.spec import Plan
 
-    seen = []
-
-    def measured(ref_dir, model_dir, tokens, **_):  # noqa: ANN001, ANN003, ANN202
-        seen.append(tokens.shape)
-        return 0.1
-
-    monkeypatch.setattr(check, "measured_kl", measured)
+    seen, passes = [], []
+    monkeypatch.setattr(
+        variants.Reference,
+        "capture",
+        classmethod(lambda cls, stream, tokens: seen.append(tokens.shape) or "ref"),
+    )
+    monkeypatch.setattr(
+        variants, "measure", lambda stream, ref, vs, **k: passes.append(len(vs)) or [0.1] * len(vs)
+    )
     default = QuantSpec(bits=4, group_size=64)
     gptq = QuantSpec(bits=4, group_size=64, method="gptq")
     steps = candidates.Steps(
         calibrate=None,
         allocate=lambda *a, **k: Plan(default=default, layers={"a": gptq, "b": default}),
-        quantize=lambda model_dir, out, **k: SimpleNamespace(out=out),
         default=default,
     )
+    stream = SimpleNamespace(
+        dir="m", source=lambda: {"current": {}, "dtypes": {}}, stored_dtype=lambda name: "bfloat16"
+    )
+    hessian.save({"a": np.eye(64, dtype=np.float32)}, tmp_path / "h.safetensors", tokens=1)
     kls = {p: {default: 0.05, gptq: 0.03} for p in ("a", "b")}
     tokens = np.zeros((32, 16), dtype=np.int32)
     _, probes = candidates.corrected(
-        kls, model_dir="m", hessians="h", tokens=tokens, work_dir=tmp_path, steps=steps, budget_bpw=4.5
+        kls, stream=stream, hessians=tmp_path / "h.safetensors", tokens=tokens, steps=steps, budget_bpw=4.5
     )
     assert [p["key"] for p in probes] == ["rtn", "gptq"]
-    assert seen == [(32 // fisher.CALIB_FRACTION, 16)] * 2
+    assert seen == [(32 // fisher.CALIB_FRACTION, 16)] and passes == [2]
     assert fisher.calibration_subset(tokens[:3]).shape == (1, 16)  # at least one sample

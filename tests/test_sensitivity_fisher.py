@@ -20,7 +20,7 @@ from test_sensitivity import FIXTURE, by_path, quantized_fixture, run_sens, tiny
 
 from mlxbun import kl  # noqa: E402
 from mlxbun.progress import Progress  # noqa: E402
-from mlxbun.quant import fisher, fisher_pass, probe  # noqa: E402
+from mlxbun.quant import fisher, fisher_blocks, probe  # noqa: E402
 from mlxbun.quant import sensitivity as sens  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
@@ -65,7 +65,7 @@ def test_group_kl_is_exact(tmp_path):
     """A calibration group.s forward equals an independent float32 forward with its modules fake-quantized."""
     s = sens.prepare(model_dir=FIXTURE, bits=[4], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=1, **CAL)  # fmt: skip
-    est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=1, seed=0)
+    est = fisher.estimate(s.stream, s.tokens, s.targets, s.cands, seed=0)
     ref, _, _ = probe.load_model(FIXTURE)  # float32, as the exact method runs
     sub = s.tokens[: max(1, len(s.tokens) // fisher.CALIB_FRACTION)]
     want_ref = [kl.log_probs(ref(mx.array(sub[i : i + 1]))) for i in range(len(sub))]
@@ -78,31 +78,29 @@ def test_group_kl_is_exact(tmp_path):
 
 
 def test_fisher_cost_does_not_grow_with_candidates(monkeypatch):
-    """Forwards: one per batch for the Fisher pass (+1 shape probe), then per role and candidate one
-    over a quarter of the batches: no term grows with modules x candidates x depth."""
+    """Each block is read once for the forward, once for the backward and once for all the
+    calibration groups together: no term grows with modules x candidates x depth."""
     s = sens.prepare(model_dir=FIXTURE, bits=[2, 3, 4, 5, 6, 8], group_size=64, mode="affine",
                      calib_path=None, method="fisher", batch_size=2, **CAL)  # fmt: skip
-    calls = [0]
-    cls = type(s.model)
-    original = cls.__call__
-
-    def counting(self, *a, **k):
-        calls[0] += 1
-        return original(self, *a, **k)
-
-    monkeypatch.setattr(cls, "__call__", counting)
-    est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0)
-    n_samples, n_batches = 4, 2
-    n_sub = max(1, n_samples // fisher.CALIB_FRACTION)  # calibration samples, one batch here
-    n_groups = 2 * 29 + 3 * 8  # bits 2, 3: roles x depth quarters; 4, 5, 6: roles (8 with embedding)
-    starts = 3  # the fixture's 4 blocks: depth quarters start at blocks 1, 2 and 3 (entries kept)
-    assert calls[0] == 1 + n_batches + n_groups + starts
-    # A quarter starting at block k runs blocks k..3 and the head: (5 - k) / 5 of a forward;
-    # each start's entry costs k / 5 once. Roles (and the first quarter) run everything.
-    calibration = 2 * 7 * (4 + 3 + 2) / 5 + 2 * (7 + 1) + 3 * 8 + (1 + 2 + 3) / 5
-    want = 3 + len(s.cands) + calibration * n_sub / n_samples
-    assert est.forward_equivalents == pytest.approx(want)
-    assert est.forward_equivalents < 3 + len(s.cands) + n_groups * n_sub / n_samples
+    loads = []
+    original = type(s.stream).load
+    monkeypatch.setattr(
+        type(s.stream), "load", lambda self, i, *a, **k: loads.append(i) or original(self, i, *a, **k)
+    )
+    est = fisher.estimate(s.stream, s.tokens, s.targets, s.cands, seed=0)
+    n = s.stream.n_blocks
+    assert sorted(loads) == sorted(list(range(n)) * 3)
+    n_samples = 4
+    n_sub = max(1, n_samples // fisher.CALIB_FRACTION)
+    # Each group runs from its first block (the embedding's from the lookup) to the head: a
+    # depth quarter starting at block k is (n + 1 - k) / (n + 1) of a forward over the subset.
+    groups = groups_by_bits(s)
+    todo = fisher.to_measure(groups, s.cands)
+    share = sum(
+        (n + 1 - min(max(t.group for t in ts if t.group < n) if all(t.group < n for t in ts) else n, min(t.group for t in ts))) / (n + 1)
+        for b, by_key in todo.items() for ts in by_key.values()
+    )  # fmt: skip
+    assert est.forward_equivalents == pytest.approx(4 + len(s.cands) + share * n_sub / n_samples)
     # 8 bits is not measured: it takes 6 bits' factors, group by group.
     assert "8" not in est.measured and est.factors["8"] == est.factors["6"]
     for t in s.targets:
@@ -176,17 +174,19 @@ def test_carried_needs_six_bits():
     assert fisher.carried([specs[4], specs[8]]) == {}  # 8 bits is measured without a 6-bit source
 
 
-def test_fisher_untied_head_and_weights_restored(tmp_path):
+def test_fisher_untied_head_and_blocks_released(tmp_path):
     model_dir = tiny_qwen3(tmp_path / "qwen3")
     s = sens.prepare(model_dir=model_dir, bits=[4, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
-    before = {t.path: np.array(probe.module_at(s.model, t.path).weight.astype(mx.float32)) for t in s.targets}
-    est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0)
+    head = np.array(s.stream.weight("lm_head"))
+    est = fisher.estimate(s.stream, s.tokens, s.targets, s.cands, seed=0)
     for t in s.targets:
-        after = np.array(probe.module_at(s.model, t.path).weight.astype(mx.float32))
-        assert np.array_equal(before[t.path], after), t.path
         assert est.kl[t.path]["4"] > est.kl[t.path]["8"] > 0, t.path
-    assert "lm_head" in est.kl and type(probe.module_at(s.model, "lm_head")).__name__ == "Linear"
+    assert "lm_head" in est.kl and s.stream.head_paths == ("lm_head",)
+    assert np.array_equal(np.array(s.stream.weight("lm_head")), head)  # the probes' head swaps undone
+    for i, block in enumerate(s.stream.blocks):  # every block back to its never-read parameters
+        for name, value in s.stream._lazy[i].items():
+            assert probe.module_at(block, name.rpartition(".")[0]).get(name.rpartition(".")[2]) is value
 
 
 # ------------------------------------------------------------------ cache keys
@@ -253,7 +253,7 @@ def test_group_factor_matches_the_all_sample_estimate_to_the_measured_kl():
     the all-sample estimate, not the noisy subset's (which biased every factor upwards)."""
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 6], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
-    est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0)
+    est = fisher.estimate(s.stream, s.tokens, s.targets, s.cands, seed=0)
     for c in s.cands:
         for key, ts in fisher.calibration_groups(s.targets, c).items():
             total = sum(est.raw[t.path][str(c.bits)] for t in ts) * est.factors[str(c.bits)][key]
@@ -263,10 +263,8 @@ def test_group_factor_matches_the_all_sample_estimate_to_the_measured_kl():
 def test_refine_probes_modules_exactly_and_scales_their_estimates():
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 4, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
-    plain = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0)
-    est = fisher.estimate(
-        s.model, s.tokens, s.targets, s.cands, batch_size=2, seed=0, refine=0.5, refine_bits=[4]
-    )
+    plain = fisher.estimate(s.stream, s.tokens, s.targets, s.cands, seed=0)
+    est = fisher.estimate(s.stream, s.tokens, s.targets, s.cands, seed=0, refine=0.5, refine_bits=[4])
     probed = fisher.probe_plan(s.targets, s.cands, refine=0.5, refine_bits=[4])
     assert len(probed) == -(-len(s.targets) // 2) and est.probes.keys() == probed.keys()
     # A probe is KL(ref || that one module at 4 bits) on the calibration subset, by plain forwards.
@@ -282,9 +280,11 @@ def test_refine_probes_modules_exactly_and_scales_their_estimates():
     same = [p for p in probed if est.kl[p]["4"] == pytest.approx(est.probes[p]["4"], rel=1e-9)]
     assert len(same) >= 0.8 * len(probed)
     assert all(est.kl[t.path] == plain.kl[t.path] for t in s.targets if t.path not in probed)
-    n_blocks = max(t.group for t in s.targets)
-    extra = fisher.probe_cost(s.targets, probed, n_blocks=n_blocks) * len(sub) / len(s.tokens)
-    assert est.forward_equivalents == pytest.approx(plain.forward_equivalents + extra)
+    n = s.stream.n_blocks
+    extra = sum((n + 1 - t.group) / (n + 1) * len(probed.get(t.path, ())) for t in s.targets)
+    assert est.forward_equivalents == pytest.approx(
+        plain.forward_equivalents + extra * len(sub) / len(s.tokens)
+    )
 
 
 def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
@@ -302,91 +302,115 @@ def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
         SensitivityCfg(bits=[4, 8], refine_bits=[3])
 
 
-# ------------------------------------------------------------------ memory: batches and the pool
+# ------------------------------------------------------------------ the streamed pass
 
 
-def raw_scores(s, batches: list, samples: int | None = None) -> dict:
-    """The Fisher pass's second-order scores of ``batches`` (before calibration)."""
-    fp = fisher_pass.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None, samples=samples)
+def raw_scores(s, tokens) -> dict:
+    """The Fisher pass's second-order scores of ``tokens`` (before calibration)."""
+    fp = fisher_blocks.FisherStream(s.stream, s.targets, s.cands, seed=0)
     try:
-        for b in batches:
-            fp.run(mx.array(b))
-        return fp.scores()
+        return fp.run(tokens)
     finally:
         fp.close()
 
 
-def test_pooled_scores_equal_per_batch_scores(monkeypatch):
-    """Scoring every batch on its own (a pool of one batch) or all batches at once: same sums."""
+def whole_model_scores(s, tokens, labels) -> dict:
+    """The same scores from one forward and backward of the whole float32 model (the labels given):
+    a zero tap at every module's output (and at a tied embedding's head use), the sum over tokens
+    of (g . dW x)^2 / 2 / tokens, the head's dot added to the lookups' before squaring."""
+    import mlx.nn as nn
+
+    model, _, _ = probe.load_model(FIXTURE)
+    taps, inputs, originals = {}, {}, {}
+
+    class Tapped:
+        def __init__(self, mod, path):
+            self.mod, self.path = mod, path
+
+        def __call__(self, x):
+            inputs[self.path] = x
+            if isinstance(self.mod, nn.Embedding):
+                return self.mod.weight[x] + taps[self.path]
+            return self.mod(x) + taps[self.path]
+
+        def as_linear(self, x):
+            inputs[self.path + "@head"] = x
+            return x @ self.mod.weight.T + taps[self.path + "@head"]
+
+    for t in s.targets:
+        originals[t.path] = probe.module_at(model, t.path)
+        parent, _, name = t.path.rpartition(".")
+        setattr(probe.module_at(model, parent) if parent else model, name, Tapped(originals[t.path], t.path))
+    x = mx.array(tokens)
+    vocab = s.stream.vocab
+
+    def loglik(d):
+        taps.clear()
+        taps.update(d)
+        logits = model(x).astype(mx.float32)
+        logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        return mx.take_along_axis(logp, mx.array(labels)[..., None], axis=-1).sum()
+
+    zeros = {}
+    for t in s.targets:
+        mod = originals[t.path]
+        width = mod.weight.shape[1] if isinstance(mod, nn.Embedding) else mod.weight.shape[0]
+        zeros[t.path] = mx.zeros((*tokens.shape, width), mx.float32)
+        if isinstance(mod, nn.Embedding):
+            zeros[t.path + "@head"] = mx.zeros((*tokens.shape, vocab), mx.float32)
+    grads = mx.grad(loglik)(zeros)
+    out = {}
+    for t in s.targets:
+        w, row = originals[t.path].weight, {}
+        for c in s.cands:
+            d = probe.fake_quant(w, c, dtype=t.dtype) - w
+            if isinstance(originals[t.path], nn.Embedding):
+                dot = (grads[t.path] * d[inputs[t.path]]).sum(-1)
+                dot = dot + (grads[t.path + "@head"] * (inputs[t.path + "@head"] @ d.T)).sum(-1)
+            else:
+                dot = (grads[t.path] * (inputs[t.path] @ d.T)).sum(-1)
+            row[str(c.bits)] = 0.5 * float(mx.sum(mx.square(dot)).item()) / tokens.size
+        out[t.path] = row
+    return out
+
+
+def test_streamed_scores_equal_one_whole_model_backward(monkeypatch):
+    """With the labels fixed (the model's argmax), the block-by-block pass gives the scores of one
+    backward through the whole model. (The fixture's head is tied: its term joins the lookups'.)"""
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
-                     method="fisher", batch_size=1, **CAL)  # fmt: skip
-    batches = [s.tokens[i : i + 1] for i in range(len(s.tokens))]
-    monkeypatch.setattr(fisher_pass, "POOL_BYTES", 1 << 40)
-    pooled = raw_scores(s, batches)
-    monkeypatch.setattr(fisher_pass, "POOL_BYTES", 0)
-    each = raw_scores(s, batches)
-    assert pooled.keys() == each.keys()
-    for path, row in pooled.items():
+                     method="fisher", batch_size=2, **CAL)  # fmt: skip
+    monkeypatch.setattr(
+        fisher_blocks.mx.random, "categorical", lambda logits, key=None: mx.argmax(logits, -1)
+    )
+    tokens = s.tokens[:2]
+    streamed = raw_scores(s, tokens)
+    model, _, _ = probe.load_model(FIXTURE)
+    labels = np.array(mx.argmax(model(mx.array(tokens)).astype(mx.float32), -1))
+    whole = whole_model_scores(s, tokens, labels)
+    assert streamed.keys() == whole.keys()
+    for path, row in whole.items():
         for bits, value in row.items():
-            assert value == pytest.approx(each[path][bits], rel=1e-4), (path, bits)
+            assert streamed[path][bits] == pytest.approx(value, rel=1e-3), (path, bits)
             assert value > 0, (path, bits)
 
 
-def test_a_small_pool_stays_in_memory_with_the_same_scores(monkeypatch):
+def test_disk_and_batches_and_slices_give_the_same_scores(monkeypatch):
+    """Block inputs and the logits' gradients on disk, one window a batch, weights scored in small
+    row slices: the same sums as all in memory at once."""
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
-    batches = [s.tokens[i : i + 2] for i in range(0, len(s.tokens), 2)]
+    kept = raw_scores(s, s.tokens)
     saved = []
-    monkeypatch.setattr(
-        fisher.np, "save", lambda path, arr, _save=np.save: saved.append(path) or _save(path, arr)
-    )
-    monkeypatch.setattr(fisher_pass, "POOL_MEMORY_BYTES", 1)  # the fixture's pool is far over a byte
-    on_disk = raw_scores(s, batches, samples=len(s.tokens))
-    assert saved
-    monkeypatch.setattr(fisher_pass, "POOL_MEMORY_BYTES", 1 << 40)
-    saved.clear()
-    kept = raw_scores(s, batches, samples=len(s.tokens))
-    assert not saved
-    assert kept == on_disk
-
-
-def test_batches_shrink_to_the_activation_bound(monkeypatch, caplog):
-    s = sens.prepare(model_dir=FIXTURE, bits=[4], group_size=64, mode="affine", calib_path=None,
-                     method="fisher", batch_size=4, **CAL)  # fmt: skip
-    fp = fisher_pass.FisherPass(s.model, s.targets, s.cands, seed=0, tick=lambda units: None)
-    assert fp.samples_per_batch(s.tokens, 4) == 4  # a 3M model's activations are far under 1 GiB
-    widths = sum(shape[-1] for shape in fp.rec.shapes.values())
-    per_sample = 4 * CAL["seq_len"] * (3 * widths + 4 * 2048)  # the fixture's vocabulary: 2,048
-    monkeypatch.setattr(fisher_pass, "ACTIVATION_BYTES", 2 * per_sample)
-    assert fp.samples_per_batch(s.tokens, 4) == 2
-    monkeypatch.setattr(fisher_pass, "ACTIVATION_BYTES", 1)
-    assert fp.samples_per_batch(s.tokens, 4) == 1
-    fp.close()
-    calls, original = [], fisher_pass.FisherPass.run
-
-    def recording(self, batch):
-        calls.append(batch.shape[0])
-        return original(self, batch)
-
-    monkeypatch.setattr(fisher_pass.FisherPass, "run", recording)
-    with caplog.at_level(logging.INFO, logger="mlxbun.quant.fisher"):
-        est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=4, seed=0)
-    assert calls == [1, 1, 1, 1] and "fisher batches of 1 samples" in caplog.text
-    assert all(row["4"] > 0 for row in est.kl.values())
-
-
-def test_scores_sum_dot_products_across_row_slices(monkeypatch):
-    """(g . dY)^2 needs every row's part of the dot before squaring: scoring a weight in many
-    slices of rows (and the tied head's vocabulary in slices) gives the one-slice sums."""
-    s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
-                     method="fisher", batch_size=2, **CAL)  # fmt: skip
-    monkeypatch.setattr(fisher_pass, "CHUNK", 1 << 40)
-    whole = raw_scores(s, [s.tokens[:2]])
-    monkeypatch.setattr(fisher_pass, "CHUNK", 32 * 256)  # 32 rows of 256 per slice
-    sliced = raw_scores(s, [s.tokens[:2]])
-    for path, row in whole.items():
+    monkeypatch.setattr(fisher_blocks.np, "save", lambda p, a, _s=np.save: saved.append(p) or _s(p, a))
+    monkeypatch.setattr(fisher_blocks, "BOUNDARY_MEMORY", 1)
+    monkeypatch.setattr(fisher_blocks, "COLUMNS_MEMORY", 1)
+    monkeypatch.setattr(fisher_blocks, "ACTIVATION_BYTES", 1)
+    monkeypatch.setattr(fisher_blocks, "CHUNK", 32 * 256)  # 32 rows of 256 per slice
+    spilled = raw_scores(s, s.tokens)
+    assert len(saved) == s.stream.n_blocks
+    for path, row in kept.items():
         for bits, value in row.items():
-            assert value > 0 and sliced[path][bits] == pytest.approx(value, rel=1e-4), (path, bits)
+            assert value > 0 and spilled[path][bits] == pytest.approx(value, rel=1e-4), (path, bits)
 
 
 @pytest.mark.parametrize("in_memory", [False, True])

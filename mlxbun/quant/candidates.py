@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ import numpy as np
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.progress import Progress
-from mlxbun.quant.spec import HESSIANS_NAME, MODE_BITS, MODE_DEFAULTS, Plan, QuantSpec, spec_for
+from mlxbun.quant.spec import HESSIANS_NAME, MODE_BITS, MODE_DEFAULTS, QuantSpec, spec_for
 
 # rounding, hessian, check and sensitivity_file load mlx: they are imported where the scoring
 # starts, because schema reads this module's METHODS on every command line.
@@ -211,7 +210,7 @@ def rows_scored(rows: int, cols: int) -> np.ndarray | None:
 
 def score(
     *,
-    model: Any,
+    weight: Callable[[str], Any],
     targets: Sequence[Any],
     hessians: Mapping[str, Any],
     measured: Mapping[str, Mapping[QuantSpec, float]],
@@ -223,8 +222,9 @@ def score(
 ) -> tuple[dict[str, dict[QuantSpec, float]], dict[str, dict[str, float]]]:
     """Every target in ``measured`` but those ``done``: its KL at every candidate (:func:`to_kl`),
     and the per-bits scales of its GPTQ estimate, each also handed to ``on_module`` as it is
-    finished, in target order. ``model``: the float32 model (``probe.load_model``); each weight is
-    cast to its target's source dtype first, as quantize rounds it. ``threads`` modules are scored
+    finished, in target order. ``weight(path)``: a module's float32 weight (read from disk a
+    module at a time when the model is streamed); each is cast to its target's source dtype
+    first, as quantize rounds it. ``threads`` modules are scored
     at once (on as many processes for a big model: :mod:`mlxbun.quant.workers`).
 
     Every error is a sum over the weight's rows (groups lie within a row; GPTQ treats rows alike),
@@ -235,14 +235,14 @@ def score(
     from mlxbun.quant import workers
     from mlxbun.quant.units import stream
 
-    modules = dict(model.named_modules())
     todo = [t for t in targets if t.path in measured and t.path not in done]
-    weights = sum(int(modules[t.path].weight.size) for t in todo)
+    weights = sum(t.in_features * t.out_features for t in todo)
     out, anchors = {}, {}
     with workers.pool(threads=threads, weights=weights) as pool:
+        read: dict[str, Any] = {}
 
         def errors(t: Any) -> tuple[dict[QuantSpec, float], dict[str, float]]:
-            w = modules[t.path].weight
+            w = read.pop(t.path)
             rows = rows_scored(w.shape[-2], w.shape[-1])
             if rows is not None:
                 w = mx.take(w, mx.array(rows), axis=-2)
@@ -253,10 +253,12 @@ def score(
             h = None if h is None else np.asarray(h)
             return pool.submit(_module_errors_on_worker, *workers.sent(w), h, list(specs)).result()
 
-        def prefetch(t: Any) -> None:  # a lazy weight is evaluated here: MLX streams are per thread
-            mx.eval(modules[t.path].weight)
+        def prefetch(t: Any) -> None:  # read and evaluated on this thread: MLX streams are per thread
+            read[t.path] = weight(t.path)
+            mx.eval(read[t.path])
 
         errors.prefetch = prefetch  # type: ignore[attr-defined]
+
         for t, (errs, anchor) in stream(todo, errors, threads=threads):
             out[t.path] = to_kl(measured[t.path], errs, base_group=base_group)
             anchors[t.path] = anchor
@@ -269,22 +271,21 @@ def score(
 @dataclass(frozen=True)
 class Steps:
     """The commands' functions the candidates run, handed in by the sensitivity command (a library
-    imports no command): the Hessian capture, the allocator with its default setting, and the
-    quantizer the probes write models with."""
+    imports no command): the Hessian capture and the allocator with its default setting;
+    ``rounded``: where the probes keep their clip and GPTQ roundings for quantize to read back."""
 
     calibrate: Callable[..., Any]
     allocate: Callable[..., Any]
-    quantize: Callable[..., Any]
     default: QuantSpec
+    rounded: Path | None = None
 
 
 def corrected(
     kls: dict[str, dict[QuantSpec, float]],
     *,
-    model_dir: str | Path,
+    stream: Any,
     hessians: str | Path,
     tokens: Any,
-    work_dir: Path,
     budget_bpw: float | None = None,
     budget_bytes: int | None = None,
     out_dtype: str | None = "bfloat16",
@@ -294,44 +295,49 @@ def corrected(
     """``kls`` with each quantizer's estimates rescaled by whole-model probes around the plan at
     the budget (:func:`mlxbun.quant.check.correction_factors`), and the probes.
 
-    Each probe is the model quantized with its plan (under ``work_dir``, removed after) and its KL
-    against the reference on the calibration subset of ``tokens`` (``fisher.calibration_subset``:
-    the samples the estimate's own whole-model KLs are measured on); ``reference``: ``model_dir``
-    as ``probe.load_model`` gives it, when already loaded."""
-    import mlx.core as mx
+    Each probe is the model with its plan's weights as quantize would write them
+    (:class:`mlxbun.quant.probe.Written`), measured against the reference on the calibration subset
+    of ``tokens`` (``fisher.calibration_subset``: the samples the estimate's own whole-model KLs
+    are measured on), all probes in one streamed pass (:func:`mlxbun.quant.variants.measure`);
+    ``reference``: the reference's states on that subset, when the sensitivity kept them."""
+    import hashlib
 
-    from mlxbun.quant.check import correction_factors, measured_kl, rescaled
+    from mlxbun.quant import variants
+    from mlxbun.quant.check import correction_factors, rescaled
     from mlxbun.quant.fisher import calibration_subset
+    from mlxbun.quant.hessian import Hessians
+    from mlxbun.quant.probe import Written
+    from mlxbun.quant.rounded import Rounded
     from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
 
     sens = Sensitivity({p: LayerSensitivity(p, 0, kl) for p, kl in kls.items()})
     plan = steps.allocate(
-        sens, model_dir=model_dir, budget_bpw=budget_bpw, budget_bytes=budget_bytes, out_dtype=out_dtype
+        sens, model_dir=stream.dir, budget_bpw=budget_bpw, budget_bytes=budget_bytes, out_dtype=out_dtype
     )
-    n = [0]
+    rounded = None
+    if steps.rounded is not None:
+        with open(hessians, "rb") as f:
+            rounded = Rounded(steps.rounded, hashlib.file_digest(f, "sha256").hexdigest())
+    source = stream.source()
+    written = Written(
+        dtype=out_dtype, dtypes=source["dtypes"] | {p: stream.stored_dtype(f"{p}.weight") for p in kls},
+        hessians=Hessians(hessians), rounded=rounded,
+    )  # fmt: skip
+    ref = (
+        reference if reference is not None else variants.Reference.capture(stream, calibration_subset(tokens))
+    )
 
-    def measure(layers: Mapping[str, QuantSpec | None]) -> float:
-        n[0] += 1
+    def measure(settings: list[Mapping[str, QuantSpec | None]]) -> list[float]:
         t0 = time.monotonic()
-        plan_path = work_dir / f"probe-{n[0]}.json"
-        work_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(plan_path, Plan(default=steps.default, layers=layers).to_dict())
-        out = work_dir / f"probe-{n[0]}"
-        shutil.rmtree(out, ignore_errors=True)
-        try:
-            res = steps.quantize(
-                model_dir, out, plan=plan_path, dtype=out_dtype, hessians=hessians,
-                partial_root=work_dir / "partial",
-            )  # fmt: skip
-            mx.clear_cache()  # freed buffers back to the OS before a second float32 model loads
-            kl = measured_kl(model_dir, res.out, calibration_subset(tokens), reference=reference)
-        finally:
-            mx.clear_cache()
-            shutil.rmtree(out, ignore_errors=True)
-            plan_path.unlink(missing_ok=True)
+        wanted = [
+            {p: s for p, s in layers.items() if s is not None and not s.matches(source["current"].get(p))}
+            for layers in settings
+        ]
+        kl = variants.measure(stream, ref, wanted, fake=written)
         log.info(
-            "sensitivity.candidates: probe %d measured KL %.5g (%.1f s)", n[0], kl, time.monotonic() - t0
-        )
+            "sensitivity.candidates: %d probes measured KL %s (%.1f s)",
+            len(kl), ", ".join(f"{v:.5g}" for v in kl), time.monotonic() - t0,
+        )  # fmt: skip
         return kl
 
     probes = correction_factors(plan.layers, lambda p, s: kls[p].get(s) if p in kls else None, measure)
@@ -342,7 +348,8 @@ def corrected(
 
 def extend(
     *,
-    model: Any,
+    weight: Callable[[str], Any],
+    stream: Any,
     targets: Sequence[Any],
     kls: Mapping[str, Mapping[str, float]],
     model_dir: str | Path,
@@ -360,6 +367,7 @@ def extend(
     out_dtype: str | None = "bfloat16",
     steps: Steps,
     threads: int = 1,
+    reference: Any = None,
 ) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
     """sensitivity.json's "kl" of every module (``kls``: the measured RTN bits) with every candidate
     added, and the "candidates" record. Each stage is kept under ``work_dir`` (a rerun resumes):
@@ -429,7 +437,7 @@ def extend(
 
         try:
             score(
-                model=model, targets=targets, hessians=hessian.Hessians(hessians), measured=specced(kls),
+                weight=weight, targets=targets, hessians=hessian.Hessians(hessians), measured=specced(kls),
                 specs=specs, base_group=group_size, done=set(part["kl"]), on_module=keep, threads=threads,
             )  # fmt: skip
         finally:
@@ -447,9 +455,8 @@ def extend(
         if done is None:
             t0 = time.monotonic()
             values, probes = corrected(
-                specced(out), model_dir=model_dir, hessians=hessians, tokens=tokens, work_dir=work_dir / "probes",
-                budget_bpw=budget_bpw, budget_bytes=budget_bytes, out_dtype=out_dtype, steps=steps,
-                reference=model,
+                specced(out), stream=stream, hessians=hessians, tokens=tokens, budget_bpw=budget_bpw,
+                budget_bytes=budget_bytes, out_dtype=out_dtype, steps=steps, reference=reference,
             )  # fmt: skip
             done = {"kl": keyed(values), "probes": probes, "seconds": round(time.monotonic() - t0, 3)}
             atomic_write_json(work_dir / f"{name}.json", done)

@@ -186,17 +186,18 @@ Layers = Mapping[str, QuantSpec | None]
 def correction_factors(
     layers: Layers,
     kl: Callable[[str, QuantSpec], float | None],
-    measure: Callable[[Layers], float],
+    measure: Callable[[list[Layers]], list[float]],
 ) -> list[Probe]:
-    """Per-quantizer factors from 1 + (quantizers other than RTN in ``layers``) whole-model probes.
-    A probe whose planned modules carry under :data:`PROBE_SHARE` of its predicted KL takes the
-    other modules at the quantizer too (:func:`variant`), largest predicted KL first, until they
-    do; one that still carries under :data:`MIN_PROBE_SHARE` is not made (measured None, factor 1).
+    """Per-quantizer factors from 1 + (quantizers other than RTN in ``layers``) whole-model probes,
+    all measured at once. A probe whose planned modules carry under :data:`PROBE_SHARE` of its
+    predicted KL takes the other modules at the quantizer too (:func:`variant`), largest predicted
+    KL first, until they do; one that still carries under :data:`MIN_PROBE_SHARE` is not made
+    (measured None, factor 1).
 
     Args:
         layers: a plan's setting of every module (None: unquantized).
         kl: a module's predicted KL at a setting; None for a module the objective does not score.
-        measure: the whole model's KL with these settings (e.g. quantize, then :func:`measured_kl`).
+        measure: the whole model's KL with each of these settings (e.g. :func:`mlxbun.quant.variants.measure`).
     """
     base = {p: (reference_of(s) if s is not None else None) for p, s in layers.items()}
     scored = [p for p, s in layers.items() if s is not None and kl(p, s) is not None]
@@ -210,31 +211,49 @@ def correction_factors(
             total += value
         return total
 
-    pred_base, meas_base = predicted(base, scored), measure(base)
-    r = meas_base / pred_base if pred_base > 0 else 1.0
     planned_rtn = sum(correction_key(layers[p]) == "rtn" for p in scored)
-    probes = [Probe("rtn", len(scored), pred_base, meas_base, 1.0, planned_rtn)]
+    pred_base = predicted(base, scored)
+    planned = [("rtn", base, scored, pred_base, 0.0, planned_rtn)]
     for key in sorted({correction_key(layers[p]) for p in scored} - {"rtn"}):
-        mine = [p for p in scored if correction_key(layers[p]) == key]
-        settings = {p: (layers[p] if p in mine else base[p]) for p in layers}
-        planned = len(mine)
-        pk, po = predicted(settings, mine), predicted(base, [p for p in scored if p not in mine])
-        others = [(p, variant(base[p], key)) for p in scored if p not in mine]
-        values = [(kl(p, v), p, v) for p, v in others if v is not None]
-        for value, p, v in sorted((x for x in values if x[0] is not None), key=lambda x: -x[0]):
-            if pk >= PROBE_SHARE * (pk + po):
-                break
-            settings[p] = v
-            mine.append(p)
-            pk, po = pk + value, po - kl(p, base[p])
-        if pk < MIN_PROBE_SHARE * (pk + po):
-            probes.append(Probe(key, len(mine), pk + po, None, 1.0, planned))
+        planned.append(_probe_settings(key, layers, base, scored, kl, predicted))
+    to_measure = [
+        i
+        for i, (_, settings, _, pk, po, _) in enumerate(planned)
+        if i == 0 or pk >= MIN_PROBE_SHARE * (pk + po)
+    ]
+    values = dict(zip(to_measure, measure([planned[i][1] for i in to_measure]), strict=True))
+    meas_base = values[0]
+    r = meas_base / pred_base if pred_base > 0 else 1.0
+    probes = [Probe("rtn", len(scored), pred_base, meas_base, 1.0, planned_rtn)]
+    for i, (key, _, mine, pk, po, n_planned) in enumerate(planned[1:], start=1):
+        if i not in values:
+            probes.append(Probe(key, len(mine), pk + po, None, 1.0, n_planned))
             continue
-        m = measure(settings)
+        m = values[i]
         f = (m / r - po) / pk if pk > 0 else 1.0
         f = min(max(f, FACTOR_RANGE[0]), FACTOR_RANGE[1])
-        probes.append(Probe(key, len(mine), pk + po, m, f, planned))
+        probes.append(Probe(key, len(mine), pk + po, m, f, n_planned))
     return probes
+
+
+def _probe_settings(
+    key: str, layers: Layers, base: Layers, scored: list[str], kl: Callable, predicted: Callable
+) -> tuple[str, dict, list[str], float, float, int]:
+    """Quantizer ``key``'s probe: (key, settings, its modules, their predicted KL, the rest's, how
+    many the plan has at ``key``)."""
+    mine = [p for p in scored if correction_key(layers[p]) == key]
+    settings = {p: (layers[p] if p in mine else base[p]) for p in layers}
+    n_planned = len(mine)
+    pk, po = predicted(settings, mine), predicted(base, [p for p in scored if p not in mine])
+    others = [(p, variant(base[p], key)) for p in scored if p not in mine]
+    values = [(kl(p, v), p, v) for p, v in others if v is not None]
+    for value, p, v in sorted((x for x in values if x[0] is not None), key=lambda x: -x[0]):
+        if pk >= PROBE_SHARE * (pk + po):
+            break
+        settings[p] = v
+        mine.append(p)
+        pk, po = pk + value, po - kl(p, base[p])
+    return key, settings, mine, pk, po, n_planned
 
 
 def variant(reference: QuantSpec, key: str) -> QuantSpec | None:

@@ -4,22 +4,25 @@ The exact method (``exact.py``) runs one partial forward per (module, candidate)
 grows with modules x candidates x depth. This estimate costs about ``3 + candidates`` forward
 passes over the calibration set, whatever the depth or the number of candidates:
 
-1. **Fisher pass** (``fisher_pass.py``; one forward + one backward per calibration batch): the
+1. **Fisher pass** (``fisher_blocks.py``; one forward, then one backward a block at a time): the
    gradient g_t of sampled labels' log-likelihood at every module's output; a weight change's
-   KL is estimated as 1/(2T) * sum_t (g_t . dW x_t)^2, cross-channel terms included.
-2. **Scores** per (module, candidate), once per pool of batches: quantize -> dequantize the
-   weight once, then one matmul with the pooled inputs.
-3. **Calibration** (per candidate, one forward over an eighth of the calibration samples per
-   group of modules: one role, and at <= 3 bits one quarter of the depth; ``GroupKL``): the
-   group's modules at candidate s together, KL(ref || cur) measured exactly; its scores are
-   scaled by measured / sum of estimates. This corrects the second-order formula where it breaks
-   (2-3 bits, where KL stops being quadratic) and keeps the knapsack's trade-off between bit
-   widths on the measured scale. 8 bits takes 6 bits' factors (``carried``): both are deep in
-   the quadratic regime, the factors measured at 8 bits swing by role, and it saves a forward
-   per role.
-4. **Exact refinement** (optional, ``refine``): a fraction of the modules is probed exactly at
-   a few bit widths on the same subset (``exact.Sweep``), and each module's estimate is scaled
-   to its probe.
+   KL is estimated as 1/(2T) * sum_t (g_t . dW x_t)^2, cross-channel terms included. Each
+   block's modules are scored where its backward runs: quantize -> dequantize the weight once
+   per candidate, then one matmul with the block's inputs.
+2. **Calibration** (per candidate, over an eighth of the calibration samples per group of
+   modules: one role, and at <= 3 bits one quarter of the depth): the group's modules at
+   candidate s together, KL(ref || cur) measured exactly (``variants.measure``: every group in
+   one streamed pass from the first block it changes); its scores are scaled by measured / sum
+   of estimates. This corrects the second-order formula where it breaks (2-3 bits, where KL
+   stops being quadratic) and keeps the knapsack's trade-off between bit widths on the measured
+   scale. 8 bits takes 6 bits' factors (``carried``): both are deep in the quadratic regime, the
+   factors measured at 8 bits swing by role, and it saves a forward per role.
+3. **Exact refinement** (optional, ``refine``): a fraction of the modules is measured exactly at
+   a few bit widths on the same subset (one variant each), and each module's estimate is
+   scaled to its measurement.
+
+Everything reads the model a decoder block at a time (:class:`mlxbun.quant.stream.Stream`), so
+memory does not grow with depth.
 
 The returned numbers are per-module KLs in nats per token, the same unit as the exact method's,
 so ``allocate`` reads either. ``bench/sensitivity_methods.py`` compares them with exact ones.
@@ -28,7 +31,7 @@ Example:
     >>> from mlxbun.quant.sensitivity import prepare
     >>> s = prepare(model_dir=d, bits=[2, 4, 8], group_size=64, mode="affine", calib_path=None,
     ...             samples=8, seq_len=256, seed=0, method="fisher", batch_size=1)
-    >>> est = estimate(s.model, s.tokens, s.targets, s.cands, batch_size=1, seed=0)
+    >>> est = estimate(s.stream, s.tokens, s.targets, s.cands, seed=0)
     >>> est.kl["model.layers.0.mlp.down_proj"]["4"], est.factors["4"]
 """
 
@@ -41,13 +44,11 @@ from typing import Any
 
 import numpy as np
 
-from mlxbun.kl import kl_from_stats, ref_stats
-from mlxbun.progress import human_bytes
-from mlxbun.quant import fisher_pass
-from mlxbun.quant.exact import Sweep
-from mlxbun.quant.fisher_pass import FisherPass, real_module
-from mlxbun.quant.probe import Spill, Stack, Target, fake_quant, module_at, timed_forward
+from mlxbun.quant import variants
+from mlxbun.quant.fisher_blocks import FisherStream
+from mlxbun.quant.probe import Target, fake_quant
 from mlxbun.quant.spec import QuantSpec
+from mlxbun.quant.stream import Stream
 
 log = logging.getLogger(__name__)
 
@@ -64,74 +65,6 @@ class Estimate:
     # quantized (its own setting is KL 0, and re-quantizing to a grid the source's fits in, 2 bits
     # to 4, loses less than to 5: exact KL need not fall with bits there)
     unfitted: dict[str, set[str]] = None
-
-
-# ---------------------------------------------------------------- 3. calibration
-
-
-class GroupKL:
-    """KL(ref || the model with a group of modules at one candidate) on the calibration subset.
-
-    A group's forward starts at the first block it changes: the hidden state entering that block
-    is computed once per batch with the original weights and kept (a deep group skips the blocks
-    before it). The reference's softmax statistics are computed once per batch and spilled."""
-
-    def __init__(self, model: Any, batches: list, refs: Spill) -> None:
-        self.stack = Stack(model)
-        self.model, self.batches, self.refs = model, batches, refs
-        self._entry: dict[tuple[int, int], Any] = {}  # (block, batch) -> hidden state entering it
-        self._stats: set[int] = set()
-
-    def cost(self, groups: list[list[Target]]) -> float:
-        """Forward-pass equivalents per calibration sample: each group from its first block
-        (blocks run + head over blocks + head), and one partial forward per distinct start."""
-        whole = self.stack.n + 1
-        starts = [self.start(ts) for ts in groups]
-        return sum((whole - s) / whole for s in starts) + sum(s / whole for s in set(starts))
-
-    def start(self, tgts: list[Target]) -> int:
-        return min(min(t.group for t in tgts), self.stack.n)
-
-    def kl(self, tgts: list[Target], cand: QuantSpec, tick: Callable[[float], None]) -> float:
-        """Mean over tokens then samples; the weights are restored."""
-        import mlx.core as mx
-
-        start = self.start(tgts)
-        share = (self.stack.n + 1 - start) / (self.stack.n + 1)
-        for j, b in enumerate(self.batches):
-            if start > 0 and (start, j) not in self._entry:
-                self._entry[(start, j)] = self.stack.forward(b, stop=start)
-                mx.eval(self._entry[(start, j)])
-                tick(b.shape[0] * start / (self.stack.n + 1))
-        saved = []
-        try:
-            for t in tgts:
-                if cand.matches(t.current):
-                    continue
-                mod = real_module(module_at(self.model, t.path))
-                saved.append((mod, mod.weight))
-                mod.weight = fake_quant(mod.weight, cand, dtype=t.dtype).astype(mod.weight.dtype)
-                mx.eval(mod.weight)
-            total, n = 0.0, 0
-            for j, b in enumerate(self.batches):
-                logits = self.stack.forward(b, start=start, h=self._entry.get((start, j))).astype(mx.float32)
-                mx.eval(logits)
-                kl = kl_from_stats(self._ref_stats(j, b.shape[0]), logits)
-                total, n = total + float(kl.sum()), n + len(kl)
-                tick(b.shape[0] * share)
-            return total / max(n, 1)
-        finally:
-            for mod, w in saved:
-                mod.weight = w
-
-    def _ref_stats(self, j: int, rows: int) -> tuple[np.ndarray, np.ndarray]:
-        if j not in self._stats:
-            p, neg_entropy = ref_stats(self.refs.get(f"ref{j}")[:rows])
-            self.refs.put(f"p{j}", p)
-            self.refs.put(f"negent{j}", neg_entropy)
-            self._stats.add(j)
-            return p, neg_entropy
-        return self.refs.get(f"p{j}"), self.refs.get(f"negent{j}")
 
 
 # ---------------------------------------------------------------- entry point
@@ -205,45 +138,24 @@ def calibration_groups(tgts: list[Target], cand: QuantSpec) -> dict[str, list[Ta
 
 
 def estimate(
-    model: Any,
+    stream: Stream,
     tokens: Any,
     tgts: list[Target],
     cands: list[QuantSpec],
     *,
-    batch_size: int,
     seed: int,
     refine: float = 0.0,
     refine_bits: list[int] | None = None,
     progress: Callable[[float], None] | None = None,
-    hint: Callable[[float], None] | None = None,
 ) -> Estimate:
-    """Per-module KL estimates for every candidate (see the module docstring).
+    """Per-module KL estimates for every candidate (see the module docstring), the model read a
+    block at a time from ``stream``.
 
     ``refine`` is the fraction of modules probed exactly at ``refine_bits`` (see :func:`refine_kl`).
-    ``progress(fraction)`` is called with the fraction of work done, counted in forward passes;
-    ``hint(seconds)`` once at the start with the run's duration estimated from one timed forward.
+    ``progress(fraction)`` is called with the fraction of work done, counted in forward passes.
     """
-    import mlx.core as mx
-
     n = tokens.shape[0]
-    done = [0.0]
-
-    def tick(units: float) -> None:
-        done[0] += units
-        if progress is not None:
-            progress(min(done[0] / fwd, 1.0))
-
-    fp = FisherPass(model, tgts, cands, seed=seed, tick=tick, samples=n)
-    if (fewer := fp.samples_per_batch(tokens, batch_size)) < batch_size:
-        log.info(
-            "sensitivity: fisher batches of %d samples (activations under %s)",
-            fewer,
-            human_bytes(fisher_pass.ACTIVATION_BYTES),
-        )
-        batch_size = fewer
-    batches = [mx.array(tokens[i : i + batch_size]) for i in range(0, n, batch_size)]
     n_sub = len(calibration_subset(tokens))
-    sub = [mx.array(tokens[i : min(i + batch_size, n_sub)]) for i in range(0, n_sub, batch_size)]
     groups = {str(c.bits): calibration_groups(tgts, c) for c in cands}
     todo = to_measure(groups, cands)
     probes = probe_plan(tgts, cands, refine=refine, refine_bits=refine_bits)
@@ -254,32 +166,59 @@ def estimate(
             refine,
             refine_bits or "the middle candidate",
         )
-    refs = Spill()
-    calib = GroupKL(model, sub, refs)
-    # fisher pass ~ forward + backward + the candidates' error matmuls (~1 forward each)
-    fwd = (3 + len(cands)) * n
-    fwd += calib.cost([ts for c in cands for ts in todo[str(c.bits)].values()]) * n_sub
-    fwd += probe_cost(tgts, probes, n_blocks=max(t.group for t in tgts)) * n_sub  # in samples
+    group_variants = [
+        (b, k, {t.path: c for t in ts if not c.matches(t.current)})
+        for c in cands
+        for b in [str(c.bits)]
+        for k, ts in todo[b].items()
+    ]
+    probe_variants = [(t, c) for t in tgts for c in probes.get(t.path, ())]
+    # forward, backward (+ its recomputed forward) and the candidates' error matmuls (~1 forward
+    # each) over all samples, then each variant's blocks on the subset
+    blocks = stream.n_blocks + 1
+    fwd = (4 + len(cands)) * n
+    starts = [_start(stream, v) for _, _, v in group_variants] + [
+        _start(stream, {t.path: c}) for t, c in probe_variants
+    ]
+    fwd += sum(blocks - max(s, 0) for s in starts) / blocks * n_sub
+    done = [0.0]
 
-    if hint is not None:
-        hint(timed_forward(model, tokens, batch_size) * fwd / min(batch_size, n))
+    def tick(units: float) -> None:
+        done[0] += units
+        if progress is not None:
+            progress(min(done[0] / fwd, 1.0))
+
+    fp = FisherStream(stream, tgts, cands, seed=seed, tick=tick)
     try:
-        for j, b in enumerate(batches):
-            refs.put(f"ref{j}", fp.run(b))
-        raw = fp.scores()
-        measured = {
-            str(c.bits): {k: calib.kl(ts, c, tick) for k, ts in todo[str(c.bits)].items()} for c in cands
-        }
+        raw = fp.run(tokens)
+        ref = fp.reference(n_sub)
     finally:
-        refs.close()
         fp.close()
-    measured = {b: kls for b, kls in measured.items() if kls}
+    dtypes = {t.path: t.dtype for t in tgts}
+
+    def rtn(path: str, w: Any, spec: QuantSpec) -> Any:
+        return fake_quant(w, spec, dtype=dtypes[path])
+
+    step = n_sub / blocks
+    kls = variants.measure(stream, ref, [v for _, _, v in group_variants], fake=rtn, on_block=lambda: None)
+    tick(sum(blocks - max(s, 0) for s in starts[: len(group_variants)]) * step)
+    measured: dict[str, dict[str, float]] = {}
+    for (b, k, _), value in zip(group_variants, kls, strict=True):
+        measured.setdefault(b, {})[k] = value
     unfitted = {t.path: {str(c.bits) for c in cands} if t.current is not None else set() for t in tgts}
     est = _calibrate(raw, measured, groups, carried(cands), unfitted, forward_equivalents=fwd / n)
-    if not probes:
+    if not probe_variants:
         return est
-    exact = exact_probes(model, tokens[:n_sub], tgts, probes, batch_size=batch_size, tick=tick)
+    values = variants.measure(stream, ref, [{t.path: c} for t, c in probe_variants], fake=rtn)
+    tick(sum(blocks - max(s, 0) for s in starts[len(group_variants) :]) * step)
+    exact: dict[str, dict[str, float]] = {}
+    for (t, c), value in zip(probe_variants, values, strict=True):
+        exact.setdefault(t.path, {})[str(c.bits)] = value
     return refine_kl(est, exact, groups)
+
+
+def _start(stream: Stream, variant: dict[str, QuantSpec]) -> int:
+    return min((variants.block_of(stream, p) for p in variant), default=stream.n_blocks)
 
 
 # ---------------------------------------------------------------- 4. exact refinement
@@ -300,42 +239,6 @@ def probe_plan(
     count = min(len(tgts), int(np.ceil(refine * len(tgts))))
     order = sorted(tgts, key=lambda t: (-t.in_features * t.out_features, t.group, t.path))[:count]
     return {t.path: [c for c in chosen if not c.matches(t.current)] for t in order}
-
-
-def probe_cost(tgts: list[Target], probes: dict[str, list[QuantSpec]], *, n_blocks: int) -> float:
-    """Forward-pass equivalents per calibration-subset sample of the exact probes (blocks run)."""
-    return sum((n_blocks - t.group + 1) / (n_blocks + 1) * len(probes.get(t.path, ())) for t in tgts)
-
-
-class _Ticks:
-    """The exact sweep's progress (blocks run) as forward-pass units of the estimate."""
-
-    def __init__(self, tick: Callable[[float], None], *, n_blocks: int, samples: int) -> None:
-        self.tick, self.scale = tick, samples / (n_blocks + 1)
-
-    def update(self, n: float = 1, *, work: float = 0.0) -> None:
-        self.tick(work * self.scale)
-
-
-def exact_probes(
-    model: Any, tokens: Any, tgts: list[Target], probes: dict[str, list[QuantSpec]], *, batch_size: int, tick
-) -> dict[str, dict[str, float]]:
-    """Exact KL of each planned (module, candidate) on ``tokens`` (the calibration subset)."""
-    sweep = Sweep(model, tokens, batch_size=batch_size)
-    ticks = _Ticks(tick, n_blocks=sweep.stack.n, samples=len(tokens))
-    out: dict[str, dict[str, float]] = {}
-    for c in sorted({c for cs in probes.values() for c in cs}, key=lambda c: c.bits):
-        groups: dict[int, list[Target]] = {}
-        for t in tgts:
-            if c in probes.get(t.path, ()):
-                groups.setdefault(t.group, []).append(t)
-
-        def keep(g: int, results: dict) -> None:
-            for path, row in results.items():
-                out.setdefault(path, {}).update(row)
-
-        sweep.run(groups, [c], on_group=keep, progress=ticks)
-    return out
 
 
 def refine_kl(est: Estimate, exact: dict, groups: dict) -> Estimate:

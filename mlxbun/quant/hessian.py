@@ -44,7 +44,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_open
 from mlxbun.io.safetensors import SafetensorsFile, read_config
-from mlxbun.quant.probe import find_blocks
+from mlxbun.quant.stream import find_blocks
 
 FORMAT = "mlxbun-hessians"
 

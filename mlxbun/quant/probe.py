@@ -32,6 +32,7 @@ from mlxbun.io.safetensors import open_model, read_config
 from mlxbun.io.staging import ScratchDir
 from mlxbun.quant import rounding
 from mlxbun.quant.spec import QuantSpec
+from mlxbun.quant.stream import find_blocks
 
 
 @dataclass(frozen=True)
@@ -44,21 +45,6 @@ class Target:
     out_features: int
     dtype: str  # the source dtype candidates are quantized from
     current: dict | None  # {"bits", "group_size", "mode"} when the source is already quantized
-
-
-def find_blocks(model: Any) -> tuple[Any, str]:
-    """The module holding the transformer block list (``model.model.layers`` for llama)."""
-    import mlx.nn as nn
-
-    best = None
-    for path, mod in model.named_modules():
-        layers = mod.get("layers") if isinstance(mod, dict) else None
-        if isinstance(layers, list) and layers and all(isinstance(x, nn.Module) for x in layers):
-            if best is None or path.count(".") < best[0].count("."):
-                best = (path, mod)
-    if best is None:
-        raise InputError(f"model class {type(model).__name__} has no block list 'layers'; cannot probe")
-    return best[1], best[0]
 
 
 def load_model(model_dir: str | Path, *, key: str = "model.name") -> tuple[Any, Any, dict[str, dict]]:
@@ -220,6 +206,49 @@ def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str, hessian: Any = None,
         parts.append(_fake_quant(weight[lo : lo + rows], cand, dtype))
         mx.eval(parts[-1])
     return mx.concatenate(parts)
+
+
+class Written:
+    """A module's weight as quantize writes it at a setting, float32: RTN and the microscaling
+    modes by ``mx.quantize``, clip and GPTQ by :func:`mlxbun.quant.rounding.quantize` with the
+    module's Hessian. Those roundings go to ``rounded`` (:class:`mlxbun.quant.rounded.Rounded`,
+    keyed as quantize keys them), so a quantize of the same plan reads them back.
+
+    ``dtype``: the output dtype quantize casts to (None: each module's ``dtypes`` entry)."""
+
+    def __init__(
+        self, *, dtype: str | None, dtypes: dict[str, str], hessians: Any = None, rounded: Any = None
+    ) -> None:
+        self.dtype, self.dtypes, self.hessians, self.rounded = dtype, dtypes, hessians, rounded
+
+    def __call__(self, path: str, w: Any, spec: QuantSpec) -> Any:
+        import mlx.core as mx
+
+        from mlxbun.quant import hessian
+
+        dtype = self.dtype or self.dtypes.get(path, "bfloat16")
+        if spec.method == "rtn" or spec.mode != "affine":
+            return fake_quant(w, spec, dtype=dtype)
+        src = w.astype(getattr(mx, dtype))
+        setting = {"bits": spec.bits, "group_size": spec.group_size, "method": spec.method}
+        file = None if self.rounded is None else self.rounded.file(path, src, **setting)
+        out = None if file is None else self.rounded.get(file, path)
+        if out is None:
+            h = self.hessians[path] if self.hessians is not None and path in self.hessians else None
+            try:
+                out = rounding.quantize(src, hessian=h, **setting)
+            except rounding.NotPositiveDefinite as e:
+                raise hessian.refused(
+                    getattr(self.hessians, "path", "quant.hessians"), path, str(e)
+                ) from None
+            mx.eval(*out)
+            rounding.check_finite(path, {f"{path}.scales": out[1], f"{path}.biases": out[2]})
+            if file is not None:
+                self.rounded.put(file, out, path)
+        wq, scales, biases = out
+        return dequantized(
+            mx.array(wq), scales, biases, group_size=spec.group_size, bits=spec.bits, dtype=mx.float32
+        )
 
 
 def _rounded(weight: Any, cand: QuantSpec, dtype: str, hessian: Any, factor: Any) -> Any:

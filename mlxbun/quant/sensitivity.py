@@ -27,7 +27,6 @@ Example:
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxbun import blas
+from mlxbun import blas, device
 from mlxbun.errors import InputError
 from mlxbun.fingerprint import model_fingerprint, shard_sha256
 from mlxbun.io.atomic import atomic_write_json, dumps_json
@@ -52,6 +51,7 @@ from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets
 from mlxbun.quant.sensitivity_file import SCHEMA_VERSION, document, write_reports
 from mlxbun.quant.sensitivity_ref import reference_sweep
 from mlxbun.quant.spec import QuantSpec, hessians_file, spec_for
+from mlxbun.quant.stream import Stream
 from mlxbun.source import expand
 from mlxbun.source import model_dir as source_dir
 
@@ -113,11 +113,27 @@ class Checkpoints:
 
 @dataclass
 class Setup:
+    """What a sweep runs on: ``model`` is the float32 model (exact, reference) or, for fisher,
+    the skeleton of ``stream``, which reads the weights a block at a time."""
+
     model: Any
     tokens: Any
     targets: list[Target]
     cands: list[QuantSpec]
     settings: dict[str, Any]
+    stream: Stream | None = None
+
+    @property
+    def n_blocks(self) -> int:
+        return self.stream.n_blocks if self.stream is not None else Stack(self.model).n
+
+    def weight(self, path: str) -> Any:
+        """A module's float32 weight (read from disk when streamed)."""
+        if self.stream is not None:
+            return self.stream.read(f"{path}.weight")
+        from mlxbun.quant.probe import module_at
+
+        return module_at(self.model, path).weight
 
 
 def prepare(
@@ -138,7 +154,14 @@ def prepare(
     """Load the model and calibration; list targets and candidates; the settings that key results."""
 
     cands = candidates(bits, group_size=group_size, mode=mode)
-    model, tokenizer, source = load_model(model_dir)
+    stream = None
+    if method == "fisher":
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        stream = Stream(model_dir)
+        model, tokenizer, source = stream.model, load_tokenizer(Path(model_dir)), stream.source()
+    else:
+        model, tokenizer, source = load_model(model_dir)
     calib = load_calibration(
         tokenizer=tokenizer, path=calib_path, samples=samples, seq_len=seq_len, seed=seed
     )
@@ -151,7 +174,7 @@ def prepare(
         source=source,
         dtypes=source_dtypes(model_dir) | source["dtypes"],
     )
-    n_blocks = Stack(model).n
+    n_blocks = stream.n_blocks if stream is not None else Stack(model).n
     settings = {
         "version": SCHEMA_VERSION,
         "method": method,
@@ -169,7 +192,9 @@ def prepare(
         },
         "calibration": calib.to_dict(),
     }
-    return Setup(model=model, tokens=calib.tokens, targets=tgts, cands=cands, settings=settings)
+    return Setup(
+        model=model, tokens=calib.tokens, targets=tgts, cands=cands, settings=settings, stream=stream
+    )
 
 
 def _fisher_settings(refine: float, refine_bits: list[int] | None) -> dict[str, Any]:
@@ -253,7 +278,7 @@ def sensitivity(
         samples=samples, seq_len=seq_len, seed=seed, method=method, batch_size=batch_size,
         refine=refine, refine_bits=refine_bits,
     )  # fmt: skip
-    n_blocks = Stack(s.model).n
+    n_blocks = s.n_blocks
     groups: dict[int, list[Target]] = {}
     for t in s.targets:
         groups.setdefault(t.group, []).append(t)
@@ -285,7 +310,7 @@ def sensitivity(
                 "modes": sorted(candidate_modes), "hessians": None if hessians is None else shard_sha256(Path(hessians), cache_dir=None),
                 "version": rich_candidates.VERSION}  # fmt: skip
         kls, record = rich_candidates.extend(
-            model=s.model, targets=s.targets, kls=kls, model_dir=model_dir, tokens=s.tokens,
+            weight=s.weight, stream=s.stream or Stream(model_dir), targets=s.targets, kls=kls, model_dir=model_dir, tokens=s.tokens,
             work_dir=ckpt.dir / "candidates" / hashlib.sha256(dumps_json(rich).encode()).hexdigest()[:12],
             group_size=s.cands[0].group_size, mode=mode, group_sizes=candidate_group_sizes,
             methods=candidate_methods, modes=candidate_modes, hessians=hessians,
@@ -315,7 +340,8 @@ def runtime() -> dict[str, Any]:
     import mlx.core as mx
 
     info = blas.load()  # what was loaded before mlx.core (cached), or the bundled BLAS
-    return {"mlx": mx.__version__, "blas": info.get("library") if info.get("loaded") else "bundled"}
+    out = {"mlx": mx.__version__, "blas": info.get("library") if info.get("loaded") else "bundled"}
+    return out | ({"device": "gpu"} if device.name() == "gpu" else {})  # a CPU run keeps its cache keys
 
 
 def _compute(
@@ -325,7 +351,7 @@ def _compute(
     if not todo:
         return None
     method = s.settings["method"]
-    n_blocks = Stack(s.model).n
+    n_blocks = s.n_blocks
     total = sum(len(v) for v in todo.values())
     work = {"exact": sum(group_cost(g, todo[g], n_blocks, len(s.cands)) for g in todo), "fisher": 1.0}.get(
         method
@@ -366,8 +392,8 @@ def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_d
         progress.update(fraction * progress.total - progress.done, work=fraction - progress.work)
 
     est = fisher.estimate(
-        s.model, s.tokens, s.targets, s.cands, batch_size=batch_size, seed=s.settings["calibration"]["seed"],
-        refine=s.settings["refine"], refine_bits=s.settings["refine_bits"], progress=at, hint=progress.hint,
+        s.stream, s.tokens, s.targets, s.cands, seed=s.settings["calibration"]["seed"],
+        refine=s.settings["refine"], refine_bits=s.settings["refine_bits"], progress=at,
     )  # fmt: skip
     extra = {"factors": est.factors, "measured": est.measured, "forward_equivalents": est.forward_equivalents}
     extra |= {"probes": est.probes or {}}
@@ -378,14 +404,12 @@ def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_d
 
 
 def _candidate_steps(rounded: str | Path | None) -> rich_candidates.Steps:
-    """The commands the candidates run: capture (calibrate), then the probes' allocate and quantize
-    (its clip and GPTQ roundings kept in ``rounded`` for the final quantize)."""
+    """The commands the candidates run: capture (calibrate), then the probes' allocate (their clip
+    and GPTQ roundings kept in ``rounded`` for the final quantize)."""
     return rich_candidates.Steps(
-        calibrate=calibrate.calibrate,
-        allocate=allocate.allocate,
-        quantize=functools.partial(quantize.quantize_model_dir, rounded=rounded),
-        default=allocate.DEFAULT,
-    )
+        calibrate=calibrate.calibrate, allocate=allocate.allocate, default=allocate.DEFAULT,
+        rounded=None if rounded is None else Path(rounded),
+    )  # fmt: skip
 
 
 def run(cfg: Any) -> Any:
