@@ -27,7 +27,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 import mlxbun
-from mlxbun import blas, commands, schema
+from mlxbun import blas, commands, device, schema
 from mlxbun.commands import COMMANDS, CONF_DIR
 from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.help import available_recipes, command_help
@@ -241,6 +241,7 @@ def _remove_if_empty(dcfg: Any) -> None:
 def execute(cfg: Any, resolved: dict[str, Any]) -> int:
     """Run ``cfg.command.name`` with a manifest and a RunRecord around it."""
     blas_info = blas.load(cfg.blas)
+    device.select(cfg.device)
     name = cfg.command.name
     check_command(name)
     fn = commands.resolve(name)

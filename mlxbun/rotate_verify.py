@@ -89,8 +89,8 @@ def _logits(path: Path, tokens: np.ndarray, forward: str, *, jitter: float = 0.0
     from mlx_lm.utils import load_model
 
     model, _ = load_model(Path(path), lazy=True)
-    model.set_dtype(getattr(mx, forward))
-    with mx.stream(mx.cpu):  # float64 runs on the CPU only
+    with mx.stream(mx.cpu):  # float64 runs on the CPU only: the cast too
+        model.set_dtype(getattr(mx, forward))
         if jitter:
             _jitter(model, jitter)
         logits = model(mx.array(tokens)[None])[0].astype(mx.float64)

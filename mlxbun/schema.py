@@ -713,6 +713,8 @@ class Config:
     json: bool = False
     # Optimized BLAS for MLX on Linux: "auto" (find one), "off", or a path to a shared library.
     blas: str = "auto"
+    # Where MLX computes: "auto" (its default: the GPU where there is one), "cpu" or "gpu".
+    device: str = "auto"
     paths: PathsCfg = field(default_factory=PathsCfg)
     io: IoCfg = field(default_factory=IoCfg)
     model: ModelCfg = field(default_factory=ModelCfg)
@@ -744,6 +746,7 @@ def check_config(cfg: Config) -> None:
     seeds["eval.seed"] = cfg.eval.seed
     for key, value in seeds.items():
         positive(key, value, allow_zero=True)
+    choose("device", cfg.device, ("auto", "cpu", "gpu"))
     positive("allocate.budget_bpw", cfg.allocate.budget_bpw)
     at_most("allocate.budget_bpw", cfg.allocate.budget_bpw, MAX_BPW, "float32, the widest stored weight")
     q = cfg.quant
@@ -773,7 +776,7 @@ def check_plan_overrides(q: QuantCfg, *, plan: str | None) -> None:
 
 # Keys every command reads: where runs go and are recorded, where models are found.
 COMMON_KEYS = (
-    "command", "seed", "verbose", "json", "blas", "help", "paths",
+    "command", "seed", "verbose", "json", "blas", "device", "help", "paths",
     "registry.url", "registry.path", "registry.hub_cache", "registry.paths",
 )  # fmt: skip
 

@@ -289,13 +289,14 @@ class SafetensorsFile:
         return flat.reshape(info.shape)
 
     def array(self, name: str) -> Any:
-        """The tensor as an ``mx.array`` (BF16 stays bfloat16), copied out of the mapping."""
+        """The tensor as an ``mx.array`` (BF16 stays bfloat16, F64 becomes float32), copied out of the mapping."""
         import mlx.core as mx
 
         info = self.info(name)
         self._advise(info, mmap.MADV_WILLNEED)  # read ahead the whole tensor, not page by page
         view = self.numpy(name)
-        arr = mx.array(view, dtype=mx.float64) if info.dtype == "F64" else mx.array(view)
+        # float64 is read as float32: MLX's GPUs have no float64, and no weight needs more
+        arr = mx.array(view.astype(np.float32)) if info.dtype == "F64" else mx.array(view)
         if info.dtype == "BF16":
             arr = arr.view(mx.bfloat16)
         mx.eval(arr)

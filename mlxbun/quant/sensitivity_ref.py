@@ -62,7 +62,7 @@ def reference_sweep(
     import mlx.core as mx
 
     if dtype != "float32":
-        model.set_dtype(getattr(mx, dtype))
+        model.set_dtype({"bfloat16": mx.bfloat16, "float16": mx.float16}[dtype])
     samples = [mx.array(tokens[i : i + 1]) for i in range(tokens.shape[0])]
     ref = []
     for x in samples:
