@@ -124,7 +124,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "tune": Command(
         "mlxbun.quant.tune",
-        "learned rounding: tune a quantized model's group scales, biases, norms and codes to its reference",
+        "learned rounding, a block at a time: a quantized model's codes, group scales and biases fit to its reference",
         reads=(*MODEL_SECTIONS, "tune", "io", "sensitivity.calib.path", "sensitivity.calib.seed"),
         needs=(MODEL, ("tune.reference",)),
         provides=("model.name",),

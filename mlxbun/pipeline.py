@@ -133,8 +133,16 @@ def _check_synth_room(cfg: Any) -> None:
     synth_write.check_room(spec, out=out, partial_root=None)
 
 
-def run_steps(cfg: Any, steps: list[str]) -> RunResult:
+def final_out(cfg: Any, steps: list[str]) -> Any:
+    """``quant.out`` names where the run's model goes: when a tune step follows quantize, the
+    tuned model goes there (tune.out) and quantize's stays in its step directory."""
+    if "tune" in steps and "quantize" in steps[: steps.index("tune")] and cfg.quant.out and not cfg.tune.out:
+        return set_key(set_key(cfg, "tune.out", cfg.quant.out), "quant.out", None)
+    return cfg
 
+
+def run_steps(cfg: Any, steps: list[str]) -> RunResult:
+    cfg = final_out(cfg, steps)
     check_steps(cfg, steps)
     total = RunResult()
     run_dir, seen, provided = Path(cfg.paths.run_dir), {}, {}

@@ -602,64 +602,53 @@ class EvalCfg:
         positive("eval.batch_size", self.batch_size)
 
 
-CODES_LR_RATIO = 1.0e4  # tune.codes_lr / tune.lr at most: the offsets' multiplier stays finite in float32
-
-
 @dataclass
 class TuneCfg:
-    # The unquantized model the quantized one (model.name) was made from: its next-token
-    # distributions are the target (a path, registry name or org/repo).
+    # The unquantized model the quantized one (model.name) was made from: its blocks' outputs are
+    # the targets (a path, registry name or org/repo).
     reference: str | None = None
-    # Passes over the calibration windows in each phase (scales, then codes); 0 hands the input on.
-    epochs: int = 8
-    # Adam's step after one epoch of warm-up, then decayed to 0 on a cosine. Scales and biases move
-    # in units of the quantization grid, so one rate suits every bit width.
-    lr: float = 3.0e-3
-    # The second phase's step for the codes (learned rounding): each code's offset moves by about
-    # this many grid steps a step, and the code moves to the next level once its offset passes one
-    # half; 0: the codes stay (no second phase). On the 8-layer fixture 3e-3 and 6e-3 lowered the
-    # held-out KL of a 5-bit plan by 12% and 18% more than the scales alone, and 9e-3 moved too
-    # many codes at once (no epoch beat the first phase's).
-    codes_lr: float = 6.0e-3
+    # Steps of signed gradient descent per decoder block (fewer when tune.max_minutes says so);
+    # 0 hands the input on.
+    steps: int = 200
+    # Each step moves every rounding offset (in grid steps), log scale and bias shift (in scales) by
+    # up to this, falling linearly to 0 over the block's steps.
+    lr: float = 5.0e-3
     # Windows per step.
-    batch_size: int = 4
-    # Calibration windows (the text and seed are sensitivity.calib's); the last eighth validate.
-    samples: int = 128
-    # Tokens per calibration window.
+    batch_size: int = 8
+    # Training windows: calibration documents of other kinds than tune.validation_kinds (the text
+    # and seed are sensitivity.calib's).
+    samples: int = 64
+    # Validation windows, from the documents of tune.validation_kinds: a block is kept, and the
+    # model written, only when they improve.
+    val_samples: int = 8
+    # Tokens per window.
     seq_len: int = 128
-    # Stop after this many epochs without a new best validation KL (0: run every epoch, the
-    # default: a 6-bit plan's best came at epoch 7 after five epochs without one).
-    patience: int = 0
-    # Hand the input on untrained when its validation KL (nats per token) is below this: a plan
-    # that close to its reference has nothing measurable left to gain (0: always train).
-    min_kl: float = 1.0e-3
-    # Hand the input on untrained when the epochs would take longer than this, at the speed of the
-    # first validation pass (tune.json records the prediction); null: no limit.
+    # Document kinds (``### kind`` headers of the calibration text) that only validate; a text with
+    # none of them validates on every fourth document.
+    validation_kinds: list[str] = field(default_factory=lambda: ["dialogue", "math"])
+    # The minutes tune may take: sets how many steps each block gets, timed after a warm-up step;
+    # null: tune.steps each.
     max_minutes: float | None = 60.0
+    # Where the tuned model goes (null: <run_dir>/model). A pipeline whose tune step follows
+    # quantize writes its final model to quant.out, when that is given, through this key.
+    out: str | None = None
 
     def __post_init__(self) -> None:
         not_empty("tune.reference", self.reference)
-        positive("tune.epochs", self.epochs, allow_zero=True)
+        not_empty("tune.out", self.out)
+        positive("tune.steps", self.steps, allow_zero=True)
         positive("tune.lr", self.lr)
-        positive("tune.codes_lr", self.codes_lr, allow_zero=True)
-        at_most(
-            "tune.codes_lr", self.codes_lr, 1.0, "grid steps a step: more moves codes by whole levels at once"
-        )
-        # the codes' offsets move at codes_lr / lr times the scales' step (one Adam for both)
-        at_least(
-            "tune.lr",
-            self.lr,
-            self.codes_lr / CODES_LR_RATIO,
-            f"tune.codes_lr={self.codes_lr:g} / {CODES_LR_RATIO:g}",
-        )
+        at_most("tune.lr", self.lr, 0.5, "a step of more than half a grid step moves codes by whole levels")
         positive("tune.batch_size", self.batch_size)
         positive("tune.samples", self.samples)
-        at_least("tune.samples", self.samples, 3, "2 are validation")
+        positive("tune.val_samples", self.val_samples)
         positive("tune.seq_len", self.seq_len)
         at_least("tune.seq_len", self.seq_len, 2, "one token predicts none")
-        positive("tune.patience", self.patience, allow_zero=True)
-        positive("tune.min_kl", self.min_kl, allow_zero=True)
         positive("tune.max_minutes", self.max_minutes)
+        if not self.validation_kinds:
+            raise InputError(
+                "tune.validation_kinds is empty; name at least one document kind, e.g. [dialogue]"
+            )
 
 
 @dataclass

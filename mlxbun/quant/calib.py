@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -207,8 +207,25 @@ def recorded_settings(record: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
 
 
+def split_kinds(docs: list[Document], kinds: tuple[str, ...]) -> tuple[list[Document], list[Document], str]:
+    """(training documents, validation documents, how they were split): the documents of
+    ``kinds`` are validation; when the text has none of those kinds (or only those), every
+    fourth document is."""
+    val = [d for d in docs if d.kind in kinds]
+    if val and len(val) < len(docs):
+        return [d for d in docs if d.kind not in kinds], val, f"kinds {', '.join(sorted(set(kinds)))}"
+    return [d for j, d in enumerate(docs) if j % 4 != 3], docs[3::4], "every fourth document"
+
+
 def load_calibration(
-    *, tokenizer: Any, path: str | Path | None = None, samples: int = 24, seq_len: int = 512, seed: int = 0
+    *,
+    tokenizer: Any,
+    path: str | Path | None = None,
+    samples: int = 24,
+    seq_len: int = 512,
+    seed: int = 0,
+    documents: Callable[[list[Document]], list[Document]] | None = None,
+    label: str = "",
 ) -> Windows:
     """Calibration tokens from ``path`` (None: the built-in set), deterministic for a seed.
 
@@ -218,8 +235,12 @@ def load_calibration(
         samples: number of windows N.
         seq_len: tokens per window L.
         seed: shuffles documents and picks windows.
+        documents: keeps some of the documents (e.g. one side of :func:`split_kinds`); ``label``
+            says which in the record's source.
     """
     docs, source = read_documents(path)
+    if documents is not None:
+        docs, source = documents(docs), f"{source} ({label})" if label else source
     stream, templated = token_stream(docs, tokenizer, seed=seed)
     starts = choose_windows(len(stream), samples=samples, seq_len=seq_len, seed=seed)
     tokens = np.stack([stream[s : s + seq_len] for s in starts]).astype(np.int32)
