@@ -95,14 +95,18 @@ def test_fisher_cost_does_not_grow_with_candidates(monkeypatch):
     # Each group runs from its first block (the embedding's from the lookup) to the head: a
     # depth quarter starting at block k is (n + 1 - k) / (n + 1) of a forward over the subset.
     groups = groups_by_bits(s)
-    todo = fisher.to_measure(groups, s.cands)
+    todo = fisher.to_measure(groups, s.cands, sampled=frozenset({s.stream.embedding_path}))
     share = sum(
         (n + 1 - min(max(t.group for t in ts if t.group < n) if all(t.group < n for t in ts) else n, min(t.group for t in ts))) / (n + 1)
         for b, by_key in todo.items() for ts in by_key.values()
     )  # fmt: skip
     assert est.forward_equivalents == pytest.approx(4 + len(s.cands) + share * n_sub / n_samples)
-    # 8 bits is not measured: it takes 6 bits' factors, group by group.
-    assert "8" not in est.measured and est.factors["8"] == est.factors["6"]
+    # 8 bits is measured only for the embedding (scored on a sample of the tokens): the other
+    # groups take 6 bits' factors.
+    assert set(est.measured["8"]) == {"embed_tokens"}
+    assert {k: v for k, v in est.factors["8"].items() if k != "embed_tokens"} == {
+        k: v for k, v in est.factors["6"].items() if k != "embed_tokens"
+    }
     for t in s.targets:
         key = {b: next(k for k, ts in g.items() if t in ts) for b, g in groups_by_bits(s).items()}
         row = {b: est.raw[t.path][b] * est.factors[b][key[b]] for b in est.raw[t.path]}
@@ -141,7 +145,7 @@ def test_a_group_partly_at_six_bits_is_measured_at_eight(tmp_path):
 
     qdir = quantized_fixture(tmp_path / "mixed", 4, mixed)
     doc = run_sens(qdir, tmp_path / "out", tmp_path / "w", bits=[4, 6, 8], method="fisher", **CAL)
-    assert set(doc["estimate"]["measured"]["8"]) == {"k_proj"}
+    assert set(doc["estimate"]["measured"]["8"]) == {"k_proj", "embed_tokens"}  # the embedding: always
     assert doc["estimate"]["factors"]["8"]["down_proj"] == doc["estimate"]["factors"]["6"]["down_proj"]
 
 
@@ -427,3 +431,28 @@ def test_spill_put_again_replaces_only_that_name(in_memory):
         assert spill.get("c").tolist() == [5.0]
     finally:
         spill.close()
+
+
+def test_the_head_is_scored_on_a_sample_of_the_tokens(monkeypatch):
+    """Past HEAD_TOKENS tokens the head and the lookups are scored on that many evenly spaced ones
+    (labels fixed here); every other module's scores are unchanged. The embedding is alone in its
+    calibration groups, and measured at every bit width (never carried), so its KL is measured."""
+    s = sens.prepare(model_dir=FIXTURE, bits=[6, 8], group_size=64, mode="affine", calib_path=None,
+                     method="fisher", batch_size=2, **CAL)  # fmt: skip
+    monkeypatch.setattr(
+        fisher_blocks.mx.random, "categorical", lambda logits, key=None: mx.argmax(logits, -1)
+    )
+    every = raw_scores(s, s.tokens)
+    monkeypatch.setattr(fisher_blocks, "HEAD_TOKENS", s.tokens.size // 4)
+    fp = fisher_blocks.FisherStream(s.stream, s.targets, s.cands, seed=0)
+    assert len(fp.scored_rows(s.tokens.size)) == s.tokens.size // 4
+    sampled = raw_scores(s, s.tokens)
+    emb = s.stream.embedding_path
+    assert sampled[emb] != every[emb]
+    for path, row in every.items():
+        if path != emb:
+            for bits, value in row.items():
+                assert sampled[path][bits] == pytest.approx(value, rel=1e-4), (path, bits)
+    est = fisher.estimate(s.stream, s.tokens, s.targets, s.cands, seed=0)
+    assert set(est.measured["8"]) == {"embed_tokens"}
+    assert est.kl[emb]["8"] == pytest.approx(est.measured["8"]["embed_tokens"], rel=1e-9)

@@ -92,12 +92,9 @@ def role(path: str) -> str:
 
 
 CARRY_BITS = 6  # affine candidates above take this candidate's factors (when it is one)
-# Part of the resume cache key: bump it whenever the estimate's numbers change, so that a warm
-# run never returns what an older estimator cached (2: 8 bits takes 6 bits' factors; 3: only
-# measured factors are carried, and a quantized source's own setting stays at KL 0; 4: a quantized
-# source's modules are not fitted to fall with bits; 5: 8 bits is measured where 6 bits leaves
-# some of its modules unchanged; 6: the calibration subset is an eighth of the samples, not a quarter).
-VERSION = 6
+# Part of the resume cache key: bumped whenever the estimate's numbers change, so that a warm run
+# never returns what an older estimator cached.
+VERSION = 7
 
 
 def carried(cands: list[QuantSpec]) -> dict[str, str]:
@@ -107,11 +104,18 @@ def carried(cands: list[QuantSpec]) -> dict[str, str]:
     return {str(c.bits): str(CARRY_BITS) for c in cands if c.mode == "affine" and c.bits > CARRY_BITS}
 
 
-def to_measure(groups: dict[str, dict[str, list[Target]]], cands: list[QuantSpec]) -> dict[str, dict]:
+def to_measure(
+    groups: dict[str, dict[str, list[Target]]],
+    cands: list[QuantSpec],
+    *,
+    sampled: frozenset[str] = frozenset(),
+) -> dict[str, dict]:
     """The calibration groups measured, per candidate: those that change some module (a quantized
     source's own setting changes nothing: KL 0), except a carried candidate's groups whose source
     group changes every module they change (where it does not, e.g. a source already at 6 bits
-    in some layers, the source's factor was measured on other modules: the group is measured)."""
+    in some layers, the source's factor was measured on other modules: the group is measured).
+    A group holding a module scored on a sample of the tokens (``sampled``: the head, the
+    embedding) is always measured: its scores' ratio between bit widths is too noisy to carry."""
     by_bits, carry = {str(c.bits): c for c in cands}, carried(cands)
 
     def changed(b: str, ts: list[Target]) -> set[str]:
@@ -119,6 +123,8 @@ def to_measure(groups: dict[str, dict[str, list[Target]]], cands: list[QuantSpec
 
     def measure(b: str, k: str) -> bool:
         mine = changed(b, groups[b][k])
+        if mine & sampled:
+            return True
         return bool(mine) and (b not in carry or not mine <= changed(carry[b], groups[carry[b]][k]))
 
     return {b: {k: ts for k, ts in by_key.items() if measure(b, k)} for b, by_key in groups.items()}
@@ -157,7 +163,7 @@ def estimate(
     n = tokens.shape[0]
     n_sub = len(calibration_subset(tokens))
     groups = {str(c.bits): calibration_groups(tgts, c) for c in cands}
-    todo = to_measure(groups, cands)
+    todo = to_measure(groups, cands, sampled=frozenset({stream.embedding_path, *stream.head_paths}))
     probes = probe_plan(tgts, cands, refine=refine, refine_bits=refine_bits)
     if refine > 0 and not any(probes.values()):
         log.warning(

@@ -50,6 +50,7 @@ BOUNDARY_MEMORY = 256 << 20  # the kept block inputs stay in memory up to this, 
 ACTIVATION_BYTES = 512 << 20  # one block's recomputed forward and backward: windows per batch
 CHUNK = 1 << 22  # weights per slice of vocabulary rows scored at once
 COLUMNS_MEMORY = 256 << 20  # the logits' gradients stay in memory up to this, else go to disk
+HEAD_TOKENS = 512  # tokens whose head and lookups are scored (scored_rows)
 
 
 class Boundaries:
@@ -205,33 +206,49 @@ class FisherStream:
     # ------------------------------------------------------------------ head
 
     def _head(self, tokens: np.ndarray) -> tuple[mx.array, dict[str, np.ndarray]]:
-        """The gradient at the last state, and the head's dots per candidate (a tied head's are
-        kept to be added to the lookups'; an untied head is scored here)."""
+        """The gradient at the last state (every token), and the head's dots per candidate on the
+        scored tokens (:meth:`scored_rows`; a tied head's are kept to be added to the lookups', an
+        untied head is scored here)."""
         s = self.stream
         h = self.final.reshape(-1, self.final.shape[-1])
         rows, step = h.shape[0], s.token_rows()
         head = s.head_paths[0]
         scored = head in self.tgts
+        picked = self.scored_rows(rows)
+        where = np.full(rows, -1, np.int64)
+        where[picked] = np.arange(len(picked))
         width = max(1, CHUNK // h.shape[1])
-        cols = Columns(rows, s.vocab, width) if scored else None
-        x_head = np.zeros((rows, h.shape[1]), np.float32) if scored else None
+        cols = Columns(len(picked), s.vocab, width) if scored else None
+        x_head = np.zeros((len(picked), h.shape[1]), np.float32) if scored else None
         grads = []
         for lo in range(0, rows, step):
             key = mx.random.key(self.seed * 1_000_003 + lo)
             g_h, g_logits, x = _head_grads(s, h[lo : lo + step], key)
             grads.append(g_h)
-            if scored:
-                cols.write(lo, np.asarray(g_logits))
-                x_head[lo : lo + step] = np.asarray(x)
+            mine = np.flatnonzero(where[lo : lo + step] >= 0)
+            if scored and len(mine):
+                first = int(where[lo + mine[0]])  # the picked rows of a slice are consecutive in cols
+                cols.write(first, np.asarray(g_logits)[mine])
+                x_head[first : first + len(mine)] = np.asarray(x)[mine]
         grad = mx.concatenate(grads).reshape(self.final.shape)
         dots = {}
         if scored:
             dots = self._head_dots(head, cols, mx.array(x_head))
             cols.close()
             if head != s.embedding_path:  # untied: its own module
-                self._square(head, dots)
+                self._square(head, dots, rows / len(picked))
                 dots = {}
         return grad, dots
+
+    def scored_rows(self, rows: int) -> np.ndarray:
+        """The tokens (of ``rows``, in order) whose head is scored: all of them up to
+        :data:`HEAD_TOKENS`, else that many evenly spaced. The head and a tied embedding are each
+        alone in their calibration group, whose measured KL sets their scale at every candidate
+        it measures: only the ratio of a carried candidate's score to its source's comes from
+        here, and the head's vocabulary-wide matmuls are most of the pass at a large vocabulary."""
+        if rows <= HEAD_TOKENS:
+            return np.arange(rows)
+        return np.unique(np.linspace(0, rows - 1, HEAD_TOKENS).round().astype(np.int64))
 
     def _head_dots(self, path: str, cols: Columns, x: mx.array) -> dict[str, np.ndarray]:
         """Per candidate and token, g_logits . (dW x) over the head's rows, a column slice at a time."""
@@ -321,7 +338,9 @@ class FisherStream:
             return
         add = mx.zeros(grad.shape, mx.float32)
         g_emb = mx.grad(lambda a: (s.embed(tokens, add=a) * grad).sum())(add).reshape(-1, grad.shape[-1])
-        ids = mx.array(tokens.reshape(-1))
+        picked = self.scored_rows(grad.shape[0] * grad.shape[1])
+        ids = mx.array(tokens.reshape(-1)[picked])
+        g_emb = g_emb[mx.array(picked)]
         w = s.weight(emb)
         step = max(1, CHUNK // w.shape[-1])
         dots = {b: mx.array(v.astype(np.float32)) for b, v in head_dots.items()}
@@ -335,11 +354,13 @@ class FisherStream:
                 key = str(c.bits)
                 dots[key] = part if key not in dots else dots[key] + part
                 mx.eval(dots[key])
-        self._square(emb, {b: np.asarray(v, dtype=np.float64) for b, v in dots.items()})
+        weight = tokens.size / len(picked)
+        self._square(emb, {b: np.asarray(v, dtype=np.float64) for b, v in dots.items()}, weight)
 
-    def _square(self, path: str, dots: dict[str, np.ndarray]) -> None:
+    def _square(self, path: str, dots: dict[str, np.ndarray], weight: float = 1.0) -> None:
+        """Adds the sum of the squared dots, ``weight`` times (a sample of the tokens stands for all)."""
         for b, v in dots.items():
-            self.sums[path][b] += float(np.square(v).sum())
+            self.sums[path][b] += weight * float(np.square(v).sum())
 
 
 def _batched(fn: Callable[[mx.array], mx.array], h: mx.array, batch: int) -> mx.array:
