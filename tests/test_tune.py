@@ -112,11 +112,56 @@ def test_a_time_budget_sets_the_steps_after_a_warm_up_step(monkeypatch: pytest.M
     lin = blockwise.TunedLinear(reference=w, weight=wq, scales=s, biases=b, bits=4, group_size=64)
     data = blockwise.Windows(x_train=mx.ones((4, 2, 3)), y_train=mx.zeros((4, 2, 3)), x_val=mx.ones((1, 2, 3)),
                              y_val=mx.zeros((1, 2, 3)))  # fmt: skip
-    done = blockwise._train(
+    done, _, _ = blockwise._train(
         Fake(), 0, None, {"m": lin}, data, steps=200, lr=1e-3, batch=2, seed=0, seconds=10
     )
     assert done == 11
-    assert blockwise._train(Fake(), 0, None, {"m": lin}, data, steps=5, lr=1e-3, batch=2, seed=0) == 5
+    assert blockwise._train(Fake(), 0, None, {"m": lin}, data, steps=5, lr=1e-3, batch=2, seed=0)[0] == 5
+
+
+def test_the_best_validation_check_is_kept_not_the_last_step() -> None:
+    """Validation is checked CHECKS times over the steps; the values of the best check stay (the
+    input's when no check beats it)."""
+
+    class Fake:
+        def run(self, i, x):
+            return x * lin.weight().sum()
+
+    w = mx.ones((4, 64))
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    lin = blockwise.TunedLinear(reference=w, weight=wq, scales=s, biases=b, bits=4, group_size=64)
+    data = blockwise.Windows(x_train=mx.ones((4, 2, 3)), y_train=mx.zeros((4, 2, 3)), x_val=mx.ones((1, 2, 3)),
+                             y_val=mx.zeros((1, 2, 3)))  # fmt: skip
+    seen, values = [], iter([3.0, 1.0, 2.0, 5.0])
+
+    def validate() -> float:
+        seen.append(np.array(lin.v))
+        return next(values)
+
+    done, best, step = blockwise._train(
+        Fake(), 0, None, {"m": lin}, data, steps=8, lr=1e-2, batch=2, seed=0, validate=validate, start=4.0
+    )
+    assert (done, best, step) == (8, 1.0, 4) and len(seen) == blockwise.CHECKS
+    assert np.array_equal(np.array(lin.v), seen[1])  # the second check's values, not the last step's
+    values = iter([5.0, 6.0, 7.0, 8.0])
+    v0 = np.array(lin.v)
+    assert (
+        blockwise._train(
+            Fake(),
+            0,
+            None,
+            {"m": lin},
+            data,
+            steps=8,
+            lr=1e-2,
+            batch=2,
+            seed=0,
+            validate=lambda: next(values),
+            start=4.0,
+        )[2]
+        == 0
+    )
+    assert np.array_equal(np.array(lin.v), v0)  # no check beat the start: the input's values
 
 
 def test_a_block_whose_validation_error_rises_keeps_the_input(tmp_path: Path, q3: Path) -> None:

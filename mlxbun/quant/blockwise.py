@@ -126,6 +126,7 @@ class BlockResult:
     kept: bool
     codes_changed: int
     seconds: float
+    best_step: int = 0  # the step whose values are kept (0: the input's)
     tensors: dict[str, mx.array] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -187,13 +188,13 @@ def tune_block(
         return stream.run(i, x)
 
     before = batched_mse(fn, data.x_val, data.y_val, batch)
-    done = 0
+    done, after, best_step = 0, before, 0
     if steps > 0 and data.x_train.shape[0]:
-        done = _train(
-            stream, i, block, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds
-        )
-    after = batched_mse(fn, data.x_val, data.y_val, batch) if done else before
-    kept = done > 0 and after < before
+        done, after, best_step = _train(
+            stream, i, block, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds,
+            validate=lambda: batched_mse(fn, data.x_val, data.y_val, batch), start=before,
+        )  # fmt: skip
+    kept = best_step > 0
     if not kept:
         for p, m in tuned.items():
             m.update(_unflat(initial[p]))
@@ -205,7 +206,7 @@ def tune_block(
         mx.eval(tensors)
     return BlockResult(
         block=i, steps=done, val_before=before, val_after=after, kept=kept, codes_changed=changed,
-        seconds=time.monotonic() - t0, tensors=tensors,
+        seconds=time.monotonic() - t0, best_step=best_step, tensors=tensors,
     )  # fmt: skip
 
 
@@ -219,21 +220,28 @@ def _unflat_flat(flat: dict[str, mx.array]) -> dict[str, mx.array]:
     return {k.rpartition(".")[2]: v for k, v in flat.items()}
 
 
+CHECKS = 4  # validation checks over a block's steps: the best of them (or the input) is kept
+
+
 def _train(
     stream: Stream, i: int, block: Any, tuned: dict[str, TunedLinear], data: Windows, *, steps: int, lr: float,
-    batch: int, seed: int, seconds: float | None = None,
-) -> int:  # fmt: skip
+    batch: int, seed: int, seconds: float | None = None, validate: Callable[[], float] | None = None,
+    start: float = math.inf,
+) -> tuple[int, float, int]:  # fmt: skip
     """Up to ``steps`` steps of signed gradient descent over random batches of the training
     windows; with ``seconds``, as many as fit in it at the pace of the steps after the first (which
-    compiles kernels); the learning rate decays over the steps that will run. Returns the steps run."""
+    compiles kernels); the learning rate decays over the steps that will run. ``validate()`` (the
+    validation error of the current values) is checked :data:`CHECKS` times; the values of the
+    best check, or the input's when none is below ``start``, are left in the modules.
+    Returns (steps run, the best validation error, its step: 0 for the input's)."""
     params = {p: m.trainable_parameters() for p, m in tuned.items()}
     opt = SignSGD(lr, steps)
     rng = np.random.default_rng([seed, i])
     n = data.x_train.shape[0]
+    best, best_val, best_step = params, start, 0
 
     def loss(params: dict, x: mx.array, y: mx.array) -> mx.array:
-        for p, m in tuned.items():
-            m.update(params[p])
+        _set(tuned, params)
         return mse(stream.run(i, x), y)
 
     grad_fn = mx.value_and_grad(loss)
@@ -244,18 +252,29 @@ def _train(
         params = opt.update(params, grads)
         mx.eval(params)
         done += 1
-        if seconds is None:
-            continue
-        now = time.monotonic()
-        if clock is None:  # the first step compiled the kernels: the pace is timed from here
-            clock = now
-        elif done == 3:  # two timed steps give the pace; the decay spreads over the steps that fit
-            opt.steps = max(done, min(steps, 1 + int(seconds / max((now - clock) / 2, 1e-9))))
-        elif now - clock >= seconds:
+        stop = False
+        if seconds is not None:
+            now = time.monotonic()
+            if clock is None:  # the first step compiled the kernels: the pace is timed from here
+                clock = now
+            elif done == 3:  # two timed steps give the pace; the decay spreads over the steps that fit
+                opt.steps = max(done, min(steps, 1 + int(seconds / max((now - clock) / 2, 1e-9))))
+            elif now - clock >= seconds:
+                stop = True
+        if validate is not None and (done % max(1, opt.steps // CHECKS) == 0 or done >= opt.steps or stop):
+            _set(tuned, params)
+            value = validate()
+            if value < best_val:
+                best, best_val, best_step = params, value, done
+        if stop:
             break
+    _set(tuned, best if validate is not None else params)
+    return done, best_val, best_step if validate is not None else done
+
+
+def _set(tuned: dict[str, TunedLinear], params: dict) -> None:
     for p, m in tuned.items():
         m.update(params[p])
-    return done
 
 
 @dataclass

@@ -149,8 +149,11 @@ class FisherStream:
     ) -> None:
         self.stream, self.cands, self.seed, self.tick = stream, cands, seed, tick
         self.tgts = {t.path: t for t in tgts}
+        total = sum(t.in_features * t.out_features for t in tgts) or 1
+        # a module's share of a forward: its candidates' scores cost about one forward each in all
+        self.share = {t.path: t.in_features * t.out_features / total for t in tgts}
         self.sums = {t.path: {str(c.bits): 0.0 for c in cands} for t in tgts}
-        self.tokens = 0
+        self.tokens = self.n_samples = 0
         self.bounds: Boundaries | None = None
         self.final: mx.array | None = None
 
@@ -161,10 +164,14 @@ class FisherStream:
     # ------------------------------------------------------------------ the pass
 
     def run(self, tokens: np.ndarray) -> dict[str, dict[str, float]]:
-        """Per-token KL estimates of every target at every candidate (1/2 mean of the squares)."""
+        """Per-token KL estimates of every target at every candidate (1/2 mean of the squares).
+
+        ``tick(units)`` is called as work is done, in samples x forwards: a forward and a backward
+        (3, its forward recomputed) over every sample, and each module's candidates' scores (one
+        forward's share of the module per candidate): ``(4 + candidates) x samples`` in all."""
         s = self.stream
         n, length = tokens.shape
-        self.tokens = int(tokens.size)
+        self.tokens, self.n_samples = int(tokens.size), int(tokens.shape[0])
         self._windows = np.asarray(tokens)
         unit = n / (s.n_blocks + 1)  # samples x forward share of one block
         h = s.embed(tokens)
@@ -262,6 +269,7 @@ class FisherStream:
                 part = (g * (x @ (fake_quant(wc, c, dtype=dtype) - wc).T)).sum(axis=-1)
                 dots[str(c.bits)] = part if str(c.bits) not in dots else dots[str(c.bits)] + part
                 mx.eval(dots[str(c.bits)])
+                self.tick(self.share[path] * self.n_samples * wc.shape[0] / w.shape[0])
         return {b: np.asarray(v, dtype=np.float64) for b, v in dots.items()}
 
     # ------------------------------------------------------------------ blocks
@@ -326,6 +334,7 @@ class FisherStream:
                 dot = dot + (g[..., lo : lo + step] * (x @ (fake_quant(wc, c, dtype=dtype) - wc).T)).sum(-1)
                 mx.eval(dot)
             self.sums[path][str(c.bits)] += float(np.square(np.asarray(dot, dtype=np.float64)).sum())
+            self.tick(self.share[path] * x.shape[0])
 
     # ------------------------------------------------------------------ embedding
 
@@ -354,6 +363,8 @@ class FisherStream:
                 key = str(c.bits)
                 dots[key] = part if key not in dots else dots[key] + part
                 mx.eval(dots[key])
+                if head_dots == {}:  # a tied head's share was counted with the head's
+                    self.tick(self.share[emb] * self.n_samples * wc.shape[0] / w.shape[0])
         weight = tokens.size / len(picked)
         self._square(emb, {b: np.asarray(v, dtype=np.float64) for b, v in dots.items()}, weight)
 
