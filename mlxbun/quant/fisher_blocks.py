@@ -263,7 +263,7 @@ class FisherStream:
         dtype = self.tgts[path].dtype
         dots: dict[str, Any] = {}
         for lo in range(0, w.shape[0], cols.step):
-            wc = w[lo : lo + cols.step]
+            wc = w[lo : lo + cols.step].astype(mx.float32)
             g = mx.array(cols.read(lo))
             for c in self.todo(path):
                 part = (g * (x @ (fake_quant(wc, c, dtype=dtype) - wc).T)).sum(axis=-1)
@@ -330,7 +330,7 @@ class FisherStream:
         for c in self.todo(path):
             dot = mx.zeros(g.shape[:-1], mx.float32)
             for lo in range(0, w.shape[0], step):
-                wc = w[lo : lo + step]
+                wc = w[lo : lo + step].astype(mx.float32)
                 dot = dot + (g[..., lo : lo + step] * (x @ (fake_quant(wc, c, dtype=dtype) - wc).T)).sum(-1)
                 mx.eval(dot)
             self.sums[path][str(c.bits)] += float(np.square(np.asarray(dot, dtype=np.float64)).sum())
@@ -354,7 +354,7 @@ class FisherStream:
         step = max(1, CHUNK // w.shape[-1])
         dots = {b: mx.array(v.astype(np.float32)) for b, v in head_dots.items()}
         for lo in range(0, w.shape[0], step):
-            wc = w[lo : lo + step]
+            wc = w[lo : lo + step].astype(mx.float32)
             inside = ((ids >= lo) & (ids < lo + wc.shape[0]))[:, None]
             where = mx.clip(ids - lo, 0, wc.shape[0] - 1)
             for c in self.todo(emb):

@@ -131,14 +131,17 @@ def dequantized(
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
 
 
-def targets(model: Any, *, group_size: int, source: dict[str, dict], dtypes: dict[str, str]) -> list[Target]:
-    """Quantizable modules in model order, with mlx-lm's predicate (and the model's own)."""
+def targets(
+    model: Any, *, group_size: int, source: dict[str, dict], dtypes: dict[str, str], modules: Any = None
+) -> list[Target]:
+    """Quantizable modules in model order, with mlx-lm's predicate (and the model's own);
+    ``modules``: the (path, module) pairs to look at (default: the model's)."""
     owner, owner_path = find_blocks(model)
     n = len(owner["layers"])
     prefix = f"{owner_path}.layers." if owner_path else "layers."
     pred = getattr(model, "quant_predicate", None)
     out = []
-    for path, mod in model.named_modules():
+    for path, mod in model.named_modules() if modules is None else modules:
         if not hasattr(mod, "to_quantized") or "weight" not in mod:
             continue
         if mod.weight.shape[-1] % group_size or (pred is not None and not pred(path, mod)):

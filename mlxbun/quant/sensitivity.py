@@ -173,6 +173,7 @@ def prepare(
         group_size=cands[0].group_size,
         source=source,
         dtypes=source_dtypes(model_dir) | source["dtypes"],
+        modules=None if stream is None else stream.named_modules(),
     )
     n_blocks = stream.n_blocks if stream is not None else Stack(model).n
     settings = {

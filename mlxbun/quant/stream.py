@@ -130,6 +130,45 @@ class _Added(nn.Module):
         return object.__getattribute__(self, "_embedding").as_linear(x)
 
 
+HEAD_CHUNK_BYTES = 64 << 20  # float32 bytes of the head's matrix cast at once
+
+
+def chunked_matmul(x: mx.array, w: mx.array) -> mx.array:
+    """``x @ w.T`` in float32, ``w`` (its stored dtype) cast a slice of its rows at a time: a large
+    vocabulary's head is never copied to float32 whole."""
+    rows = max(1, HEAD_CHUNK_BYTES // (4 * w.shape[-1]))
+    x = x.astype(mx.float32)
+    if w.shape[0] <= rows:
+        return x @ w.astype(mx.float32).T
+    return mx.concatenate(
+        [x @ w[lo : lo + rows].astype(mx.float32).T for lo in range(0, w.shape[0], rows)], axis=-1
+    )
+
+
+class _Head(nn.Module):
+    """Stands in for a head (a Linear, or an Embedding that is also the head): its weight stays in
+    its stored dtype and the logits are computed by :func:`chunked_matmul`; an embedding's lookup
+    is its own."""
+
+    def __init__(self, module: Any) -> None:
+        super().__init__()
+        object.__setattr__(self, "_module", module)
+
+    @property
+    def weight(self) -> mx.array:
+        return object.__getattribute__(self, "_module").weight
+
+    def __call__(self, x: Any) -> Any:
+        m = object.__getattribute__(self, "_module")
+        if isinstance(m, nn.Embedding):
+            return m(x)
+        y = chunked_matmul(x, m.weight)
+        return y + m.bias if "bias" in m else y
+
+    def as_linear(self, x: Any) -> Any:
+        return chunked_matmul(x, object.__getattribute__(self, "_module").weight)
+
+
 def find_blocks(model: Any) -> tuple[Any, str]:
     """The module holding the decoder block list and its path (``model`` for llama's ``model.layers``)."""
     best = None
@@ -171,8 +210,10 @@ class Stream:
         self.prefix = f"{owner_path}.layers." if owner_path else "layers."
         self._lazy = {i: dict(tree_flatten(b.parameters())) for i, b in enumerate(self.blocks)}
         self._calls: dict[int, list] = {}
-        self._load_outside()
         self._paths = self._find_outside()
+        self._load_outside()
+        for path in {self.embedding_path, *self.head_paths}:
+            self._set_module(path, _Head(self.module(path)))
         self.model.eval()
 
     # ------------------------------------------------------------------ reading weights
@@ -253,10 +294,18 @@ class Stream:
         return {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}.get(info.dtype, "bfloat16")
 
     def _load_outside(self) -> None:
-        """The parameters outside the blocks (embedding, final norm, head), kept in float32."""
+        """The parameters outside the blocks: the embedding's and head's weights in their stored
+        dtype (exact when ``exact``: float32), the rest (final norm, biases) in float32."""
         inside = {f"{self.prefix}{i}." for i in range(self.n_blocks)}
         outside = [n for n in self.sources if not any(n.startswith(p) for p in inside)]
-        self.model.update(tree_unflatten([(n, self.read(n)) for n in outside]))
+        big = {f"{p}.weight" for p in (self.embedding_path, *self.head_paths)}
+        params = []
+        for n in outside:
+            w = self.read(n)
+            if n in big and not self.exact:
+                w = w.astype(getattr(mx, self.stored_dtype(n)))
+            params.append((n, w))
+        self.model.update(tree_unflatten(params))
 
     def block_names(self, i: int) -> list[str]:
         """Block ``i``'s parameters, relative to the block."""
@@ -348,14 +397,10 @@ class Stream:
         setattr(parent, name, module)
 
     def _embedding(self) -> tuple[Any, str, Any]:
-        for path, mod in self.model.named_modules():
-            if isinstance(mod, nn.Embedding):
-                parent_path, _, name = path.rpartition(".")
-                parent = self.model
-                for part in parent_path.split(".") if parent_path else ():
-                    parent = getattr(parent, part)
-                return parent, name, mod
-        raise InputError(f"model class {type(self.model).__name__} has no embedding; cannot stream it")
+        """(its parent, its name, the embedding as the model holds it)."""
+        parent_path, _, name = self.embedding_path.rpartition(".")
+        parent = self.module(parent_path) if parent_path else self.model
+        return parent, name, getattr(parent, name)
 
     @property
     def embedding_path(self) -> str:
@@ -381,27 +426,36 @@ class Stream:
                 heads.append(path)
         return embedding, tuple(heads) or (embedding,)
 
+    def named_modules(self) -> list[tuple[str, Any]]:
+        """The model's (path, module) pairs, the head and embedding as mlx-lm built them."""
+        heads = {self.embedding_path, *self.head_paths}
+        return [(p, self._base(p) if p in heads else m) for p, m in self.model.named_modules()]
+
     def module(self, path: str) -> Any:
         mod = self.model
         for part in path.split("."):
             mod = mod[int(part)] if isinstance(mod, list) else getattr(mod, part)
         return mod
 
+    def _base(self, path: str) -> Any:
+        mod = self.module(path)
+        return object.__getattribute__(mod, "_module") if isinstance(mod, _Head) else mod
+
     def weight(self, path: str) -> mx.array:
-        """The float32 weight of a module outside the blocks (embedding, head)."""
-        return self.module(path).weight
+        """The weight of a module outside the blocks (embedding, head), in its stored dtype."""
+        return self._base(path).weight
 
     @contextmanager
     def swapped(self, weights: dict[str, mx.array]) -> Iterator[None]:
         """Modules outside the blocks with other weights for a while (path -> weight)."""
-        saved = {p: self.module(p).weight for p in weights}
+        saved = {p: self._base(p).weight for p in weights}
         try:
-            for p, w in weights.items():
-                self.module(p).weight = w
+            for p, w in weights.items():  # a fake-quantized weight is exact in the stored dtype
+                self._base(p).weight = w.astype(saved[p].dtype)
             yield
         finally:
             for p, w in saved.items():
-                self.module(p).weight = w
+                self._base(p).weight = w
 
     @property
     def vocab(self) -> int:
