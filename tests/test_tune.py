@@ -294,3 +294,14 @@ def test_a_pipeline_ending_in_tune_writes_the_tuned_model_to_quant_out(tmp_path:
     assert json.loads((run / "tune" / "tune.json").read_text())["input"] == str(run / "quantize" / "model")
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
     assert f"model: {out}" in r.stdout
+
+
+def test_a_gain_inside_the_validation_noise_is_none() -> None:
+    """The tuned model is written only when its per-token validation KL is lower than the input's
+    by more than twice the standard error of the paired difference."""
+    rng = np.random.default_rng(0)
+    before = rng.exponential(0.2, 1024)
+    noise = rng.normal(0, 0.05, 1024)
+    assert not blockwise.significantly_lower(before + noise - 0.001, before)  # 0.5% lower: noise
+    assert blockwise.significantly_lower(before + noise - 0.02, before)  # 10% lower: a gain
+    assert not blockwise.significantly_lower(before + 0.01, before)

@@ -294,7 +294,8 @@ class Windows:
 @dataclass
 class Outcome:
     """What :func:`tune_streamed` did: per-block results, the validation KL of the input and of
-    the tuned model, and the tensors to write (empty when the input is kept)."""
+    the tuned model, and the tensors to write (empty when the input is kept: no block kept, or
+    the tuned model's validation KL not significantly lower, :func:`significantly_lower`)."""
 
     blocks: list[BlockResult]
     kl_before: float
@@ -305,7 +306,8 @@ class Outcome:
 
     @property
     def improved(self) -> bool:
-        return bool(self.tensors) and self.kl_after < self.kl_before
+        """The tuned model is written: its validation KL is significantly below the input's."""
+        return bool(self.tensors)
 
 
 def tunable_modules(q: Stream, i: int) -> dict[str, dict[str, Any]]:
@@ -332,17 +334,29 @@ def _tuned_linears(q: Stream, ref_weights: dict[str, mx.array], i: int) -> dict[
     return out
 
 
-def kl_between(ref: Stream, h_ref: mx.array, cur: Stream, h_cur: mx.array) -> float:
-    """Mean KL(ref || cur) per token of two models' heads on their last states, token slices."""
+def kl_between(ref: Stream, h_ref: mx.array, cur: Stream, h_cur: mx.array) -> np.ndarray:
+    """KL(ref || cur) of each token, of two models' heads on their last states (token slices)."""
     from mlxbun.quant.stream import kl_rows
 
     a, b = h_ref.reshape(-1, h_ref.shape[-1]), h_cur.reshape(-1, h_cur.shape[-1])
-    step, total = min(ref.token_rows(), cur.token_rows()), 0.0
+    step, out = min(ref.token_rows(), cur.token_rows()), []
     for lo in range(0, a.shape[0], step):
-        total += float(
-            kl_rows(ref.head(a[None, lo : lo + step]), cur.head(b[None, lo : lo + step])).sum().item()
+        out.append(
+            np.asarray(kl_rows(ref.head(a[None, lo : lo + step]), cur.head(b[None, lo : lo + step]))[0])
         )
-    return total / max(a.shape[0], 1)
+    return np.concatenate(out).astype(np.float64)
+
+
+def significantly_lower(after: np.ndarray, before: np.ndarray) -> bool:
+    """Is the mean of ``after`` below ``before``'s by more than :data:`SIGNIFICANCE` standard errors
+    of their per-token difference (a paired test: a gain inside the validation's noise is none)?"""
+    d = after - before
+    if len(d) < 2:
+        return bool(d.mean() < 0)
+    return bool(d.mean() < -SIGNIFICANCE * d.std(ddof=1) / np.sqrt(len(d)))
+
+
+SIGNIFICANCE = 2.0
 
 
 def tune_streamed(
@@ -403,7 +417,15 @@ def tune_streamed(
     before = kl_between(ref, x_ref["val"], q, x_in)
     after = kl_between(ref, x_ref["val"], q, x_q["val"])
     tensors = {k: v for r in results if r.kept for k, v in r.tensors.items()}
-    return Outcome(results, before, after, plan, time.monotonic() - t0, tensors if after < before else {})
+    better = significantly_lower(after, before)
+    return Outcome(
+        results,
+        float(before.mean()),
+        float(after.mean()),
+        plan,
+        time.monotonic() - t0,
+        tensors if better else {},
+    )
 
 
 def _finite(states: dict[str, mx.array], stream: Stream, i: int, key: str) -> None:

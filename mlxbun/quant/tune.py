@@ -8,9 +8,10 @@ the depth.
 
 Training and validation never share text: the training windows come from the calibration
 documents of other kinds than ``tune.validation_kinds``, the validation windows from those kinds.
-A block is kept only when its validation error falls; the tuned model is written only when its
-validation KL against the reference is below the input's, otherwise the input's values are
-(``tune.json`` says which). ``tune.max_minutes`` sets how many steps each block gets, measured
+A block keeps the best of four validation checks over its steps (or the input's values); the
+tuned model is written only when its validation KL against the reference is below the input's by
+more than twice the standard error of their per-token difference, otherwise the input's values
+are (``tune.json`` says which). ``tune.max_minutes`` sets how many steps each block gets, measured
 after a warm-up step; it never skips the step.
 
     <run_dir>/
@@ -243,8 +244,8 @@ def _finish(
         f" {len(outcome.blocks)} blocks, {changed} codes moved, {outcome.seconds:.0f} s) -> {out}"
         f" (registered as {name})"
         if tuned
-        else f"{src.name} unchanged by tune: the tuned blocks' validation KL {after:.4g} is not below the"
-        f" input's {before:.4g}; its values are written to {out} (registered as {name})"
+        else f"{src.name} unchanged by tune: the tuned blocks' validation KL {after:.4g} is not significantly"
+        f" below the input's {before:.4g}; its values are written to {out} (registered as {name})"
     )
     return RunResult(
         outputs=[out, run_dir / TUNE_FILE],
