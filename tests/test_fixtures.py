@@ -11,7 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
-REPRESENTATIVE = ("llama-narrow-6l", "llama-narrow-8l")
+CONFIRMATION = "qwen3-man-7l"  # confirms defaults chosen on the others; never chooses one
+REPRESENTATIVE = ("llama-narrow-6l", "llama-narrow-8l", CONFIRMATION)
 
 
 def _script():
@@ -28,7 +29,8 @@ def test_representative_fixture_loads_in_mlx_lm(name):
 
     model, tok = load(str(FIXTURES / name))
     config = json.loads((FIXTURES / name / "config.json").read_text())
-    assert config["model_type"] == "llama"
+    script = _script()
+    assert config["model_type"] == (script.CONFIG | script.PRESETS[name][0])["model_type"]
     ids = tok.encode("Alice was beginning to get very tired")
     logits = model(mx.array([ids]))
     assert logits.shape == (1, len(ids), config["vocab_size"])
@@ -73,3 +75,24 @@ def test_representative_fixture_costs_what_real_models_cost_under_mlx_lm_q3_and_
         lq = nn.log_softmax(q(x).astype(mx.float32), axis=-1)
         kl[bits] = mx.mean(mx.sum(mx.exp(ref) * (ref - lq), axis=-1)).item()
     assert kl[3] >= 0.2 and kl[4] >= 0.05, kl
+
+
+def test_confirmation_fixture_is_another_architecture_and_domain_and_records_its_role():
+    meta = json.loads((FIXTURES / CONFIRMATION / "FIXTURE.json").read_text())
+    config = json.loads((FIXTURES / CONFIRMATION / "config.json").read_text())
+    assert config["model_type"] == "qwen3" and config["num_key_value_heads"] < config["num_attention_heads"]
+    assert (FIXTURES / CONFIRMATION / "model.safetensors").stat().st_size <= 3_000_000
+    assert meta["role"] == "confirmation" and "never" in meta["note"]
+    # Its corpus is rendered man pages: no file shared with the other fixtures' licences and modules.
+    others = {
+        e["file"]
+        for n in REPRESENTATIVE[:-1]
+        for e in json.loads((FIXTURES / n / "FIXTURE.json").read_text())["corpus"]
+    }
+    files = [e["file"] for e in meta["corpus"]]
+    assert all(f.startswith("/usr/share/man/man8/") for f in files) and not others & set(files)
+    assert meta["renderer"]["env"]["MANWIDTH"] == "80" and len(meta["rendered_sha256"]) == 64
+    # mlx-lm's own convert of it costs what it costs real models, more at fewer bits.
+    kl = meta["mlx_lm_kl"]["convert"]
+    assert kl["q3"] >= 0.2 and kl["q4"] >= 0.05, kl
+    assert kl["q2"] > kl["q3"] > kl["q4"] > kl["q6"] > 0, kl
