@@ -625,7 +625,7 @@ class TuneCfg:
     seq_len: int = 128
     # Document kinds (``### kind`` headers of the calibration text) that only validate; a text with
     # none of them validates on every fourth document.
-    validation_kinds: list[str] = field(default_factory=lambda: ["dialogue", "math"])
+    validation_kinds: list[str] = field(default_factory=lambda: ["prose", "math"])
     # The minutes tune may take: sets how many steps each block gets, timed after a warm-up step;
     # null: tune.steps each.
     max_minutes: float | None = 60.0

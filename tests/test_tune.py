@@ -43,7 +43,7 @@ def test_tune_keeps_every_tensor_and_the_bytes_and_is_deterministic(tmp_path: Pa
     record = json.loads((run / "tune.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert record["status"] in ("tuned", "unchanged") and len(record["blocks"]) == 4
     assert record["reference_checked_by"] == "source identity"
-    assert record["validation"]["split"] == "kinds dialogue, math"
+    assert record["validation"]["split"] == "kinds math, prose"
     before, after = _tensors(q3), _tensors(run / "model")
     assert sorted(before) == sorted(after)
     changed = set()
