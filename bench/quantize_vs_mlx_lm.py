@@ -76,7 +76,7 @@ def same_tensors(a: Path, b: Path) -> bool:
 
 
 LIB = (
-    "import sys; from mlxbun.quant.quantize import quantize_model_dir\n"
+    "import sys; from mlxbun.quant.quantize.command import quantize_model_dir\n"
     "r = quantize_model_dir(sys.argv[1], sys.argv[2], bits=4, group_size=64, shard_bytes=int(sys.argv[3]) << 30)\n"
     "print('seconds', r.seconds)\n"
 )
@@ -272,7 +272,7 @@ with FileTensors(__import__('pathlib').Path(src)) as f:
 THREADS = """
 import collections, resource, sys, threading, time
 t_start = time.perf_counter()
-from mlxbun.quant import quantize as Q
+from mlxbun.quant.quantize import command as Q
 from mlxbun.io import shards
 t_import = time.perf_counter() - t_start
 stats, lock = collections.defaultdict(lambda: [0.0, 0.0, 0]), threading.Lock()

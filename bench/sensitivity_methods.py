@@ -182,7 +182,7 @@ class Plans:
 
     def quantize(self, **kw) -> dict:
         from mlxbun.quant import budget
-        from mlxbun.quant.quantize import quantize_model_dir
+        from mlxbun.quant.quantize.command import quantize_model_dir
 
         self.n += 1
         out = self.args.work / "models" / f"{self.n:02d}"

@@ -72,7 +72,7 @@ COMMANDS: dict[str, Command] = {
         needs=(("inspect.path", *MODEL),),
     ),
     "quantize": Command(
-        "mlxbun.quant.quantize",
+        "mlxbun.quant.quantize.command",
         "stream an HF checkpoint to a quantized MLX model",
         reads=(*MODEL_SECTIONS, "quant", "io"),
         needs=(MODEL,),

@@ -436,7 +436,7 @@ def test_the_check_measures_the_written_model_against_the_interactions_reference
     """The plan as written, measured on the reference InModel already holds (no second reference
     pass), agrees with the check's own measurement and with the plan's KL in the model."""
     from mlxbun.quant.check import measured_kl
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     layers = uniform(model, 3)
     out = quantize_model_dir(model, tmp_path / "q", bits=3, group_size=64).out
@@ -454,7 +454,7 @@ def test_measured_kl_in_slices_and_with_a_loaded_reference_is_the_same(model, to
     of 8 x 256 tokens of a 150K vocabulary were 2.5 GB an array); the mean is the same."""
     from mlxbun.quant import check
     from mlxbun.quant.probe import load_model
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     out = quantize_model_dir(model, tmp_path / "q", bits=3, group_size=64).out
     whole = check.measured_kl(model, out, tokens, batch_size=4)

@@ -160,7 +160,7 @@ def test_bad_input_found_by_a_command_leaves_no_row_and_no_directory(tmp_path: P
 # quant.out is not writable (a read-only mount); the error names the path.
 READ_ONLY_OUT = """
 import errno, os
-from mlxbun.quant import quantize
+from mlxbun.quant.quantize import command as quantize
 def ro(src, out, **k):
     raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(out))
 quantize.quantize_model_dir = ro

@@ -15,7 +15,7 @@ from cli_util import run_python
 from test_quantize import make_hf_model
 
 from mlxbun.io.staging import STEPS
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
 from mlxbun.rotate import rotate_model_dir
 from mlxbun.synth_write import resolve_spec, write_spec
 
@@ -42,7 +42,7 @@ def child_code(command: str, sources: dict[str, str], out: Path, root: Path) -> 
     out, root = str(out), str(root)
     if command == "quantize":
         return (
-            "from mlxbun.quant.quantize import quantize_model_dir\n"
+            "from mlxbun.quant.quantize.command import quantize_model_dir\n"
             f"quantize_model_dir({sources['quantize']!r}, {out!r}, bits=4, shard_bytes={SHARD}, partial_root={root!r})"
         )
     if command == "synth":

@@ -11,7 +11,7 @@ from test_quantize import hessians_of, make_hf_model
 
 from mlxbun.errors import InputError
 from mlxbun.quant import rounding
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
 from mlxbun.quant.spec import Plan, QuantSpec
 
 L0 = "model.layers.0"

@@ -12,8 +12,8 @@ import xxhash
 from mlxbun import provenance
 from mlxbun.io import staging
 from mlxbun.provenance import Manifest, RunResult, hash_paths, named_sha256
-from mlxbun.quant.outdir import MARKER
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
+from mlxbun.quant.quantize.outdir import MARKER
 
 
 def _sha(path: Path) -> str:

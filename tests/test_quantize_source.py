@@ -67,7 +67,7 @@ def test_registry_names_of_pipeline_outputs_are_readable(tmp_path: Path) -> None
     import json
 
     from mlxbun import registry, schema
-    from mlxbun.quant.quantize import registry_name
+    from mlxbun.quant.quantize.command import registry_name
 
     registry.open_db(path=tmp_path / "registry.db")
     model = tmp_path / "run" / "synth" / "model"

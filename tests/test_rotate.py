@@ -373,7 +373,7 @@ def test_existing_output_quantized_and_rotated_sources_are_refused(tiny_model, t
     res = rotate_model_dir(src, tmp_path / "rot", verify=False)
     with pytest.raises(InputError, match="is a rotated model; rotate its source"):
         rotate_model_dir(res.out, tmp_path / "twice")
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     q = quantize_model_dir(src, tmp_path / "q4", bits=4, group_size=32)
     with pytest.raises(InputError, match="is quantized; rotate needs an unquantized"):
@@ -423,7 +423,7 @@ def test_interrupted_run_resumes_to_the_same_bytes(tiny_model, tmp_path, monkeyp
 def test_rotated_then_quantized_loads_in_mlx_lm_and_quantizes_better(tiny_model, tmp_path):
     from mlx_lm import load
 
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     src = tiny_model("llama", dtype="bfloat16", outlier_channels=2, outlier_scale=8.0)
     rot = rotate_model_dir(src, tmp_path / "rot", seed=0)

@@ -1,4 +1,4 @@
-"""Rounded modules kept on disk (mlxbun.quant.rounded): read back, a quantize writes the same bytes;
+"""Rounded modules kept on disk (mlxbun.quant.quantize.cache): read back, a quantize writes the same bytes;
 a damaged file is rounded again; a cache that cannot be written costs nothing but time."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from test_quantize import hessians_of, make_hf_model
 
-from mlxbun.quant import rounded
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize import cache as rounded
+from mlxbun.quant.quantize.command import quantize_model_dir
 
 L0 = "model.layers.0"
 

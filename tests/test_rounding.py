@@ -13,7 +13,7 @@ from test_quantize import hessians_of, make_hf_model
 from mlxbun.errors import InputError
 from mlxbun.quant import rounding
 from mlxbun.quant.calibrate import calibrate
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
 
 BITS = (2, 3, 4, 5, 6, 8)
 
@@ -163,7 +163,7 @@ def test_clip_model_loads_in_mlx_lm_generates_and_is_closer(tmp_path):
 
 
 def test_clip_in_row_blocks_matches_whole_modules(tmp_path, monkeypatch):
-    from mlxbun.quant import convert
+    from mlxbun.quant.quantize import convert
 
     src = make_hf_model(tmp_path / "src", "llama", vocab_size=100)
     whole = quantize_model_dir(src, tmp_path / "whole", bits=4, group_size=32, method="clip").out

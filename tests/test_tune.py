@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from cli_util import run_cli
 
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llama-text-3m"
 SMALL = ["tune.samples=8", "tune.seq_len=32", "tune.epochs=3", "tune.batch_size=2"]

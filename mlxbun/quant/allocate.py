@@ -54,13 +54,13 @@ from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport, Source
 from mlxbun.quant.calib import load_calibration, recorded_settings
 from mlxbun.quant.check import CheckResult, check_plan
-from mlxbun.quant.convert import resolve_dtype
 from mlxbun.quant.interaction_rounds import improve, interactions_skip
 from mlxbun.quant.interactions import InModel, Option, chosen
 from mlxbun.quant.knapsack import Solution, solve
 from mlxbun.quant.memory import interactions_batch, interactions_skip_memory
 from mlxbun.quant.protect import Rule, count_blocks, fixed_setting, min_bits
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
+from mlxbun.quant.quantize.convert import resolve_dtype
 from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
 from mlxbun.quant.spec import (
     Plan,

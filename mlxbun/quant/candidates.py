@@ -233,7 +233,7 @@ def score(
     import mlx.core as mx
 
     from mlxbun.quant import workers
-    from mlxbun.quant.units import stream
+    from mlxbun.quant.quantize.stream import stream
 
     modules = dict(model.named_modules())
     todo = [t for t in targets if t.path in measured and t.path not in done]

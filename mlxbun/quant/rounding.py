@@ -27,7 +27,9 @@ from typing import Any
 import numpy as np
 
 METHODS = ("rtn", "clip", "gptq", "awq")
-VERSION = 2  # of what the rounding gives: bump on any change of its bytes (it keys mlxbun.quant.rounded;
+VERSION = (
+    2  # of what the rounding gives: bump on any change of its bytes (it keys mlxbun.quant.quantize.cache;
+)
 # 2: GPTQ in act-order with static groups)
 DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.

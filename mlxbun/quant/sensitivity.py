@@ -44,11 +44,12 @@ from mlxbun.io.atomic import atomic_write_json, dumps_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
-from mlxbun.quant import allocate, calibrate, fisher, quantize
+from mlxbun.quant import allocate, calibrate, fisher
 from mlxbun.quant import candidates as rich_candidates
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.exact import Sweep, group_cost
 from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
+from mlxbun.quant.quantize import command as quantize
 from mlxbun.quant.sensitivity_file import SCHEMA_VERSION, document, write_reports
 from mlxbun.quant.sensitivity_ref import reference_sweep
 from mlxbun.quant.spec import QuantSpec, hessians_file, spec_for
@@ -239,7 +240,7 @@ def sensitivity(
             budget of the plan whose whole-model probes correct them (None: uncorrected);
             out_dtype: the dtype those probes are quantized with; threads: modules scored at
             once (None: one per core this process may use, as quantize); rounded: where the
-            probes keep their clip and GPTQ roundings (``mlxbun.quant.rounded``) for quantize.
+            probes keep their clip and GPTQ roundings (``mlxbun.quant.quantize.cache``) for quantize.
 
     Returns:
         The sensitivity.json document (also written) plus ``_stats`` (not written).

@@ -51,7 +51,7 @@ from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, stable_root
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
-from mlxbun.quant.outdir import copy_side_files, written_files
+from mlxbun.quant.quantize.outdir import copy_side_files, written_files
 from mlxbun.source import model_dir, named_dir
 
 log = logging.getLogger("mlxbun")
@@ -638,7 +638,7 @@ def _register(cfg: Any, out: Path, src: Path) -> str:
     """Index the tuned model as its input's registry name + ``-tuned`` (e.g.
     ``Qwen3-4B-mixed-3.50bpw-tuned``), so later recipes can name it; returns the name."""
     from mlxbun import registry
-    from mlxbun.quant.quantize import source_name
+    from mlxbun.quant.quantize.command import source_name
 
     registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
     name = f"{source_name(str(src))}-tuned"

@@ -1,7 +1,7 @@
 """A quantized model directory besides its weights: config.json, side files, and the record by
 which a later run recognises the conversion and verifies its output.
 
-In ``<out>/`` (see :mod:`mlxbun.quant.quantize` for the whole layout)::
+In ``<out>/`` (see :mod:`mlxbun.quant.quantize.command` for the whole layout)::
 
     config.json               with "quantization" and "quantization_config", as mlx-lm saves it
     tokenizer files, generation_config.json, *.py   copied from the source (COPY_PATTERNS)

@@ -4,10 +4,10 @@ Run: ``python -m mlxbun command=quantize model.name=<dir|name|org/repo> quant.bi
 Output tensors, their order, shard packing and config.json match ``mlx_lm convert`` for the
 same settings (see :mod:`mlxbun.quant.plan` for how the structure is derived); memory stays at
 a few modules in flight, whatever the model or shard size: the writer is told every output
-tensor in advance (:meth:`mlxbun.quant.convert.Converter.planned`) and writes each one as it
+tensor in advance (:meth:`mlxbun.quant.quantize.convert.Converter.planned`) and writes each one as it
 comes. Tensors come through :mod:`mlxbun.source`: files, or (``model.synthetic=true``) generated in memory as they are read.
-The stream of units and its thread pool are in :mod:`mlxbun.quant.units`; the output's other
-files and its record in :mod:`mlxbun.quant.outdir`. Each shard is hashed once, while it is
+The stream of units and its thread pool are in :mod:`mlxbun.quant.quantize.stream`; the output's other
+files and its record in :mod:`mlxbun.quant.quantize.outdir`. Each shard is hashed once, while it is
 written (sha256 for the manifest, XXH3-128 for the record, in one pass); a resume trusts the
 journal's digests of the shards it keeps.
 
@@ -23,7 +23,7 @@ On disk (the staging protocol of :mod:`mlxbun.io.staging`, kind "quantize")::
     <out>/                                the staging dir, renamed when everything is written
         model.safetensors | model-0000i-of-0000N.safetensors, model.safetensors.index.json
         config.json, tokenizer files ...  and the record .mlxbun-quantize.json
-                                          (:mod:`mlxbun.quant.outdir`); a later run reuses <out>
+                                          (:mod:`mlxbun.quant.quantize.outdir`); a later run reuses <out>
                                           only when settings and source match and every file
                                           verifies
 """
@@ -52,8 +52,10 @@ from mlxbun.io.staging import DIGEST, Stage, reached, read_json_object, stable_r
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult, prehash
 from mlxbun.quant import awq, hessian, rounding, workers
-from mlxbun.quant.convert import Converter, resolve_dtype
-from mlxbun.quant.outdir import (
+from mlxbun.quant.plan import Skeleton, prepare
+from mlxbun.quant.quantize.cache import Rounded
+from mlxbun.quant.quantize.convert import Converter, resolve_dtype
+from mlxbun.quant.quantize.outdir import (
     FORMAT_VERSION,
     MARKER,
     fingerprint,
@@ -64,10 +66,8 @@ from mlxbun.quant.outdir import (
     write_side_files,
     written_files,
 )
-from mlxbun.quant.plan import Skeleton, prepare
-from mlxbun.quant.rounded import Rounded
+from mlxbun.quant.quantize.stream import Unit, plan_units, stream
 from mlxbun.quant.spec import Plan, QuantSpec, check_hessians, hessians_file, load_plan
-from mlxbun.quant.units import Unit, plan_units, stream
 from mlxbun.source import identity, lazy_weights, model_source, open_tensors, source_dir
 
 __all__ = ["MARKER", "QuantizeResult", "quantize_model_dir", "run"]
@@ -243,7 +243,7 @@ def quantize_model_dir(
         hessians: a :mod:`mlxbun.quant.hessian` file; "gptq" and "awq" need it, "clip" weights
             columns by it.
         rounded: where clip and GPTQ roundings with these Hessians are kept and read back
-            (:mod:`mlxbun.quant.rounded`; command=quantize: ``<paths.cache>/rounded``); None: not kept.
+            (:mod:`mlxbun.quant.quantize.cache`; command=quantize: ``<paths.cache>/rounded``); None: not kept.
 
     Example:
         >>> r = quantize_model_dir("hf/llama", "llama-4bit", bits=4, group_size=64)

@@ -1,6 +1,6 @@
 """A quantize unit's tensors: read, cast to the output dtype and quantized (``Converter``).
 
-A unit (``mlxbun.quant.units``) is one module's tensors, or one unquantized tensor. The
+A unit (``mlxbun.quant.quantize.stream``) is one module's tensors, or one unquantized tensor. The
 converter reads them from the source, applies mlx-lm's dtype rule (:func:`resolve_dtype`),
 quantizes a module by its plan entry (``mx.quantize``, or a rounding method of
 ``mlxbun.quant.rounding`` with its Hessians), and tells the writer every output tensor's name,
@@ -30,7 +30,7 @@ from mlxbun.io.dtypes import CODES as ST_CODES
 from mlxbun.io.dtypes import OUTPUT_DTYPES as CONVERSION_DTYPES
 from mlxbun.quant import hessian, rounding, workers
 from mlxbun.quant.plan import Skeleton
-from mlxbun.quant.units import Unit
+from mlxbun.quant.quantize.stream import Unit
 
 # Plain Linear/Embedding weights larger than this are read and quantized in row blocks of
 # CHUNK_BYTES (quantization groups never cross a row, so the bytes are the same).
@@ -68,7 +68,7 @@ class Converter:
         """``tensors``: the source's tensor reader (``mlxbun.source``); ``fold``: an
         :class:`mlxbun.quant.awq.Fold` applied to every tensor as it is read; ``hessians_file``:
         where ``hessians`` came from, to name in errors; ``rounded``: a
-        :class:`mlxbun.quant.rounded.Rounded` of those Hessians, where clip and GPTQ roundings
+        :class:`mlxbun.quant.quantize.cache.Rounded` of those Hessians, where clip and GPTQ roundings
         are looked up before and kept after (not with a fold: its Hessians are not the file's).
         ``pool``, when set: worker processes the clip and GPTQ roundings run on
         (:mod:`mlxbun.quant.workers`)."""

@@ -5,7 +5,7 @@ The range search and GPTQ are most of a quantize's time at real sizes, and one `
 run rounds the same modules at the same settings more than once: the sensitivity's probes write
 the model with a plan's quantizers, then quantize writes the final plan, which keeps most of their
 settings (and a run at another budget keeps most again). :class:`Rounded` is what
-:class:`mlxbun.quant.convert.Converter` looks in before it rounds::
+:class:`mlxbun.quant.quantize.convert.Converter` looks in before it rounds::
 
     <paths.cache>/rounded/<sha256 of the Hessians file, 16 hex>/<key[:2]>/<key>.safetensors
         key = sha256 of (FORMAT, rounding.VERSION, mlx's version, module path, method, bits, group size,

@@ -56,7 +56,7 @@ def stream(items: Sequence[T], work: Callable[[T], R], *, threads: int) -> Itera
     flight. A failure is raised when its item's turn comes; the items not started are cancelled.
 
     ``work.prefetch(item)``, when it has one, runs on this thread first (MLX streams are per
-    thread: see :class:`mlxbun.quant.convert.Converter`).
+    thread: see :class:`mlxbun.quant.quantize.convert.Converter`).
     """
     prefetch = getattr(work, "prefetch", None)
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="mlxbun") as pool:
