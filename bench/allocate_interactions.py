@@ -60,7 +60,7 @@ def fixture(args: argparse.Namespace, name: str) -> dict:
     from mlxbun.quant.allocate import allocate
     from mlxbun.quant.calib import load_calibration
     from mlxbun.quant.interactions import InModel
-    from mlxbun.quant.sensitivity_file import load_sensitivity
+    from mlxbun.quant.sensitivity.file import load_sensitivity
 
     work = args.work / name
     calib = load_sensitivity(sensitivity_dir(work, "exact", 0)).calibration

@@ -85,11 +85,11 @@ def stage_sensitivity(args: argparse.Namespace) -> dict:
     from mlxbun import blas
 
     blas.load()
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     dest = args.work / args.method
     if args.label_seed:
-        from mlxbun.quant import fisher
+        from mlxbun.quant.sensitivity import fisher
 
         estimate = fisher.estimate
 
@@ -195,7 +195,7 @@ class Plans:
     def plan(self, method: str, limit: int) -> dict:
         from mlxbun.io.atomic import atomic_write_json
         from mlxbun.quant.allocate import allocate
-        from mlxbun.quant.sensitivity_file import load_sensitivity
+        from mlxbun.quant.sensitivity.file import load_sensitivity
 
         sens = load_sensitivity(self.args.work / method / "sensitivity.json")
         plan = allocate(sens, model_dir=self.args.model, budget_bytes=limit)

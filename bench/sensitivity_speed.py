@@ -38,9 +38,9 @@ def child(which: str, args: argparse.Namespace) -> None:
     from mlxbun import blas
 
     blas_info = blas.load()
-    from mlxbun.quant import sensitivity as sens
-    from mlxbun.quant.exact import Sweep
-    from mlxbun.quant.sensitivity_ref import reference_kl
+    from mlxbun.quant.sensitivity import command as sens
+    from mlxbun.quant.sensitivity.exact import Sweep
+    from mlxbun.quant.sensitivity.reference import reference_kl
 
     t0 = time.perf_counter()
     common = dict(bits=args.bits, group_size=64, mode="affine", calib_path=None, samples=args.samples,

@@ -79,7 +79,7 @@ COMMANDS: dict[str, Command] = {
         provides=("model.name",),
     ),
     "sensitivity": Command(
-        "mlxbun.quant.sensitivity",
+        "mlxbun.quant.sensitivity.command",
         "per-layer KL of candidates: fisher, exact or reference",
         # sensitivity.candidates: scored with quant.hessians, probed at allocate's budget in quant.dtype
         reads=(
@@ -94,7 +94,7 @@ COMMANDS: dict[str, Command] = {
         provides=("allocate.sensitivity",),
     ),
     "sensitivity_merge": Command(
-        "mlxbun.quant.sensitivity_merge",
+        "mlxbun.quant.sensitivity.merge",
         "combine sharded sensitivity runs",
         reads=("sensitivity.inputs",),
         needs=(("sensitivity.inputs",),),

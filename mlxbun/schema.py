@@ -26,9 +26,9 @@ from typing import Any, get_type_hints
 from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
-from mlxbun.quant.candidates import METHODS as CANDIDATE_METHODS
 from mlxbun.quant.protect import Rule
 from mlxbun.quant.rounding import check_method
+from mlxbun.quant.sensitivity.candidates import METHODS as CANDIDATE_METHODS
 from mlxbun.quant.spec import (
     ALL_BITS,
     ALL_GROUPS,
@@ -299,7 +299,7 @@ class CalibCfg:
 @dataclass
 class CandidatesCfg:
     # Candidates beyond RTN at sensitivity.bits x sensitivity.group_size, each module's KL scored
-    # from its input Hessian (mlxbun/quant/candidates.py): these affine group sizes and rounding
+    # from its input Hessian (mlxbun/quant/sensitivity/candidates.py): these affine group sizes and rounding
     # methods (rtn, clip, gptq), and microscaling modes (mxfp4, nvfp4, mxfp8). All []: none.
     # The Hessians are quant.hessians (None: captured on sensitivity.calib, cached).
     group_sizes: list[int] = field(default_factory=list)
@@ -328,7 +328,7 @@ class SensitivityCfg:
     # None: the mode's default (affine 64, mxfp4 32, nvfp4 16, mxfp8 32).
     group_size: int | None = None
     mode: str = "affine"
-    # fisher: estimated from one backward pass + one forward per candidate (mlxbun/quant/fisher.py);
+    # fisher: estimated from one backward pass + one forward per candidate (mlxbun/quant/sensitivity/fisher.py);
     # exact: every (module, candidate) measured; reference: exact, one forward per sample (slow).
     method: str = "fisher"
     # fisher: fraction of modules (largest first) probed exactly at refine_bits ([] = the middle

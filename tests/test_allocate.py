@@ -188,7 +188,7 @@ from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.io.atomic import atomic_write_json  # noqa: E402
 from mlxbun.quant import allocate as al  # noqa: E402
 from mlxbun.quant import memory, protect  # noqa: E402
-from mlxbun.quant import sensitivity_file as sf  # noqa: E402
+from mlxbun.quant.sensitivity import file as sf  # noqa: E402
 
 MEASURED = [
     "lm_head",
@@ -369,7 +369,7 @@ def command_cfg(tmp_path, model, **allocate):
 @pytest.fixture(scope="module")
 def measured(model, tmp_path_factory):
     """A real sensitivity.json of the tiny model (2 samples x 32 tokens)."""
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     out = tmp_path_factory.mktemp("sens")
     sensitivity(
@@ -465,7 +465,7 @@ def test_config_validation():
 
 
 def test_extra_sensitivity_adds_group_size_candidates(model, measured, tmp_path):
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     sensitivity(
         model_dir=model, out_dir=tmp_path / "g32", work_dir=tmp_path / "work", bits=[3, 4], group_size=32,

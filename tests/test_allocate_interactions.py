@@ -14,7 +14,7 @@ blas.load()
 from mlxbun.quant import allocate as al  # noqa: E402
 from mlxbun.quant import interactions as ia  # noqa: E402
 from mlxbun.quant import memory  # noqa: E402
-from mlxbun.quant import sensitivity_file as sf  # noqa: E402
+from mlxbun.quant.sensitivity import file as sf  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
 
@@ -141,7 +141,7 @@ def test_in_model_counts_forward_equivalents(model, tokens):
 
 def sensitivity_of(model, out, **kw):
     """Exact sensitivity of ``model`` at bits 2/4/8 on the calibration of ``tokens`` (3 x 32)."""
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     sensitivity(
         model_dir=model,

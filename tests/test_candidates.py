@@ -1,4 +1,4 @@
-"""Rich candidates (mlxbun/quant/candidates.py): every bits x group x rounding method and
+"""Rich candidates (mlxbun/quant/sensitivity/candidates.py): every bits x group x rounding method and
 microscaling mode scored from the input Hessians, written in sensitivity.json, allocated among,
 quantized into a model mlx-lm loads."""
 
@@ -13,8 +13,8 @@ import pytest
 from cli_util import run_cli
 
 from mlxbun.errors import InputError
-from mlxbun.quant import candidates
-from mlxbun.quant.sensitivity_file import KIND, SCHEMA_VERSION, load_sensitivity, setting_key
+from mlxbun.quant.sensitivity import candidates
+from mlxbun.quant.sensitivity.file import KIND, SCHEMA_VERSION, load_sensitivity, setting_key
 from mlxbun.quant.spec import QuantSpec
 
 FIXTURE = "tests/fixtures/llama-text-3m"
@@ -139,7 +139,7 @@ def test_pipeline_allocates_among_rich_candidates_and_mlx_lm_loads_the_model(tmp
 def test_allocate_methods_filter_the_rounding_methods(tmp_path: Path) -> None:
     from mlxbun import schema
     from mlxbun.quant.allocate import candidate_filter
-    from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
+    from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
 
     specs = [
         QuantSpec(bits=4, group_size=64),
@@ -156,7 +156,7 @@ def test_allocate_methods_filter_the_rounding_methods(tmp_path: Path) -> None:
 def test_a_killed_candidate_scoring_resumes_from_the_modules_it_finished(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     kw = dict(
         model_dir=FIXTURE, work_dir=tmp_path / "work", bits=[4], samples=2, seq_len=32,
@@ -263,7 +263,8 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     """The probes' whole-model KL runs on the samples the estimate's own KLs were measured on."""
     from types import SimpleNamespace
 
-    from mlxbun.quant import check, fisher
+    from mlxbun.quant import check
+    from mlxbun.quant.sensitivity import fisher
     from mlxbun.quant.spec import Plan
 
     seen = []

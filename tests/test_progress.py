@@ -127,7 +127,7 @@ def test_interactions_eta_counts_blocks_run_and_is_within_30_percent_once_a_tent
 
 def test_sensitivity_says_what_it_does_before_the_first_progress_line(tiny_model, tmp_path, caplog) -> None:
     """Loading, fingerprinting and calibrating come before the first progress line: each says so."""
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     model = tiny_model()
     caplog.set_level("INFO", logger="mlxbun")

@@ -20,8 +20,10 @@ from test_sensitivity import FIXTURE, by_path, quantized_fixture, run_sens, tiny
 
 from mlxbun import kl  # noqa: E402
 from mlxbun.progress import Progress  # noqa: E402
-from mlxbun.quant import fisher, fisher_pass, probe  # noqa: E402
-from mlxbun.quant import sensitivity as sens  # noqa: E402
+from mlxbun.quant import probe  # noqa: E402
+from mlxbun.quant.sensitivity import backward as fisher_pass  # noqa: E402
+from mlxbun.quant.sensitivity import command as sens  # noqa: E402
+from mlxbun.quant.sensitivity import fisher  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
 CAL = {"samples": 4, "seq_len": 64, "seed": 0}
@@ -369,7 +371,7 @@ def test_batches_shrink_to_the_activation_bound(monkeypatch, caplog):
         return original(self, batch)
 
     monkeypatch.setattr(fisher_pass.FisherPass, "run", recording)
-    with caplog.at_level(logging.INFO, logger="mlxbun.quant.fisher"):
+    with caplog.at_level(logging.INFO, logger="mlxbun.quant.sensitivity.fisher"):
         est = fisher.estimate(s.model, s.tokens, s.targets, s.cands, batch_size=4, seed=0)
     assert calls == [1, 1, 1, 1] and "fisher batches of 1 samples" in caplog.text
     assert all(row["4"] > 0 for row in est.kl.values())

@@ -18,7 +18,7 @@ choice is a multiple-choice knapsack solved exactly or with a stated bound
                                        | {skipped},       with allocate.interactions
                        "sensitivity": {method, group_sizes, methods, modes, probes}}
                                        with sensitivity.candidates: what was scored, what the
-                                       probes measured (``mlxbun.quant.candidates``)
+                                       probes measured (``mlxbun.quant.sensitivity.candidates``)
         check.json    with allocate.check: the plan quantized, measured KL vs the reference
         model/        with allocate.check: that quantized model
 
@@ -61,7 +61,7 @@ from mlxbun.quant.memory import interactions_batch, interactions_skip_memory
 from mlxbun.quant.protect import Rule, count_blocks, fixed_setting, min_bits
 from mlxbun.quant.quantize.command import quantize_model_dir
 from mlxbun.quant.quantize.convert import resolve_dtype
-from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
+from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
 from mlxbun.quant.spec import (
     Plan,
     QuantSpec,

@@ -32,7 +32,7 @@ from mlxbun.quant import budget
 from mlxbun.quant.budget import SizeReport
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.probe import load_model
-from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
+from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
 from mlxbun.quant.spec import MODE_BITS, QuantSpec
 
 FACTOR_RANGE = (0.1, 10.0)  # a probe's factor is clipped to this: one noisy probe cannot dominate

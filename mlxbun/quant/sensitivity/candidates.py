@@ -301,8 +301,8 @@ def corrected(
     import mlx.core as mx
 
     from mlxbun.quant.check import correction_factors, measured_kl, rescaled
-    from mlxbun.quant.fisher import calibration_subset
-    from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
+    from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
+    from mlxbun.quant.sensitivity.fisher import calibration_subset
 
     sens = Sensitivity({p: LayerSensitivity(p, 0, kl) for p, kl in kls.items()})
     plan = steps.allocate(
@@ -372,7 +372,7 @@ def extend(
                                 and the probes
     """
     from mlxbun.quant import check, hessian
-    from mlxbun.quant.sensitivity_file import parse_setting_key, setting_key
+    from mlxbun.quant.sensitivity.file import parse_setting_key, setting_key
 
     work_dir.mkdir(parents=True, exist_ok=True)
     bits = sorted({int(k) for kl in kls.values() for k in kl})

@@ -25,7 +25,7 @@ The returned numbers are per-module KLs in nats per token, the same unit as the 
 so ``allocate`` reads either. ``bench/sensitivity_methods.py`` compares them with exact ones.
 
 Example:
-    >>> from mlxbun.quant.sensitivity import prepare
+    >>> from mlxbun.quant.sensitivity.command import prepare
     >>> s = prepare(model_dir=d, bits=[2, 4, 8], group_size=64, mode="affine", calib_path=None,
     ...             samples=8, seq_len=256, seed=0, method="fisher", batch_size=1)
     >>> est = estimate(s.model, s.tokens, s.targets, s.cands, batch_size=1, seed=0)
@@ -43,10 +43,10 @@ import numpy as np
 
 from mlxbun.kl import kl_from_stats, ref_stats
 from mlxbun.progress import human_bytes
-from mlxbun.quant import fisher_pass
-from mlxbun.quant.exact import Sweep
-from mlxbun.quant.fisher_pass import FisherPass, real_module
 from mlxbun.quant.probe import Spill, Stack, Target, fake_quant, module_at, timed_forward
+from mlxbun.quant.sensitivity import backward as fisher_pass
+from mlxbun.quant.sensitivity.backward import FisherPass, real_module
+from mlxbun.quant.sensitivity.exact import Sweep
 from mlxbun.quant.spec import QuantSpec
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.quant.sensitivity_file import combine_shards, read_shard, write_reports
+from mlxbun.quant.sensitivity.file import combine_shards, read_shard, write_reports
 
 
 def find_files(inputs: list[str]) -> list[Path]:

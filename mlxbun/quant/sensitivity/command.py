@@ -44,14 +44,15 @@ from mlxbun.io.atomic import atomic_write_json, dumps_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
-from mlxbun.quant import allocate, calibrate, fisher
-from mlxbun.quant import candidates as rich_candidates
+from mlxbun.quant import allocate, calibrate
 from mlxbun.quant.calib import load_calibration
-from mlxbun.quant.exact import Sweep, group_cost
 from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
 from mlxbun.quant.quantize import command as quantize
-from mlxbun.quant.sensitivity_file import SCHEMA_VERSION, document, write_reports
-from mlxbun.quant.sensitivity_ref import reference_sweep
+from mlxbun.quant.sensitivity import candidates as rich_candidates
+from mlxbun.quant.sensitivity import fisher
+from mlxbun.quant.sensitivity.exact import Sweep, group_cost
+from mlxbun.quant.sensitivity.file import SCHEMA_VERSION, document, write_reports
+from mlxbun.quant.sensitivity.reference import reference_sweep
 from mlxbun.quant.spec import QuantSpec, hessians_file, spec_for
 from mlxbun.source import expand
 from mlxbun.source import model_dir as source_dir
@@ -236,7 +237,7 @@ def sensitivity(
         stop_after_groups: stop (raising KeyboardInterrupt) after this many new groups (tests).
         candidate_group_sizes, candidate_methods, candidate_modes: more candidates, each module's
             KL scored from its input Hessian (``hessians``; None: captured on the calibration)
-            and the measured RTN KL (``mlxbun.quant.candidates``); probe_bpw / probe_bytes: the
+            and the measured RTN KL (``mlxbun.quant.sensitivity.candidates``); probe_bpw / probe_bytes: the
             budget of the plan whose whole-model probes correct them (None: uncorrected);
             out_dtype: the dtype those probes are quantized with; threads: modules scored at
             once (None: one per core this process may use, as quantize); rounded: where the
