@@ -173,7 +173,7 @@ def held_out_tokens(model: Path, work: Path, *, samples: int, seq_len: int) -> n
 
 class Plans:
     def __init__(self, args: argparse.Namespace) -> None:
-        from mlxbun.quant import budget
+        from mlxbun.quant.allocate import budget
 
         self.args, self.n = args, 0
         self.source = budget.read_source(args.model)
@@ -181,7 +181,7 @@ class Plans:
         self.eval = Evaluator(args.model, tokens)
 
     def quantize(self, **kw) -> dict:
-        from mlxbun.quant import budget
+        from mlxbun.quant.allocate import budget
         from mlxbun.quant.quantize.command import quantize_model_dir
 
         self.n += 1
@@ -194,7 +194,7 @@ class Plans:
 
     def plan(self, method: str, limit: int) -> dict:
         from mlxbun.io.atomic import atomic_write_json
-        from mlxbun.quant.allocate import allocate
+        from mlxbun.quant.allocate.command import allocate
         from mlxbun.quant.sensitivity.file import load_sensitivity
 
         sens = load_sensitivity(self.args.work / method / "sensitivity.json")

@@ -108,7 +108,7 @@ COMMANDS: dict[str, Command] = {
         provides=("quant.hessians",),
     ),
     "allocate": Command(
-        "mlxbun.quant.allocate",
+        "mlxbun.quant.allocate.command",
         "per-layer bits under a true size budget -> plan.json",
         reads=(
             *MODEL_SECTIONS,

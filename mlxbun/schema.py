@@ -26,7 +26,7 @@ from typing import Any, get_type_hints
 from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
-from mlxbun.quant.protect import Rule
+from mlxbun.quant.allocate.protect import Rule
 from mlxbun.quant.rounding import check_method
 from mlxbun.quant.sensitivity.candidates import METHODS as CANDIDATE_METHODS
 from mlxbun.quant.spec import (
@@ -405,10 +405,10 @@ class AllocateCfg:
     default_mode: str = "affine"
     # "PATTERN:MIN_BITS" rules, e.g. lm_head:6, embed_tokens:6, layers.first.mlp.down_proj:6.
     protect: list[str] = field(default_factory=list)
-    # Knapsack DP states before option sizes get rounded up (see mlxbun/quant/knapsack.py).
+    # Knapsack DP states before option sizes get rounded up (see mlxbun/quant/allocate/knapsack.py).
     max_states: int = 65536
     # Steps near the knapsack's threshold re-measured in the model quantized as planned, per
-    # round; the plan is solved again with those costs (mlxbun/quant/interactions.py). 0: off.
+    # round; the plan is solved again with those costs (mlxbun/quant/allocate/interactions.py). 0: off.
     interactions: int = 16
     interaction_rounds: int = 2
     # Quantize with the plan and measure the mixed model's KL against the reference.

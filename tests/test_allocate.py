@@ -13,9 +13,9 @@ import pytest
 
 from mlxbun.io.dtypes import CODES
 from mlxbun.io.shards import write_sharded
-from mlxbun.quant import budget
-from mlxbun.quant.budget import TensorSpec
-from mlxbun.quant.knapsack import lp_lower_bound, solve
+from mlxbun.quant.allocate import budget
+from mlxbun.quant.allocate.budget import TensorSpec
+from mlxbun.quant.allocate.knapsack import lp_lower_bound, solve
 from mlxbun.quant.spec import QuantSpec
 
 
@@ -186,8 +186,8 @@ def test_resolve_follows_the_plan_and_group_divisibility():
 
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.io.atomic import atomic_write_json  # noqa: E402
-from mlxbun.quant import allocate as al  # noqa: E402
-from mlxbun.quant import memory, protect  # noqa: E402
+from mlxbun.quant.allocate import command as al  # noqa: E402
+from mlxbun.quant.allocate import memory, protect  # noqa: E402
 from mlxbun.quant.sensitivity import file as sf  # noqa: E402
 
 MEASURED = [

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from mlxbun.errors import InputError
-from mlxbun.quant.check import FACTOR_RANGE, correction_factors, correction_key, reference_of, rescaled
+from mlxbun.quant.allocate.check import (
+    FACTOR_RANGE,
+    correction_factors,
+    correction_key,
+    reference_of,
+    rescaled,
+)
 from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
 from mlxbun.quant.spec import QuantSpec
 

@@ -11,9 +11,9 @@ from mlxbun import blas
 
 blas.load()
 
-from mlxbun.quant import allocate as al  # noqa: E402
-from mlxbun.quant import interactions as ia  # noqa: E402
-from mlxbun.quant import memory  # noqa: E402
+from mlxbun.quant.allocate import command as al  # noqa: E402
+from mlxbun.quant.allocate import interactions as ia  # noqa: E402
+from mlxbun.quant.allocate import memory  # noqa: E402
 from mlxbun.quant.sensitivity import file as sf  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
@@ -103,7 +103,7 @@ def tokens(model):
 
 
 def uniform(model, bits):
-    from mlxbun.quant import budget
+    from mlxbun.quant.allocate import budget
 
     return {p: q(bits) for p in budget.read_source(model).shapes}
 
@@ -271,7 +271,7 @@ def test_a_budget_every_module_fits_at_its_largest_skips_interactions(model, mea
 
 
 def test_memory_counts_both_weight_copies_and_a_batch_of_float64_logits(model, monkeypatch):
-    from mlxbun.quant import budget
+    from mlxbun.quant.allocate import budget
 
     cfg = command_cfg(model.parent, model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
@@ -435,7 +435,7 @@ def test_interactions_skip_gptq_without_hessians_and_awq(model, tokens, measured
 def test_the_check_measures_the_written_model_against_the_interactions_reference(model, tokens, tmp_path):
     """The plan as written, measured on the reference InModel already holds (no second reference
     pass), agrees with the check's own measurement and with the plan's KL in the model."""
-    from mlxbun.quant.check import measured_kl
+    from mlxbun.quant.allocate.check import measured_kl
     from mlxbun.quant.quantize.command import quantize_model_dir
 
     layers = uniform(model, 3)
@@ -452,7 +452,7 @@ def test_the_check_measures_the_written_model_against_the_interactions_reference
 def test_measured_kl_in_slices_and_with_a_loaded_reference_is_the_same(model, tokens, tmp_path, monkeypatch):
     """A large vocabulary's log-probs go a sample and a slice of tokens at a time (float64 log-probs
     of 8 x 256 tokens of a 150K vocabulary were 2.5 GB an array); the mean is the same."""
-    from mlxbun.quant import check
+    from mlxbun.quant.allocate import check
     from mlxbun.quant.probe import load_model
     from mlxbun.quant.quantize.command import quantize_model_dir
 

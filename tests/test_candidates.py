@@ -138,7 +138,7 @@ def test_pipeline_allocates_among_rich_candidates_and_mlx_lm_loads_the_model(tmp
 
 def test_allocate_methods_filter_the_rounding_methods(tmp_path: Path) -> None:
     from mlxbun import schema
-    from mlxbun.quant.allocate import candidate_filter
+    from mlxbun.quant.allocate.command import candidate_filter
     from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
 
     specs = [
@@ -263,7 +263,7 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     """The probes' whole-model KL runs on the samples the estimate's own KLs were measured on."""
     from types import SimpleNamespace
 
-    from mlxbun.quant import check
+    from mlxbun.quant.allocate import check
     from mlxbun.quant.sensitivity import fisher
     from mlxbun.quant.spec import Plan
 

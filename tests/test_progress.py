@@ -108,8 +108,8 @@ class _FakeInModel:
 def test_interactions_eta_counts_blocks_run_and_is_within_30_percent_once_a_tenth_is_done() -> None:
     """allocate's interaction steps measured in block order cost 33 blocks at the embedding and
     2 at the head: counted as steps the ETA said 3x the time; counted as blocks run, within 30%."""
-    from mlxbun.quant import interaction_rounds as rounds
-    from mlxbun.quant.interactions import Step
+    from mlxbun.quant.allocate import rounds
+    from mlxbun.quant.allocate.interactions import Step
 
     clock, n = Clock(), 32
     starts = {f"model.layers.{i % n}.m{i}": i % n for i in range(96)}

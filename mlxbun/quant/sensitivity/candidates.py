@@ -18,7 +18,7 @@ Cost per module: one Cholesky, one GPTQ per bits shared by its group sizes, and 
 other candidate, instead of a GPTQ per (bits, group size). :func:`gptq_agreement` measures the
 estimate against the exact error (``bench/gptq_estimate.py``).
 
-Whole-model probes (:func:`mlxbun.quant.check.correction_factors`) then rescale each quantizer's
+Whole-model probes (:func:`mlxbun.quant.allocate.check.correction_factors`) then rescale each quantizer's
 estimates by how a plan using them measures (:func:`corrected`).
 
 Example:
@@ -292,7 +292,7 @@ def corrected(
     reference: Any = None,
 ) -> tuple[dict[str, dict[QuantSpec, float]], list[dict[str, Any]]]:
     """``kls`` with each quantizer's estimates rescaled by whole-model probes around the plan at
-    the budget (:func:`mlxbun.quant.check.correction_factors`), and the probes.
+    the budget (:func:`mlxbun.quant.allocate.check.correction_factors`), and the probes.
 
     Each probe is the model quantized with its plan (under ``work_dir``, removed after) and its KL
     against the reference on the calibration subset of ``tokens`` (``fisher.calibration_subset``:
@@ -300,7 +300,7 @@ def corrected(
     as ``probe.load_model`` gives it, when already loaded."""
     import mlx.core as mx
 
-    from mlxbun.quant.check import correction_factors, measured_kl, rescaled
+    from mlxbun.quant.allocate.check import correction_factors, measured_kl, rescaled
     from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
     from mlxbun.quant.sensitivity.fisher import calibration_subset
 
@@ -371,7 +371,8 @@ def extend(
         corrected-v<check.VERSION>-<dtype>-<budget>.json   after the probes of a plan at that budget,
                                 and the probes
     """
-    from mlxbun.quant import check, hessian
+    from mlxbun.quant import hessian
+    from mlxbun.quant.allocate import check
     from mlxbun.quant.sensitivity.file import parse_setting_key, setting_key
 
     work_dir.mkdir(parents=True, exist_ok=True)

@@ -44,7 +44,8 @@ from mlxbun.io.atomic import atomic_write_json, dumps_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
-from mlxbun.quant import allocate, calibrate
+from mlxbun.quant import calibrate
+from mlxbun.quant.allocate import command as allocate
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
 from mlxbun.quant.quantize import command as quantize

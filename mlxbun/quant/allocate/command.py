@@ -3,9 +3,9 @@
 Input: ``sensitivity.json`` (per-layer KL at candidate settings, from ``command=sensitivity``) and
 the source model. The budget is bits per weight (stored tensor bits over the logical parameter
 count, scales, biases, embeddings and every unquantized tensor included) or bytes on disk (the
-``.safetensors`` files, headers included); see ``mlxbun.quant.budget`` for both definitions. The
+``.safetensors`` files, headers included); see ``mlxbun.quant.allocate.budget`` for both definitions. The
 choice is a multiple-choice knapsack solved exactly or with a stated bound
-(``mlxbun.quant.knapsack``). Output::
+(``mlxbun.quant.allocate.knapsack``). Output::
 
     <run_dir>/
         plan.json     {"version": 1, "default": {bits, group_size, mode},
@@ -24,7 +24,7 @@ choice is a multiple-choice knapsack solved exactly or with a stated bound
 
 With ``allocate.interactions`` (default 16) the plan is then improved in the quantized model
 itself: the steps nearest the knapsack's threshold are measured with every other module quantized
-as planned, and the knapsack solved again with those costs (``mlxbun.quant.interactions``); the
+as planned, and the knapsack solved again with those costs (``mlxbun.quant.allocate.interactions``); the
 model's KL on the calibration set before and after is in plan.json. It needs the float32 model in
 memory and is skipped (with a warning, and said in plan.json) when that does not fit.
 
@@ -50,15 +50,15 @@ from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES
 from mlxbun.io.safetensors import read_config
 from mlxbun.provenance import RunResult
-from mlxbun.quant import budget
-from mlxbun.quant.budget import SizeReport, Source
+from mlxbun.quant.allocate import budget
+from mlxbun.quant.allocate.budget import SizeReport, Source
+from mlxbun.quant.allocate.check import CheckResult, check_plan
+from mlxbun.quant.allocate.interactions import InModel, Option, chosen
+from mlxbun.quant.allocate.knapsack import Solution, solve
+from mlxbun.quant.allocate.memory import interactions_batch, interactions_skip_memory
+from mlxbun.quant.allocate.protect import Rule, count_blocks, fixed_setting, min_bits
+from mlxbun.quant.allocate.rounds import improve, interactions_skip
 from mlxbun.quant.calib import load_calibration, recorded_settings
-from mlxbun.quant.check import CheckResult, check_plan
-from mlxbun.quant.interaction_rounds import improve, interactions_skip
-from mlxbun.quant.interactions import InModel, Option, chosen
-from mlxbun.quant.knapsack import Solution, solve
-from mlxbun.quant.memory import interactions_batch, interactions_skip_memory
-from mlxbun.quant.protect import Rule, count_blocks, fixed_setting, min_bits
 from mlxbun.quant.quantize.command import quantize_model_dir
 from mlxbun.quant.quantize.convert import resolve_dtype
 from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
@@ -227,7 +227,7 @@ def allocate(
             config.json as ``quantize`` does.
         shard_bytes: the writer's shard limit (headers are per shard).
         max_states: knapsack DP states before sizes are rounded (see ``knapsack``).
-        in_model: the model to measure how modules interact in (``mlxbun.quant.interactions``);
+        in_model: the model to measure how modules interact in (``mlxbun.quant.allocate.interactions``);
             None: the summed objective alone.
         decisions: steps near the threshold measured per round in ``in_model``.
         rounds: re-solves at most (each kept only when the model's KL is lower).

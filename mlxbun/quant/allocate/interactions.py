@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from mlxbun.kl import kl_from_stats, log_probs
-from mlxbun.quant.knapsack import pareto
+from mlxbun.quant.allocate.knapsack import pareto
 from mlxbun.quant.probe import (
     Spill,
     Stack,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxbun.progress import Progress
-from mlxbun.quant.interactions import (
+from mlxbun.quant.allocate.interactions import (
     BARRED,
     InModel,
     Option,
@@ -29,7 +29,7 @@ from mlxbun.quant.interactions import (
     near_threshold,
     scaled_costs,
 )
-from mlxbun.quant.knapsack import Solution
+from mlxbun.quant.allocate.knapsack import Solution
 from mlxbun.quant.spec import QuantSpec
 
 
@@ -106,7 +106,7 @@ def improve(
     decisions: int,
     rounds: int,
 ) -> tuple[Solution, dict[str, Any]]:
-    """Rounds of ``mlxbun.quant.interactions``: measure the steps nearest the threshold in the
+    """Rounds of ``mlxbun.quant.allocate.interactions``: measure the steps nearest the threshold in the
     quantized model, solve with the rescaled costs, keep the new plan when its KL is lower.
     ``paths``/``options``: the knapsack items; ``resolve(options)`` solves them at other costs;
     ``fixed``: the unmeasured modules' settings as written (None where the group does not fit)."""

@@ -28,8 +28,8 @@ from typing import Any
 
 from mlxbun.errors import InputError
 from mlxbun.kl import kl_rows, log_probs
-from mlxbun.quant import budget
-from mlxbun.quant.budget import SizeReport
+from mlxbun.quant.allocate import budget
+from mlxbun.quant.allocate.budget import SizeReport
 from mlxbun.quant.calib import load_calibration
 from mlxbun.quant.probe import load_model
 from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
