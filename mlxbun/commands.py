@@ -123,7 +123,7 @@ COMMANDS: dict[str, Command] = {
         provides=("quant.plan",),
     ),
     "tune": Command(
-        "mlxbun.quant.tune",
+        "mlxbun.quant.tune.command",
         "learned rounding: tune a quantized model's group scales, biases, norms and codes to its reference",
         reads=(*MODEL_SECTIONS, "tune", "io", "sensitivity.calib.path", "sensitivity.calib.seed"),
         needs=(MODEL, ("tune.reference",)),

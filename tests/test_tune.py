@@ -257,7 +257,7 @@ def test_tuned_values_round_to_the_stored_dtype_as_trained() -> None:
     """The forward trains on what is written: scales and biases rounded to the model's dtype."""
     import mlx.nn as nn
 
-    from mlxbun.quant.tune import _modules
+    from mlxbun.quant.tune.command import _modules
 
     linear_cls, _, _ = _modules()
     layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 8), group_size=64, bits=3)
@@ -279,7 +279,7 @@ def test_a_large_5_bit_embedding_stands_in_within_a_few_bytes_a_weight() -> None
     and float32 codes 4 more, the peak of tune's run at that size."""
     import mlx.nn as nn
 
-    from mlxbun.quant.tune import _modules
+    from mlxbun.quant.tune.command import _modules
 
     _, embedding_cls, _ = _modules()
     rows, cols = 32768, 1024
@@ -300,7 +300,7 @@ def test_codes_that_do_not_fit_in_memory_stay_and_the_scales_are_still_tuned(
     tmp_path: Path, q3: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from mlxbun import schema
-    from mlxbun.quant import tune
+    from mlxbun.quant.tune import command as tune
 
     monkeypatch.setattr(tune, "CODE_BYTES_PER_WEIGHT", 1 << 40)  # the codes' offsets never fit
     cfg = schema.Config(model=schema.ModelCfg(name=str(q3)), tune=schema.TuneCfg(reference=str(FIXTURE)))
