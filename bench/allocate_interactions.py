@@ -59,7 +59,7 @@ def fixture(args: argparse.Namespace, name: str) -> dict:
     from mlxbun.io.atomic import atomic_write_json
     from mlxbun.quant.allocate.command import allocate
     from mlxbun.quant.allocate.interactions import InModel
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
     from mlxbun.quant.sensitivity.file import load_sensitivity
 
     work = args.work / name

@@ -164,7 +164,7 @@ def main() -> None:
     t0 = time.time()
     from mlx_lm import load
 
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
     from mlxbun.rotate import rotate_model_dir
 
     _, tokenizer = load(str(args.model))

@@ -12,7 +12,7 @@ when its weights are present):
    ``mlx_lm.convert`` (child processes, wall time and peak RSS), so both sides use the same
    quantizer and only the rotation differs.
 3. KL(reference ‖ model) in float32, mean over tokens, on ``samples × seq_len`` tokens of the
-   built-in calibration text (``mlxbun.quant.calib``), every model loaded with ``mlx_lm.load``.
+   built-in calibration text (``mlxbun.quant.calibration``), every model loaded with ``mlx_lm.load``.
 
 Writes ``bench/results/rotate.md``. Timings are noisy: the machine is shared.
 """
@@ -80,7 +80,7 @@ def convert_child(src: Path, out: Path, bits: int) -> dict:
 def calibration_tokens(model: Path, samples: int, seq_len: int):
     from mlx_lm import load
 
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
 
     _, tokenizer = load(str(model))
     return load_calibration(tokenizer=tokenizer, samples=samples, seq_len=seq_len, seed=0).tokens

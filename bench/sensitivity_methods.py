@@ -162,7 +162,7 @@ class Evaluator:
 def held_out_tokens(model: Path, work: Path, *, samples: int, seq_len: int) -> np.ndarray:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
 
     parts = [Path(f"/usr/lib/python3.11/{m}.py").read_text(errors="replace") for m in HELD_OUT]
     path = work / "held_out.txt"

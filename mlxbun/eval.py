@@ -52,7 +52,7 @@ from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult
 from mlxbun.quant.allocate import budget
-from mlxbun.quant.calib import Windows, choose_windows, fingerprint, load_calibration
+from mlxbun.quant.calibration import Windows, choose_windows, fingerprint, load_calibration
 from mlxbun.quant.probe import load_model
 from mlxbun.source import expand, model_dir, named_dir
 

@@ -97,7 +97,7 @@ def model(tiny_model):
 def tokens(model):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
 
     return load_calibration(tokenizer=load_tokenizer(model), samples=3, seq_len=32, seed=0).tokens
 

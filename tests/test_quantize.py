@@ -19,7 +19,7 @@ from conftest import make_tokenizer_dir
 from mlx.utils import tree_flatten
 
 from mlxbun.errors import InputError
-from mlxbun.quant import plan as qplan
+from mlxbun.quant import skeleton as qplan
 from mlxbun.quant.quantize.command import MARKER, quantize_model_dir
 
 REPO = Path(__file__).resolve().parent.parent

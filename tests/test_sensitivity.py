@@ -19,7 +19,7 @@ import mlx.core as mx  # noqa: E402
 
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.kl import kl_rows, log_probs  # noqa: E402
-from mlxbun.quant import calib as calib_mod  # noqa: E402
+from mlxbun.quant import calibration as calib_mod  # noqa: E402
 from mlxbun.quant import probe  # noqa: E402
 from mlxbun.quant.sensitivity import command as sens  # noqa: E402
 from mlxbun.quant.sensitivity.file import combine_shards  # noqa: E402

@@ -35,7 +35,7 @@ from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, publish_l
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
 from mlxbun.quant import hessian
-from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.calibration import load_calibration
 from mlxbun.quant.spec import HESSIANS_NAME
 from mlxbun.source import expand
 from mlxbun.source import model_dir as source_dir
@@ -73,7 +73,7 @@ def calibrate(
         model_dir: a bf16/f16/f32 checkpoint or an mlx-lm quantized model directory.
         out_dir: the run directory (created if missing).
         work_dir: root of the cache (one directory per key); None captures without one.
-        calib_path, samples, seq_len, seed: calibration (see :mod:`mlxbun.quant.calib`); the same
+        calib_path, samples, seq_len, seed: calibration (see :mod:`mlxbun.quant.calibration`); the same
             keys as sensitivity's, so both measure on the same tokens.
         batch_size: samples per block forward.
     """

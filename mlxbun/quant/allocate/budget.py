@@ -32,7 +32,7 @@ from typing import Any
 from mlxbun.io.dtypes import CODES, FLOAT_CODES, ITEMSIZE
 from mlxbun.io.safetensors import open_model
 from mlxbun.io.shards import header_bytes, pack
-from mlxbun.quant.plan import build_skeleton
+from mlxbun.quant.skeleton import build_skeleton
 from mlxbun.quant.spec import UINT8_SCALE_MODES, QuantSpec
 
 

@@ -30,7 +30,7 @@ from mlxbun.errors import InputError
 from mlxbun.kl import kl_rows, log_probs
 from mlxbun.quant.allocate import budget
 from mlxbun.quant.allocate.budget import SizeReport
-from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.calibration import load_calibration
 from mlxbun.quant.probe import load_model
 from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
 from mlxbun.quant.spec import MODE_BITS, QuantSpec

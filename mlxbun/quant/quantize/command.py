@@ -2,7 +2,7 @@
 
 Run: ``python -m mlxbun command=quantize model.name=<dir|name|org/repo> quant.bits=4``.
 Output tensors, their order, shard packing and config.json match ``mlx_lm convert`` for the
-same settings (see :mod:`mlxbun.quant.plan` for how the structure is derived); memory stays at
+same settings (see :mod:`mlxbun.quant.skeleton` for how the structure is derived); memory stays at
 a few modules in flight, whatever the model or shard size: the writer is told every output
 tensor in advance (:meth:`mlxbun.quant.quantize.convert.Converter.planned`) and writes each one as it
 comes. Tensors come through :mod:`mlxbun.source`: files, or (``model.synthetic=true``) generated in memory as they are read.
@@ -52,7 +52,6 @@ from mlxbun.io.staging import DIGEST, Stage, reached, read_json_object, stable_r
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.provenance import RunResult, prehash
 from mlxbun.quant import awq, hessian, rounding, workers
-from mlxbun.quant.plan import Skeleton, prepare
 from mlxbun.quant.quantize.cache import Rounded
 from mlxbun.quant.quantize.convert import Converter, resolve_dtype
 from mlxbun.quant.quantize.outdir import (
@@ -67,6 +66,7 @@ from mlxbun.quant.quantize.outdir import (
     written_files,
 )
 from mlxbun.quant.quantize.stream import Unit, plan_units, stream
+from mlxbun.quant.skeleton import Skeleton, prepare
 from mlxbun.quant.spec import Plan, QuantSpec, check_hessians, hessians_file, load_plan
 from mlxbun.source import identity, lazy_weights, model_source, open_tensors, source_dir
 

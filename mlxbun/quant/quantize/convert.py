@@ -29,8 +29,8 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlxbun.io.dtypes import CODES as ST_CODES
 from mlxbun.io.dtypes import OUTPUT_DTYPES as CONVERSION_DTYPES
 from mlxbun.quant import hessian, rounding, workers
-from mlxbun.quant.plan import Skeleton
 from mlxbun.quant.quantize.stream import Unit
+from mlxbun.quant.skeleton import Skeleton
 
 # Plain Linear/Embedding weights larger than this are read and quantized in row blocks of
 # CHUNK_BYTES (quantization groups never cross a row, so the bytes are the same).

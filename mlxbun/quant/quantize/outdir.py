@@ -22,7 +22,7 @@ from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
 from mlxbun.io.staging import damaged_files, digest_files, discard_dir, read_json_object
 from mlxbun.quant.mlxlm import encode_tagged_floats
-from mlxbun.quant.plan import Skeleton
+from mlxbun.quant.skeleton import Skeleton
 
 log = logging.getLogger("mlxbun")
 

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 
 from mlx.utils import tree_flatten
 
-from mlxbun.quant.plan import Skeleton
+from mlxbun.quant.skeleton import Skeleton
 
 T = TypeVar("T")
 R = TypeVar("R")

@@ -46,7 +46,7 @@ from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
 from mlxbun.quant import calibrate
 from mlxbun.quant.allocate import command as allocate
-from mlxbun.quant.calib import load_calibration
+from mlxbun.quant.calibration import load_calibration
 from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
 from mlxbun.quant.quantize import command as quantize
 from mlxbun.quant.sensitivity import candidates as rich_candidates
@@ -225,7 +225,7 @@ def sensitivity(
         out_dir: where the reports go (the run directory).
         work_dir: root of per-group checkpoints (keyed by model, calibration and settings).
         bits, group_size, mode: the candidates (``mode`` as in ``mx.quantize``).
-        calib_path, samples, seq_len, seed: calibration (see ``mlxbun.quant.calib``).
+        calib_path, samples, seq_len, seed: calibration (see ``mlxbun.quant.calibration``).
         method: "fisher" (``fisher.py``: estimated from one backward pass, the default),
             "exact" (``exact.py``) or "reference" (``sensitivity_ref``: one full forward per
             sample and probe; slow, for checking).

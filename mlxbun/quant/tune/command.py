@@ -520,7 +520,7 @@ def run(cfg: Any) -> Any:
     from mlx_lm import load
 
     from mlxbun.fingerprint import model_fingerprint
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
     from mlxbun.quant.probe import load_model as load_reference
 
     t = cfg.tune
