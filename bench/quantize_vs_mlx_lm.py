@@ -185,7 +185,7 @@ def hf_cache_entry(plain: Path, hub: Path, name: str) -> Path:
 
 def synthesize(src: Path, dims: dict) -> None:
     """Build the source in a child: this process stays small, and children inherit its peak RSS."""
-    code = "import sys, json; from mlxbun.synth_write import synthesize; synthesize(sys.argv[1], arch='llama', **json.loads(sys.argv[2]))"
+    code = "import sys, json; from mlxbun.synth.write import synthesize; synthesize(sys.argv[1], arch='llama', **json.loads(sys.argv[2]))"
     run_child([sys.executable, "-c", code, str(src), json.dumps(dims)], cwd=src.parent)
 
 

@@ -123,7 +123,7 @@ def evaluate(name: str, src: Path, work: Path, samples: int, seq_len: int) -> di
 
 
 def synth_model(work: Path, preset: str, target: str, scale: float) -> Path:
-    from mlxbun.synth_write import synthesize
+    from mlxbun.synth.write import synthesize
 
     channels = 0 if target == "none" else 8
     return synthesize(
@@ -134,7 +134,7 @@ def synth_model(work: Path, preset: str, target: str, scale: float) -> Path:
 
 def scale_run(work: Path, preset: str, layers: int) -> dict:
     """Rotate a larger synthetic model (256 MiB shards, no verify) beside mlx_lm.convert -q of it."""
-    from mlxbun.synth_write import synthesize
+    from mlxbun.synth.write import synthesize
 
     src = synthesize(work / "scale", arch="llama", preset=preset, dtype="bfloat16", num_layers=layers)
     nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))

@@ -197,7 +197,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     if args.synth:
         sys.path.insert(0, str(REPO))
-        from mlxbun.synth_write import ensure_synthetic
+        from mlxbun.synth.write import ensure_synthetic
 
         cache = Path(tempfile.gettempdir()) / "mlxbun_bench_synth"
         args.model = str(ensure_synthetic(cache_dir=cache, arch="llama", preset=args.synth, seed=0))

@@ -59,7 +59,7 @@ COMMANDS: dict[str, Command] = {
         "mlxbun.pipeline", "run several commands in order in one run directory", reads=("pipeline",)
     ),
     "synth": Command(
-        "mlxbun.synth",
+        "mlxbun.synth.command",
         "write a deterministic random checkpoint of a real architecture",
         reads=("synth", "io"),
         provides=("model.name",),

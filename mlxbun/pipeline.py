@@ -20,11 +20,12 @@ from dataclasses import asdict, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlxbun import commands, schema, synth_write
+from mlxbun import commands, schema
 from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.provenance import RunResult
 from mlxbun.quant.spec import QuantSpec, check_hessians, hessians_file, load_plan, spec_for
+from mlxbun.synth import write as synth_write
 
 
 def set_key(cfg: Any, dotted: str, value: Any) -> Any:
@@ -127,7 +128,7 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
 
 
 def _check_synth_room(cfg: Any) -> None:
-    """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth_write.check_room)."""
+    """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth.write.check_room)."""
     spec = synth_write.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "synth" / "model"
     synth_write.check_room(spec, out=out, partial_root=None)

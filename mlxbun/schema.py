@@ -39,7 +39,7 @@ from mlxbun.quant.spec import (
     check_mixed,
     spec_for,
 )
-from mlxbun.synth_arch import ARCHS, SYNTH_DIMS
+from mlxbun.synth.arch import ARCHS, SYNTH_DIMS
 
 GIB = 1 << 30
 # The widest stored weight (float32): no plan can need more bits per weight.
@@ -182,7 +182,7 @@ class ModelCfg:
 class SynthCfg:
     # Architecture: llama, qwen2, qwen3, mistral or gemma3_text.
     arch: str = "llama"
-    # Named size preset (see mlxbun.synth.PRESETS); explicit dims below override it.
+    # Named size preset (see mlxbun.synth.command.PRESETS); explicit dims below override it.
     preset: str = "tiny"
     # Model width (overrides the preset).
     hidden_size: int | None = None
@@ -208,7 +208,7 @@ class SynthCfg:
     outlier_channels: int = 0
     # Factor applied to the planted outlier channels (finite, > 0).
     outlier_scale: float = 20.0
-    # What outlier_scale multiplies: "weights", "activations" or "both" (see mlxbun/synth.py).
+    # What outlier_scale multiplies: "weights", "activations" or "both" (see mlxbun/synth/command.py).
     outlier_target: str = "both"
     # Std of noise added to RMSNorm gains.
     norm_jitter: float = 0.0

@@ -5,7 +5,7 @@ path, a registry name or an HF repo id in the local cache (resolved by ``mlxbun.
 ``model.synthetic=true`` builds (once, cached) a random checkpoint shaped by the ``synth`` section.
 
 A command that streams tensors (quantize) calls :func:`model_source` instead: with
-``model.synthetic=true`` it gets a :class:`mlxbun.synth_values.SyntheticSource` whose tensors are
+``model.synthetic=true`` it gets a :class:`mlxbun.synth.values.SyntheticSource` whose tensors are
 generated when read, so no weight file is ever written. Both kinds of source are read through
 the same few calls (:func:`open_tensors`; :class:`FileTensors` for files)::
 
@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from mlxbun import registry, synth_write
+from mlxbun import registry
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import NAMES
 from mlxbun.io.safetensors import open_model
+from mlxbun.synth import write as synth_write
 
 
 def expand(path: str) -> Path:

@@ -201,7 +201,7 @@ BITS = (2, 4, 8)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from mlxbun import synth_write
+    from mlxbun.synth import write as synth_write
 
     cache = tmp_path_factory.mktemp("alloc-synth")
     return synth_write.ensure_synthetic(cache_dir=cache, arch="llama", preset="tiny", tie_embeddings=False)
@@ -429,7 +429,7 @@ def test_run_skips_interactions_that_would_not_fit_in_memory(model, measured, tm
 
 
 def test_run_rejects_bad_input_before_writing(model, measured, tmp_path):
-    from mlxbun import synth_write
+    from mlxbun.synth import write as synth_write
 
     other = synth_write.ensure_synthetic(cache_dir=tmp_path / "synth", arch="llama", preset="tiny", seed=1)
     doc = json.loads(measured.read_text())

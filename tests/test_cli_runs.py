@@ -48,7 +48,7 @@ def _one_error_line(stderr: str) -> str:
 # A synth run that receives a signal while it writes weights (as Slurm preemption would).
 SIGNAL_DURING_SYNTH = """
 import os, signal, time
-from mlxbun import synth_write
+from mlxbun.synth import write as synth_write
 real = synth_write._write_weights
 def write_then_signal(*a, **k):
     os.kill(os.getpid(), signal.{sig})
@@ -99,7 +99,8 @@ def test_corrupt_registry_fails_the_run_naming_the_database(tmp_path: Path) -> N
 # The disk fills while synth writes, and stays full: the manifest cannot be rewritten either.
 DISK_FULL = """
 import errno, os
-from mlxbun import provenance, synth
+from mlxbun import provenance
+from mlxbun.synth import command as synth
 writes = []
 real_write = provenance.atomic_write_json
 def write_manifest(path, data, *a, **k):

@@ -17,7 +17,7 @@ from test_quantize import make_hf_model
 from mlxbun.io.staging import STEPS
 from mlxbun.quant.quantize.command import quantize_model_dir
 from mlxbun.rotate import rotate_model_dir
-from mlxbun.synth_write import resolve_spec, write_spec
+from mlxbun.synth.write import resolve_spec, write_spec
 
 SHARD = 40_000
 # Where a run is killed: each staging step, after the writer's first and second shard, when the
@@ -47,7 +47,7 @@ def child_code(command: str, sources: dict[str, str], out: Path, root: Path) -> 
         )
     if command == "synth":
         return (
-            "from mlxbun.synth_write import resolve_spec, write_spec\n"
+            "from mlxbun.synth.write import resolve_spec, write_spec\n"
             f"write_spec(resolve_spec(arch='qwen3'), {out!r}, shard_bytes={SHARD}, partial_root={root!r})"
         )
     return (

@@ -11,11 +11,11 @@ import pytest
 from cli_util import run_cli
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxbun import synth_write
 from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.kv import commands
 from mlxbun.kv.store import MismatchError, Store
+from mlxbun.synth import write as synth_write
 
 PROMPT = "the quick brown fox jumps over the lazy dog; " * 6
 

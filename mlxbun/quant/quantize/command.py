@@ -229,7 +229,7 @@ def quantize_model_dir(
 
     Args:
         src: model directory with config.json and model*.safetensors, or a
-            :class:`mlxbun.synth_values.SyntheticSource` (tensors generated as they are read).
+            :class:`mlxbun.synth.values.SyntheticSource` (tensors generated as they are read).
         out: output directory; must not exist (unless it is this same conversion, then reused).
         mode, bits, group_size: uniform setting, mlx-lm's per-mode defaults for None.
         plan: a :class:`Plan` or plan.json path (overrides mode/bits/group_size).

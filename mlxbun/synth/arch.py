@@ -1,7 +1,7 @@
 """The architectures synth writes: HF config fields, size presets, the spec records, the tokenizer.
 
 Data only, plus the two config files and the byte-level BPE tokenizer built offline from it;
-:mod:`mlxbun.synth` resolves a spec against these tables and :mod:`mlxbun.synth_values`
+:mod:`mlxbun.synth.command` resolves a spec against these tables and :mod:`mlxbun.synth.values`
 generates the tensors.
 """
 

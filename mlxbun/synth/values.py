@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from mlxbun.synth_arch import Spec, TensorPlan
+from mlxbun.synth.arch import Spec, TensorPlan
 
 CHUNK = 1 << 22  # elements drawn per RNG stream
 THREADS = max(1, min(2, os.cpu_count() or 1))

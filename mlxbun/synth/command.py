@@ -1,4 +1,4 @@
-"""command=synth: write a deterministic synthetic checkpoint (see :mod:`mlxbun.synth_write`).
+"""command=synth: write a deterministic synthetic checkpoint (see :mod:`mlxbun.synth.write`).
 
 Run ``python -m mlxbun command=synth synth.arch=qwen3 synth.preset=tiny`` (or ``+recipe=quickstart``).
 """
@@ -13,8 +13,8 @@ from typing import Any
 from mlxbun.io.staging import stable_root
 from mlxbun.progress import human_bytes
 from mlxbun.provenance import RunResult
-from mlxbun.synth_values import plan
-from mlxbun.synth_write import check_room, resolve_spec, write_spec
+from mlxbun.synth.values import plan
+from mlxbun.synth.write import check_room, resolve_spec, write_spec
 
 
 def run(cfg: Any) -> Any:
