@@ -6,7 +6,7 @@ Run: .venv/bin/python bench/rotation_quality.py [--preset tiny] [--outlier-scale
 For each model (synthetic llamas without and with planted outlier channels; the trained fixture
 when its weights are present):
 
-1. rotate (child process, wall time and peak RSS): ``mlxbun.rotate.rotate_model_dir``, seed 0,
+1. rotate (child process, wall time and peak RSS): ``mlxbun.rotate.command.rotate_model_dir``, seed 0,
    verified against the source.
 2. quantize the source and the rotated model at 4 and 3 bits, affine g64, with the anchor
    ``mlx_lm.convert`` (child processes, wall time and peak RSS), so both sides use the same
@@ -60,7 +60,7 @@ def rotate_child(src: Path, out: Path) -> dict:
     code = (
         "from mlxbun import blas; blas.load()\n"
         "import json\n"
-        "from mlxbun.rotate import rotate_model_dir\n"
+        "from mlxbun.rotate.command import rotate_model_dir\n"
         f"r = rotate_model_dir({str(src)!r}, {str(out)!r}, seed=0)\n"
         "print(json.dumps(r.verify.to_dict() if r.verify else None))\n"
     )
@@ -140,7 +140,7 @@ def scale_run(work: Path, preset: str, layers: int) -> dict:
     nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     code = (
         "from mlxbun import blas; blas.load()\n"
-        "from mlxbun.rotate import rotate_model_dir\n"
+        "from mlxbun.rotate.command import rotate_model_dir\n"
         f"rotate_model_dir({str(src)!r}, {str(work / 'scale-rot')!r}, seed=0, shard_bytes=256 << 20, verify=False)\n"
     )
     seconds, rss, _ = run_child(code)

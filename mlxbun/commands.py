@@ -130,7 +130,7 @@ COMMANDS: dict[str, Command] = {
         provides=("model.name",),
     ),
     "rotate": Command(
-        "mlxbun.rotate",
+        "mlxbun.rotate.command",
         "fold a seeded randomized Hadamard R1 into a checkpoint",
         reads=(*MODEL_SECTIONS, "fold", "io"),
         needs=(MODEL,),

@@ -16,7 +16,7 @@ from test_quantize import make_hf_model
 
 from mlxbun.io.staging import STEPS
 from mlxbun.quant.quantize.command import quantize_model_dir
-from mlxbun.rotate import rotate_model_dir
+from mlxbun.rotate.command import rotate_model_dir
 from mlxbun.synth.write import resolve_spec, write_spec
 
 SHARD = 40_000
@@ -51,7 +51,7 @@ def child_code(command: str, sources: dict[str, str], out: Path, root: Path) -> 
             f"write_spec(resolve_spec(arch='qwen3'), {out!r}, shard_bytes={SHARD}, partial_root={root!r})"
         )
     return (
-        "from mlxbun.rotate import rotate_model_dir\n"
+        "from mlxbun.rotate.command import rotate_model_dir\n"
         f"rotate_model_dir({sources['rotate']!r}, {out!r}, seed=3, shard_bytes={SHARD}, verify=False,"
         f" partial_root={root!r})"
     )

@@ -12,11 +12,13 @@ import pytest
 from cli_util import run_cli
 from safetensors.numpy import load_file, save_file
 
-from mlxbun import hadamard, rotate, rotate_fold
 from mlxbun.errors import DriftError, InputError
 from mlxbun.kl import kl
-from mlxbun.rotate import FoldRecord, read_fold_record, rotate_model_dir
-from mlxbun.rotate_fold import Rotation
+from mlxbun.rotate import command as rotate
+from mlxbun.rotate import fold as rotate_fold
+from mlxbun.rotate import hadamard
+from mlxbun.rotate.command import FoldRecord, read_fold_record, rotate_model_dir
+from mlxbun.rotate.fold import Rotation
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
 
@@ -166,7 +168,7 @@ def test_o_proj_and_down_proj_biases_are_rotated(tiny_model, tmp_path):
 
 def test_each_folded_tensor_is_written_as_it_comes(tiny_model, tmp_path, nothing_pending):
     """No shard is held: after every add the writer has nothing pending."""
-    from mlxbun import rotate
+    from mlxbun.rotate import command as rotate
 
     nothing_pending(rotate)
     src = tiny_model("llama")

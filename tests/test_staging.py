@@ -113,7 +113,7 @@ def test_outputs_do_not_depend_on_where_the_source_is(src, clean, tmp_path):
 def test_rotate_cli_rerun_after_sigkill_resumes(tiny_model, tmp_path):
     from cli_util import kill_hook, run_cli
 
-    from mlxbun.rotate import rotate_model_dir
+    from mlxbun.rotate.command import rotate_model_dir
 
     src = tiny_model("llama", norm_jitter=0.2)
     args = ("command=rotate", f"model.name={src}", "io.shard_gb=0.00002", "fold.verify=false", "verbose=true")

@@ -1,8 +1,8 @@
 """The fold math of rotate: the seeded R1, which tensors a family has and how each one folds.
 
 Pure functions of a source's tensors (float64 arithmetic, results stored in the source's dtype);
-:mod:`mlxbun.rotate` writes the rotated directory and its record, :mod:`mlxbun.rotate_verify`
-checks the result computes the same function. The algebra is drawn in :mod:`mlxbun.rotate`.
+:mod:`mlxbun.rotate.command` writes the rotated directory and its record, :mod:`mlxbun.rotate.verify`
+checks the result computes the same function. The algebra is drawn in :mod:`mlxbun.rotate.command`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from mlxbun.errors import InputError
-from mlxbun.hadamard import HadamardSpec, apply_rows, plan
 from mlxbun.io.dtypes import OUTPUT_CODES as OUT_DTYPES
 from mlxbun.io.safetensors import NP_DTYPES
+from mlxbun.rotate.hadamard import HadamardSpec, apply_rows, plan
 
 SIGNS = "shake256(b'mlxbun-r1:<seed>'), bit i (LSB first) -> s_i = 1 - 2*bit"
 WEIGHT_DTYPES = tuple(OUT_DTYPES.values())  # rotate reads what a conversion may write

@@ -2,7 +2,7 @@
 
 The rotated model computes the same function (up to rounding) but spreads outlier channels over
 all dimensions, so it quantizes with less error (QuaRot / SpinQuant R1). In row-vector form with
-``[out, in]`` weights and ``R1 = diag(s)·H/√n`` (s: seeded ±1 signs, H: see mlxbun.hadamard)::
+``[out, in]`` weights and ``R1 = diag(s)·H/√n`` (s: seeded ±1 signs, H: see mlxbun.rotate.hadamard)::
 
     RMSNorm gain g folded into the linears it feeds, norm set to unit gain (gemma: 1 + w, w = 0)
     embedding rows, q/k/v, gate/up, lm_head    W  ->  W · diag(g) · R1       (input side)
@@ -42,7 +42,6 @@ from typing import Any
 import numpy as np
 
 from mlxbun.errors import DriftError, InputError
-from mlxbun.hadamard import HadamardSpec, plan
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
 from mlxbun.io.dtypes import OUTPUT_CODES as OUT_DTYPES
 from mlxbun.io.safetensors import INDEX_FILE, open_model
@@ -50,7 +49,7 @@ from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, reached, stable_root, weights_written
 from mlxbun.progress import Progress
 from mlxbun.provenance import RunResult
-from mlxbun.rotate_fold import (
+from mlxbun.rotate.fold import (
     CHUNK_ELEMS,
     SIGNS,
     WEIGHT_DTYPES,
@@ -61,7 +60,8 @@ from mlxbun.rotate_fold import (
     to_f64,
     to_stored,
 )
-from mlxbun.rotate_verify import BASELINE_FACTOR, VerifyReport, verify_rotation
+from mlxbun.rotate.hadamard import HadamardSpec, plan
+from mlxbun.rotate.verify import BASELINE_FACTOR, VerifyReport, verify_rotation
 from mlxbun.source import model_dir
 
 log = logging.getLogger("mlxbun")
