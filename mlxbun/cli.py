@@ -4,7 +4,7 @@ Run ``python -m mlxbun`` for the list of commands and recipes. This module is th
 boundary: bad input becomes ``error: <one line>`` and exit code 2 (a traceback only with
 ``verbose=true``), verification drift and environment failures exit 1 naming the path, a
 signal exits 128 + its number, and every run gets a manifest and a RunRecord
-(:mod:`mlxbun.runrecord`) that end ``ok``, ``failed`` or ``interrupted``.
+(:mod:`mlxbun.runs.record`) that end ``ok``, ``failed`` or ``interrupted``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from mlxbun import blas, commands, schema
 from mlxbun.commands import COMMANDS, CONF_DIR
 from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.help import available_recipes, command_help
-from mlxbun.runrecord import (
+from mlxbun.runs.record import (
     RunRecorder,
     describe,
     record_unmade,

@@ -196,9 +196,9 @@ COMMANDS: dict[str, Command] = {
         readonly=True,
         needs=(MODEL,),
     ),
-    "runs": Command("mlxbun.runs", "list recorded runs", reads=("runs", "registry"), readonly=True),
+    "runs": Command("mlxbun.runs.command", "list recorded runs", reads=("runs", "registry"), readonly=True),
     "verify": Command(
-        "mlxbun.verify",
+        "mlxbun.runs.verify",
         "re-hash a run's outputs against its manifest",
         reads=("runs",),
         readonly=True,

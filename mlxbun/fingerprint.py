@@ -5,7 +5,7 @@ depth's digest is persisted (so each keeps the exact bytes it has always hashed)
 
     depth="content"   every byte: config.json, then each ``*.safetensors`` shard's name, size and
                       full-content sha256 (a Hugging Face blob's name, or the digest remembered
-                      under the file's identity: :func:`mlxbun.provenance.cached_sha256`).
+                      under the file's identity: :func:`mlxbun.runs.provenance.cached_sha256`).
                       KV snapshots and eval results: a change to any byte of any tensor gives
                       another fingerprint (a sample let a model with sign-flipped unsampled
                       tensors restore another's cache).
@@ -29,7 +29,7 @@ import re
 from pathlib import Path
 
 from mlxbun.io.safetensors import HEADER_CAP
-from mlxbun.provenance import cached_sha256
+from mlxbun.runs.provenance import cached_sha256
 
 DEPTHS = ("content", "sampled", "header")
 SCHEME = b"mlxbun.kv.model/2\0"  # depth="content" only

@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 
 from mlxbun import schema
 from mlxbun.commands import COMMANDS, CONF_DIR
-from mlxbun.provenance import RunResult
+from mlxbun.runs.provenance import RunResult
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 

@@ -21,7 +21,7 @@ from mlxbun import registry
 from mlxbun.errors import InputError
 from mlxbun.io.safetensors import ModelDir, TensorInfo, open_model, quant_params, quantization_block
 from mlxbun.progress import human_bytes, human_count
-from mlxbun.provenance import RunResult
+from mlxbun.runs.provenance import RunResult
 from mlxbun.source import model_dir
 
 

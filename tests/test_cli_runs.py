@@ -99,7 +99,7 @@ def test_corrupt_registry_fails_the_run_naming_the_database(tmp_path: Path) -> N
 # The disk fills while synth writes, and stays full: the manifest cannot be rewritten either.
 DISK_FULL = """
 import errno, os
-from mlxbun import provenance
+from mlxbun.runs import provenance
 from mlxbun.synth import command as synth
 writes = []
 real_write = provenance.atomic_write_json
@@ -213,7 +213,7 @@ def test_a_broken_model_dir_is_named_and_the_run_recorded_failed(tmp_path: Path,
 # SIGTERM arrives after the command finished, while its outputs are hashed into the manifest.
 SIGTERM_WHILE_HASHING = """
 import os, signal, time
-from mlxbun import provenance
+from mlxbun.runs import provenance
 real = provenance.hash_paths
 def hash_then_signal(paths, **k):
     if k.get("cache_dir") is None:

@@ -10,7 +10,7 @@ from mlxbun import commands, pipeline, schema
 from mlxbun.commands import COMMANDS, CONF_DIR
 from mlxbun.errors import InputError
 from mlxbun.help import available_recipes
-from mlxbun.provenance import RunResult
+from mlxbun.runs.provenance import RunResult
 
 
 @pytest.fixture

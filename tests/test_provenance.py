@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mlxbun import provenance, verify
 from mlxbun.errors import DriftError, InputError
-from mlxbun.provenance import Manifest, RunResult, cached_sha256, hash_paths, verify_run
+from mlxbun.runs import provenance, verify
+from mlxbun.runs.provenance import Manifest, RunResult, cached_sha256, hash_paths, verify_run
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -26,8 +26,8 @@ from mlxbun.kv import format as fmt
 from mlxbun.kv.state import cache_state
 from mlxbun.kv.store import MismatchError, Store, StoreBusy, check_snapshot_name, common_prefix
 from mlxbun.progress import Progress, human_bytes
-from mlxbun.provenance import RunResult
 from mlxbun.quant.quantize.outdir import VOCABULARY, tokenizer_warning
+from mlxbun.runs.provenance import RunResult
 from mlxbun.source import model_dir
 
 PREFILL_STEP = 512

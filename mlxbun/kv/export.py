@@ -23,7 +23,7 @@ from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_save
 from mlxbun.kv.commands import digest_cache, model_reference, store_of
 from mlxbun.kv.store import check_snapshot_name
-from mlxbun.provenance import RunResult
+from mlxbun.runs.provenance import RunResult
 from mlxbun.source import model_dir
 
 

@@ -48,7 +48,6 @@ from mlxbun.io.safetensors import INDEX_FILE, open_model
 from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, reached, stable_root, weights_written
 from mlxbun.progress import Progress
-from mlxbun.provenance import RunResult
 from mlxbun.rotate.fold import (
     CHUNK_ELEMS,
     SIGNS,
@@ -62,6 +61,7 @@ from mlxbun.rotate.fold import (
 )
 from mlxbun.rotate.hadamard import HadamardSpec, plan
 from mlxbun.rotate.verify import BASELINE_FACTOR, VerifyReport, verify_rotation
+from mlxbun.runs.provenance import RunResult
 from mlxbun.source import model_dir
 
 log = logging.getLogger("mlxbun")

@@ -12,7 +12,7 @@ from typing import Any
 
 from mlxbun.io.staging import stable_root
 from mlxbun.progress import human_bytes
-from mlxbun.provenance import RunResult
+from mlxbun.runs.provenance import RunResult
 from mlxbun.synth.values import plan
 from mlxbun.synth.write import check_room, resolve_spec, write_spec
 

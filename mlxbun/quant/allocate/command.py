@@ -49,7 +49,6 @@ from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES
 from mlxbun.io.safetensors import read_config
-from mlxbun.provenance import RunResult
 from mlxbun.quant.allocate import budget
 from mlxbun.quant.allocate.budget import SizeReport, Source
 from mlxbun.quant.allocate.check import CheckResult, check_plan
@@ -68,6 +67,7 @@ from mlxbun.quant.spec import (
     check_budget,
     hessians_file,
 )
+from mlxbun.runs.provenance import RunResult
 
 log = logging.getLogger("mlxbun")
 

@@ -50,7 +50,6 @@ from mlxbun.io.safetensors import INDEX_FILE
 from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import DIGEST, Stage, reached, read_json_object, stable_root, weights_written
 from mlxbun.progress import Progress, human_bytes
-from mlxbun.provenance import RunResult, prehash
 from mlxbun.quant import awq, hessian, rounding, workers
 from mlxbun.quant.quantize.cache import Rounded
 from mlxbun.quant.quantize.convert import Converter, resolve_dtype
@@ -68,6 +67,7 @@ from mlxbun.quant.quantize.outdir import (
 from mlxbun.quant.quantize.stream import Unit, plan_units, stream
 from mlxbun.quant.skeleton import Skeleton, prepare
 from mlxbun.quant.spec import Plan, QuantSpec, check_hessians, hessians_file, load_plan
+from mlxbun.runs.provenance import RunResult, prehash
 from mlxbun.source import identity, lazy_weights, model_source, open_tensors, source_dir
 
 __all__ = ["MARKER", "QuantizeResult", "quantize_model_dir", "run"]

@@ -43,7 +43,6 @@ from mlxbun.fingerprint import model_fingerprint, shard_sha256
 from mlxbun.io.atomic import atomic_write_json, dumps_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
-from mlxbun.provenance import RunResult
 from mlxbun.quant import calibrate
 from mlxbun.quant.allocate import command as allocate
 from mlxbun.quant.calibration import load_calibration
@@ -55,6 +54,7 @@ from mlxbun.quant.sensitivity.exact import Sweep, group_cost
 from mlxbun.quant.sensitivity.file import SCHEMA_VERSION, document, write_reports
 from mlxbun.quant.sensitivity.reference import reference_sweep
 from mlxbun.quant.spec import QuantSpec, hessians_file, spec_for
+from mlxbun.runs.provenance import RunResult
 from mlxbun.source import expand
 from mlxbun.source import model_dir as source_dir
 

@@ -61,7 +61,7 @@ def merge(*, inputs: list[str], out_dir: str | Path) -> tuple[dict[str, Any], li
 
 def run(cfg: Any) -> Any:
     """command=sensitivity_merge: unpack the config and call :func:`merge`."""
-    from mlxbun.provenance import RunResult
+    from mlxbun.runs.provenance import RunResult
 
     run_dir = Path(cfg.paths.run_dir)
     doc, files, outputs = merge(inputs=list(cfg.sensitivity.inputs), out_dir=run_dir)

@@ -50,8 +50,8 @@ from mlxbun.io.safetensors import INDEX_FILE, open_model, read_config
 from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, stable_root
 from mlxbun.progress import Progress, human_bytes
-from mlxbun.provenance import RunResult
 from mlxbun.quant.quantize.outdir import copy_side_files, written_files
+from mlxbun.runs.provenance import RunResult
 from mlxbun.source import model_dir, named_dir
 
 log = logging.getLogger("mlxbun")

@@ -1,4 +1,4 @@
-"""command=verify: check a run directory against its manifest (see :func:`mlxbun.provenance.verify_run`)."""
+"""command=verify: check a run directory against its manifest (see :func:`mlxbun.runs.provenance.verify_run`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import asdict
 from typing import Any
 
 from mlxbun.errors import DriftError, InputError
-from mlxbun.provenance import RunResult, verify_run
+from mlxbun.runs.provenance import RunResult, verify_run
 
 
 def run(cfg: Any) -> RunResult:

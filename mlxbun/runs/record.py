@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import DriftError, EnvironmentFailure, InputError, Interrupted, NumericFailure
-from mlxbun.provenance import Manifest
+from mlxbun.runs.provenance import Manifest
 
 
 def _registry_module() -> Any:
@@ -66,7 +66,7 @@ def describe(e: BaseException, *, registry: str = "database") -> tuple[str, int,
 
 def _path_in_traceback(e: BaseException) -> str | None:
     """The path the innermost mlxbun frame was working on (a Path local), to name in the error."""
-    package = str(Path(__file__).resolve().parent)
+    package = str(Path(__file__).resolve().parents[1])  # mlxbun/
     found, tb = None, e.__traceback__
     while tb is not None:
         frame = tb.tb_frame

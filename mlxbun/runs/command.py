@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from mlxbun import registry
-from mlxbun.provenance import RunResult
+from mlxbun.runs.provenance import RunResult
 
 
 def run(cfg: Any) -> RunResult:

@@ -36,7 +36,7 @@ from mlxbun.io.digest import file_digest
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # A run that ended well: "ok" (what runrecord writes); "completed" is accepted too.
 COMPLETED = ("completed", "ok")
 OUTSIDE = "outside the run directory; not read"
