@@ -227,7 +227,7 @@ def ratios(rows: list[dict]) -> list[str]:
 PROFILE = """
 import hashlib, os, sys, tempfile, time
 import mlx.core as mx
-from mlxbun.source import FileTensors
+from mlxbun.source.model import FileTensors
 from mlxbun.io.shards import tensor_bytes
 src = sys.argv[1]
 def clock():

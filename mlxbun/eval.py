@@ -46,7 +46,6 @@ import numpy as np
 
 from mlxbun import kl
 from mlxbun.errors import InputError
-from mlxbun.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress, human_bytes
@@ -54,7 +53,8 @@ from mlxbun.quant.allocate import budget
 from mlxbun.quant.calibration import Windows, choose_windows, fingerprint, load_calibration
 from mlxbun.quant.probe import load_model
 from mlxbun.runs.provenance import RunResult
-from mlxbun.source import expand, model_dir, named_dir
+from mlxbun.source.fingerprint import model_fingerprint, tokenizer_fingerprint
+from mlxbun.source.model import expand, model_dir, named_dir
 
 VERSION = 1
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"

@@ -98,7 +98,7 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
     from mlxbun.quant.allocate.command import candidate_filter, check_reachable
     from mlxbun.quant.sensitivity import candidates
     from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity, load_sensitivity
-    from mlxbun.source import model_dir
+    from mlxbun.source.model import model_dir
 
     a, s = cfg.allocate, cfg.sensitivity
     if "sensitivity_merge" in measured_here:

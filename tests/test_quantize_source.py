@@ -13,7 +13,7 @@ import pytest
 from mlxbun.errors import InputError
 from mlxbun.io.safetensors import open_model
 from mlxbun.io.shards import write_sharded
-from mlxbun.source import FileTensors, identity, lazy_weights, source_dir
+from mlxbun.source.model import FileTensors, identity, lazy_weights, source_dir
 
 
 def _bits(a: mx.array) -> np.ndarray:

@@ -20,9 +20,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save
 
-from mlxbun import hub, registry
+from mlxbun import registry
 from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.registry import commands
+from mlxbun.source import hub
 
 PG_URL = os.environ.get("MLXBUN_TEST_PG_URL")
 TOOLS_TEMPLATE = (

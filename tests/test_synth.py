@@ -366,7 +366,7 @@ def test_concurrent_ensure_synthetic_builds_once(tmp_path):
 
 def test_model_synthetic_source_uses_the_cache(tmp_path):
     from mlxbun.schema import Config
-    from mlxbun.source import model_dir
+    from mlxbun.source.model import model_dir
 
     cfg = Config()
     cfg.paths.cache = str(tmp_path)

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import DriftError, EnvironmentFailure, InputError
-from mlxbun.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.kv import format as fmt
@@ -28,7 +27,8 @@ from mlxbun.kv.store import MismatchError, Store, StoreBusy, check_snapshot_name
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.quant.quantize.outdir import VOCABULARY, tokenizer_warning
 from mlxbun.runs.provenance import RunResult
-from mlxbun.source import model_dir
+from mlxbun.source.fingerprint import model_fingerprint, tokenizer_fingerprint
+from mlxbun.source.model import model_dir
 
 PREFILL_STEP = 512
 

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_save
 from mlxbun.kv.commands import digest_cache, model_reference, store_of
 from mlxbun.kv.store import check_snapshot_name
 from mlxbun.runs.provenance import RunResult
-from mlxbun.source import model_dir
+from mlxbun.source.fingerprint import model_fingerprint
+from mlxbun.source.model import model_dir
 
 
 def export(store: Any, name: str, path: Path, *, model_ref: str | None = None) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from mlxbun.kv.commands import (
 from mlxbun.kv.store import check_snapshot_name
 from mlxbun.progress import human_bytes
 from mlxbun.runs.provenance import RunResult
-from mlxbun.source import model_dir
+from mlxbun.source.model import model_dir
 
 # recomputed K/V of the last token may differ from the file's by float rounding only
 TOLERANCE = 0.02

@@ -30,15 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, publish_link
 from mlxbun.progress import Progress
 from mlxbun.quant import hessian
 from mlxbun.quant.calibration import load_calibration
 from mlxbun.quant.spec import HESSIANS_NAME
 from mlxbun.runs.provenance import RunResult
-from mlxbun.source import expand
-from mlxbun.source import model_dir as source_dir
+from mlxbun.source.fingerprint import model_fingerprint
+from mlxbun.source.model import expand
+from mlxbun.source.model import model_dir as source_dir
 
 log = logging.getLogger("mlxbun.calibrate")
 

@@ -62,7 +62,7 @@ from mlxbun.rotate.fold import (
 from mlxbun.rotate.hadamard import HadamardSpec, plan
 from mlxbun.rotate.verify import BASELINE_FACTOR, VerifyReport, verify_rotation
 from mlxbun.runs.provenance import RunResult
-from mlxbun.source import model_dir
+from mlxbun.source.model import model_dir
 
 log = logging.getLogger("mlxbun")
 

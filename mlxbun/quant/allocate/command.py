@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import DriftError, InputError
-from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import CODES
 from mlxbun.io.safetensors import read_config
@@ -68,6 +67,7 @@ from mlxbun.quant.spec import (
     hessians_file,
 )
 from mlxbun.runs.provenance import RunResult
+from mlxbun.source.fingerprint import model_fingerprint
 
 log = logging.getLogger("mlxbun")
 
@@ -615,7 +615,7 @@ def _check_from_cfg(
 
 def run(cfg: Any) -> Any:
     """command=allocate: plan.json for ``model.name`` from ``allocate.sensitivity`` and the budget."""
-    from mlxbun.source import model_dir  # here: the name is a parameter of the library functions
+    from mlxbun.source.model import model_dir  # here: the name is a parameter of the library functions
 
     src = model_dir(cfg)
     sens, default = _check_boundary(cfg, src)

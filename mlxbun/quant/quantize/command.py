@@ -5,7 +5,7 @@ Output tensors, their order, shard packing and config.json match ``mlx_lm conver
 same settings (see :mod:`mlxbun.quant.skeleton` for how the structure is derived); memory stays at
 a few modules in flight, whatever the model or shard size: the writer is told every output
 tensor in advance (:meth:`mlxbun.quant.quantize.convert.Converter.planned`) and writes each one as it
-comes. Tensors come through :mod:`mlxbun.source`: files, or (``model.synthetic=true``) generated in memory as they are read.
+comes. Tensors come through :mod:`mlxbun.source.model`: files, or (``model.synthetic=true``) generated in memory as they are read.
 The stream of units and its thread pool are in :mod:`mlxbun.quant.quantize.stream`; the output's other
 files and its record in :mod:`mlxbun.quant.quantize.outdir`. Each shard is hashed once, while it is
 written (sha256 for the manifest, XXH3-128 for the record, in one pass); a resume trusts the
@@ -42,7 +42,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from mlxbun import hub, registry
+from mlxbun import registry
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.dtypes import OUTPUT_DTYPES as CONVERSION_DTYPES
@@ -68,7 +68,8 @@ from mlxbun.quant.quantize.stream import Unit, plan_units, stream
 from mlxbun.quant.skeleton import Skeleton, prepare
 from mlxbun.quant.spec import Plan, QuantSpec, check_hessians, hessians_file, load_plan
 from mlxbun.runs.provenance import RunResult, prehash
-from mlxbun.source import identity, lazy_weights, model_source, open_tensors, source_dir
+from mlxbun.source import hub
+from mlxbun.source.model import identity, lazy_weights, model_source, open_tensors, source_dir
 
 __all__ = ["MARKER", "QuantizeResult", "quantize_model_dir", "run"]
 

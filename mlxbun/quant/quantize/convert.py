@@ -65,7 +65,7 @@ class Converter:
         hessians_file: Path | None = None,
         rounded: Any = None,
     ) -> None:
-        """``tensors``: the source's tensor reader (``mlxbun.source``); ``fold``: an
+        """``tensors``: the source's tensor reader (``mlxbun.source.model``); ``fold``: an
         :class:`mlxbun.quant.awq.Fold` applied to every tensor as it is read; ``hessians_file``:
         where ``hessians`` came from, to name in errors; ``rounded``: a
         :class:`mlxbun.quant.quantize.cache.Rounded` of those Hessians, where clip and GPTQ roundings

@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json, fsync_dir
 from mlxbun.io.staging import damaged_files, digest_files, discard_dir, read_json_object
 from mlxbun.quant.mlxlm import encode_tagged_floats
 from mlxbun.quant.skeleton import Skeleton
+from mlxbun.source.fingerprint import model_fingerprint
 
 log = logging.getLogger("mlxbun")
 
@@ -53,7 +53,7 @@ COPY_PATTERNS = (
 def source_identity(src: Path, tensors: str | None = None) -> str:
     """Digest of what defines the source and is the same in every copy of it: config.json, and
     each weight file's name, size and safetensors header (``model_fingerprint(depth="header")``)
-    — or, for a synthetic source, its spec's identity (``mlxbun.source.identity``)."""
+    — or, for a synthetic source, its spec's identity (``mlxbun.source.model.identity``)."""
     if tensors is None:
         return model_fingerprint(src, depth="header")
     h = hashlib.sha256((src / "config.json").read_bytes())

@@ -39,7 +39,6 @@ from typing import Any
 
 from mlxbun import blas
 from mlxbun.errors import InputError
-from mlxbun.fingerprint import model_fingerprint, shard_sha256
 from mlxbun.io.atomic import atomic_write_json, dumps_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
@@ -55,8 +54,9 @@ from mlxbun.quant.sensitivity.file import SCHEMA_VERSION, document, write_report
 from mlxbun.quant.sensitivity.reference import reference_sweep
 from mlxbun.quant.spec import QuantSpec, hessians_file, spec_for
 from mlxbun.runs.provenance import RunResult
-from mlxbun.source import expand
-from mlxbun.source import model_dir as source_dir
+from mlxbun.source.fingerprint import model_fingerprint, shard_sha256
+from mlxbun.source.model import expand
+from mlxbun.source.model import model_dir as source_dir
 
 log = logging.getLogger("mlxbun.sensitivity")
 

@@ -52,7 +52,7 @@ from mlxbun.io.staging import Stage, stable_root
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.quant.quantize.outdir import copy_side_files, written_files
 from mlxbun.runs.provenance import RunResult
-from mlxbun.source import model_dir, named_dir
+from mlxbun.source.model import model_dir, named_dir
 
 log = logging.getLogger("mlxbun")
 
@@ -519,9 +519,9 @@ def run(cfg: Any) -> Any:
     from mlx.utils import tree_flatten
     from mlx_lm import load
 
-    from mlxbun.fingerprint import model_fingerprint
     from mlxbun.quant.calibration import load_calibration
     from mlxbun.quant.probe import load_model as load_reference
+    from mlxbun.source.fingerprint import model_fingerprint
 
     t = cfg.tune
     src, ref_dir = model_dir(cfg), _reference_dir(cfg)
