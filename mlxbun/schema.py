@@ -26,16 +26,16 @@ from typing import Any, get_type_hints
 from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
-from mlxbun.quant.allocate.protect import Rule
-from mlxbun.quant.rounding import check_method
-from mlxbun.quant.sensitivity.candidates import METHODS as CANDIDATE_METHODS
 from mlxbun.quant.spec import (
     ALL_BITS,
     ALL_GROUPS,
+    CANDIDATE_METHODS,
     MIXED_RULES,
     MODE_GROUPS,
     MODES,
+    Rule,
     check_budget,
+    check_method,
     check_mixed,
     spec_for,
 )

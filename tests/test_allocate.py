@@ -16,7 +16,7 @@ from mlxbun.io.shards import write_sharded
 from mlxbun.quant.allocate import budget
 from mlxbun.quant.allocate.budget import TensorSpec
 from mlxbun.quant.allocate.knapsack import lp_lower_bound, solve
-from mlxbun.quant.spec import QuantSpec
+from mlxbun.quant.spec import QuantSpec, Rule
 
 
 def brute_force(items, capacity):
@@ -187,7 +187,7 @@ def test_resolve_follows_the_plan_and_group_divisibility():
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.io.atomic import atomic_write_json  # noqa: E402
 from mlxbun.quant.allocate import command as al  # noqa: E402
-from mlxbun.quant.allocate import memory, protect  # noqa: E402
+from mlxbun.quant.allocate import memory  # noqa: E402
 from mlxbun.quant.sensitivity import file as sf  # noqa: E402
 
 MEASURED = [
@@ -312,18 +312,18 @@ def test_protection_rules(model):
 
 
 def test_rule_matching():
-    r = protect.Rule.parse("layers.first.mlp.down_proj:6")
+    r = Rule.parse("layers.first.mlp.down_proj:6")
     assert r.min_bits == 6
     assert r.matches("model.layers.0.mlp.down_proj", n_blocks=4)
     assert not r.matches("model.layers.3.mlp.down_proj", n_blocks=4)
-    last = protect.Rule.parse("layers.last.mlp.down_proj:6")
+    last = Rule.parse("layers.last.mlp.down_proj:6")
     assert last.matches("model.layers.3.mlp.down_proj", n_blocks=4)
-    assert protect.Rule.parse("layers.1:5").matches("model.layers.1.mlp.up_proj", n_blocks=12)
-    assert not protect.Rule.parse("layers.1:5").matches("model.layers.10.mlp.up_proj", n_blocks=12)
-    assert protect.Rule.parse("*.self_attn.?_proj:5").matches("model.layers.2.self_attn.q_proj", n_blocks=4)
+    assert Rule.parse("layers.1:5").matches("model.layers.1.mlp.up_proj", n_blocks=12)
+    assert not Rule.parse("layers.1:5").matches("model.layers.10.mlp.up_proj", n_blocks=12)
+    assert Rule.parse("*.self_attn.?_proj:5").matches("model.layers.2.self_attn.q_proj", n_blocks=4)
     for bad in ("lm_head", "lm_head:x", ":6"):
         with pytest.raises(InputError, match="PATTERN:BITS"):
-            protect.Rule.parse(bad)
+            Rule.parse(bad)
 
 
 def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):

@@ -11,7 +11,7 @@ import pytest
 from test_quantize import hessians_of, make_hf_model
 
 from mlxbun.errors import InputError
-from mlxbun.quant import rounding
+from mlxbun.quant import rounding, spec
 from mlxbun.quant.calibrate import calibrate
 from mlxbun.quant.quantize.command import quantize_model_dir
 
@@ -110,9 +110,9 @@ def test_bad_method_is_refused(tmp_path):
     with pytest.raises(
         InputError, match="quant.method='omq' is not allowed; choose one of rtn, clip, gptq, awq"
     ):
-        rounding.check_method("omq")
+        spec.check_method("omq")
     with pytest.raises(InputError, match="needs mode affine"):
-        rounding.check_method("clip", mode="mxfp4")
+        spec.check_method("clip", mode="mxfp4")
     src = make_hf_model(tmp_path / "src", "llama")
     with pytest.raises(InputError, match="quant.method"):
         quantize_model_dir(src, tmp_path / "out", bits=4, group_size=64, method="nope")

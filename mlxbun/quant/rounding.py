@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-METHODS = ("rtn", "clip", "gptq", "awq")
+from mlxbun.quant.spec import check_method
+
 VERSION = (
     2  # of what the rounding gives: bump on any change of its bytes (it keys mlxbun.quant.quantize.cache;
 )
@@ -40,16 +41,6 @@ BLOCK_ELEMENTS = 1 << 14  # rows are searched in blocks of about this many weigh
 
 class NotPositiveDefinite(ValueError):
     """GPTQ's Cholesky of a dampened H failed: H is not positive semi-definite."""
-
-
-def check_method(method: str, *, mode: str = "affine", key: str = "quant.method") -> None:
-    """Reject an unknown method, or a non-default one for a mode other than affine."""
-    from mlxbun.errors import InputError
-
-    if method not in METHODS:
-        raise InputError(f"{key}={method!r} is not allowed; choose one of {', '.join(METHODS)}")
-    if method != "rtn" and mode != "affine":
-        raise InputError(f"{key}={method!r} needs mode affine, got mode={mode!r}; use method rtn")
 
 
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:

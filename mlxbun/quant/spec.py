@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import json
 import stat
@@ -59,6 +60,10 @@ ALL_GROUPS = tuple(sorted({g for gs in MODE_GROUPS.values() for g in gs}))
 UINT8_SCALE_MODES = frozenset({"mxfp4", "mxfp8", "nvfp4"})
 MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
 PLAN_VERSION = 1
+# How an affine weight is rounded (mlxbun.quant.rounding): rtn is mx.quantize's own rounding.
+ROUNDING_METHODS = ("rtn", "clip", "gptq", "awq")
+# The methods sensitivity.candidates scores from a module's Hessian (awq needs its folds first).
+CANDIDATE_METHODS = ("rtn", "clip", "gptq")
 HESSIANS_NAME = "hessians.safetensors"  # its name in a command=calibrate run directory
 HESSIANS_FILE = f"a Hessians file ({HESSIANS_NAME}, mlxbun.quant.hessian) or the calibrate run dir holding it"
 
@@ -123,9 +128,6 @@ class QuantSpec:
         extra = {f.name: data[f.name] for f in fields(cls) if f.name not in _CORE and f.name in data}
         spec = spec_for(data.get("mode", "affine"), data.get("bits"), data.get("group_size"), key=key)
         if "method" in extra:
-            # deferred: rounding pulls in numpy, and this module loads with the CLI's schema
-            from mlxbun.quant.rounding import check_method
-
             check_method(extra["method"], mode=spec.mode, key=f"{key}.method")
         return cls(bits=spec.bits, group_size=spec.group_size, mode=spec.mode, **extra)
 
@@ -194,6 +196,47 @@ def spec_for(
             f" group_size={g0}"
         )
     return QuantSpec(bits=int(bits), group_size=int(group_size), mode=mode)
+
+
+def check_method(method: str, *, mode: str = "affine", key: str = "quant.method") -> None:
+    """Reject an unknown rounding method, or one other than rtn for a mode other than affine."""
+    if method not in ROUNDING_METHODS:
+        raise InputError(f"{key}={method!r} is not allowed; choose one of {_choices(ROUNDING_METHODS)}")
+    if method != "rtn" and mode != "affine":
+        raise InputError(f"{key}={method!r} needs mode affine, got mode={mode!r}; use method rtn")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``pattern:min_bits`` (``allocate.protect``): matching modules get at least ``min_bits``.
+
+    ``pattern`` is a glob over the module path when it has ``*?[``, else a run of whole dotted
+    components (``lm_head``, ``down_proj``, ``layers.0.mlp``); the components ``first`` and
+    ``last`` stand for the first and last block index.
+
+    Example:
+        >>> Rule.parse("layers.last.mlp.down_proj:6").matches("model.layers.11.mlp.down_proj", n_blocks=12)
+        True
+    """
+
+    pattern: str
+    min_bits: int
+
+    @classmethod
+    def parse(cls, text: str) -> Rule:
+        pattern, sep, bits = str(text).rpartition(":")
+        if not sep or not pattern or not bits.strip().isdigit():
+            raise InputError(
+                f"allocate.protect entry {text!r} is not PATTERN:BITS; e.g. lm_head:6 or layers.first.mlp.down_proj:6"
+            )
+        return cls(pattern.strip(), int(bits))
+
+    def matches(self, path: str, *, n_blocks: int) -> bool:
+        parts = [{"first": "0", "last": str(max(n_blocks - 1, 0))}.get(c, c) for c in self.pattern.split(".")]
+        pattern = ".".join(parts)
+        if any(ch in pattern for ch in "*?["):
+            return fnmatch.fnmatchcase(path, pattern)
+        return f".{pattern}." in f".{path}."
 
 
 def check_mixed(mixed: str | None, *, mode: str, plan: Any = None) -> None:

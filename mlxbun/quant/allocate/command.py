@@ -54,18 +54,13 @@ from mlxbun.quant.allocate.check import CheckResult, check_plan
 from mlxbun.quant.allocate.interactions import InModel, Option, chosen
 from mlxbun.quant.allocate.knapsack import Solution, solve
 from mlxbun.quant.allocate.memory import interactions_batch, interactions_skip_memory
-from mlxbun.quant.allocate.protect import Rule, count_blocks, fixed_setting, min_bits
+from mlxbun.quant.allocate.protect import count_blocks, fixed_setting, min_bits
 from mlxbun.quant.allocate.rounds import improve, interactions_skip
 from mlxbun.quant.calibration import load_calibration, recorded_settings
 from mlxbun.quant.quantize.command import quantize_model_dir
 from mlxbun.quant.quantize.convert import resolve_dtype
 from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
-from mlxbun.quant.spec import (
-    Plan,
-    QuantSpec,
-    check_budget,
-    hessians_file,
-)
+from mlxbun.quant.spec import Plan, QuantSpec, Rule, check_budget, hessians_file
 from mlxbun.runs.provenance import RunResult
 from mlxbun.source.fingerprint import model_fingerprint
 

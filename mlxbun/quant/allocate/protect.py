@@ -1,8 +1,8 @@
 """allocate.protect: rules that keep chosen modules at or above a bit width.
 
-A rule is ``pattern:min_bits`` (``lm_head:6``, ``layers.first.mlp.down_proj:6``); a measured
-module's candidates below its rules' largest ``min_bits`` are dropped, an unmeasured module's
-default setting is raised to it.
+A rule is ``pattern:min_bits`` (``lm_head:6``, ``layers.first.mlp.down_proj:6``; its grammar is
+:class:`mlxbun.quant.spec.Rule`, which the config checks); a measured module's candidates below
+its rules' largest ``min_bits`` are dropped, an unmeasured module's default setting is raised to it.
 
 Example:
     >>> rules = [Rule.parse("layers.last.mlp.down_proj:6")]
@@ -12,44 +12,13 @@ Example:
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
 
 from mlxbun.errors import InputError
-from mlxbun.quant.spec import AFFINE_BITS, QuantSpec
+from mlxbun.quant.spec import AFFINE_BITS, QuantSpec, Rule
 
 LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """``pattern:min_bits``: matching modules get at least ``min_bits``.
-
-    ``pattern`` is a glob over the module path when it has ``*?[``, else a run of whole dotted
-    components (``lm_head``, ``down_proj``, ``layers.0.mlp``); the components ``first`` and
-    ``last`` stand for the first and last block index.
-    """
-
-    pattern: str
-    min_bits: int
-
-    @classmethod
-    def parse(cls, text: str) -> Rule:
-        pattern, sep, bits = str(text).rpartition(":")
-        if not sep or not pattern or not bits.strip().isdigit():
-            raise InputError(
-                f"allocate.protect entry {text!r} is not PATTERN:BITS; e.g. lm_head:6 or layers.first.mlp.down_proj:6"
-            )
-        return cls(pattern.strip(), int(bits))
-
-    def matches(self, path: str, *, n_blocks: int) -> bool:
-        parts = [{"first": "0", "last": str(max(n_blocks - 1, 0))}.get(c, c) for c in self.pattern.split(".")]
-        pattern = ".".join(parts)
-        if any(ch in pattern for ch in "*?["):
-            return fnmatch.fnmatchcase(path, pattern)
-        return f".{pattern}." in f".{path}."
 
 
 def min_bits(path: str, rules: Sequence[Rule], *, n_blocks: int) -> int:

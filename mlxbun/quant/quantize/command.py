@@ -50,7 +50,7 @@ from mlxbun.io.safetensors import INDEX_FILE
 from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import DIGEST, Stage, reached, read_json_object, stable_root, weights_written
 from mlxbun.progress import Progress, human_bytes
-from mlxbun.quant import awq, hessian, rounding, workers
+from mlxbun.quant import awq, hessian, workers
 from mlxbun.quant.quantize.cache import Rounded
 from mlxbun.quant.quantize.convert import Converter, resolve_dtype
 from mlxbun.quant.quantize.outdir import (
@@ -66,7 +66,7 @@ from mlxbun.quant.quantize.outdir import (
 )
 from mlxbun.quant.quantize.stream import Unit, plan_units, stream
 from mlxbun.quant.skeleton import Skeleton, prepare
-from mlxbun.quant.spec import Plan, QuantSpec, check_hessians, hessians_file, load_plan
+from mlxbun.quant.spec import Plan, QuantSpec, check_hessians, check_method, hessians_file, load_plan
 from mlxbun.runs.provenance import RunResult, prehash
 from mlxbun.source import hub
 from mlxbun.source.model import identity, lazy_weights, model_source, open_tensors, source_dir
@@ -258,7 +258,7 @@ def quantize_model_dir(
         raise InputError(
             f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}"
         )
-    rounding.check_method(method)
+    check_method(method)
     if hessians is not None:
         hessians = hessians_file(hessians)
     if plan is not None and not isinstance(plan, Plan):

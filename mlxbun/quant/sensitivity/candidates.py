@@ -43,13 +43,11 @@ import numpy as np
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.progress import Progress
+from mlxbun.quant.spec import CANDIDATE_METHODS as METHODS
 from mlxbun.quant.spec import HESSIANS_NAME, MODE_BITS, MODE_DEFAULTS, Plan, QuantSpec, spec_for
 
-# rounding, hessian, check and sensitivity_file load mlx: they are imported where the scoring
-# starts, because schema reads this module's METHODS on every command line.
 log = logging.getLogger("mlxbun.sensitivity")
 
-METHODS = ("rtn", "clip", "gptq")  # the rounding methods scored here (awq needs its folds: not yet)
 VERSION = 6  # of the estimate: a change gives new cache keys (4: MIN_SCORE_ROWS 256 -> 128, probes
 # on the calibration subset; 5: no probe of a quantizer under check.MIN_PROBE_SHARE of the KL;
 # 6: GPTQ in act-order)
