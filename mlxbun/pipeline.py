@@ -23,7 +23,8 @@ from typing import Any
 from mlxbun import commands, schema
 from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
-from mlxbun.quant.spec import QuantSpec, check_hessians, hessians_file, load_plan, spec_for
+from mlxbun.quant.plan import check_hessians, hessians_file, load_plan
+from mlxbun.quant.spec import QuantSpec, spec_for
 from mlxbun.runs.provenance import RunResult
 from mlxbun.synth import write as synth_write
 

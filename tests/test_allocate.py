@@ -328,8 +328,8 @@ def test_rule_matching():
 
 def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
     """The project's quantize writes exactly the predicted bytes (headers and all)."""
+    from mlxbun.quant.plan import load_plan
     from mlxbun.quant.quantize.command import quantize_model_dir
-    from mlxbun.quant.spec import load_plan
 
     sens = fake_sensitivity(sorted(budget.read_source(model).shapes), seed=9, bits=(2, 3, 4, 6, 8))
     plan = al.allocate(sens, model_dir=model, budget_bpw=4.25, protect=["lm_head:6"])

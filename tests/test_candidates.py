@@ -264,8 +264,8 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     from types import SimpleNamespace
 
     from mlxbun.quant.allocate import check
+    from mlxbun.quant.plan import Plan
     from mlxbun.quant.sensitivity import fisher
-    from mlxbun.quant.spec import Plan
 
     seen = []
 

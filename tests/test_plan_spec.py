@@ -13,7 +13,8 @@ import pytest
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import dumps_json
 from mlxbun.quant import spec
-from mlxbun.quant.spec import MODE_BITS, MODE_GROUPS, Plan, QuantSpec, load_plan, spec_for
+from mlxbun.quant.plan import Plan, load_plan
+from mlxbun.quant.spec import MODE_BITS, MODE_GROUPS, QuantSpec, spec_for
 from mlxbun.schema import AllocateCfg, QuantCfg, SensitivityCfg
 
 GOLDEN_PLAN = (

@@ -34,7 +34,7 @@ from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, publish_l
 from mlxbun.progress import Progress
 from mlxbun.quant import hessian
 from mlxbun.quant.calibration import load_calibration
-from mlxbun.quant.spec import HESSIANS_NAME
+from mlxbun.quant.plan import HESSIANS_NAME
 from mlxbun.runs.provenance import RunResult
 from mlxbun.source.fingerprint import model_fingerprint
 from mlxbun.source.model import expand

@@ -9,7 +9,8 @@ the same predicate as ``mlx_lm.utils.quantize_model``, which gives the output te
 order (``tree_flatten`` of the parameters, as ``mlx_lm.utils.save_model`` writes them) and the
 config ``quantization`` block, all before any weight is read.
 
-The setting type, the tables of what MLX supports and plan.json live in ``mlxbun.quant.spec``.
+The setting type and the tables of what MLX supports live in ``mlxbun.quant.spec``, plan.json in
+``mlxbun.quant.plan``.
 
 Example:
     >>> sk, spec = prepare("path/to/hf_model", mode="affine", bits=4)
@@ -26,7 +27,8 @@ from typing import Any
 from mlxbun.errors import InputError
 from mlxbun.io.safetensors import open_model
 from mlxbun.quant.mlxlm import load_config, model_classes
-from mlxbun.quant.spec import Plan, QuantSpec, check_mixed, load_plan, spec_for
+from mlxbun.quant.plan import Plan, load_plan
+from mlxbun.quant.spec import QuantSpec, check_mixed, spec_for
 
 # ------------------------------------------------------------------------------- skeleton
 

@@ -57,10 +57,11 @@ from mlxbun.quant.allocate.memory import interactions_batch, interactions_skip_m
 from mlxbun.quant.allocate.protect import count_blocks, fixed_setting, min_bits
 from mlxbun.quant.allocate.rounds import improve, interactions_skip
 from mlxbun.quant.calibration import load_calibration, recorded_settings
+from mlxbun.quant.plan import Plan, hessians_file
 from mlxbun.quant.quantize.command import quantize_model_dir
 from mlxbun.quant.quantize.convert import resolve_dtype
 from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity, load_sensitivity, merge_sensitivities
-from mlxbun.quant.spec import Plan, QuantSpec, Rule, check_budget, hessians_file
+from mlxbun.quant.spec import QuantSpec, Rule, check_budget
 from mlxbun.runs.provenance import RunResult
 from mlxbun.source.fingerprint import model_fingerprint
 
@@ -105,7 +106,7 @@ class Allocation:
 
     @property
     def plan(self) -> Plan:
-        """What ``quantize`` reads (:class:`mlxbun.quant.spec.Plan`)."""
+        """What ``quantize`` reads (:class:`mlxbun.quant.plan.Plan`)."""
         return Plan(default=self.default, layers=self.layers)
 
     def to_json(self) -> dict[str, Any]:

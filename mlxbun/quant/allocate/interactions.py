@@ -45,6 +45,7 @@ import numpy as np
 
 from mlxbun.kl import kl_from_stats, log_probs
 from mlxbun.quant.allocate.knapsack import pareto
+from mlxbun.quant.plan import hessians_file
 from mlxbun.quant.probe import (
     Spill,
     Stack,
@@ -55,7 +56,7 @@ from mlxbun.quant.probe import (
     module_at,
     source_dtypes,
 )
-from mlxbun.quant.spec import QuantSpec, hessians_file
+from mlxbun.quant.spec import QuantSpec
 
 RATIO_RANGE = (1 / 4, 32.0)  # a measured step against its summed change, clipped: below, luck, not signal
 Option = tuple[QuantSpec, int, float]  # setting, bytes, summed KL

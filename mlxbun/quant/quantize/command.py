@@ -51,6 +51,7 @@ from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import DIGEST, Stage, reached, read_json_object, stable_root, weights_written
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.quant import awq, hessian, workers
+from mlxbun.quant.plan import Plan, check_hessians, hessians_file, load_plan
 from mlxbun.quant.quantize.cache import Rounded
 from mlxbun.quant.quantize.convert import Converter, resolve_dtype
 from mlxbun.quant.quantize.outdir import (
@@ -66,7 +67,7 @@ from mlxbun.quant.quantize.outdir import (
 )
 from mlxbun.quant.quantize.stream import Unit, plan_units, stream
 from mlxbun.quant.skeleton import Skeleton, prepare
-from mlxbun.quant.spec import Plan, QuantSpec, check_hessians, check_method, hessians_file, load_plan
+from mlxbun.quant.spec import QuantSpec, check_method
 from mlxbun.runs.provenance import RunResult, prehash
 from mlxbun.source import hub
 from mlxbun.source.model import identity, lazy_weights, model_source, open_tensors, source_dir

@@ -43,8 +43,9 @@ import numpy as np
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.progress import Progress
+from mlxbun.quant.plan import HESSIANS_NAME, Plan
 from mlxbun.quant.spec import CANDIDATE_METHODS as METHODS
-from mlxbun.quant.spec import HESSIANS_NAME, MODE_BITS, MODE_DEFAULTS, Plan, QuantSpec, spec_for
+from mlxbun.quant.spec import MODE_BITS, MODE_DEFAULTS, QuantSpec, spec_for
 
 log = logging.getLogger("mlxbun.sensitivity")
 

@@ -45,6 +45,7 @@ from mlxbun.progress import Progress
 from mlxbun.quant import calibrate
 from mlxbun.quant.allocate import command as allocate
 from mlxbun.quant.calibration import load_calibration
+from mlxbun.quant.plan import hessians_file
 from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
 from mlxbun.quant.quantize import command as quantize
 from mlxbun.quant.sensitivity import candidates as rich_candidates
@@ -52,7 +53,7 @@ from mlxbun.quant.sensitivity import fisher
 from mlxbun.quant.sensitivity.exact import Sweep, group_cost
 from mlxbun.quant.sensitivity.file import SCHEMA_VERSION, document, write_reports
 from mlxbun.quant.sensitivity.reference import reference_sweep
-from mlxbun.quant.spec import QuantSpec, hessians_file, spec_for
+from mlxbun.quant.spec import QuantSpec, spec_for
 from mlxbun.runs.provenance import RunResult
 from mlxbun.source.fingerprint import model_fingerprint, shard_sha256
 from mlxbun.source.model import expand

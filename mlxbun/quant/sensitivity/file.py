@@ -42,8 +42,9 @@ import numpy as np
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
+from mlxbun.quant.plan import input_file
 from mlxbun.quant.probe import Target
-from mlxbun.quant.spec import ALL_BITS, QuantSpec, input_file, spec_for
+from mlxbun.quant.spec import ALL_BITS, QuantSpec, spec_for
 
 SENSITIVITY_FILE = "sensitivity.json"
 SCHEMA_VERSION = 1
