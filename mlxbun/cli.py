@@ -27,8 +27,9 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 import mlxbun
-from mlxbun import blas, commands, schema
+from mlxbun import blas, commands
 from mlxbun.commands import COMMANDS, CONF_DIR
+from mlxbun.config import schema
 from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.help import available_recipes, command_help
 from mlxbun.runs.record import (

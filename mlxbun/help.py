@@ -2,7 +2,7 @@
 
 ``python -m mlxbun`` lists the commands and the recipes; ``python -m mlxbun command=quantize
 help=true`` lists the keys quantize reads with their type, value (after the recipe and the
-overrides) and the one-line comment from ``mlxbun/schema.py``.
+overrides) and the one-line comment from ``mlxbun/config/schema.py``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxbun import schema
 from mlxbun.commands import COMMANDS, CONF_DIR
+from mlxbun.config import schema
 from mlxbun.runs.provenance import RunResult
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"

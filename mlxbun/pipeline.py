@@ -20,8 +20,9 @@ from dataclasses import asdict, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlxbun import commands, schema
+from mlxbun import commands
 from mlxbun.commands import COMMANDS
+from mlxbun.config import schema
 from mlxbun.errors import InputError
 from mlxbun.quant.plan import check_hessians, hessians_file, load_plan
 from mlxbun.quant.spec import QuantSpec, spec_for

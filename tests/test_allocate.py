@@ -354,7 +354,7 @@ def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
 
 
 def command_cfg(tmp_path, model, **allocate):
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     cfg = schema.Config()
     cfg.command.name = "allocate"
@@ -454,7 +454,7 @@ def test_run_rejects_bad_input_before_writing(model, measured, tmp_path):
 
 
 def test_config_validation():
-    from mlxbun.schema import AllocateCfg
+    from mlxbun.config.schema import AllocateCfg
 
     with pytest.raises(InputError, match="both set"):
         AllocateCfg(budget_bpw=4.5, budget_bytes=10)

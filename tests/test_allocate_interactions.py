@@ -241,7 +241,7 @@ def test_modules_the_default_group_does_not_fit_stay_unquantized_in_the_model(mo
 
 
 def command_cfg(tmp_path, model, **allocate):
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     cfg = schema.Config()
     cfg.command.name = "allocate"
@@ -325,7 +325,7 @@ def _tokens_measured_on(cfg, monkeypatch) -> tuple[int, int]:
 
 
 def test_interactions_take_the_calibration_the_sensitivity_recorded(model, measured, tmp_path, monkeypatch):
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     cfg = command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=4.5)
     cfg.sensitivity.calib = schema.CalibCfg()  # not set: 24 x 512 is only the default
@@ -335,7 +335,7 @@ def test_interactions_take_the_calibration_the_sensitivity_recorded(model, measu
 def test_an_explicit_calibration_is_used_and_the_difference_said_once(
     model, measured, tmp_path, monkeypatch, caplog
 ):
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     cfg = command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=4.5)
     cfg.sensitivity.calib = schema.CalibCfg(samples=2, seq_len=32)

@@ -11,8 +11,9 @@ from cli_util import REPO, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxbun import commands, schema
+from mlxbun import commands
 from mlxbun.commands import COMMANDS, CONF_DIR
+from mlxbun.config import schema
 from mlxbun.errors import InputError
 from mlxbun.help import available_recipes, recipe_summary
 

@@ -10,8 +10,9 @@ from cli_util import run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxbun import pipeline, schema
+from mlxbun import pipeline
 from mlxbun.commands import CONF_DIR
+from mlxbun.config import schema
 from mlxbun.errors import InputError
 from mlxbun.help import available_recipes
 

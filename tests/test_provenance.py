@@ -130,7 +130,7 @@ def test_verify_never_reads_a_manifest_path_outside_the_run_dir(tmp_path: Path, 
 
 
 def test_verify_command_prints_json_and_exits_1_on_drift(tmp_path: Path) -> None:
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     run_dir = tmp_path / "run"
     _model_run(run_dir)

@@ -66,7 +66,8 @@ def test_directory_sources_describe_their_files(model_dir):
 def test_registry_names_of_pipeline_outputs_are_readable(tmp_path: Path) -> None:
     import json
 
-    from mlxbun import registry, schema
+    from mlxbun import registry
+    from mlxbun.config import schema
     from mlxbun.quant.quantize.command import registry_name
 
     registry.open_db(path=tmp_path / "registry.db")

@@ -676,7 +676,7 @@ def test_parallel_processes_lose_no_run_records(dburl):
 
 
 def _cfg(dburl: str, hub_root: Path, **registry_kw):
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     cfg = schema.Config()
     cfg.registry.url, cfg.registry.hub_cache, cfg.registry.runs_root = dburl, str(hub_root), None

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from mlxbun import schema
+from mlxbun.config import schema
 from mlxbun.errors import InputError
 
 NON_FINITE = [math.nan, math.inf, -math.inf]

@@ -290,8 +290,8 @@ def test_refine_probes_modules_exactly_and_scales_their_estimates():
 
 
 def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
+    from mlxbun.config.schema import SensitivityCfg
     from mlxbun.errors import InputError
-    from mlxbun.schema import SensitivityCfg
 
     cheap = {"samples": 2, "seq_len": 32, "bits": [4, 8], "method": "fisher"}
     a = run_sens(FIXTURE, tmp_path / "a", tmp_path / "w", **cheap)

@@ -365,7 +365,7 @@ def test_concurrent_ensure_synthetic_builds_once(tmp_path):
 
 
 def test_model_synthetic_source_uses_the_cache(tmp_path):
-    from mlxbun.schema import Config
+    from mlxbun.config.schema import Config
     from mlxbun.source.model import model_dir
 
     cfg = Config()

@@ -299,7 +299,7 @@ def test_a_large_5_bit_embedding_stands_in_within_a_few_bytes_a_weight() -> None
 def test_codes_that_do_not_fit_in_memory_stay_and_the_scales_are_still_tuned(
     tmp_path: Path, q3: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mlxbun import schema
+    from mlxbun.config import schema
     from mlxbun.quant.tune import command as tune
 
     monkeypatch.setattr(tune, "CODE_BYTES_PER_WEIGHT", 1 << 40)  # the codes' offsets never fit

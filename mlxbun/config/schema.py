@@ -917,7 +917,7 @@ def _field_comments() -> dict[str, dict[str, str]]:
     return found
 
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def repo_path(relative: str) -> str:

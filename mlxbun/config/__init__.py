@@ -1,0 +1,1 @@
+"""The config: the schema Hydra composes every run against, its sections and checks, and the keys each command reads."""
