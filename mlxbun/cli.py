@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 import mlxbun
 from mlxbun import blas, commands
 from mlxbun.commands import COMMANDS, CONF_DIR
-from mlxbun.config import schema
+from mlxbun.config import checks, keys, schema
 from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.help import available_recipes, command_help
 from mlxbun.runs.record import (
@@ -94,7 +94,7 @@ def _config_error(e: Exception) -> str:
         return plugin
     if "is not in struct" in str(e) or "Could not override" in str(e) or "not in '" in first:
         if key:
-            return schema.unknown_key_message(_full_key(str(key)))
+            return keys.unknown_key_message(_full_key(str(key)))
         return f"unknown config key ({first}); `python -m mlxbun command=<name> help=true` lists the keys"
     if first.startswith("Ambiguous value for argument"):  # Hydra's hint is on the next lines
         return f"{first}; give a list as key=[a,b], quote a string with a comma, or sweep it with -m"
@@ -149,7 +149,7 @@ class OutputsCheck(Callback):
         OutputsCheck.config = config
         under = "${paths.outputs}" in str(OmegaConf.to_container(config.hydra.run, resolve=False).get("dir"))
         try:
-            schema.check_outputs(config.paths.outputs, on_disk=under)
+            checks.check_outputs(config.paths.outputs, on_disk=under)
         except InputError as e:  # Hydra turns a callback's exceptions into warnings: exit here
             fail(str(e), 2)
 
@@ -199,11 +199,11 @@ def _task(dcfg: Any) -> None:
         with signals_raise():
             try:
                 data = OmegaConf.to_container(dcfg, resolve=False)
-                schema.check_keys(data)
+                keys.check_keys(data)
                 cfg = OmegaConf.to_object(dcfg)
-                schema.check_strings(cfg)
+                checks.check_strings(cfg)
                 defaults = OmegaConf.to_container(OmegaConf.structured(schema.Config))
-                schema.check_unread(data, defaults, given=_overrides())
+                keys.check_unread(data, defaults, given=_overrides())
             except InputError:
                 raise
             except Exception as e:

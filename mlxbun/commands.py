@@ -30,7 +30,7 @@ MODEL = ("model.name", "model.synthetic")
 class Command:
     """One command.
 
-    ``reads``: config sections or single keys it reads besides schema.COMMON_KEYS (a key set away
+    ``reads``: config sections or single keys it reads besides config.keys.COMMON_KEYS (a key set away
     from its default that the command does not read is refused; ``help=true`` lists these).
     ``needs``: as a pipeline step, groups of keys of which each needs one set or provided by an
     earlier step. ``provides``: the keys its ``RunResult.provides`` sets for later steps.

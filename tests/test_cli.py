@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from mlxbun import commands
 from mlxbun.commands import COMMANDS, CONF_DIR
-from mlxbun.config import schema
+from mlxbun.config import keys, schema
 from mlxbun.errors import InputError
 from mlxbun.help import available_recipes, recipe_summary
 
@@ -55,10 +55,10 @@ def test_every_command_is_the_run_of_its_module(command: str) -> None:
 
 
 def test_pipeline_needs_and_provides_name_real_keys() -> None:
-    keys = set(schema.all_keys())
+    known = set(keys.all_keys())
     for name, c in COMMANDS.items():
         for key in [k for group in c.needs for k in group] + list(c.provides):
-            assert key in keys, (name, key)
+            assert key in known, (name, key)
 
 
 @pytest.mark.parametrize("recipe", available_recipes())
