@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import mlxbun
 from mlxbun.errors import InputError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = mlxbun.REPO_ROOT / "conf"
 
 # model.synthetic=true builds the model from the synth section (recipes keep both ready)
 MODEL_SECTIONS = ("model", "synth")

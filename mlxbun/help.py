@@ -8,17 +8,17 @@ overrides) and the one-line comment from ``mlxbun/config/schema.py``.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import mlxbun
 from mlxbun.commands import COMMANDS, CONF_DIR
 from mlxbun.config import keys
 from mlxbun.runs.provenance import RunResult
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = mlxbun.REPO_ROOT / "recipes"
 
 
 def available_recipes() -> list[str]:

@@ -12,8 +12,8 @@ their help, :mod:`mlxbun.config.keys`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import mlxbun
 from mlxbun.config.checks import MAX_BPW, at_most, positive
 from mlxbun.config.quant import (
     AllocateCfg,
@@ -120,12 +120,9 @@ def check_plan_overrides(q: QuantCfg, *, plan: str | None) -> None:
             )
 
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-
-
 def repo_path(relative: str) -> str:
     """``${repo:tests/fixtures/x}`` in a recipe: a path inside the mlxbun checkout, from any cwd."""
-    return str(REPO_ROOT / relative)
+    return str(mlxbun.REPO_ROOT / relative)
 
 
 def register() -> None:

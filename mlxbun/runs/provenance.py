@@ -36,7 +36,6 @@ from mlxbun.io.digest import file_digest
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
-REPO_ROOT = Path(__file__).resolve().parents[2]
 # A run that ended well: "ok" (what runrecord writes); "completed" is accepted too.
 COMPLETED = ("completed", "ok")
 OUTSIDE = "outside the run directory; not read"
@@ -178,7 +177,7 @@ def _rel(path: Path, base: Path | None) -> str:
     return str(resolved)
 
 
-def git_info(root: Path = REPO_ROOT) -> dict[str, Any]:
+def git_info(root: Path = mlxbun.REPO_ROOT) -> dict[str, Any]:
     """Commit and dirty flag of the source tree, or nulls outside a git checkout."""
 
     def git(*args: str) -> str:
@@ -249,7 +248,7 @@ class Manifest:
     def recipe_info(self) -> dict[str, Any] | None:
         if self.recipe is None:
             return None
-        path = REPO_ROOT / "recipes" / f"{self.recipe}.yaml"
+        path = mlxbun.REPO_ROOT / "recipes" / f"{self.recipe}.yaml"
         blob = git_blob_hash(path) if path.is_file() else None
         return {"name": self.recipe, "file": f"recipes/{self.recipe}.yaml", "git_blob": blob}
 
