@@ -19,7 +19,7 @@ checked for shared 32-token spans with the evaluation windows: refused unless
 
 Disk::
 
-    <paths.cache>/eval/<key>/        key = sha256(model + tokenizer fingerprints, tokens, top_k)[:20]
+    <paths.cache>/eval/<key>/        key = job_key(model + tokenizer fingerprints, tokens, top_k)
         reference.npz                top-K log-probs, token ids, tail mass, next-token log-prob
         meta.json                    what the key covers
     <run_dir>/
@@ -32,7 +32,6 @@ that misses, and its per-token bound, are in :mod:`mlxbun.kl`; the bound's mean 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -47,6 +46,7 @@ import numpy as np
 from mlxbun import kl
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
+from mlxbun.io.digest import job_key
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.quant.allocate import budget
@@ -239,7 +239,7 @@ def reference(ref_dir: Path, text: Windows, *, top_k: int, cache: Path, batch_si
     Returns (record, hit): a hit did no reference forward.
     """
     key = reference_key(ref_dir, text, top_k=top_k, digests=cache / "digests")
-    d = cache / "eval" / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    d = cache / "eval" / job_key("eval", VERSION, key)
     path = d / "reference.npz"
     if path.is_file():
         try:

@@ -6,7 +6,7 @@ calibration set's hidden states, never the whole model's activations. The result
 sensitivity's checkpoints, by the model's fingerprint and the calibration record, so a rerun
 with the same model and calibration (``sensitivity.calib.*``) reuses the file and says so::
 
-    <cache>/hessians/<key>/             key = sha256(format, model fingerprint, calibration)[:20]
+    <cache>/hessians/<key>/             key = job_key(version, model fingerprint, calibration)
         meta.json                       what the key was made of
         hessians.safetensors            (format: mlxbun.quant.hessian)
     <run_dir>/
@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -30,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, publish_link
+from mlxbun.io.atomic import atomic_write_json, file_lock, publish_link
+from mlxbun.io.digest import job_key
 from mlxbun.progress import Progress
 from mlxbun.quant import hessian
 from mlxbun.quant.calibration import load_calibration
@@ -87,7 +87,7 @@ def calibrate(
         "model": model_fingerprint(model_dir, depth="sampled"),
         "calibration": calib.to_dict(),
     }
-    key = hashlib.sha256(dumps_json(settings).encode()).hexdigest()[:20]
+    key = job_key("calibrate", VERSION, settings)
     out = Path(out_dir) / HESSIANS_NAME
     out.parent.mkdir(parents=True, exist_ok=True)
     if work_dir is None:

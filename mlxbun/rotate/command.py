@@ -43,6 +43,7 @@ import numpy as np
 
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
+from mlxbun.io.digest import job_key
 from mlxbun.io.dtypes import OUTPUT_CODES as OUT_DTYPES
 from mlxbun.io.safetensors import INDEX_FILE, open_model
 from mlxbun.io.shards import ShardedWriter
@@ -263,10 +264,6 @@ def _job(m: Any, *, seed: int, dtype: str | None, shard_bytes: int) -> dict[str,
     }
 
 
-def _job_key(job: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
-
-
 def _tensor_hash(m: Any, name: str) -> tuple[str, list[int], str]:
     info = m.info(name)
     return info.dtype, list(info.shape), hashlib.sha256(m.numpy(name)).hexdigest()
@@ -383,7 +380,7 @@ def rotate_model_dir(
     with open_model(src) as m:
         fp = check_source(m)
         rot = Rotation.build(seed=seed, n=fp.hidden_size)
-        key = _job_key(_job(m, seed=seed, dtype=dtype, shard_bytes=shard_bytes))
+        key = job_key("rotate", FORMAT_VERSION, _job(m, seed=seed, dtype=dtype, shard_bytes=shard_bytes))
         with Stage.locked(out, kind="rotate", key=key, root=partial_root) as stage:
             _refuse_existing(out)
             stage.claim()

@@ -13,7 +13,7 @@ checkpoints and writes the reports. Work is grouped by the first block a module 
 ("group" = block index; 0 also holds the embedding, L is the head). Groups are the unit of
 sharding and of checkpoints::
 
-    <cache>/sensitivity/<key>/          key = sha256(model, calibration, settings)[:20]
+    <cache>/sensitivity/<key>/          key = job_key(model, calibration, settings)
         meta.json                       settings and fingerprints of this key
         groups/0003.json                results of group 3 (atomic; a rerun skips it)
         estimate.json                   fisher: factors, measured groups, probes
@@ -28,7 +28,6 @@ Example:
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import time
@@ -39,7 +38,8 @@ from typing import Any
 
 from mlxbun import blas
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_json, dumps_json
+from mlxbun.io.atomic import atomic_write_json
+from mlxbun.io.digest import job_key
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
 from mlxbun.quant import calibrate
@@ -88,7 +88,7 @@ class Checkpoints:
     """Per-group results under a work dir keyed by the model, calibration and settings."""
 
     def __init__(self, root: Path, settings: dict[str, Any]) -> None:
-        key = hashlib.sha256(dumps_json(settings).encode()).hexdigest()[:20]
+        key = job_key("sensitivity", SCHEMA_VERSION, settings)
         self.dir = root / key
         (self.dir / "groups").mkdir(parents=True, exist_ok=True)
         meta = self.dir / "meta.json"
@@ -290,7 +290,7 @@ def sensitivity(
                 "version": rich_candidates.VERSION}  # fmt: skip
         kls, record = rich_candidates.extend(
             model=s.model, targets=s.targets, kls=kls, model_dir=model_dir, tokens=s.tokens,
-            work_dir=ckpt.dir / "candidates" / hashlib.sha256(dumps_json(rich).encode()).hexdigest()[:12],
+            work_dir=ckpt.dir / "candidates" / job_key("candidates", rich_candidates.VERSION, rich),
             group_size=s.cands[0].group_size, mode=mode, group_sizes=candidate_group_sizes,
             methods=candidate_methods, modes=candidate_modes, hessians=hessians,
             calib=s.settings["calibration"] | {"path": calib_path, "seed": seed},

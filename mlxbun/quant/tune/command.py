@@ -32,7 +32,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -46,6 +45,7 @@ import numpy as np
 from mlxbun.errors import InputError
 from mlxbun.host import available_memory
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
+from mlxbun.io.digest import job_key
 from mlxbun.io.safetensors import INDEX_FILE, open_model, read_config
 from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, stable_root
@@ -582,17 +582,8 @@ def run(cfg: Any) -> Any:
         return handed_on(
             f"tuning needs about {human_bytes(need)}, over {MEMORY_SHARE:.0%} of the {human_bytes(avail)} available"
         )
-    job = json.dumps(
-        [
-            VERSION,
-            model_fingerprint(src, depth="header"),
-            str(ref_dir),
-            record["settings"],
-            calib.fingerprint,
-            cfg.seed,
-        ]
-    )
-    key = hashlib.sha256(job.encode()).hexdigest()[:32]
+    fingerprint = model_fingerprint(src, depth="header")
+    key = job_key("tune", VERSION, fingerprint, str(ref_dir), record["settings"], calib.fingerprint, cfg.seed)
     with Stage.locked(out, kind="tune", key=key, root=stable_root(cfg.paths.outputs, out)) as stage:
         stage.claim(resume=False)
         result, tensors = tune_model(
