@@ -24,6 +24,7 @@ from mlxbun.config.checks import (
     positive,
 )
 from mlxbun.io.dtypes import OUTPUT_DTYPES
+from mlxbun.quant.spec import KV_BITS, KV_GROUPS
 from mlxbun.synth.arch import ARCHS, SYNTH_DIMS
 
 
@@ -292,8 +293,8 @@ class ServeCfg:
         at_most("serve.max_tokens", self.max_tokens, MAX_TOKENS, "above any model's context")
         positive("serve.max_pending", self.max_pending)
         if self.kv_bits is not None:
-            choose("serve.kv_bits", self.kv_bits, (2, 3, 4, 5, 6, 8))
-        choose("serve.kv_group_size", self.kv_group_size, (32, 64, 128))  # mlx-lm's QuantizedKVCache
+            choose("serve.kv_bits", self.kv_bits, KV_BITS)
+        choose("serve.kv_group_size", self.kv_group_size, KV_GROUPS)
 
 
 @dataclass

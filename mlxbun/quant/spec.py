@@ -46,6 +46,9 @@ AFFINE_BITS = MODE_BITS["affine"]
 # Any mode's bits / group sizes: what a filter over several modes may name.
 ALL_BITS = tuple(sorted({b for bs in MODE_BITS.values() for b in bs}))
 ALL_GROUPS = tuple(sorted({g for gs in MODE_GROUPS.values() for g in gs}))
+# mlx-lm's QuantizedKVCache quantizes keys and values with mx.quantize, affine: these are its choices.
+KV_BITS = MODE_BITS["affine"]
+KV_GROUPS = MODE_GROUPS["affine"]
 # Microscaling modes store 8-bit scales (shared exponents, or fp8) and no biases.
 UINT8_SCALE_MODES = frozenset({"mxfp4", "mxfp8", "nvfp4"})
 MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
