@@ -187,7 +187,7 @@ def test_resolve_follows_the_plan_and_group_divisibility():
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.io.atomic import atomic_write_json  # noqa: E402
 from mlxbun.quant.allocate import command as al  # noqa: E402
-from mlxbun.quant.allocate import memory  # noqa: E402
+from mlxbun.quant.allocate import rounds  # noqa: E402
 from mlxbun.quant.sensitivity import file as sf  # noqa: E402
 
 MEASURED = [
@@ -413,7 +413,7 @@ def test_run_writes_a_plan_and_checks_it(model, measured, tmp_path):
 
 
 def test_run_skips_interactions_that_would_not_fit_in_memory(model, measured, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(memory, "available_memory", lambda: 1000)
+    monkeypatch.setattr(rounds, "available_memory", lambda: 1000)
     cfg = command_cfg(tmp_path, model, sensitivity=str(measured.parent), budget_bpw=4.5, check=False)
     al.run(cfg)
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())

@@ -13,7 +13,7 @@ blas.load()
 
 from mlxbun.quant.allocate import command as al  # noqa: E402
 from mlxbun.quant.allocate import interactions as ia  # noqa: E402
-from mlxbun.quant.allocate import memory  # noqa: E402
+from mlxbun.quant.allocate import rounds  # noqa: E402
 from mlxbun.quant.sensitivity import file as sf  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
@@ -276,9 +276,9 @@ def test_memory_counts_both_weight_copies_and_a_batch_of_float64_logits(model, m
     cfg = command_cfg(model.parent, model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     need = 8 * budget.read_source(model).parameters + 24 * cfg.sensitivity.batch_size * 32 * vocab
-    monkeypatch.setattr(memory, "available_memory", lambda: need / memory.MEMORY_SHARE)
+    monkeypatch.setattr(rounds, "available_memory", lambda: need / rounds.MEMORY_SHARE)
     assert al._memory_skip(cfg, model, budget.read_source(model).parameters) is None
-    monkeypatch.setattr(memory, "available_memory", lambda: need / memory.MEMORY_SHARE - 64)
+    monkeypatch.setattr(rounds, "available_memory", lambda: need / rounds.MEMORY_SHARE - 64)
     assert al._memory_skip(cfg, model, budget.read_source(model).parameters).startswith("they need about")
 
 

@@ -53,9 +53,13 @@ from mlxbun.quant.allocate.budget import SizeReport, Source
 from mlxbun.quant.allocate.check import CheckResult, check_plan
 from mlxbun.quant.allocate.interactions import InModel, Option, chosen
 from mlxbun.quant.allocate.knapsack import Solution, solve
-from mlxbun.quant.allocate.memory import interactions_batch, interactions_skip_memory
 from mlxbun.quant.allocate.protect import count_blocks, fixed_setting, min_bits
-from mlxbun.quant.allocate.rounds import improve, interactions_skip
+from mlxbun.quant.allocate.rounds import (
+    improve,
+    interactions_batch,
+    interactions_skip,
+    interactions_skip_memory,
+)
 from mlxbun.quant.calibration import load_calibration, recorded_settings
 from mlxbun.quant.plan import Plan, hessians_file
 from mlxbun.quant.quantize.command import quantize_model_dir
@@ -477,13 +481,13 @@ def _vocab(src: Path) -> int:
 
 
 def _batch(cfg: Any, src: Path) -> int:
-    """Samples per forward of the interactions (see ``memory.interactions_batch``)."""
+    """Samples per forward of the interactions (see ``rounds.interactions_batch``)."""
     c = cfg.sensitivity
     return interactions_batch(batch_size=c.batch_size, seq_len=c.calib.seq_len, vocab=_vocab(src))
 
 
 def _memory_skip(cfg: Any, src: Path, parameters: int) -> str | None:
-    """Why interactions would not fit in memory (see ``memory.interactions_skip_memory``)."""
+    """Why interactions would not fit in memory (see ``rounds.interactions_skip_memory``)."""
     seq_len = cfg.sensitivity.calib.seq_len
     return interactions_skip_memory(
         parameters=parameters, batch=_batch(cfg, src), seq_len=seq_len, vocab=_vocab(src)

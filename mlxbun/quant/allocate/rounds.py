@@ -1,10 +1,16 @@
-"""allocate.interactions, the rounds: measure, solve again, keep a plan only when the model's KL is lower.
+"""allocate.interactions, the rounds: measure, solve again, keep a plan only when the model's KL is
+lower; and whether they run at all (nothing to gain, or more memory than there is).
 
 Each round measures the steps nearest the knapsack's threshold in the planned, quantized model
 (``interactions.near_threshold``, ``InModel.kl_with``), solves again with the costs they rescale
 (``interactions.scaled_costs``, then ``measured_only``) and keeps the new plan only when the
 model's KL is lower; the next round starts from it. The rounds' report goes to plan.json
 (``"interactions"``). ``interactions.py`` holds the measuring and the cost curves.
+
+Interactions hold the float32 model twice (original and fake-quantized weights) and one batch's
+float64 logits, probabilities and their product (24 bytes per token and vocabulary entry):
+:func:`interactions_batch` bounds the batch, :func:`interactions_skip_memory` says when that does
+not fit.
 
 Example:
     >>> sol, report = improve(paths, options, fixed, sol, resolve, in_model, decisions=16, rounds=2)
@@ -18,7 +24,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from mlxbun.progress import Progress
+from mlxbun.host import available_memory
+from mlxbun.progress import Progress, human_bytes
 from mlxbun.quant.allocate.interactions import (
     BARRED,
     InModel,
@@ -176,3 +183,31 @@ def _rounds(
             break
         sol, kl = new, tried[-1]
     return sol, kl
+
+
+# ------------------------------------------------------------------------------- memory
+
+MEMORY_SHARE = 0.8  # what interactions may take of the available memory
+LOGITS_BYTES = 1 << 30  # a batch's float64 logits and probabilities: at most this (>= 1 sample)
+
+
+def interactions_batch(*, batch_size: int, seq_len: int, vocab: int) -> int:
+    """Samples per forward: ``batch_size``, fewer when a batch's float64 logits, probabilities
+    and their product would pass ``LOGITS_BYTES`` (large vocabularies)."""
+    per_sample = 24 * seq_len * max(vocab, 1)
+    return max(1, min(batch_size, LOGITS_BYTES // per_sample))
+
+
+def interactions_skip_memory(*, parameters: int, batch: int, seq_len: int, vocab: int) -> str | None:
+    """Why interactions would not fit in memory (None: they fit): the float32 model twice and one
+    batch's float64 logits, probabilities and their product against ``MEMORY_SHARE`` of what is
+    available."""
+    logits = 24 * batch * seq_len * vocab
+    need = 8 * parameters + logits
+    avail = available_memory()
+    if avail is None or need <= MEMORY_SHARE * avail:
+        return None
+    return (
+        f"they need about {human_bytes(need)} and {human_bytes(avail)} is available;"
+        " the plan minimises the summed KL alone (allocate.interactions=0 says so without this warning)"
+    )
