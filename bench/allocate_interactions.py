@@ -57,7 +57,7 @@ def fixture(args: argparse.Namespace, name: str) -> dict:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from mlxbun.io.atomic import atomic_write_json
-    from mlxbun.quant.allocate.command import allocate
+    from mlxbun.quant.allocate.allocation import allocate
     from mlxbun.quant.allocate.interactions import InModel
     from mlxbun.quant.calibration import load_calibration
     from mlxbun.quant.sensitivity.file import load_sensitivity

@@ -194,7 +194,7 @@ class Plans:
 
     def plan(self, method: str, limit: int) -> dict:
         from mlxbun.io.atomic import atomic_write_json
-        from mlxbun.quant.allocate.command import allocate
+        from mlxbun.quant.allocate.allocation import allocate
         from mlxbun.quant.sensitivity.file import load_sensitivity
 
         sens = load_sensitivity(self.args.work / method / "sensitivity.json")

@@ -97,7 +97,7 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
     """The allocate budget against the smallest plan its candidates allow: those of the given
     sensitivity, or of the settings an earlier sensitivity step measures."""
     # deferred: MLX and the model's headers, only for an allocate step
-    from mlxbun.quant.allocate.command import candidate_filter, check_reachable
+    from mlxbun.quant.allocate.allocation import candidate_filter, check_reachable
     from mlxbun.quant.sensitivity import candidates
     from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity, load_sensitivity
     from mlxbun.source.model import model_dir

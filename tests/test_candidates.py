@@ -138,7 +138,7 @@ def test_pipeline_allocates_among_rich_candidates_and_mlx_lm_loads_the_model(tmp
 
 def test_allocate_methods_filter_the_rounding_methods(tmp_path: Path) -> None:
     from mlxbun.config import schema
-    from mlxbun.quant.allocate.command import candidate_filter
+    from mlxbun.quant.allocate.allocation import candidate_filter
     from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
 
     specs = [

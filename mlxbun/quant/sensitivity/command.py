@@ -43,7 +43,7 @@ from mlxbun.io.digest import job_key
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
 from mlxbun.quant import calibrate
-from mlxbun.quant.allocate import command as allocate
+from mlxbun.quant.allocate import allocation
 from mlxbun.quant.calibration import load_calibration
 from mlxbun.quant.plan import hessians_file
 from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
@@ -386,9 +386,9 @@ def _candidate_steps(rounded: str | Path | None) -> rich_candidates.Steps:
     (its clip and GPTQ roundings kept in ``rounded`` for the final quantize)."""
     return rich_candidates.Steps(
         calibrate=calibrate.calibrate,
-        allocate=allocate.allocate,
+        allocate=allocation.allocate,
         quantize=functools.partial(quantize.quantize_model_dir, rounded=rounded),
-        default=allocate.DEFAULT,
+        default=allocation.DEFAULT,
     )
 
 
