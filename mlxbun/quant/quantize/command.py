@@ -253,58 +253,129 @@ def quantize_model_dir(
         ['model.safetensors']
     """
     t0 = time.monotonic()
-    out = Path(out).expanduser().resolve()
+    conv = Conversion.prepare(
+        src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed, dtype=dtype,
+        shard_bytes=shard_bytes, method=method, hessians=hessians,
+    )  # fmt: skip
     threads = default_threads() if threads is None else threads
-    if dtype is not None and dtype not in CONVERSION_DTYPES:
-        raise InputError(
-            f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}"
+    out = Path(out).expanduser().resolve()
+    return conv.write(out, resume=resume, threads=threads, partial_root=partial_root, rounded=rounded, t0=t0)
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """A conversion checked and planned, before anything is written: the source, its skeleton
+    quantized by the settings, and the key that names this conversion (what a resume or a reuse
+    must match)."""
+
+    source: Any
+    src: Path
+    sk: Skeleton
+    dtype: str | None
+    shard_bytes: int
+    method: str
+    hessians: Path | None
+    settings: dict[str, Any]
+    identity: dict[str, Any]
+    key: str
+
+    @classmethod
+    def prepare(
+        cls,
+        source: Any,
+        *,
+        mode: str,
+        bits: int | None,
+        group_size: int | None,
+        plan: Plan | str | Path | None,
+        mixed: str | None,
+        dtype: str | None,
+        shard_bytes: int,
+        method: str,
+        hessians: str | Path | None,
+    ) -> Conversion:
+        """Check every input (InputError naming the first bad one) and build the skeleton."""
+        if dtype is not None and dtype not in CONVERSION_DTYPES:
+            raise InputError(
+                f"quant.dtype={dtype!r} is not allowed; choose one of {', '.join(CONVERSION_DTYPES)}"
+            )
+        check_method(method)
+        hessians = None if hessians is None else hessians_file(hessians)
+        if plan is not None and not isinstance(plan, Plan):
+            plan = load_plan(plan)
+        check_hessians(method, plan, hessians)
+        src = source_dir(source)
+        sk, spec = prepare(
+            src,
+            mode=mode,
+            bits=bits,
+            group_size=group_size,
+            plan=plan,
+            mixed=mixed,
+            weights=lazy_weights(source),
         )
-    check_method(method)
-    if hessians is not None:
-        hessians = hessians_file(hessians)
-    if plan is not None and not isinstance(plan, Plan):
-        plan = load_plan(plan)
-    check_hessians(method, plan, hessians)
-    source, src = src, source_dir(src)
-    sk, spec = prepare(
-        src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed, weights=lazy_weights(source)
-    )
-    if hessians is not None:
-        _check_hessian_shapes(sk, hessians)
-    dtype = resolve_dtype(dtype, sk.config)
-    settings = _settings(spec, plan, mixed, dtype, shard_bytes)
-    tensors = None if isinstance(source, (str, Path)) else identity(source)
-    identity_doc = {"format": FORMAT_VERSION, "settings": settings, "source": source_identity(src, tensors)}
-    if method != "rtn":  # absent by default, so existing fingerprints stay as they were
-        settings["method"] = method
-    if hessians is not None:
-        with open(hessians, "rb") as f:  # streamed: a Hessians file can be larger than the model
-            settings["hessians"] = hashlib.file_digest(f, "sha256").hexdigest()
-    key = fingerprint(src, settings, tensors=tensors)
-    # Two runs of the same conversion: the second waits, then reuses the first one's output.
-    with Stage.locked(out, kind="quantize", key=key, root=partial_root, setting="quant.out") as stage:
-        if (done := reusable(out, identity_doc)) is not None:
-            return QuantizeResult(out, done[1], done[0], 0, 0, 0.0, reused=True, warnings=_warnings(src))
-        stage.claim(resume=resume)
-        state = "complete" if weights_written(stage.dir) else "writing"
-        kept = (
-            Rounded(rounded, settings["hessians"]) if rounded is not None and hessians is not None else None
+        if hessians is not None:
+            _check_hessian_shapes(sk, hessians)
+        dtype = resolve_dtype(dtype, sk.config)
+        settings = _settings(spec, plan, mixed, dtype, shard_bytes)
+        tensors = None if isinstance(source, (str, Path)) else identity(source)
+        identity_doc = {
+            "format": FORMAT_VERSION,
+            "settings": settings,
+            "source": source_identity(src, tensors),
+        }
+        if method != "rtn":  # absent by default, so existing fingerprints stay as they were
+            settings["method"] = method
+        if hessians is not None:
+            with open(hessians, "rb") as f:  # streamed: a Hessians file can be larger than the model
+                settings["hessians"] = hashlib.file_digest(f, "sha256").hexdigest()
+        key = fingerprint(src, settings, tensors=tensors)
+        return cls(source, src, sk, dtype, shard_bytes, method, hessians, settings, identity_doc, key)
+
+    def write(
+        self,
+        out: Path,
+        *,
+        resume: bool,
+        threads: int,
+        partial_root: str | Path | None,
+        rounded: Any,
+        t0: float,
+    ) -> QuantizeResult:
+        """Convert into ``out`` through a staging directory, or reuse ``out`` when it already holds
+        this conversion; two runs of the same conversion: the second waits, then reuses."""
+        with Stage.locked(
+            out, kind="quantize", key=self.key, root=partial_root, setting="quant.out"
+        ) as stage:
+            if (done := reusable(out, self.identity)) is not None:
+                return QuantizeResult(
+                    out, done[1], done[0], 0, 0, 0.0, reused=True, warnings=_warnings(self.src)
+                )
+            stage.claim(resume=resume)
+            state = "complete" if weights_written(stage.dir) else "writing"
+            kept = None
+            if rounded is not None and self.hessians is not None:
+                kept = Rounded(rounded, self.settings["hessians"])
+            w = _convert(
+                self.sk, self.source, stage.dir, state, dtype=self.dtype, shard_bytes=self.shard_bytes,
+                threads=threads, method=self.method, hessians=self.hessians, rounded=kept,
+            )  # fmt: skip
+            reached("weights")
+            write_side_files(self.sk, self.src, stage.dir)
+            write_record(stage.dir, self.identity, self.sk.quantization, known=w.xxh3)
+            stage.publish()
+        files = sorted(p.name for p in out.glob("model*.safetensors"))
+        q, seconds = self.sk.quantization or {}, time.monotonic() - t0
+        return QuantizeResult(
+            out,
+            files,
+            q,
+            w.source_bytes,
+            w.output_bytes,
+            seconds,
+            digests=w.sha256,
+            warnings=_warnings(self.src),
         )
-        w = _convert(
-            sk, source, stage.dir, state, dtype=dtype, shard_bytes=shard_bytes, threads=threads, method=method,
-            hessians=hessians, rounded=kept,
-        )  # fmt: skip
-        reached("weights")
-        write_side_files(sk, src, stage.dir)
-        write_record(stage.dir, identity_doc, sk.quantization, known=w.xxh3)
-        stage.publish()
-    files = sorted(p.name for p in out.glob("model*.safetensors"))
-    seconds = time.monotonic() - t0
-    q = sk.quantization or {}
-    warnings = _warnings(src)
-    return QuantizeResult(
-        out, files, q, w.source_bytes, w.output_bytes, seconds, digests=w.sha256, warnings=warnings
-    )
 
 
 def _warnings(src: Path) -> tuple[str, ...]:
