@@ -228,7 +228,7 @@ PROFILE = """
 import hashlib, os, sys, tempfile, time
 import mlx.core as mx
 from mlxbun.source.model import FileTensors
-from mlxbun.io.shards import tensor_bytes
+from mlxbun.io.layout import tensor_bytes
 src = sys.argv[1]
 def clock():
     return time.perf_counter(), time.process_time()

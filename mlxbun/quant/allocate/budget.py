@@ -18,7 +18,7 @@ Per quantized ``[..., out, in]`` weight (``in`` divisible by the group size ``g`
 
 Every other tensor (norms, biases, unquantized weights) is stored in the output dtype when it is
 floating point, else unchanged. A safetensors file is ``u64 header length | JSON header | data``
-(the header as ``mlxbun.io.shards.header_bytes`` writes it: compact, sorted, space-padded to 8).
+(the header as ``mlxbun.io.layout.header_bytes`` writes it: compact, sorted, space-padded to 8).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.io.dtypes import CODES, FLOAT_CODES, ITEMSIZE
+from mlxbun.io.layout import header_bytes, pack
 from mlxbun.io.safetensors import open_model
-from mlxbun.io.shards import header_bytes, pack
 from mlxbun.quant.skeleton import build_skeleton
 from mlxbun.quant.spec import UINT8_SCALE_MODES, QuantSpec
 
@@ -169,7 +169,7 @@ def file_size(specs: list[TensorSpec], metadata: Mapping[str, str] | None) -> in
 
 
 def make_shards(specs: list[TensorSpec], *, shard_bytes: int) -> list[list[TensorSpec]]:
-    """The writer's shard split, replayed on sizes (:func:`mlxbun.io.shards.pack`)."""
+    """The writer's shard split, replayed on sizes (:func:`mlxbun.io.layout.pack`)."""
     return [[specs[i] for i in shard] for shard in pack([s.nbytes for s in specs], shard_bytes)]
 
 
