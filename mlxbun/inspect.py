@@ -19,7 +19,8 @@ from typing import Any
 
 from mlxbun import registry
 from mlxbun.errors import InputError
-from mlxbun.io.safetensors import ModelDir, TensorInfo, open_model, quant_params, quantization_block
+from mlxbun.io.parameters import quant_params, quantization_block
+from mlxbun.io.safetensors import ModelDir, TensorInfo, open_model
 from mlxbun.progress import human_bytes, human_count
 from mlxbun.runs.provenance import RunResult
 from mlxbun.source.model import model_dir

@@ -60,7 +60,8 @@ from mlxbun.io.layout import (
     opens_shard,
     tensor_bytes,
 )
-from mlxbun.io.safetensors import INDEX_FILE, SafetensorsFile, count_parameters
+from mlxbun.io.parameters import count_parameters
+from mlxbun.io.safetensors import INDEX_FILE, SafetensorsFile
 
 JOURNAL = ".mlxbun-shards.json"
 PART_PREFIX = ".mlxbun-shard-"
@@ -147,7 +148,7 @@ class ShardedWriter:
         resume: keep the completed shards a previous writer journaled in ``out_dir``; their
             tensors are in ``done_names`` and ``add`` skips them (returns False).
         quantization: the config.json ``quantization`` block, to count packed weights'
-            parameters exactly (see ``mlxbun.io.safetensors.count_parameters``).
+            parameters exactly (see ``mlxbun.io.parameters.count_parameters``).
         overlap: write full shards on a background thread (at most one at a time).
         progress: an object with ``update(nbytes)`` called as tensor bytes reach the disk.
         verify: on resume, re-read and re-hash completed shards and drop any that do not match

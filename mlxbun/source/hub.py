@@ -44,7 +44,8 @@ from typing import Any, NamedTuple
 
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import FLOAT_ITEMSIZE
-from mlxbun.io.safetensors import count_parameters, open_regular, quantization_block, read_header
+from mlxbun.io.parameters import count_parameters, quantization_block
+from mlxbun.io.safetensors import open_regular, read_header
 
 INDEX = "model.safetensors.index.json"
 VISION_SIDECAR = "optiq_vision.safetensors"
@@ -437,7 +438,7 @@ def _weights(path: str, by_name: dict[str, FileStat], config: dict, warnings: li
     """Bytes (language, vision sidecar, experts) and parameter count, from sizes and headers.
 
     Parameters are counted once over every shard's tensors by mlx-lm's convention
-    (:func:`mlxbun.io.safetensors.count_parameters`), unless the index states the total.
+    (:func:`mlxbun.io.parameters.count_parameters`), unless the index states the total.
     """
     names, index = _weight_files(path, by_name, warnings)
     sidecar = by_name.get(VISION_SIDECAR)
