@@ -1,10 +1,8 @@
 """mlx-lm's model classes and config rules, reached without importing ``transformers``.
 
-``import mlx_lm.models.llama`` runs ``mlx_lm/__init__.py``, which imports ``mlx_lm.utils`` and
-with it ``transformers`` (seconds of start-up) although a conversion needs only the model
-classes. :func:`model_classes` registers the ``mlx_lm`` package without running its
-``__init__``; the first attribute anyone asks of the package (``from mlx_lm import load``) runs
-it then, so other code sees the normal package. The remapping tables are read from
+A conversion needs mlx-lm's model classes, not its tokenizers: ``mlxbun`` registers the
+``mlx_lm`` package with its ``__init__`` (which imports ``transformers``) deferred, so
+:func:`model_classes` imports ``mlx_lm.models.<type>`` alone. The remapping tables are read from
 ``mlx_lm/utils.py`` itself (``ast``), and ``load_config`` / the tagged-float rules mirror
 ``mlx_lm.utils`` (tests compare our config.json with mlx-lm's byte for byte).
 """
@@ -16,7 +14,6 @@ import importlib
 import importlib.util
 import json
 import math
-import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -25,22 +22,6 @@ from mlxbun.errors import InputError
 from mlxbun.io.safetensors import read_config
 
 _FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
-
-
-def _lazy_package() -> None:
-    """Put ``mlx_lm`` in sys.modules with its __init__ deferred to the first attribute lookup."""
-    if "mlx_lm" in sys.modules:
-        return
-    spec = importlib.util.find_spec("mlx_lm")
-    pkg = importlib.util.module_from_spec(spec)
-
-    def __getattr__(attr: str) -> Any:  # noqa: N807 - module-level __getattr__ (PEP 562)
-        del pkg.__dict__["__getattr__"]
-        spec.loader.exec_module(pkg)
-        return getattr(pkg, attr)
-
-    pkg.__getattr__ = __getattr__  # type: ignore[attr-defined]
-    sys.modules["mlx_lm"] = pkg
 
 
 @cache
@@ -69,7 +50,6 @@ def model_type_module(config: dict[str, Any]) -> str:
 def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     """(Model, ModelArgs) of mlx-lm for ``config``; InputError for an unsupported model_type."""
     name = model_type_module(config)
-    _lazy_package()
     try:
         module = importlib.import_module(f"mlx_lm.models.{name}")
     except ImportError:
