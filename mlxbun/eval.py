@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun import kl
@@ -51,6 +52,7 @@ from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress, human_bytes
 from mlxbun.quant.allocate import budget
 from mlxbun.quant.calibration import Windows, choose_windows, fingerprint, load_calibration
+from mlxbun.quant.mlxlm import load_tokenizer
 from mlxbun.quant.probe import load_model
 from mlxbun.runs.provenance import RunResult
 from mlxbun.source.fingerprint import model_fingerprint, tokenizer_fingerprint
@@ -120,8 +122,6 @@ def check_candidate(
     cand: Candidate, *, ref_text: Windows, text: str, vocab: int, seq_len: int, seed: int
 ) -> None:
     """One clear error when a candidate cannot be compared: another tokenizer or vocabulary."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
     cfg_vocab = config_vocab(cand.path)
     if cfg_vocab != vocab:
         raise InputError(
@@ -205,8 +205,6 @@ def check_overlap(cand: Candidate, text: Windows, tokenizer: Any, *, allow: bool
 def forward_rows(model: Any, text: Windows, *, batch_size: int, desc: str):
     """Yield (float64 log-probs ``[rows, vocab]``, next tokens ``[rows]``) over every window, a few
     MiB of rows at a time, with progress (rate and ETA) on stderr."""
-    import mlx.core as mx
-
     w = text.tokens
     prog = Progress(total=w.shape[0] * (w.shape[1] - 1), unit="tok", desc=desc, heartbeat=True)
     try:
@@ -309,8 +307,6 @@ def evaluate(
         >>> doc = evaluate(ref_dir=src, candidates=[Candidate("q4", q4_dir)], tokens=2048, cache=cache)
         >>> doc["candidates"][0]["kld_mean"], doc["candidates"][0]["kld_p99_9"]
     """
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
     raw, source = read_text(text_path)
     tok = load_tokenizer(ref_dir)
     text = windows(encode(tok, raw), source=source, tokens=tokens, seq_len=seq_len, seed=seed)

@@ -263,7 +263,6 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     """The probes' whole-model KL runs on the samples the estimate's own KLs were measured on."""
     from types import SimpleNamespace
 
-    from mlxbun.quant.allocate import check
     from mlxbun.quant.plan import Plan
     from mlxbun.quant.sensitivity import fisher
 
@@ -273,7 +272,7 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
         seen.append(tokens.shape)
         return 0.1
 
-    monkeypatch.setattr(check, "measured_kl", measured)
+    monkeypatch.setattr(candidates, "measured_kl", measured)  # where corrected() looks it up
     default = QuantSpec(bits=4, group_size=64)
     gptq = QuantSpec(bits=4, group_size=64, method="gptq")
     steps = candidates.Steps(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun.errors import InputError
@@ -78,8 +79,6 @@ def final_names(n: int) -> list[str]:
 
 def tensor_bytes(array: Any, name: str = "") -> tuple[str, tuple[int, ...], memoryview]:
     """(safetensors dtype, shape, contiguous little-endian bytes) of an mx.array or numpy array."""
-    import mlx.core as mx
-
     if isinstance(array, mx.array):
         dtype = NP_TO_ST.get(str(array.dtype).rpartition(".")[2])
         if dtype is None:

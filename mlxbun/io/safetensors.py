@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun.errors import EnvironmentFailure, InputError
@@ -290,8 +291,6 @@ class SafetensorsFile:
 
     def array(self, name: str) -> Any:
         """The tensor as an ``mx.array`` (BF16 stays bfloat16), copied out of the mapping."""
-        import mlx.core as mx
-
         info = self.info(name)
         self._advise(info, mmap.MADV_WILLNEED)  # read ahead the whole tensor, not page by page
         view = self.numpy(name)

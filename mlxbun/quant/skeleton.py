@@ -24,9 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
 from mlxbun.errors import InputError
 from mlxbun.io.safetensors import open_model
-from mlxbun.quant.mlxlm import load_config, model_classes
+from mlxbun.quant.mlxlm import load_config, mixed_quant_predicate_builder, model_classes
 from mlxbun.quant.plan import Plan, load_plan
 from mlxbun.quant.spec import QuantSpec, check_mixed, spec_for
 
@@ -76,8 +80,6 @@ def check_source(src: Path) -> dict[str, Any]:
 
 
 def _lazy_source(src: Path) -> dict[str, Any]:
-    import mlx.core as mx
-
     files = sorted(src.glob("model*.safetensors"))
     if not files:
         raise InputError(f"model {src} has no model*.safetensors files")
@@ -92,8 +94,6 @@ def _lazy_source(src: Path) -> dict[str, Any]:
 def build_skeleton(src: str | Path, *, weights: dict[str, Any] | None = None) -> Skeleton:
     """Instantiate the model class for ``src`` and sanitize lazy views of its tensors
     (``weights``: those views when they come from elsewhere, e.g. a synthetic source)."""
-    from mlx.utils import tree_flatten
-
     src = Path(src)
     config = check_source(src)
     model_class, args_class = model_classes(config)
@@ -150,8 +150,6 @@ def plan_predicate(plan: Plan) -> Callable[[str, Any], bool | dict[str, Any]]:
 
 def mixed_predicate(rule: str, model: Any, group_size: int) -> Callable[[str, Any], bool | dict[str, Any]]:
     """mlx-lm's own mixed-bit rule (``mlx_lm.convert.mixed_quant_predicate_builder``)."""
-    from mlx_lm.convert import mixed_quant_predicate_builder
-
     try:
         return mixed_quant_predicate_builder(rule, model, group_size)
     except ValueError as e:
@@ -170,9 +168,6 @@ def apply_quantization(
     With ``plan=True`` a module the model's own ``quant_predicate`` refuses stays unquantized and
     listed plan entries are not subject to the default group size check (they check their own).
     """
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
     model_pred = getattr(sk.model, "quant_predicate", None)
     user_pred = predicate if predicate is not None else model_pred
     params = spec.mlx_dict()
@@ -247,9 +242,6 @@ def plan_methods(plan: Plan, decisions: dict[str, Any]) -> dict[str, str]:
 
 def _check_plan_paths(plan: Plan, sk: Skeleton, src: str | Path) -> None:
     """A plan naming a module the model does not have is a typo or a plan for another model."""
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
     known = {
         p
         for p, m in tree_flatten(sk.model.leaf_modules(), is_leaf=nn.Module.is_module)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun.errors import InputError
@@ -103,8 +104,6 @@ class Rotation:
 
 def to_f64(a: Any) -> np.ndarray:
     """An mx.array (any float dtype) as a float64 numpy array."""
-    import mlx.core as mx
-
     return np.asarray(a.astype(mx.float32), dtype=np.float64)
 
 
@@ -120,8 +119,6 @@ def _store(x: np.ndarray, dtype: str) -> np.ndarray:
 
 def to_stored(x: np.ndarray, dtype: str) -> Any:
     """A storage array as something ShardedWriter stores with the right dtype."""
-    import mlx.core as mx
-
     return mx.array(x).view(mx.bfloat16) if dtype == "BF16" else x
 
 

@@ -14,18 +14,21 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
 
 from mlxbun.io.safetensors import open_model
 from mlxbun.kl import kl as _kl
+from mlxbun.quant.mlxlm import load_model
 
 log = logging.getLogger("mlxbun")
 
 # ---------------------------------------------------------------------------- verification
 
 # Allowed mean KL(source ‖ rotated) by the rotated weights' dtype. Storing rotated weights
-# re-rounds them: ~1e-12 in float32, ~1e-4..3e-3 in bfloat16 on tiny random models; a fold
-# mistake in one layer gives KL ~ 1 or more. Models whose function is very sensitive to rounding
+# re-rounds them, which costs KL of the order of the dtype's rounding; a fold mistake in one
+# layer gives KL ~ 1 or more. Models whose function is very sensitive to rounding
 # (large planted outliers) are judged against the source with its own weights jittered by the
 # dtype's unit roundoff instead: KL within BASELINE_FACTOR of that is rounding, not a bad fold.
 KL_TOLERANCE = {"F32": 1e-6, "F16": 1e-3, "BF16": 1e-2}
@@ -85,9 +88,6 @@ def _logits(path: Path, tokens: np.ndarray, forward: str, *, jitter: float = 0.0
 
     ``jitter`` > 0 first multiplies every matrix by (1 + δ), δ ~ U(-jitter, jitter), seeded.
     """
-    import mlx.core as mx
-    from mlx_lm.utils import load_model
-
     model, _ = load_model(Path(path), lazy=True)
     model.set_dtype(getattr(mx, forward))
     with mx.stream(mx.cpu):  # float64 runs on the CPU only
@@ -99,9 +99,6 @@ def _logits(path: Path, tokens: np.ndarray, forward: str, *, jitter: float = 0.0
 
 
 def _jitter(model: Any, jitter: float) -> None:
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
-
     mx.random.seed(0)  # parameters come in a fixed order, so the noise is reproducible
     params = []
     for name, v in tree_flatten(model.parameters()):

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun import registry
@@ -103,8 +104,6 @@ class FileTensors:
     def rows(self, name: str, r0: int, r1: int) -> Any:
         """Rows [r0, r1) of a tensor, read with pread straight into an mx buffer: one copy from the
         page cache, no mapped pages to fault in or leave behind."""
-        import mlx.core as mx
-
         info = self.model.info(name)
         row = info.nbytes // info.shape[0]
         out = mx.zeros(((r1 - r0) * row,), dtype=mx.uint8)

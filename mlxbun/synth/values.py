@@ -41,6 +41,7 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun.synth.arch import Spec, TensorPlan
@@ -168,21 +169,15 @@ def _quantiles() -> np.ndarray:
 
 
 def _mx_dtype(dtype: str) -> Any:
-    import mlx.core as mx
-
     return getattr(mx, dtype)
 
 
 def _bits_dtype(dtype: str) -> Any:
-    import mlx.core as mx
-
     return mx.uint32 if dtype == "float32" else mx.uint16
 
 
 def _table(t: TensorPlan, factor: float) -> np.ndarray:
     """The 2**16 possible stored values (raw bits) of ``t`` with factor ``f``, z a quantile."""
-    import mlx.core as mx
-
     vals = factor * (t.base + t.std * _quantiles()) - t.offset
     return np.array(mx.array(vals.astype(np.float32)).astype(_mx_dtype(t.dtype)).view(_bits_dtype(t.dtype)))
 
@@ -195,8 +190,6 @@ def tensor_array(t: TensorPlan, *, spec: Spec, channels: list[int]) -> Any:
         >>> tensor_array(plan(spec)[0], spec=spec, channels=planted_channels(spec)).shape
         (512, 64)
     """
-    import mlx.core as mx
-
     if _constant(t, channels):
         return mx.full(t.shape, t.base - t.offset, dtype=_mx_dtype(t.dtype))
     rows = t.shape[0] if len(t.shape) > 1 else 1
@@ -218,8 +211,6 @@ def tensor_rows(t: TensorPlan, r0: int, r1: int, *, spec: Spec, channels: list[i
         >>> tensor_rows(t, 8, 16, spec=spec, channels=[]).shape
         (8, 64)
     """
-    import mlx.core as mx
-
     rows = t.shape[0] if len(t.shape) > 1 else 1
     if not 0 <= r0 < r1 <= rows:
         raise ValueError(f"rows [{r0}, {r1}) are outside {t.name!r} of {rows} rows")
@@ -314,8 +305,6 @@ class SyntheticSource:
     def lazy(self) -> dict[str, Any]:
         """name -> an unevaluated array of the tensor's shape and dtype (a placeholder that holds
         no memory; the converter reads values through :meth:`array` and :meth:`rows`)."""
-        import mlx.core as mx
-
         return {n: mx.zeros(t.shape, dtype=_mx_dtype(t.dtype)) for n, t in self.tensors.items()}
 
     def array(self, name: str) -> Any:

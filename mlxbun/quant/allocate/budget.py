@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
 from mlxbun.io.dtypes import CODES, FLOAT_CODES, ITEMSIZE
 from mlxbun.io.layout import header_bytes, pack
 from mlxbun.io.safetensors import open_model
@@ -243,9 +246,6 @@ def read_source(model_dir: Path) -> Source:
     Reads config.json and the safetensors headers only (no tensor data). A directory without
     config.json falls back to :meth:`Source.from_specs` on its raw tensors.
     """
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-
     if not (Path(model_dir) / "config.json").is_file():
         return Source.from_specs(read_specs(model_dir))
     sk = build_skeleton(model_dir)

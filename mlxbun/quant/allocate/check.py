@@ -26,11 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from mlxbun.errors import InputError
 from mlxbun.kl import kl_rows, log_probs
 from mlxbun.quant.allocate import budget
 from mlxbun.quant.allocate.budget import SizeReport
 from mlxbun.quant.calibration import load_calibration
+from mlxbun.quant.mlxlm import load_tokenizer
 from mlxbun.quant.probe import load_model
 from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
 from mlxbun.quant.spec import MODE_BITS, QuantSpec
@@ -93,7 +96,6 @@ def measured_kl(
     at a time, fewer (and their tokens in slices) when their float64 log-probs would pass
     :data:`KL_BYTES`.
     """
-    import mlx.core as mx
     import numpy as np
 
     ref = reference if reference is not None else load_model(ref_dir)[0]
@@ -133,8 +135,6 @@ def check_plan(
         >>> r = check_plan(plan, model_dir=src, written="run/model", samples=8, seq_len=256)
         >>> r.predicted == r.measured, r.measured_kl, r.predicted_kl_sum
     """
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
     written = Path(written)
     measured = budget.measure(written, parameters=plan.size.parameters)
     tok = load_tokenizer(Path(model_dir))

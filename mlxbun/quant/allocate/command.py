@@ -50,6 +50,7 @@ from mlxbun.quant.allocate.check import CheckResult, check_plan
 from mlxbun.quant.allocate.interactions import InModel
 from mlxbun.quant.allocate.rounds import interactions_batch, interactions_skip, interactions_skip_memory
 from mlxbun.quant.calibration import load_calibration, recorded_settings
+from mlxbun.quant.mlxlm import load_tokenizer
 from mlxbun.quant.plan import hessians_file
 from mlxbun.quant.quantize.command import quantize_model_dir
 from mlxbun.quant.sensitivity.file import Sensitivity, load_sensitivity, merge_sensitivities
@@ -127,8 +128,6 @@ def _memory_skip(cfg: Any, model: SourceModel) -> str | None:
 
 def _calibration(cfg: Any, src: Path) -> Any:
     """The tokens interactions are measured on: ``sensitivity.calib``, as the check's."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
     c = cfg.sensitivity.calib
     calib = load_calibration(
         tokenizer=load_tokenizer(src), path=c.path, samples=c.samples, seq_len=c.seq_len, seed=c.seed

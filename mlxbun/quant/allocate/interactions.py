@@ -41,10 +41,12 @@ from itertools import islice, zip_longest
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun.kl import kl_from_stats, log_probs
 from mlxbun.quant.allocate.knapsack import pareto
+from mlxbun.quant.hessian import Hessians
 from mlxbun.quant.plan import hessians_file
 from mlxbun.quant.probe import (
     Spill,
@@ -193,10 +195,6 @@ class InModel:
     def __init__(
         self, model_dir: str | Path, tokens: Any, *, batch_size: int = 8, hessians: str | Path | None = None
     ) -> None:
-        import mlx.core as mx
-
-        from mlxbun.quant.hessian import Hessians  # here: it imports mlx, which the BLAS precedes
-
         self.hessians = None if hessians is None else Hessians(hessians_file(hessians))
         self._rounded: dict[tuple[str, QuantSpec], Any] = {}  # clip/gptq weights: made once
         self.model, _, _ = load_model(model_dir)
@@ -252,8 +250,6 @@ class InModel:
         return min(block_of(path, prefix=self._prefix, n_blocks=self.stack.n), self.stack.n)
 
     def _put(self, path: str, spec: QuantSpec | None) -> None:
-        import mlx.core as mx
-
         mod = module_at(self.model, path)
         original = self._original.setdefault(path, mod.weight)
         mod.weight = original if spec is None else self._quantized(path, original, spec)
@@ -272,8 +268,6 @@ class InModel:
 
     def _advance(self, to: int) -> list | None:
         """Hidden states entering block ``to`` under the plan in place (kept for the next call)."""
-        import mlx.core as mx
-
         at, hs = self._entry
         if to < at:
             at, hs = 0, None
@@ -291,8 +285,6 @@ class InModel:
         """The KL of another model (the plan as written) against this reference, on the same
         batches: no second reference pass. The last call: the in-model weights are dropped first,
         so memory holds one model."""
-        import mlx.core as mx
-
         self.model = self.stack = None
         self._original, self._rounded = {}, {}
         cur, _, _ = load_model(model_dir)
@@ -308,8 +300,6 @@ class InModel:
         return self.refs.get(f"p{j}", mmap=True), self.refs.get(f"negent{j}")
 
     def _kl(self, start: int, hs: list | None) -> float:
-        import mlx.core as mx
-
         total = 0.0
         for j, b in enumerate(self.batches):
             logits = self.stack.forward(b, start=start, h=None if hs is None else hs[j]).astype(mx.float32)

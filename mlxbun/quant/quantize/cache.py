@@ -30,7 +30,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from mlxbun.io.atomic import atomic_save
+from mlxbun.quant import rounding
 
 FORMAT = 1
 NAMES = ("weight", "scales", "biases")
@@ -40,7 +43,6 @@ log = logging.getLogger("mlxbun")
 def _feed(h: Any, a: Any) -> None:
     """Hash an mlx array's bytes into ``h`` without copying them (bfloat16 as its bit pattern:
     numpy has no bfloat16)."""
-    import mlx.core as mx
     import numpy as np
 
     if a.dtype == mx.bfloat16:
@@ -66,10 +68,6 @@ class Rounded:
     def file(self, path: str, w: Any, *, bits: int, group_size: int, method: str) -> Path:
         """Where module ``path``'s weight ``w`` rounded at this setting is kept (hashed once per
         rounding: :meth:`get` and :meth:`put` take it)."""
-        import mlx.core as mx
-
-        from mlxbun.quant import rounding
-
         # mlx's version too: the roundings go through its quantize, reductions and LAPACK
         head = json.dumps(
             [FORMAT, rounding.VERSION, mx.__version__, path, method, bits, group_size, str(w.dtype), w.shape]
@@ -82,8 +80,6 @@ class Rounded:
     def get(self, file: Path, path: str) -> tuple[Any, ...] | None:
         """(weight, scales, biases) as ``rounding.quantize`` gave them for module ``path``'s input
         kept in ``file``, or None."""
-        import mlx.core as mx
-
         if not file.is_file():
             self.misses += 1
             return None
@@ -102,8 +98,6 @@ class Rounded:
     def put(self, file: Path, out: tuple[Any, ...], path: str) -> None:
         """Keep module ``path``'s ``out`` (weight, scales, biases) in ``file``; written atomically
         (a write that fails, e.g. a full disk, is logged with the path and skipped)."""
-        import mlx.core as mx
-
         arrays, meta = dict(zip(NAMES, out, strict=True)), {"sha256": _digest(out)}
         try:
             file.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 
 from mlxbun.quant.probe import Spill, Target, fake_quant, module_at
@@ -50,8 +52,6 @@ class _Tap:
         return getattr(self.mod, key)
 
     def __call__(self, x: Any) -> Any:
-        import mlx.core as mx
-
         if self.rec.kinds[self.path] == "embedding":
             self.rec.ids[self.path] = x
             return self.rec.tap(self.path, self.mod.weight[x].astype(mx.float32))
@@ -59,8 +59,6 @@ class _Tap:
         return self.rec.tap(self.path, self.mod(x))
 
     def as_linear(self, x: Any) -> Any:
-        import mlx.core as mx
-
         key = self.path + HEAD
         self.rec.inputs[key] = x
         return self.rec.tap(key, x @ self.mod.weight.astype(mx.float32).T)
@@ -118,8 +116,6 @@ def real_module(mod: Any) -> Any:
 
 
 def _kinds(model: Any, tgts: list[Target]) -> dict[str, str]:
-    import mlx.nn as nn
-
     def kind(path: str) -> str:
         return "embedding" if isinstance(real_module(module_at(model, path)), nn.Embedding) else "linear"
 
@@ -162,8 +158,6 @@ class FisherPass:
         """``batch_size``, or fewer so that one batch's activations stay under ACTIVATION_BYTES:
         per token, float32 taps, their gradients and inputs (3 x the summed output widths) and
         the logits with their softmax temporaries (4 x the vocabulary)."""
-        import mlx.core as mx
-
         undo = _install(self.model, self.tgts, self.rec)
         try:
             self.rec.deltas = {}
@@ -178,8 +172,6 @@ class FisherPass:
 
     def _zeros(self, batch: Any) -> dict[str, Any]:
         """Zero taps shaped like each module's output (shapes from a one-token forward)."""
-        import mlx.core as mx
-
         if not self.rec.shapes:
             self.rec.deltas = {}
             mx.eval(self.model(batch[:, :1]))
@@ -188,8 +180,6 @@ class FisherPass:
 
     def run(self, batch: Any) -> Any:
         """One forward + backward on ``batch``, then its scores; returns the reference logits."""
-        import mlx.core as mx
-
         undo = _install(self.model, self.tgts, self.rec)
         try:
             deltas = self._zeros(batch)
@@ -253,8 +243,6 @@ class FisherPass:
         return np.concatenate(parts)
 
     def _g(self, key: str, cols: slice | None = None) -> Any:
-        import mlx.core as mx
-
         g = self._pooled_array("g", key, cols)
         return None if g is None else mx.array(g)
 
@@ -262,8 +250,6 @@ class FisherPass:
         """Adds the pool's sum over tokens of (g . dY)^2 for every candidate of ``t``. Rows go in
         slices: each slice's gradients are read once, every candidate's error on those rows adds
         its part of each token's g . dY, and the dots are squared once all rows are in."""
-        import mlx.core as mx
-
         w = real_module(module_at(self.model, t.path)).weight
         step = max(1, CHUNK // w.shape[-1])
         todo = [c for c in self.cands if not c.matches(t.current)]
@@ -293,8 +279,6 @@ class FisherPass:
     def _dots(self, t: Target, d: Any, lo: int, g: dict, inputs: dict, ids: Any) -> Any:
         """Per token, the part of g . dY from the rows lo:lo+len(d), dW = ``d``; ``g`` holds the
         gradients of those rows (the module's, and a tied head's at HEAD)."""
-        import mlx.core as mx
-
         dot = mx.array(0.0)  # broadcasts to [batch, tokens] with the first term
         if ids is not None:  # lookup: dY_t = dW[token_t], for the tokens whose row is in the slice
             inside = ((ids >= lo) & (ids < lo + d.shape[0]))[..., None]

@@ -38,12 +38,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.progress import Progress
+from mlxbun.quant import hessian, rounding, workers
+from mlxbun.quant.allocate import check
+from mlxbun.quant.allocate.check import correction_factors, measured_kl, rescaled
+from mlxbun.quant.hessian import output_error
 from mlxbun.quant.plan import HESSIANS_NAME, Plan
+from mlxbun.quant.probe import fake_quant
+from mlxbun.quant.quantize.stream import stream
+from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity, parse_setting_key, setting_key
+from mlxbun.quant.sensitivity.fisher import calibration_subset
 from mlxbun.quant.spec import CANDIDATE_METHODS as METHODS
 from mlxbun.quant.spec import MODE_BITS, MODE_DEFAULTS, QuantSpec, spec_for
 
@@ -96,16 +105,10 @@ def reference(spec: QuantSpec, base_group: int) -> QuantSpec:
 def _dequantized(w: Any, spec: QuantSpec, hessian: Any, factor: Any = None) -> Any:
     """``w`` (its source dtype) rounded at ``spec`` and back, float32: what quantize would write
     (``factor``: the Hessian's ``rounding.gptq_factor``, when computed already)."""
-    from mlxbun.quant.probe import fake_quant
-
     return fake_quant(w, spec, dtype=str(w.dtype).rpartition(".")[2], hessian=hessian, factor=factor)
 
 
 def _error(dw: Any, h: Any) -> float:
-    import mlx.core as mx
-
-    from mlxbun.quant.hessian import output_error
-
     return output_error(dw, h) if h is not None else float(mx.sum(dw * dw))
 
 
@@ -124,10 +127,6 @@ def module_errors(
     estimated (module docstring) unless ``exact_gptq``; the second value is each bits' scale of the
     closed form to the exact GPTQ at :data:`ANCHOR_GROUP` (empty without gptq).
     """
-    import mlx.core as mx
-
-    from mlxbun.quant import rounding
-
     ref = w.astype(mx.float32)
     h = None if h is None else mx.array(h).astype(mx.float32)
     errs: dict[QuantSpec, float] = {}
@@ -173,8 +172,6 @@ def _module_errors_on_worker(
     w: np.ndarray, dtype: str, h: np.ndarray | None, specs: list
 ) -> tuple[dict, dict]:
     """:func:`module_errors` in a worker process (:mod:`mlxbun.quant.workers`)."""
-    from mlxbun.quant import workers
-
     return module_errors(workers.received(w, dtype), h, specs)
 
 
@@ -229,11 +226,6 @@ def score(
     Every error is a sum over the weight's rows (groups lie within a row; GPTQ treats rows alike),
     and a candidate's KL uses only the ratio of two errors of the same rows, so a big weight is
     scored on a sample of its rows (:func:`rows_scored`)."""
-    import mlx.core as mx
-
-    from mlxbun.quant import workers
-    from mlxbun.quant.quantize.stream import stream
-
     modules = dict(model.named_modules())
     todo = [t for t in targets if t.path in measured and t.path not in done]
     weights = sum(int(modules[t.path].weight.size) for t in todo)
@@ -297,12 +289,6 @@ def corrected(
     against the reference on the calibration subset of ``tokens`` (``fisher.calibration_subset``:
     the samples the estimate's own whole-model KLs are measured on); ``reference``: ``model_dir``
     as ``probe.load_model`` gives it, when already loaded."""
-    import mlx.core as mx
-
-    from mlxbun.quant.allocate.check import correction_factors, measured_kl, rescaled
-    from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
-    from mlxbun.quant.sensitivity.fisher import calibration_subset
-
     sens = Sensitivity({p: LayerSensitivity(p, 0, kl) for p, kl in kls.items()})
     plan = steps.allocate(
         sens, model_dir=model_dir, budget_bpw=budget_bpw, budget_bytes=budget_bytes, out_dtype=out_dtype
@@ -370,10 +356,6 @@ def extend(
         corrected-v<check.VERSION>-<dtype>-<budget>.json   after the probes of a plan at that budget,
                                 and the probes
     """
-    from mlxbun.quant import hessian
-    from mlxbun.quant.allocate import check
-    from mlxbun.quant.sensitivity.file import parse_setting_key, setting_key
-
     work_dir.mkdir(parents=True, exist_ok=True)
     bits = sorted({int(k) for kl in kls.values() for k in kl})
     specs = settings(bits, group_sizes=[group_size, *group_sizes], methods=["rtn", *methods], modes=modes)

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from mlxbun import blas
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json
@@ -316,8 +318,6 @@ def sensitivity(
 
 def runtime() -> dict[str, Any]:
     """What changes the numbers besides model, calibration and settings: mlx version and BLAS."""
-    import mlx.core as mx
-
     info = blas.load()  # what was loaded before mlx.core (cached), or the bundled BLAS
     return {"mlx": mx.__version__, "blas": info.get("library") if info.get("loaded") else "bundled"}
 

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
+
 from mlxbun.kl import kl_from_stats, ref_stats
 from mlxbun.quant.probe import Stack, Target, fake_quant, module_at
 from mlxbun.quant.spec import QuantSpec
@@ -43,8 +45,6 @@ class Sweep:
     """
 
     def __init__(self, model: Any, tokens: Any, *, batch_size: int, ref_cache_mb: float = 1024) -> None:
-        import mlx.core as mx
-
         self.stack = Stack(model)
         self.model = model
         n = tokens.shape[0]
@@ -56,8 +56,6 @@ class Sweep:
 
     @staticmethod
     def _eval(x: Any) -> Any:
-        import mlx.core as mx
-
         mx.eval(x)
         return x
 
@@ -86,8 +84,6 @@ class Sweep:
 
     def probe_graphs(self, g: int, target: Target, cand: QuantSpec, hs: list | None):
         """Lazy (logits, ref logits or None) per batch with ``target`` fake-quantized; weight restored."""
-        import mlx.core as mx
-
         mod = module_at(self.model, target.path)
         original = mod.weight
         quantized = fake_quant(original, cand, dtype=target.dtype)

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun.kl import kl_from_stats, ref_stats
@@ -94,8 +95,6 @@ class GroupKL:
 
     def kl(self, tgts: list[Target], cand: QuantSpec, tick: Callable[[float], None]) -> float:
         """Mean over tokens then samples; the weights are restored."""
-        import mlx.core as mx
-
         start = self.start(tgts)
         share = (self.stack.n + 1 - start) / (self.stack.n + 1)
         for j, b in enumerate(self.batches):
@@ -223,8 +222,6 @@ def estimate(
     ``progress(fraction)`` is called with the fraction of work done, counted in forward passes;
     ``hint(seconds)`` once at the start with the run's duration estimated from one timed forward.
     """
-    import mlx.core as mx
-
     n = tokens.shape[0]
     done = [0.0]
 

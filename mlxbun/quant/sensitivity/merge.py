@@ -24,6 +24,7 @@ from typing import Any
 
 from mlxbun.errors import InputError
 from mlxbun.quant.sensitivity.file import combine_shards, read_shard, write_reports
+from mlxbun.runs.provenance import RunResult
 
 
 def find_files(inputs: list[str]) -> list[Path]:
@@ -61,8 +62,6 @@ def merge(*, inputs: list[str], out_dir: str | Path) -> tuple[dict[str, Any], li
 
 def run(cfg: Any) -> Any:
     """command=sensitivity_merge: unpack the config and call :func:`merge`."""
-    from mlxbun.runs.provenance import RunResult
-
     run_dir = Path(cfg.paths.run_dir)
     doc, files, outputs = merge(inputs=list(cfg.sensitivity.inputs), out_dir=run_dir)
     return RunResult(

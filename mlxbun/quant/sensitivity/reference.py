@@ -20,13 +20,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import mlx.core as mx
+
 from mlxbun.kl import kl
 from mlxbun.quant.probe import fake_quant, module_at
 
 
 def _score(model: Any, samples: list, ref: list, target: Any, cand: Any) -> float:
-    import mlx.core as mx
-
     if cand.matches(target.current):
         return 0.0
     mod = module_at(model, target.path)
@@ -59,8 +59,6 @@ def reference_sweep(
     weights and activations in bf16; the model is converted in place). Its numbers then differ
     from float32 by bf16 rounding; the default float32 is what the fast path must equal.
     """
-    import mlx.core as mx
-
     if dtype != "float32":
         model.set_dtype(getattr(mx, dtype))
     samples = [mx.array(tokens[i : i + 1]) for i in range(tokens.shape[0])]

@@ -40,8 +40,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
 import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
+from mlxbun import registry
 from mlxbun.errors import InputError
 from mlxbun.host import available_memory
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
@@ -50,8 +55,15 @@ from mlxbun.io.safetensors import INDEX_FILE, open_model, read_config
 from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, stable_root
 from mlxbun.progress import Progress, human_bytes
+from mlxbun.quant.calibration import load_calibration
+from mlxbun.quant.mlxlm import load
+from mlxbun.quant.probe import dequantized, module_at
+from mlxbun.quant.probe import load_model as load_reference
+from mlxbun.quant.quantize.command import source_name
 from mlxbun.quant.quantize.outdir import copy_side_files, written_files
+from mlxbun.quant.rounding import BLOCK_ELEMENTS, pack
 from mlxbun.runs.provenance import RunResult
+from mlxbun.source.fingerprint import model_fingerprint
 from mlxbun.source.model import model_dir, named_dir
 
 log = logging.getLogger("mlxbun")
@@ -75,10 +87,6 @@ VERSION = 2  # of the method: part of the job key (2: the codes are trained too)
 
 def _modules():
     """The trainable stand-ins, built on first use (MLX is imported lazily)."""
-    import mlx.core as mx
-    import mlx.nn as nn
-
-    from mlxbun.quant.probe import dequantized
 
     class TunedLinear(nn.Module):
         """An affine QuantizedLinear as its codes (one byte each; a float32 copy of a 0.5B model's
@@ -177,10 +185,6 @@ def _modules():
 def _packed(codes: Any, bits: int) -> Any:
     """Codes (rows, groups, group) uint8 -> mlx's packed uint32 weight (rows, cols * bits / 32), in
     blocks of rows (the packing's temporaries are 4 x bits bytes a code)."""
-    import mlx.core as mx
-
-    from mlxbun.quant.rounding import BLOCK_ELEMENTS, pack
-
     codes = codes.reshape(codes.shape[0], -1)
     step = max(1, BLOCK_ELEMENTS // codes.shape[1])
     return mx.array(
@@ -190,8 +194,6 @@ def _packed(codes: Any, bits: int) -> Any:
 
 def tunable(model: Any) -> list[tuple[str, Any]]:
     """(path, module) of each affine quantized module below 8 bits, in model order."""
-    import mlx.nn as nn
-
     return [
         (path, m)
         for path, m in model.named_modules()
@@ -201,8 +203,6 @@ def tunable(model: Any) -> list[tuple[str, Any]]:
 
 def norms(model: Any) -> list[tuple[str, Any]]:
     """(path, module) of each RMSNorm (mlx's own; a model's variant such as Gemma's 1 + w stays)."""
-    import mlx.nn as nn
-
     return [(p, m) for p, m in model.named_modules() if type(m) is nn.RMSNorm]
 
 
@@ -236,11 +236,6 @@ def tune_model(
     the input's validation KL is below ``min_kl``, or the training would take longer than
     ``max_minutes`` at the speed of the first validation window (then of the whole first
     validation pass), nothing is trained: the tensors are None and the record's "reason" says why."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    import mlx.optimizers as optim
-    from mlx.utils import tree_map, tree_unflatten
-
     linear_cls, embedding_cls, norm_cls = _modules()
     swaps = []
     for path, q in tunable(model):
@@ -498,8 +493,6 @@ def _reference_dir(cfg: Any) -> Path:
 def check_reference(model: Any, reference: Any, ref_dir: Path) -> None:
     """Refuse a reference that is not the quantized model's source: each tuned module must be
     there with the weight shape it was quantized from."""
-    from mlxbun.quant.probe import module_at
-
     for path, q in tunable(model):
         want = (q.weight.shape[0], q.weight.shape[1] * 32 // q.bits)
         try:
@@ -516,13 +509,6 @@ def check_reference(model: Any, reference: Any, ref_dir: Path) -> None:
 
 def run(cfg: Any) -> Any:
     """command=tune: tune ``model.name`` (quantized) against ``tune.reference`` into ``<run_dir>/model``."""
-    from mlx.utils import tree_flatten
-    from mlx_lm import load
-
-    from mlxbun.quant.calibration import load_calibration
-    from mlxbun.quant.probe import load_model as load_reference
-    from mlxbun.source.fingerprint import model_fingerprint
-
     t = cfg.tune
     src, ref_dir = model_dir(cfg), _reference_dir(cfg)
     run_dir = Path(cfg.paths.run_dir)
@@ -628,9 +614,6 @@ def run(cfg: Any) -> Any:
 def _register(cfg: Any, out: Path, src: Path) -> str:
     """Index the tuned model as its input's registry name + ``-tuned`` (e.g.
     ``Qwen3-4B-mixed-3.50bpw-tuned``), so later recipes can name it; returns the name."""
-    from mlxbun import registry
-    from mlxbun.quant.quantize.command import source_name
-
     registry.open_db(url=cfg.registry.url, path=cfg.registry.path)
     name = f"{source_name(str(src))}-tuned"
     registry.register_model(out, name=name)
