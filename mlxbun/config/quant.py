@@ -29,26 +29,29 @@ from mlxbun.quant.spec import (
 
 @dataclass
 class QuantCfg:
+    # affine, mxfp4, nvfp4 or mxfp8.
     mode: str = "affine"
+    # Bits per weight: affine 2, 3, 4, 5, 6 or 8; mxfp4 and nvfp4 4; mxfp8 8. None: the mode's default.
     bits: int | None = None
+    # Weights per scale: affine 32, 64 or 128; mxfp4 and mxfp8 32; nvfp4 16. None: the mode's default.
     group_size: int | None = None
-    # Per-layer plan file (from `allocate` or hand-written) or an mlx-lm mixed rule (mixed_2_6,
-    # mixed_3_4, mixed_3_6, mixed_4_6: the same as quant.mixed).
+    # A per-layer plan.json (from allocate, or written by hand), or one of mlx-lm's mixed rules
+    # (as quant.mixed). Sets every layer's mode, bits and group size.
     plan: str | None = None
     # mlx-lm's mixed rule: mixed_2_6, mixed_3_4, mixed_3_6 or mixed_4_6 (affine; quant.group_size applies).
     mixed: str | None = None
-    # dtype of the tensors left unquantized; None follows config.json's torch_dtype (as mlx-lm).
+    # dtype of the tensors left unquantized: bfloat16, float16 or float32; None: config.json's torch_dtype.
     dtype: str | None = None
-    # Output model directory; None writes <run_dir>/model (a re-run resumes a killed one).
+    # Output model directory; None: <run_dir>/model.
     out: str | None = None
+    # true: a re-run of the same conversion continues a killed one from its last complete shard.
     resume: bool = True
-    # Modules read, cast and quantized (and sensitivity candidates scored) in parallel; None: one
-    # per core this process may use.
+    # Modules converted (and sensitivity candidates scored) at once, >= 1; None: one per usable core.
     threads: int | None = None
     # How affine weights are rounded: rtn (mx.quantize), clip (range search), gptq or awq.
     method: str = "rtn"
     # Input Hessians (hessians.safetensors, or the command=calibrate run dir holding it): gptq and
-    # awq need them; clip weights columns by them. A pipeline's calibrate step sets it.
+    # awq need them, clip weights columns by them. A pipeline's calibrate step sets it.
     hessians: str | None = None
 
     def __post_init__(self) -> None:
@@ -71,10 +74,13 @@ class QuantCfg:
 @dataclass
 class CalibCfg:
     # A text file (``### kind lang`` sections) or JSONL ({"text"} | {"messages"} | {"prompt",
-    # "completion"}); None uses the built-in varied set mlxbun/data/calibration.txt.
+    # "completion"}); None: the built-in set mlxbun/data/calibration.txt.
     path: str | None = None
+    # Calibration windows drawn from the text, >= 1.
     samples: int = 24
+    # Tokens per window, >= 2.
     seq_len: int = 512
+    # Picks the windows, >= 0.
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -90,15 +96,16 @@ class CalibCfg:
 
 @dataclass
 class CandidatesCfg:
-    # Candidates beyond RTN at sensitivity.bits x sensitivity.group_size, each module's KL scored
-    # from its input Hessian (mlxbun/quant/sensitivity/candidates.py): these affine group sizes and rounding
-    # methods (rtn, clip, gptq), and microscaling modes (mxfp4, nvfp4, mxfp8). All []: none.
-    # The Hessians are quant.hessians (None: captured on sensitivity.calib, cached).
+    # Candidates beyond RTN at sensitivity.bits, each module's KL scored from its input Hessian
+    # (quant.hessians; None: captured on sensitivity.calib, cached): affine group sizes 32, 64, 128.
+    # All three lists []: no candidates beyond RTN.
     group_sizes: list[int] = field(default_factory=list)
+    # Rounding methods scored: rtn, clip, gptq.
     methods: list[str] = field(default_factory=list)
+    # Microscaling modes scored at their one setting: mxfp4, nvfp4, mxfp8.
     modes: list[str] = field(default_factory=list)
-    # Rescale each quantizer's estimates by whole-model probes of a plan at allocate's budget
-    # (4.5 bpw when none is set): one quantize + forward per quantizer.
+    # Rescale each quantizer's estimates by whole-model probes of a plan at allocate's budget (or
+    # 4.5 bpw): one quantize and one forward per quantizer.
     correct: bool = True
 
     def __post_init__(self) -> None:
@@ -116,24 +123,31 @@ class CandidatesCfg:
 
 @dataclass
 class SensitivityCfg:
+    # Bit widths each module's KL is measured at (the mode's, as quant.bits), at least one.
     bits: list[int] = field(default_factory=lambda: [4, 8])
-    # None: the mode's default (affine 64, mxfp4 32, nvfp4 16, mxfp8 32).
+    # Weights per scale (as quant.group_size); None: the mode's default.
     group_size: int | None = None
+    # affine, mxfp4, nvfp4 or mxfp8.
     mode: str = "affine"
-    # fisher: estimated from one backward pass + one forward per candidate (mlxbun/quant/sensitivity/fisher.py);
-    # exact: every (module, candidate) measured; reference: exact, one forward per sample (slow).
+    # fisher: estimated from one backward pass and one forward per candidate; exact: every
+    # (module, candidate) measured; reference: exact, one full forward per sample (slow).
     method: str = "fisher"
-    # fisher: fraction of modules (largest first) probed exactly at refine_bits ([] = the middle
-    # candidate) on the calibration subset; each module's estimate is scaled to its probe. 0: off.
+    # fisher: the fraction of modules, in [0, 1], largest first, probed exactly at refine_bits and
+    # their estimates scaled to the probe. 0: off.
     refine: float = 0.0
+    # The bits refine probes at, from sensitivity.bits; []: the middle candidate.
     refine_bits: list[int] = field(default_factory=list)
+    # Calibration windows per forward, >= 1.
     batch_size: int = 8
-    # Split the work over Hydra multirun jobs: sensitivity.shard=range(0,N) sensitivity.num_shards=N.
+    # This job's part, 0 .. num_shards - 1, when Hydra multirun splits the work:
+    # sensitivity.shard=range(0,N) sensitivity.num_shards=N.
     shard: int = 0
+    # Parts the work is split into, >= 1.
     num_shards: int = 1
     calib: CalibCfg = field(default_factory=CalibCfg)
     candidates: CandidatesCfg = field(default_factory=CandidatesCfg)
-    # Keep reference log-probs (float64, samples x seq_len x vocab) when they fit this many MiB.
+    # Keep the reference's log-probs (float64, samples x seq_len x vocab) in memory when they fit
+    # this many MiB, >= 0; else they are computed again.
     ref_cache_mb: float = 1024.0
     # Root of the per-group checkpoints (a rerun resumes); None: <paths.cache>/sensitivity.
     work_dir: str | None = None
@@ -168,8 +182,8 @@ class SensitivityCfg:
 
 @dataclass
 class CalibrateCfg:
-    # Root of the cached Hessians, one directory per model and calibration (a rerun reuses it);
-    # None: <paths.cache>/hessians. The calibration is sensitivity.calib's.
+    # Root of the cached Hessians, one directory per model and calibration (sensitivity.calib's);
+    # None: <paths.cache>/hessians.
     work_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -180,28 +194,35 @@ class CalibrateCfg:
 class AllocateCfg:
     # sensitivity.json or the run directory holding it (a pipeline's sensitivity step sets it).
     sensitivity: str | None = None
-    # More runs on the same model and calibration (other group sizes or modes): more candidates.
+    # More sensitivity runs on the same model and calibration (other group sizes or modes): more candidates.
     extra_sensitivity: list[str] = field(default_factory=list)
-    # Candidates: measured settings with these bits / group sizes / modes / rounding methods
-    # (rtn, clip, gptq: sensitivity.candidates scores them) ([] = any measured).
+    # Candidates: the measured settings with these bits ([]: any).
     bits: list[int] = field(default_factory=list)
+    # ... these group sizes ([]: any).
     group_sizes: list[int] = field(default_factory=list)
+    # ... these modes ([]: any).
     modes: list[str] = field(default_factory=list)
+    # ... these rounding methods: rtn, clip, gptq ([]: any).
     methods: list[str] = field(default_factory=list)
-    # Exactly one: bits per weight over every stored tensor, or bytes of the .safetensors files.
+    # The budget as bits per weight over every stored tensor, > 0 (set this or budget_bytes).
     budget_bpw: float | None = None
+    # The budget as bytes of the .safetensors files, headers included, > 0 (or budget_bpw).
     budget_bytes: int | None = None
-    # Setting of modules the sensitivity did not probe (e.g. embeddings); the plan's default.
+    # Bits of the modules the sensitivity did not probe (embeddings, an unprobed head): the plan's default.
     default_bits: int = 4
+    # Their group size.
     default_group_size: int = 64
+    # Their mode.
     default_mode: str = "affine"
-    # "PATTERN:MIN_BITS" rules, e.g. lm_head:6, embed_tokens:6, layers.first.mlp.down_proj:6.
+    # "PATTERN:MIN_BITS" rules keeping modules at or above a bit width, e.g. lm_head:6,
+    # layers.first.mlp.down_proj:6 (a glob, or dotted components; first and last name blocks).
     protect: list[str] = field(default_factory=list)
-    # Knapsack DP states before option sizes get rounded up (see mlxbun/quant/allocate/knapsack.py).
+    # Knapsack states, >= 1, before option sizes are rounded up (the plan is then near-optimal, with its bound).
     max_states: int = 65536
-    # Steps near the knapsack's threshold re-measured in the model quantized as planned, per
-    # round; the plan is solved again with those costs (mlxbun/quant/allocate/interactions.py). 0: off.
+    # Decisions near the knapsack's threshold re-measured per round in the model quantized as
+    # planned, the plan then solved again with those costs, >= 0. 0: off.
     interactions: int = 16
+    # Rounds of that, >= 1; a round's plan is kept only when the model's KL is lower.
     interaction_rounds: int = 2
     # Quantize with the plan and measure the mixed model's KL against the reference.
     check: bool = True
@@ -235,15 +256,15 @@ class EvalCfg:
     candidates: list[str] = field(default_factory=list)
     # A text file to evaluate on; None: the built-in held-out text mlxbun/data/heldout.txt.
     text: str | None = None
-    # Tokens evaluated (rounded up to whole windows of seq_len), in disjoint windows drawn by seed.
+    # Tokens evaluated, >= 1 (rounded up to whole windows of seq_len), in disjoint windows drawn by seed.
     tokens: int = 8192
-    # Tokens per window (a forward's length; each window scores seq_len - 1 next-token predictions).
+    # Tokens per window, >= 2 (each window scores seq_len - 1 next-token predictions).
     seq_len: int = 512
-    # Picks the windows from the text.
+    # Picks the windows from the text, >= 0.
     seed: int = 0
-    # Reference log-probs kept per token (plus the tail mass); the KL this misses is bounded and reported.
+    # Reference log-probs kept per token, >= 1 (plus the tail mass); the KL this misses is bounded and reported.
     top_k: int = 1024
-    # Windows per forward.
+    # Windows per forward, >= 1.
     batch_size: int = 4
     # true: evaluate a candidate whose calibration tokens share spans with the text (with a warning).
     allow_overlap: bool = False
@@ -264,31 +285,29 @@ class TuneCfg:
     # The unquantized model the quantized one (model.name) was made from: its next-token
     # distributions are the target (a path, registry name or org/repo).
     reference: str | None = None
-    # Passes over the calibration windows in each phase (scales, then codes); 0 hands the input on.
+    # Passes over the calibration windows in each phase (scales, then codes), >= 0; 0 hands the input on.
     epochs: int = 8
-    # Adam's step after one epoch of warm-up, then decayed to 0 on a cosine. Scales and biases move
-    # in units of the quantization grid, so one rate suits every bit width.
+    # Adam's step, > 0, after one epoch of warm-up, then decayed to 0 on a cosine. Scales and biases
+    # move in units of the quantization grid, so one rate suits every bit width.
     lr: float = 3.0e-3
-    # The second phase's step for the codes (learned rounding): each code's offset moves by about
-    # this many grid steps a step, and the code moves to the next level once its offset passes one
-    # half; 0: the codes stay (no second phase). On the 8-layer fixture 3e-3 and 6e-3 lowered the
-    # held-out KL of a 5-bit plan by 12% and 18% more than the scales alone, and 9e-3 moved too
-    # many codes at once (no epoch beat the first phase's).
+    # The second phase's step for the codes (learned rounding), in [0, 1]: each code's offset moves
+    # by about this many grid steps a step, and the code moves to the next level once its offset
+    # passes one half; 0: the codes stay (no second phase). Too large moves many codes at once.
     codes_lr: float = 6.0e-3
-    # Windows per step.
+    # Windows per step, >= 1.
     batch_size: int = 4
-    # Calibration windows (the text and seed are sensitivity.calib's); the last eighth validate.
+    # Calibration windows, >= 3 (the text and seed are sensitivity.calib's); the last eighth validate.
     samples: int = 128
-    # Tokens per calibration window.
+    # Tokens per calibration window, >= 2.
     seq_len: int = 128
-    # Stop after this many epochs without a new best validation KL (0: run every epoch, the
-    # default: a 6-bit plan's best came at epoch 7 after five epochs without one).
+    # Stop after this many epochs without a new best validation KL, >= 0 (0: run every epoch; a
+    # plan's best can come late, after several epochs without one).
     patience: int = 0
-    # Hand the input on untrained when its validation KL (nats per token) is below this: a plan
-    # that close to its reference has nothing measurable left to gain (0: always train).
+    # Hand the input on untrained when its validation KL (nats per token) is below this, >= 0: a
+    # plan that close to its reference has nothing measurable left to gain (0: always train).
     min_kl: float = 1.0e-3
-    # Hand the input on untrained when the epochs would take longer than this, at the speed of the
-    # first validation pass (tune.json records the prediction); null: no limit.
+    # Hand the input on untrained when the epochs would take longer than this many minutes, > 0, at
+    # the speed of the first validation pass (tune.json records the prediction); null: no limit.
     max_minutes: float | None = 60.0
 
     def __post_init__(self) -> None:

@@ -72,7 +72,7 @@ class ModelCfg:
 class SynthCfg:
     # Architecture: llama, qwen2, qwen3, mistral or gemma3_text.
     arch: str = "llama"
-    # Named size preset (see mlxbun.synth.command.PRESETS); explicit dims below override it.
+    # Named size preset: tiny, small, 1b ... 27b (mlxbun.synth.arch.PRESETS); the dims below override it.
     preset: str = "tiny"
     # Model width (overrides the preset).
     hidden_size: int | None = None
@@ -94,13 +94,13 @@ class SynthCfg:
     dtype: str = "bfloat16"
     # Every tensor's values derive from this seed.
     seed: int = 0
-    # Planted structure so quantization, rotation and sensitivity have something to find.
+    # Outlier channels planted, >= 0, so quantization, rotation and sensitivity have something to find.
     outlier_channels: int = 0
     # Factor applied to the planted outlier channels (finite, > 0).
     outlier_scale: float = 20.0
-    # What outlier_scale multiplies: "weights", "activations" or "both" (see mlxbun/synth/command.py).
+    # What outlier_scale multiplies: "weights", "activations" or "both" (see mlxbun/synth/values.py).
     outlier_target: str = "both"
-    # Std of noise added to RMSNorm gains.
+    # Std of noise added to RMSNorm gains, >= 0.
     norm_jitter: float = 0.0
     # Output model directory; None writes <run_dir>/model.
     out: str | None = None
@@ -151,13 +151,13 @@ class KvCfg:
     prompt_file: str | None = None
     # snapshot: one mlx-lm prompt-cache file; blocks: deduplicated blocks (see README, KV caches).
     layout: str = "snapshot"
-    # Target size of one block in KiB (blocks layout).
+    # Target size of one block in KiB, >= 1 (blocks layout).
     block_kib: int = 1024
     # Re-hash every tensor and block on restore.
     verify: bool = True
-    # kv_gc: evict least recently used snapshots until the store is under this many GiB.
+    # kv_gc: evict least recently used snapshots until the store is under this many GiB, > 0.
     cap_gb: float | None = None
-    # Tokens kv_generate decodes after the prompt.
+    # Tokens kv_generate decodes after the prompt, 1 .. 2^24.
     max_tokens: int = 32
     # kv_gc: false prints the plan, true frees the blocks.
     execute: bool = False
@@ -208,9 +208,9 @@ class RegistryFilterCfg:
 
 @dataclass
 class RegistryFitCfg:
-    # Memory budget in GiB.
+    # Memory budget in GiB, > 0.
     budget_gb: float = 16.0
-    # Tokens of KV cache to count.
+    # Tokens of KV cache to count, 1 .. 2^24.
     context: int = 8192
     # Count the vision tower too.
     vision: bool = False
@@ -245,7 +245,7 @@ class RunsCfg:
     recipe: str | None = None
     # Only runs in this status: running, ok, failed or interrupted.
     status: str | None = None
-    # Newest runs listed (at most 10^9).
+    # Newest runs listed, 1 .. 10^9.
     limit: int = 50
     # For command=verify: the run directory whose outputs are re-hashed against its manifest.
     dir: str | None = None
