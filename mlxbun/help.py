@@ -2,7 +2,7 @@
 
 ``python -m mlxbun`` lists the commands and the recipes; ``python -m mlxbun command=quantize
 help=true`` lists the keys quantize reads with their type, value (after the recipe and the
-overrides) and the one-line comment from ``mlxbun/config/schema.py``.
+overrides) and the comment above the key in its section (``mlxbun/config/``).
 """
 
 from __future__ import annotations

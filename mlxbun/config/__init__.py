@@ -1,1 +1,2 @@
-"""The config: the schema Hydra composes every run against, its sections and checks, and the keys each command reads."""
+"""The config: the schema Hydra composes every run against, its sections and their checks, and
+the keys each command reads."""

@@ -32,7 +32,7 @@ CONNECT_DEADLINE_S = 60.0
 DEFAULT_DB = "~/.cache/mlxbun/registry.db"
 GB = (
     1 << 30
-)  # every *_gb key is GiB (mlxbun/config/schema.py): registry.filter.max_gb, registry.fit.budget_gb
+)  # every *_gb key is GiB (mlxbun/config/checks.py): registry.filter.max_gb, registry.fit.budget_gb
 PG_LOCK_KEY = 0x6D6C7862  # advisory lock serializing schema upgrades on PostgreSQL
 _target: tuple[str | None, str | None] | None = None
 

@@ -11,7 +11,8 @@ depth's digest is persisted (so each keeps the exact bytes it has always hashed)
                       tensors restore another's cache).
     depth="sampled"   each ``*.safetensors`` shard's name, header and 16 chunks of 64 KiB spread
                       over its data (a small file: all of it), then config.json. sensitivity.json
-                      and plan.json: fast on 50 GB, and a model's sensitivity is refused for another.
+                      and plan.json: a fixed read whatever the model's size, and a model's
+                      sensitivity is refused for another.
     depth="header"    config.json, then each ``model*.safetensors*`` file's name, size and header
                       (the index: its bytes). quantize's record: the same in every copy of a
                       source, read without touching the tensors.

@@ -27,7 +27,7 @@ from mlxbun.source.fingerprint import model_fingerprint
 log = logging.getLogger("mlxbun")
 
 MARKER = ".mlxbun-quantize.json"
-FORMAT_VERSION = 2  # of the record; 2: no paths, digests of every file
+FORMAT_VERSION = 2  # of the record: a change gives every output a new fingerprint
 # Files mlx-lm's output carries besides weights and config (its tokenizer save + copies).
 COPY_PATTERNS = (
     "tokenizer.json",
