@@ -19,7 +19,7 @@ again. For each fixture, draw and size (the bytes of an mlx-lm option, quantized
 
 - the plan ``allocate`` makes from the summed objective alone ("summed"), and the plan it makes
   with ``interactions`` (steps near the threshold re-measured in the quantized model on the
-  sensitivity's own calibration draw; ``mlxbun/quant/interactions.py``);
+  sensitivity's own calibration draw; ``mlxbun/quant/allocate/interactions.py``);
 - each quantized by the project's quantize and scored by KL on held-out text (the same text and
   scoring as ``sensitivity_methods.py``), each / exact's summed plan at the same draw;
 - the interactions' cost: forward-pass equivalents over the calibration set and seconds.
@@ -57,10 +57,10 @@ def fixture(args: argparse.Namespace, name: str) -> dict:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
     from mlxbun.io.atomic import atomic_write_json
-    from mlxbun.quant.allocate import allocate
-    from mlxbun.quant.calib import load_calibration
-    from mlxbun.quant.interactions import InModel
-    from mlxbun.quant.sensitivity_file import load_sensitivity
+    from mlxbun.quant.allocate.allocation import allocate
+    from mlxbun.quant.allocate.interactions import InModel
+    from mlxbun.quant.calibration import load_calibration
+    from mlxbun.quant.sensitivity.file import load_sensitivity
 
     work = args.work / name
     calib = load_sensitivity(sensitivity_dir(work, "exact", 0)).calibration

@@ -74,7 +74,7 @@ def peak_rss_mb() -> float:
 def _calibration(model_dir: Path, samples: int, seq_len: int):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
 
     tok = load_tokenizer(model_dir)
     return load_calibration(tokenizer=tok, samples=samples, seq_len=seq_len, seed=0)

@@ -1,4 +1,4 @@
-"""GPTQ's estimated output error (mlxbun.quant.candidates) against the exact one, per module.
+"""GPTQ's estimated output error (mlxbun.quant.sensitivity.candidates) against the exact one, per module.
 
 Run: .venv/bin/python bench/gptq_estimate.py [--model tests/fixtures/llama-text-12l] [--samples 16] [--seq-len 256]
 
@@ -37,10 +37,10 @@ def main() -> None:
     blas.load()
     import mlx.core as mx
 
-    from mlxbun.quant import candidates
     from mlxbun.quant.calibrate import calibrate
     from mlxbun.quant.hessian import Hessians
     from mlxbun.quant.probe import load_model, source_dtypes
+    from mlxbun.quant.sensitivity import candidates
 
     with tempfile.TemporaryDirectory() as tmp:
         path = calibrate(model_dir=args.model, out_dir=tmp, samples=args.samples, seq_len=args.seq_len).path

@@ -51,8 +51,8 @@ def main() -> None:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
     from sensitivity_methods import Evaluator, held_out_tokens, module_kls
 
-    from mlxbun.quant.calib import load_calibration
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.calibration import load_calibration
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     doc = json.loads((args.work / args.base / "sensitivity.json").read_text())
     model = Path(REPO / "tests" / "fixtures" / args.work.name)

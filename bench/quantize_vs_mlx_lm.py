@@ -76,7 +76,7 @@ def same_tensors(a: Path, b: Path) -> bool:
 
 
 LIB = (
-    "import sys; from mlxbun.quant.quantize import quantize_model_dir\n"
+    "import sys; from mlxbun.quant.quantize.command import quantize_model_dir\n"
     "r = quantize_model_dir(sys.argv[1], sys.argv[2], bits=4, group_size=64, shard_bytes=int(sys.argv[3]) << 30)\n"
     "print('seconds', r.seconds)\n"
 )
@@ -185,7 +185,7 @@ def hf_cache_entry(plain: Path, hub: Path, name: str) -> Path:
 
 def synthesize(src: Path, dims: dict) -> None:
     """Build the source in a child: this process stays small, and children inherit its peak RSS."""
-    code = "import sys, json; from mlxbun.synth_write import synthesize; synthesize(sys.argv[1], arch='llama', **json.loads(sys.argv[2]))"
+    code = "import sys, json; from mlxbun.synth.write import synthesize; synthesize(sys.argv[1], arch='llama', **json.loads(sys.argv[2]))"
     run_child([sys.executable, "-c", code, str(src), json.dumps(dims)], cwd=src.parent)
 
 
@@ -227,8 +227,8 @@ def ratios(rows: list[dict]) -> list[str]:
 PROFILE = """
 import hashlib, os, sys, tempfile, time
 import mlx.core as mx
-from mlxbun.source import FileTensors
-from mlxbun.io.shards import tensor_bytes
+from mlxbun.source.model import FileTensors
+from mlxbun.io.layout import tensor_bytes
 src = sys.argv[1]
 def clock():
     return time.perf_counter(), time.process_time()
@@ -272,7 +272,7 @@ with FileTensors(__import__('pathlib').Path(src)) as f:
 THREADS = """
 import collections, resource, sys, threading, time
 t_start = time.perf_counter()
-from mlxbun.quant import quantize as Q
+from mlxbun.quant.quantize import command as Q
 from mlxbun.io import shards
 t_import = time.perf_counter() - t_start
 stats, lock = collections.defaultdict(lambda: [0.0, 0.0, 0]), threading.Lock()

@@ -8,7 +8,7 @@ Three versions of one llama-family model that compute the same function:
 * plain:    the source. A tied head is evaluated untied (lm_head = the embedding) so that the two
             can be quantized separately; quantizing both gives exactly the tied model's result.
 * fold:     every RMSNorm gain folded into the linears after it, norms set to 1 (R1 = I).
-* fold+R1:  what ``mlxbun.rotate.rotate_model_dir`` writes (seed 0): the fold plus R1.
+* fold+R1:  what ``mlxbun.rotate.command.rotate_model_dir`` writes (seed 0): the fold plus R1.
 
 Each is fake-quantized (``nn.quantize``: affine, group 64, bf16 storage) one part at a time —
 embedding, lm_head, attention, MLP, everything — at 4 and 3 bits; the table gives KL(bf16 source ‖
@@ -164,8 +164,8 @@ def main() -> None:
     t0 = time.time()
     from mlx_lm import load
 
-    from mlxbun.quant.calib import load_calibration
-    from mlxbun.rotate import rotate_model_dir
+    from mlxbun.quant.calibration import load_calibration
+    from mlxbun.rotate.command import rotate_model_dir
 
     _, tokenizer = load(str(args.model))
     tokens = load_calibration(

@@ -6,13 +6,13 @@ Run: .venv/bin/python bench/rotation_quality.py [--preset tiny] [--outlier-scale
 For each model (synthetic llamas without and with planted outlier channels; the trained fixture
 when its weights are present):
 
-1. rotate (child process, wall time and peak RSS): ``mlxbun.rotate.rotate_model_dir``, seed 0,
+1. rotate (child process, wall time and peak RSS): ``mlxbun.rotate.command.rotate_model_dir``, seed 0,
    verified against the source.
 2. quantize the source and the rotated model at 4 and 3 bits, affine g64, with the anchor
    ``mlx_lm.convert`` (child processes, wall time and peak RSS), so both sides use the same
    quantizer and only the rotation differs.
 3. KL(reference ‖ model) in float32, mean over tokens, on ``samples × seq_len`` tokens of the
-   built-in calibration text (``mlxbun.quant.calib``), every model loaded with ``mlx_lm.load``.
+   built-in calibration text (``mlxbun.quant.calibration``), every model loaded with ``mlx_lm.load``.
 
 Writes ``bench/results/rotate.md``. Timings are noisy: the machine is shared.
 """
@@ -60,7 +60,7 @@ def rotate_child(src: Path, out: Path) -> dict:
     code = (
         "from mlxbun import blas; blas.load()\n"
         "import json\n"
-        "from mlxbun.rotate import rotate_model_dir\n"
+        "from mlxbun.rotate.command import rotate_model_dir\n"
         f"r = rotate_model_dir({str(src)!r}, {str(out)!r}, seed=0)\n"
         "print(json.dumps(r.verify.to_dict() if r.verify else None))\n"
     )
@@ -80,7 +80,7 @@ def convert_child(src: Path, out: Path, bits: int) -> dict:
 def calibration_tokens(model: Path, samples: int, seq_len: int):
     from mlx_lm import load
 
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
 
     _, tokenizer = load(str(model))
     return load_calibration(tokenizer=tokenizer, samples=samples, seq_len=seq_len, seed=0).tokens
@@ -123,7 +123,7 @@ def evaluate(name: str, src: Path, work: Path, samples: int, seq_len: int) -> di
 
 
 def synth_model(work: Path, preset: str, target: str, scale: float) -> Path:
-    from mlxbun.synth_write import synthesize
+    from mlxbun.synth.write import synthesize
 
     channels = 0 if target == "none" else 8
     return synthesize(
@@ -134,13 +134,13 @@ def synth_model(work: Path, preset: str, target: str, scale: float) -> Path:
 
 def scale_run(work: Path, preset: str, layers: int) -> dict:
     """Rotate a larger synthetic model (256 MiB shards, no verify) beside mlx_lm.convert -q of it."""
-    from mlxbun.synth_write import synthesize
+    from mlxbun.synth.write import synthesize
 
     src = synthesize(work / "scale", arch="llama", preset=preset, dtype="bfloat16", num_layers=layers)
     nbytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     code = (
         "from mlxbun import blas; blas.load()\n"
-        "from mlxbun.rotate import rotate_model_dir\n"
+        "from mlxbun.rotate.command import rotate_model_dir\n"
         f"rotate_model_dir({str(src)!r}, {str(work / 'scale-rot')!r}, seed=0, shard_bytes=256 << 20, verify=False)\n"
     )
     seconds, rss, _ = run_child(code)

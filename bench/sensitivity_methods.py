@@ -85,11 +85,11 @@ def stage_sensitivity(args: argparse.Namespace) -> dict:
     from mlxbun import blas
 
     blas.load()
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     dest = args.work / args.method
     if args.label_seed:
-        from mlxbun.quant import fisher
+        from mlxbun.quant.sensitivity import fisher
 
         estimate = fisher.estimate
 
@@ -162,7 +162,7 @@ class Evaluator:
 def held_out_tokens(model: Path, work: Path, *, samples: int, seq_len: int) -> np.ndarray:
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
 
     parts = [Path(f"/usr/lib/python3.11/{m}.py").read_text(errors="replace") for m in HELD_OUT]
     path = work / "held_out.txt"
@@ -173,7 +173,7 @@ def held_out_tokens(model: Path, work: Path, *, samples: int, seq_len: int) -> n
 
 class Plans:
     def __init__(self, args: argparse.Namespace) -> None:
-        from mlxbun.quant import budget
+        from mlxbun.quant.allocate import budget
 
         self.args, self.n = args, 0
         self.source = budget.read_source(args.model)
@@ -181,8 +181,8 @@ class Plans:
         self.eval = Evaluator(args.model, tokens)
 
     def quantize(self, **kw) -> dict:
-        from mlxbun.quant import budget
-        from mlxbun.quant.quantize import quantize_model_dir
+        from mlxbun.quant.allocate import budget
+        from mlxbun.quant.quantize.command import quantize_model_dir
 
         self.n += 1
         out = self.args.work / "models" / f"{self.n:02d}"
@@ -194,8 +194,8 @@ class Plans:
 
     def plan(self, method: str, limit: int) -> dict:
         from mlxbun.io.atomic import atomic_write_json
-        from mlxbun.quant.allocate import allocate
-        from mlxbun.quant.sensitivity_file import load_sensitivity
+        from mlxbun.quant.allocate.allocation import allocate
+        from mlxbun.quant.sensitivity.file import load_sensitivity
 
         sens = load_sensitivity(self.args.work / method / "sensitivity.json")
         plan = allocate(sens, model_dir=self.args.model, budget_bytes=limit)

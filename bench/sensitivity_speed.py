@@ -38,9 +38,9 @@ def child(which: str, args: argparse.Namespace) -> None:
     from mlxbun import blas
 
     blas_info = blas.load()
-    from mlxbun.quant import sensitivity as sens
-    from mlxbun.quant.exact import Sweep
-    from mlxbun.quant.sensitivity_ref import reference_kl
+    from mlxbun.quant.sensitivity import command as sens
+    from mlxbun.quant.sensitivity.exact import Sweep
+    from mlxbun.quant.sensitivity.reference import reference_kl
 
     t0 = time.perf_counter()
     common = dict(bits=args.bits, group_size=64, mode="affine", calib_path=None, samples=args.samples,
@@ -197,7 +197,7 @@ def main() -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")}
     if args.synth:
         sys.path.insert(0, str(REPO))
-        from mlxbun.synth_write import ensure_synthetic
+        from mlxbun.synth.write import ensure_synthetic
 
         cache = Path(tempfile.gettempdir()) / "mlxbun_bench_synth"
         args.model = str(ensure_synthetic(cache_dir=cache, arch="llama", preset=args.synth, seed=0))

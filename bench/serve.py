@@ -243,7 +243,8 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from mlxbun import blas, synth_write
+    from mlxbun import blas
+    from mlxbun.synth import write as synth_write
 
     root = Path(tempfile.mkdtemp(prefix="mlxbun-serve-bench-"))
     model = synth_write.ensure_synthetic(cache_dir=Path.home() / ".cache/mlxbun/synth", **SHAPE)

@@ -4,7 +4,7 @@ Run: .venv/bin/python bench/synth_bench.py [--arch gemma3_text --preset 1b] [--b
          [--shard-mib 512] [--rounds 2] [--gemma27-layers 3] [--out bench/results/synth.md]
 
 Each task runs in a fresh child process (peak RSS from wait4) in a temp dir on the work disk:
-  synth        - ``mlxbun.synth_write.synthesize`` of the model (~2 GB bf16 for gemma3_text 1b), shards
+  synth        - ``mlxbun.synth.write.synthesize`` of the model (~2 GB bf16 for gemma3_text 1b), shards
                  of ``--shard-mib`` (each tensor written as it is generated).
   raw          - write+fsync of the same number of bytes into files of the same sizes (random
                  bytes prepared before the clock starts): the disk's ceiling.
@@ -40,7 +40,7 @@ MIB = 1 << 20
 
 
 def task_synth(out: Path, arch: str, preset: str, shard_bytes: int, layers: int = 0) -> float:
-    from mlxbun import synth_write
+    from mlxbun.synth import write as synth_write
 
     start = time.perf_counter()
     dims = {"num_layers": layers} if layers else {}
@@ -118,7 +118,9 @@ def generator_rates(n: int = 1 << 25) -> dict[str, float]:
     import mlx.core as mx
     import numpy as np
 
-    from mlxbun import synth_arch, synth_values, synth_write
+    from mlxbun.synth import arch as synth_arch
+    from mlxbun.synth import values as synth_values
+    from mlxbun.synth import write as synth_write
 
     t = synth_arch.TensorPlan("bench.weight", (n // 4096, 4096), "bfloat16", 0.02)
     spec = synth_write.resolve_spec()
@@ -169,7 +171,7 @@ def bench(args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def largest_tensor(arch: str, preset: str) -> int:
-    from mlxbun import synth_write
+    from mlxbun.synth import write as synth_write
 
     return max(t.nbytes for t in synth_write.plan(synth_write.resolve_spec(arch=arch, preset=preset)))
 

@@ -4,7 +4,7 @@ Run ``python -m mlxbun`` for the list of commands and recipes. This module is th
 boundary: bad input becomes ``error: <one line>`` and exit code 2 (a traceback only with
 ``verbose=true``), verification drift and environment failures exit 1 naming the path, a
 signal exits 128 + its number, and every run gets a manifest and a RunRecord
-(:mod:`mlxbun.runrecord`) that end ``ok``, ``failed`` or ``interrupted``.
+(:mod:`mlxbun.runs.record`) that end ``ok``, ``failed`` or ``interrupted``.
 """
 
 from __future__ import annotations
@@ -27,11 +27,12 @@ from hydra.experimental.callback import Callback
 from omegaconf import OmegaConf
 
 import mlxbun
-from mlxbun import blas, commands, device, schema
+from mlxbun import blas, commands, device
 from mlxbun.commands import COMMANDS, CONF_DIR
+from mlxbun.config import checks, keys, schema
 from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.help import available_recipes, command_help
-from mlxbun.runrecord import (
+from mlxbun.runs.record import (
     RunRecorder,
     describe,
     record_unmade,
@@ -93,7 +94,7 @@ def _config_error(e: Exception) -> str:
         return plugin
     if "is not in struct" in str(e) or "Could not override" in str(e) or "not in '" in first:
         if key:
-            return schema.unknown_key_message(_full_key(str(key)))
+            return keys.unknown_key_message(_full_key(str(key)))
         return f"unknown config key ({first}); `python -m mlxbun command=<name> help=true` lists the keys"
     if first.startswith("Ambiguous value for argument"):  # Hydra's hint is on the next lines
         return f"{first}; give a list as key=[a,b], quote a string with a comma, or sweep it with -m"
@@ -148,7 +149,7 @@ class OutputsCheck(Callback):
         OutputsCheck.config = config
         under = "${paths.outputs}" in str(OmegaConf.to_container(config.hydra.run, resolve=False).get("dir"))
         try:
-            schema.check_outputs(config.paths.outputs, on_disk=under)
+            checks.check_outputs(config.paths.outputs, on_disk=under)
         except InputError as e:  # Hydra turns a callback's exceptions into warnings: exit here
             fail(str(e), 2)
 
@@ -198,11 +199,11 @@ def _task(dcfg: Any) -> None:
         with signals_raise():
             try:
                 data = OmegaConf.to_container(dcfg, resolve=False)
-                schema.check_keys(data)
+                keys.check_keys(data)
                 cfg = OmegaConf.to_object(dcfg)
-                schema.check_strings(cfg)
+                checks.check_strings(cfg)
                 defaults = OmegaConf.to_container(OmegaConf.structured(schema.Config))
-                schema.check_unread(data, defaults, given=_overrides())
+                keys.check_unread(data, defaults, given=_overrides())
             except InputError:
                 raise
             except Exception as e:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import mlxbun
 from mlxbun.errors import InputError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = mlxbun.REPO_ROOT / "conf"
 
 # model.synthetic=true builds the model from the synth section (recipes keep both ready)
 MODEL_SECTIONS = ("model", "synth")
@@ -30,7 +29,7 @@ MODEL = ("model.name", "model.synthetic")
 class Command:
     """One command.
 
-    ``reads``: config sections or single keys it reads besides schema.COMMON_KEYS (a key set away
+    ``reads``: config sections or single keys it reads besides config.keys.COMMON_KEYS (a key set away
     from its default that the command does not read is refused; ``help=true`` lists these).
     ``needs``: as a pipeline step, groups of keys of which each needs one set or provided by an
     earlier step. ``provides``: the keys its ``RunResult.provides`` sets for later steps.
@@ -59,7 +58,7 @@ COMMANDS: dict[str, Command] = {
         "mlxbun.pipeline", "run several commands in order in one run directory", reads=("pipeline",)
     ),
     "synth": Command(
-        "mlxbun.synth",
+        "mlxbun.synth.command",
         "write a deterministic random checkpoint of a real architecture",
         reads=("synth", "io"),
         provides=("model.name",),
@@ -72,14 +71,14 @@ COMMANDS: dict[str, Command] = {
         needs=(("inspect.path", *MODEL),),
     ),
     "quantize": Command(
-        "mlxbun.quant.quantize",
+        "mlxbun.quant.quantize.command",
         "stream an HF checkpoint to a quantized MLX model",
         reads=(*MODEL_SECTIONS, "quant", "io"),
         needs=(MODEL,),
         provides=("model.name",),
     ),
     "sensitivity": Command(
-        "mlxbun.quant.sensitivity",
+        "mlxbun.quant.sensitivity.command",
         "per-layer KL of candidates: fisher, exact or reference",
         # sensitivity.candidates: scored with quant.hessians, probed at allocate's budget in quant.dtype
         reads=(
@@ -94,7 +93,7 @@ COMMANDS: dict[str, Command] = {
         provides=("allocate.sensitivity",),
     ),
     "sensitivity_merge": Command(
-        "mlxbun.quant.sensitivity_merge",
+        "mlxbun.quant.sensitivity.merge",
         "combine sharded sensitivity runs",
         reads=("sensitivity.inputs",),
         needs=(("sensitivity.inputs",),),
@@ -108,7 +107,7 @@ COMMANDS: dict[str, Command] = {
         provides=("quant.hessians",),
     ),
     "allocate": Command(
-        "mlxbun.quant.allocate",
+        "mlxbun.quant.allocate.command",
         "per-layer bits under a true size budget -> plan.json",
         reads=(
             *MODEL_SECTIONS,
@@ -123,14 +122,14 @@ COMMANDS: dict[str, Command] = {
         provides=("quant.plan",),
     ),
     "tune": Command(
-        "mlxbun.quant.tune",
+        "mlxbun.quant.tune.command",
         "learned rounding, a block at a time: a quantized model's codes, group scales and biases fit to its reference",
         reads=(*MODEL_SECTIONS, "tune", "io", "sensitivity.calib.path", "sensitivity.calib.seed"),
         needs=(MODEL, ("tune.reference",)),
         provides=("model.name",),
     ),
     "rotate": Command(
-        "mlxbun.rotate",
+        "mlxbun.rotate.command",
         "fold a seeded randomized Hadamard R1 into a checkpoint",
         reads=(*MODEL_SECTIONS, "fold", "io"),
         needs=(MODEL,),
@@ -196,9 +195,9 @@ COMMANDS: dict[str, Command] = {
         readonly=True,
         needs=(MODEL,),
     ),
-    "runs": Command("mlxbun.runs", "list recorded runs", reads=("runs", "registry"), readonly=True),
+    "runs": Command("mlxbun.runs.command", "list recorded runs", reads=("runs", "registry"), readonly=True),
     "verify": Command(
-        "mlxbun.verify",
+        "mlxbun.runs.verify",
         "re-hash a run's outputs against its manifest",
         reads=("runs",),
         readonly=True,

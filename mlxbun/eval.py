@@ -19,7 +19,7 @@ checked for shared 32-token spans with the evaluation windows: refused unless
 
 Disk::
 
-    <paths.cache>/eval/<key>/        key = sha256(model + tokenizer fingerprints, tokens, top_k)[:20]
+    <paths.cache>/eval/<key>/        key = job_key(model + tokenizer fingerprints, tokens, top_k)
         reference.npz                top-K log-probs, token ids, tail mass, next-token log-prob
         meta.json                    what the key covers
     <run_dir>/
@@ -32,7 +32,6 @@ that misses, and its per-token bound, are in :mod:`mlxbun.kl`; the bound's mean 
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import logging
@@ -42,19 +41,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun import kl
 from mlxbun.errors import InputError
-from mlxbun.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.io.atomic import atomic_write_bytes, atomic_write_json
+from mlxbun.io.digest import job_key
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress, human_bytes
-from mlxbun.provenance import RunResult
-from mlxbun.quant import budget
-from mlxbun.quant.calib import Windows, choose_windows, fingerprint, load_calibration
+from mlxbun.quant.allocate import budget
+from mlxbun.quant.calibration import Windows, choose_windows, fingerprint, load_calibration
+from mlxbun.quant.mlxlm import load_tokenizer
 from mlxbun.quant.probe import load_model
-from mlxbun.source import expand, model_dir, named_dir
+from mlxbun.runs.provenance import RunResult
+from mlxbun.source.fingerprint import model_fingerprint, tokenizer_fingerprint
+from mlxbun.source.model import expand, model_dir, named_dir
 
 VERSION = 1
 HELDOUT = Path(__file__).resolve().parent / "data" / "heldout.txt"
@@ -120,8 +122,6 @@ def check_candidate(
     cand: Candidate, *, ref_text: Windows, text: str, vocab: int, seq_len: int, seed: int
 ) -> None:
     """One clear error when a candidate cannot be compared: another tokenizer or vocabulary."""
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
     cfg_vocab = config_vocab(cand.path)
     if cfg_vocab != vocab:
         raise InputError(
@@ -205,8 +205,6 @@ def check_overlap(cand: Candidate, text: Windows, tokenizer: Any, *, allow: bool
 def forward_rows(model: Any, text: Windows, *, batch_size: int, desc: str):
     """Yield (float64 log-probs ``[rows, vocab]``, next tokens ``[rows]``) over every window, a few
     MiB of rows at a time, with progress (rate and ETA) on stderr."""
-    import mlx.core as mx
-
     w = text.tokens
     prog = Progress(total=w.shape[0] * (w.shape[1] - 1), unit="tok", desc=desc, heartbeat=True)
     try:
@@ -239,7 +237,7 @@ def reference(ref_dir: Path, text: Windows, *, top_k: int, cache: Path, batch_si
     Returns (record, hit): a hit did no reference forward.
     """
     key = reference_key(ref_dir, text, top_k=top_k, digests=cache / "digests")
-    d = cache / "eval" / hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    d = cache / "eval" / job_key("eval", VERSION, key)
     path = d / "reference.npz"
     if path.is_file():
         try:
@@ -309,8 +307,6 @@ def evaluate(
         >>> doc = evaluate(ref_dir=src, candidates=[Candidate("q4", q4_dir)], tokens=2048, cache=cache)
         >>> doc["candidates"][0]["kld_mean"], doc["candidates"][0]["kld_p99_9"]
     """
-    from mlx_lm.tokenizer_utils import load as load_tokenizer
-
     raw, source = read_text(text_path)
     tok = load_tokenizer(ref_dir)
     text = windows(encode(tok, raw), source=source, tokens=tokens, seq_len=seq_len, seed=seed)

@@ -2,23 +2,23 @@
 
 ``python -m mlxbun`` lists the commands and the recipes; ``python -m mlxbun command=quantize
 help=true`` lists the keys quantize reads with their type, value (after the recipe and the
-overrides) and the one-line comment from ``mlxbun/schema.py``.
+overrides) and the comment above the key in its section (``mlxbun/config/``).
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxbun import schema
+import mlxbun
 from mlxbun.commands import COMMANDS, CONF_DIR
-from mlxbun.provenance import RunResult
+from mlxbun.config import keys
+from mlxbun.runs.provenance import RunResult
 
-RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES_DIR = mlxbun.REPO_ROOT / "recipes"
 
 
 def available_recipes() -> list[str]:
@@ -39,8 +39,8 @@ def command_help(argv: list[str]) -> str:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         raw = OmegaConf.to_container(compose("config", overrides=_help_overrides(argv)), resolve=False)
     name = raw["command"]["name"]
-    read = schema.reads(name, raw)
-    docs = [d for d in schema.key_docs() if schema.is_read(d.key, read) and d.key != "command.name"]
+    read = keys.reads(name, raw)
+    docs = [d for d in keys.key_docs() if keys.is_read(d.key, read) and d.key != "command.name"]
     rows = [(d.key, d.type, _shown(_lookup(raw, d.key)), d.comment) for d in docs]
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = [f"command={name}: {COMMANDS[name].summary}", "", "keys (type, value, what it is):"]

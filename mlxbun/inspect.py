@@ -19,10 +19,11 @@ from typing import Any
 
 from mlxbun import registry
 from mlxbun.errors import InputError
-from mlxbun.io.safetensors import ModelDir, TensorInfo, open_model, quant_params, quantization_block
+from mlxbun.io.parameters import quant_params, quantization_block
+from mlxbun.io.safetensors import ModelDir, TensorInfo, open_model
 from mlxbun.progress import human_bytes, human_count
-from mlxbun.provenance import RunResult
-from mlxbun.source import model_dir
+from mlxbun.runs.provenance import RunResult
+from mlxbun.source.model import model_dir
 
 
 def _quantized_modules(model: ModelDir, block: dict[str, Any] | None) -> dict[str, dict[str, Any]]:

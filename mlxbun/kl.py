@@ -14,14 +14,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 
 def as_float64(logits: Any) -> np.ndarray:
     """Logits as a fresh float64 numpy array (MLX arrays pass through float32)."""
     if not isinstance(logits, np.ndarray):
-        import mlx.core as mx
-
         logits = logits.astype(mx.float32)
     return np.array(logits, dtype=np.float64)
 

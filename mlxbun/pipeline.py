@@ -20,11 +20,18 @@ from dataclasses import asdict, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from mlxbun import commands, schema, synth_write
+from mlxbun import commands
 from mlxbun.commands import COMMANDS
+from mlxbun.config import schema
 from mlxbun.errors import InputError
-from mlxbun.provenance import RunResult
-from mlxbun.quant.spec import QuantSpec, check_hessians, hessians_file, load_plan, spec_for
+from mlxbun.quant.allocate.allocation import candidate_filter, check_reachable
+from mlxbun.quant.plan import check_hessians, hessians_file, load_plan
+from mlxbun.quant.sensitivity import candidates
+from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity, load_sensitivity
+from mlxbun.quant.spec import QuantSpec, spec_for
+from mlxbun.runs.provenance import RunResult
+from mlxbun.source.model import model_dir
+from mlxbun.synth import write as synth_write
 
 
 def set_key(cfg: Any, dotted: str, value: Any) -> Any:
@@ -93,11 +100,6 @@ def _check_before_work(cfg: Any, steps: list[str]) -> None:
 def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
     """The allocate budget against the smallest plan its candidates allow: those of the given
     sensitivity, or of the settings an earlier sensitivity step measures."""
-    # deferred: MLX and the model's headers, only for an allocate step
-    from mlxbun.quant import candidates
-    from mlxbun.quant.allocate import candidate_filter, check_reachable
-    from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity, load_sensitivity
-    from mlxbun.source import model_dir
 
     a, s = cfg.allocate, cfg.sensitivity
     if "sensitivity_merge" in measured_here:
@@ -127,7 +129,7 @@ def _check_budget(cfg: Any, *, measured_here: set[str]) -> None:
 
 
 def _check_synth_room(cfg: Any) -> None:
-    """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth_write.check_room)."""
+    """A synth step's checkpoint must fit the disk and memory (see mlxbun.synth.write.check_room)."""
     spec = synth_write.resolve_spec(**{k: v for k, v in asdict(cfg.synth).items() if k != "out"})
     out = Path(cfg.synth.out).expanduser() if cfg.synth.out else Path(cfg.paths.run_dir) / "synth" / "model"
     synth_write.check_room(spec, out=out, partial_root=None)
@@ -177,8 +179,8 @@ def run_steps(cfg: Any, steps: list[str]) -> RunResult:
 
 def _release() -> None:
     """A finished step's memory back to the OS before the next starts: its objects (a model in
-    float32, say) collected, and MLX's cache of freed buffers emptied (it keeps them otherwise:
-    a 0.5B sensitivity's 2 GB reference stayed resident through quantize and tune)."""
+    float32, say) collected, and MLX's cache of freed buffers emptied (MLX keeps freed buffers
+    for reuse, so one step's peak would otherwise stay resident through the next)."""
     gc.collect()
     if (mx := sys.modules.get("mlx.core")) is not None:
         mx.clear_cache()

@@ -29,8 +29,8 @@ from typing import Any
 from mlxbun.errors import InputError, Interrupted
 from mlxbun.kv import gc, tiers
 from mlxbun.kv.commands import digest_cache, load_model, store_of
-from mlxbun.provenance import RunResult
-from mlxbun.source import model_dir
+from mlxbun.runs.provenance import RunResult
+from mlxbun.source.model import model_dir
 
 log = logging.getLogger("mlxbun")
 

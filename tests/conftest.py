@@ -40,10 +40,10 @@ def tiny_tokenizer_dir(tmp_path: Path):
 def tiny_model(tmp_path_factory: pytest.TempPathFactory):
     """A factory: ``tiny_model(arch="llama", **synth_fields) -> Path`` of a synthetic model dir.
 
-    Built once per session and spec by ``mlxbun.synth_write.ensure_synthetic`` (``preset="tiny"``
+    Built once per session and spec by ``mlxbun.synth.write.ensure_synthetic`` (``preset="tiny"``
     unless given) and shared between tests: copy it before modifying anything inside.
     """
-    from mlxbun import synth_write
+    from mlxbun.synth import write as synth_write
 
     cache = tmp_path_factory.mktemp("synth-cache")
 

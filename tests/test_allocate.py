@@ -13,10 +13,10 @@ import pytest
 
 from mlxbun.io.dtypes import CODES
 from mlxbun.io.shards import write_sharded
-from mlxbun.quant import budget
-from mlxbun.quant.budget import TensorSpec
-from mlxbun.quant.knapsack import lp_lower_bound, solve
-from mlxbun.quant.spec import QuantSpec
+from mlxbun.quant.allocate import budget
+from mlxbun.quant.allocate.budget import TensorSpec
+from mlxbun.quant.allocate.knapsack import lp_lower_bound, solve
+from mlxbun.quant.spec import QuantSpec, Rule
 
 
 def brute_force(items, capacity):
@@ -186,9 +186,9 @@ def test_resolve_follows_the_plan_and_group_divisibility():
 
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.io.atomic import atomic_write_json  # noqa: E402
-from mlxbun.quant import allocate as al  # noqa: E402
-from mlxbun.quant import memory, protect  # noqa: E402
-from mlxbun.quant import sensitivity_file as sf  # noqa: E402
+from mlxbun.quant.allocate import allocation, rounds  # noqa: E402
+from mlxbun.quant.allocate import command as al  # noqa: E402
+from mlxbun.quant.sensitivity import file as sf  # noqa: E402
 
 MEASURED = [
     "lm_head",
@@ -201,7 +201,7 @@ BITS = (2, 4, 8)
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from mlxbun import synth_write
+    from mlxbun.synth import write as synth_write
 
     cache = tmp_path_factory.mktemp("alloc-synth")
     return synth_write.ensure_synthetic(cache_dir=cache, arch="llama", preset="tiny", tie_embeddings=False)
@@ -228,7 +228,7 @@ def brute_force_plan(model, sens, *, fits, fixed=None):
     best = None
     for combo in itertools.product(*[sorted(sens.layers[p].kl) for p in paths]):
         layers = {**(fixed or {}), **dict(zip(paths, combo, strict=True))}
-        size = budget.predict(source, default=al.DEFAULT, layers=layers)
+        size = budget.predict(source, default=allocation.DEFAULT, layers=layers)
         kl = sum(sens.layers[p].kl[s] for p, s in zip(paths, combo, strict=True))
         if fits(size) and (best is None or kl < best):
             best = kl
@@ -238,14 +238,17 @@ def brute_force_plan(model, sens, *, fits, fixed=None):
 @pytest.mark.parametrize("bpw", [3.9, 4.3, 4.6, 5.2])
 def test_allocate_bpw_is_optimal_by_brute_force(model, bpw):
     sens = fake_sensitivity(MEASURED, seed=int(bpw * 10))
-    plan = al.allocate(sens, model_dir=model, budget_bpw=bpw)
+    plan = allocation.allocate(sens, model_dir=model, budget_bpw=bpw)
     assert plan.size.bpw <= bpw
     assert plan.size.tensor_bytes <= bpw * plan.size.parameters / 8
     best = brute_force_plan(model, sens, fits=lambda s: s.tensor_bytes * 8 <= bpw * s.parameters)
     assert plan.kl_sum == pytest.approx(best, rel=1e-12)
     assert plan.solver["exact"] and plan.solver["lower_bound"] <= plan.kl_sum + 1e-12
     # Unmeasured modules keep the default and are listed explicitly.
-    assert plan.layers["model.embed_tokens"] == al.DEFAULT and plan.choices["model.embed_tokens"].kl is None
+    assert (
+        plan.layers["model.embed_tokens"] == allocation.DEFAULT
+        and plan.choices["model.embed_tokens"].kl is None
+    )
 
 
 def test_allocate_bytes_budget_is_optimal_and_counts_headers(model):
@@ -253,13 +256,13 @@ def test_allocate_bytes_budget_is_optimal_and_counts_headers(model):
     source = budget.read_source(model)
     lo, hi = (
         budget.predict(
-            source, default=al.DEFAULT, layers={p: QuantSpec(bits=b, group_size=64) for p in MEASURED}
+            source, default=allocation.DEFAULT, layers={p: QuantSpec(bits=b, group_size=64) for p in MEASURED}
         )
         for b in (2, 8)
     )
     for frac in (0.3, 0.6):
         limit = int(lo.file_bytes + frac * (hi.file_bytes - lo.file_bytes))
-        plan = al.allocate(sens, model_dir=model, budget_bytes=limit)
+        plan = allocation.allocate(sens, model_dir=model, budget_bytes=limit)
         assert plan.size.file_bytes <= limit
         assert plan.size.file_bytes > plan.size.tensor_bytes  # headers are counted
         best = brute_force_plan(model, sens, fits=lambda s, limit=limit: s.file_bytes <= limit)
@@ -271,24 +274,24 @@ def test_infeasible_budget_names_the_range(model, caplog):
     with pytest.raises(
         InputError, match=r"allocate.budget_bpw=1.0 cannot be met.*between [0-9.]+ and [0-9.]+ bpw"
     ):
-        al.allocate(sens, model_dir=model, budget_bpw=1.0)
+        allocation.allocate(sens, model_dir=model, budget_bpw=1.0)
     with pytest.raises(InputError, match="allocate.budget_bytes=1000 cannot be met"):
-        al.allocate(sens, model_dir=model, budget_bytes=1000)
+        allocation.allocate(sens, model_dir=model, budget_bytes=1000)
     with pytest.raises(InputError, match="exactly one"):
-        al.allocate(sens, model_dir=model)
+        allocation.allocate(sens, model_dir=model)
     # A generous budget is not an error: every module takes its lowest-KL setting, and says so.
     with caplog.at_level(logging.WARNING, logger="mlxbun"):
-        plan = al.allocate(sens, model_dir=model, budget_bpw=16)
+        plan = allocation.allocate(sens, model_dir=model, budget_bpw=16)
     assert all(plan.layers[p].bits == 8 for p in MEASURED)
     assert "allocate.budget_bpw=16 is more than the largest plan needs" in caplog.text
 
 
 def test_protection_rules(model):
     sens = fake_sensitivity(MEASURED, seed=5)
-    tight = al.allocate(sens, model_dir=model, budget_bpw=3.9)
+    tight = allocation.allocate(sens, model_dir=model, budget_bpw=3.9)
     assert tight.layers["lm_head"].bits < 8 or tight.layers["model.layers.1.mlp.down_proj"].bits < 8
     rules = ["lm_head:8", "layers.last.mlp.down_proj:4", "embed_tokens:6"]
-    plan = al.allocate(sens, model_dir=model, budget_bpw=6.0, protect=rules)
+    plan = allocation.allocate(sens, model_dir=model, budget_bpw=6.0, protect=rules)
     assert plan.layers["lm_head"].bits == 8
     assert plan.layers["model.layers.1.mlp.down_proj"].bits >= 4
     assert plan.layers["model.embed_tokens"] == QuantSpec(bits=6, group_size=64)  # unmeasured: default raised
@@ -308,31 +311,31 @@ def test_protection_rules(model):
     )
     assert plan.kl_sum == pytest.approx(best, rel=1e-12)
     with pytest.raises(InputError, match="no candidate setting is left for 'lm_head'"):
-        al.allocate(sens, model_dir=model, budget_bpw=6, protect=["lm_head:9"])
+        allocation.allocate(sens, model_dir=model, budget_bpw=6, protect=["lm_head:9"])
 
 
 def test_rule_matching():
-    r = protect.Rule.parse("layers.first.mlp.down_proj:6")
+    r = Rule.parse("layers.first.mlp.down_proj:6")
     assert r.min_bits == 6
     assert r.matches("model.layers.0.mlp.down_proj", n_blocks=4)
     assert not r.matches("model.layers.3.mlp.down_proj", n_blocks=4)
-    last = protect.Rule.parse("layers.last.mlp.down_proj:6")
+    last = Rule.parse("layers.last.mlp.down_proj:6")
     assert last.matches("model.layers.3.mlp.down_proj", n_blocks=4)
-    assert protect.Rule.parse("layers.1:5").matches("model.layers.1.mlp.up_proj", n_blocks=12)
-    assert not protect.Rule.parse("layers.1:5").matches("model.layers.10.mlp.up_proj", n_blocks=12)
-    assert protect.Rule.parse("*.self_attn.?_proj:5").matches("model.layers.2.self_attn.q_proj", n_blocks=4)
+    assert Rule.parse("layers.1:5").matches("model.layers.1.mlp.up_proj", n_blocks=12)
+    assert not Rule.parse("layers.1:5").matches("model.layers.10.mlp.up_proj", n_blocks=12)
+    assert Rule.parse("*.self_attn.?_proj:5").matches("model.layers.2.self_attn.q_proj", n_blocks=4)
     for bad in ("lm_head", "lm_head:x", ":6"):
         with pytest.raises(InputError, match="PATTERN:BITS"):
-            protect.Rule.parse(bad)
+            Rule.parse(bad)
 
 
 def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
     """The project's quantize writes exactly the predicted bytes (headers and all)."""
-    from mlxbun.quant.quantize import quantize_model_dir
-    from mlxbun.quant.spec import load_plan
+    from mlxbun.quant.plan import load_plan
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     sens = fake_sensitivity(sorted(budget.read_source(model).shapes), seed=9, bits=(2, 3, 4, 6, 8))
-    plan = al.allocate(sens, model_dir=model, budget_bpw=4.25, protect=["lm_head:6"])
+    plan = allocation.allocate(sens, model_dir=model, budget_bpw=4.25, protect=["lm_head:6"])
     atomic_write_json(tmp_path / "plan.json", plan.to_json())
     assert load_plan(tmp_path / "plan.json").layers.keys() == plan.layers.keys()
     assert load_plan(tmp_path / "plan.json") == plan.plan  # the writer's and the reader's Plan are one
@@ -342,7 +345,7 @@ def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
     assert index["metadata"]["total_size"] == plan.size.tensor_bytes
     assert index["metadata"]["total_parameters"] == plan.size.parameters
     # Sizes are also exact for a multi-shard layout.
-    small = al.allocate(sens, model_dir=model, budget_bpw=4.25, shard_bytes=30_000)
+    small = allocation.allocate(sens, model_dir=model, budget_bpw=4.25, shard_bytes=30_000)
     atomic_write_json(tmp_path / "small.json", small.to_json())
     res = quantize_model_dir(
         model, tmp_path / "out2", plan=tmp_path / "small.json", dtype="bfloat16", shard_bytes=30_000
@@ -354,7 +357,7 @@ def test_plan_quantizes_to_the_predicted_bytes(model, tmp_path):
 
 
 def command_cfg(tmp_path, model, **allocate):
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     cfg = schema.Config()
     cfg.command.name = "allocate"
@@ -369,7 +372,7 @@ def command_cfg(tmp_path, model, **allocate):
 @pytest.fixture(scope="module")
 def measured(model, tmp_path_factory):
     """A real sensitivity.json of the tiny model (2 samples x 32 tokens)."""
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     out = tmp_path_factory.mktemp("sens")
     sensitivity(
@@ -413,7 +416,7 @@ def test_run_writes_a_plan_and_checks_it(model, measured, tmp_path):
 
 
 def test_run_skips_interactions_that_would_not_fit_in_memory(model, measured, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(memory, "available_memory", lambda: 1000)
+    monkeypatch.setattr(rounds, "available_memory", lambda: 1000)
     cfg = command_cfg(tmp_path, model, sensitivity=str(measured.parent), budget_bpw=4.5, check=False)
     al.run(cfg)
     plan = json.loads((tmp_path / "run" / "plan.json").read_text())
@@ -429,7 +432,7 @@ def test_run_skips_interactions_that_would_not_fit_in_memory(model, measured, tm
 
 
 def test_run_rejects_bad_input_before_writing(model, measured, tmp_path):
-    from mlxbun import synth_write
+    from mlxbun.synth import write as synth_write
 
     other = synth_write.ensure_synthetic(cache_dir=tmp_path / "synth", arch="llama", preset="tiny", seed=1)
     doc = json.loads(measured.read_text())
@@ -454,7 +457,7 @@ def test_run_rejects_bad_input_before_writing(model, measured, tmp_path):
 
 
 def test_config_validation():
-    from mlxbun.schema import AllocateCfg
+    from mlxbun.config.schema import AllocateCfg
 
     with pytest.raises(InputError, match="both set"):
         AllocateCfg(budget_bpw=4.5, budget_bytes=10)
@@ -465,7 +468,7 @@ def test_config_validation():
 
 
 def test_extra_sensitivity_adds_group_size_candidates(model, measured, tmp_path):
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     sensitivity(
         model_dir=model, out_dir=tmp_path / "g32", work_dir=tmp_path / "work", bits=[3, 4], group_size=32,
@@ -487,8 +490,8 @@ def test_extra_sensitivity_adds_group_size_candidates(model, measured, tmp_path)
 
 def test_rounded_dp_stays_within_budget_and_reports_its_bound(model):
     sens = fake_sensitivity(MEASURED, seed=2)
-    exact = al.allocate(sens, model_dir=model, budget_bpw=4.6)
-    rough = al.allocate(sens, model_dir=model, budget_bpw=4.6, max_states=3)
+    exact = allocation.allocate(sens, model_dir=model, budget_bpw=4.6)
+    rough = allocation.allocate(sens, model_dir=model, budget_bpw=4.6, max_states=3)
     assert not rough.solver["exact"] and rough.solver["slack_bound_bytes"] > 0
     assert rough.size.bpw <= 4.6
     assert exact.kl_sum <= rough.kl_sum
@@ -519,5 +522,7 @@ def test_file_budget_met_when_headers_overshoot_by_less_than_the_slack(limit):
         )
         for i, p in enumerate(paths)
     }  # fmt: skip
-    plan = al.allocate(sf.Sensitivity(layers, None, None, None, {}), model_dir=fixture, budget_bytes=limit)
+    plan = allocation.allocate(
+        sf.Sensitivity(layers, None, None, None, {}), model_dir=fixture, budget_bytes=limit
+    )
     assert limit - 4096 < plan.size.file_bytes <= limit

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from mlxbun.errors import InputError
-from mlxbun.quant.check import FACTOR_RANGE, correction_factors, correction_key, reference_of, rescaled
-from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
+from mlxbun.quant.allocate.check import (
+    FACTOR_RANGE,
+    correction_factors,
+    correction_key,
+    reference_of,
+    rescaled,
+)
+from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
 from mlxbun.quant.spec import QuantSpec
 
 RTN3, RTN4 = QuantSpec(bits=3), QuantSpec(bits=4)

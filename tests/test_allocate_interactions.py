@@ -11,10 +11,10 @@ from mlxbun import blas
 
 blas.load()
 
-from mlxbun.quant import allocate as al  # noqa: E402
-from mlxbun.quant import interactions as ia  # noqa: E402
-from mlxbun.quant import memory  # noqa: E402
-from mlxbun.quant import sensitivity_file as sf  # noqa: E402
+from mlxbun.quant.allocate import allocation, rounds  # noqa: E402
+from mlxbun.quant.allocate import command as al  # noqa: E402
+from mlxbun.quant.allocate import interactions as ia  # noqa: E402
+from mlxbun.quant.sensitivity import file as sf  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
 
@@ -97,13 +97,13 @@ def model(tiny_model):
 def tokens(model):
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
 
     return load_calibration(tokenizer=load_tokenizer(model), samples=3, seq_len=32, seed=0).tokens
 
 
 def uniform(model, bits):
-    from mlxbun.quant import budget
+    from mlxbun.quant.allocate import budget
 
     return {p: q(bits) for p in budget.read_source(model).shapes}
 
@@ -141,7 +141,7 @@ def test_in_model_counts_forward_equivalents(model, tokens):
 
 def sensitivity_of(model, out, **kw):
     """Exact sensitivity of ``model`` at bits 2/4/8 on the calibration of ``tokens`` (3 x 32)."""
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     sensitivity(
         model_dir=model,
@@ -177,10 +177,10 @@ def test_interactions_correct_a_step_the_sum_got_wrong(model, tokens, measured):
     that of the plan the true sum gives."""
     path = "model.layers.0.mlp.down_proj"
     wrong = understated(measured, path, 10)
-    plain = al.allocate(wrong, model_dir=model, budget_bpw=4.5)
+    plain = allocation.allocate(wrong, model_dir=model, budget_bpw=4.5)
     assert plain.layers[path].bits == 2
     with ia.InModel(model, tokens, batch_size=2) as m:
-        fixed = al.allocate(wrong, model_dir=model, budget_bpw=4.5, in_model=m, decisions=8)
+        fixed = allocation.allocate(wrong, model_dir=model, budget_bpw=4.5, in_model=m, decisions=8)
         assert m.set(fixed.layers) == pytest.approx(fixed.interactions["kl_after"], rel=1e-6)
     it = fixed.interactions
     assert fixed.layers[path].bits > 2
@@ -189,7 +189,7 @@ def test_interactions_correct_a_step_the_sum_got_wrong(model, tokens, measured):
     assert first["kept"] and len(first["steps"]) <= 8
     step = next(s for s in first["steps"] if s["path"] == path)
     assert step["ratio"] > 5  # the 10x understatement
-    true = al.allocate(measured, model_dir=model, budget_bpw=4.5)
+    true = allocation.allocate(measured, model_dir=model, budget_bpw=4.5)
     assert fixed.layers == true.layers
     assert fixed.kl_sum == pytest.approx(sum(c.kl for c in fixed.choices.values() if c.kl is not None))
     doc = fixed.to_json()
@@ -202,7 +202,9 @@ def test_interactions_correct_a_step_the_sum_got_wrong(model, tokens, measured):
 def test_interactions_never_keep_a_worse_plan(model, tokens, measured):
     with ia.InModel(model, tokens, batch_size=2) as m:
         for bpw in (3.0, 4.5, 6.0):
-            plan = al.allocate(measured, model_dir=model, budget_bpw=bpw, in_model=m, decisions=4, rounds=3)
+            plan = allocation.allocate(
+                measured, model_dir=model, budget_bpw=bpw, in_model=m, decisions=4, rounds=3
+            )
             it = plan.interactions
             assert plan.size.bpw <= bpw
             assert it["kl_after"] <= it["kl_before"]
@@ -213,9 +215,9 @@ def test_interactions_never_keep_a_worse_plan(model, tokens, measured):
 
 
 def test_no_in_model_or_zero_decisions_is_the_summed_plan(model, tokens, measured):
-    plain = al.allocate(measured, model_dir=model, budget_bpw=4.5)
+    plain = allocation.allocate(measured, model_dir=model, budget_bpw=4.5)
     with ia.InModel(model, tokens, batch_size=2) as m:
-        off = al.allocate(measured, model_dir=model, budget_bpw=4.5, in_model=m, decisions=0)
+        off = allocation.allocate(measured, model_dir=model, budget_bpw=4.5, in_model=m, decisions=0)
     assert off.to_json() == plain.to_json() and "interactions" not in plain.to_json()
 
 
@@ -234,14 +236,16 @@ def test_modules_the_default_group_does_not_fit_stay_unquantized_in_the_model(mo
     sens = sensitivity_of(model, tmp_path, group_size=128)
     default = QuantSpec(bits=4, group_size=128)
     with ia.InModel(model, tokens, batch_size=2) as m:
-        plan = al.allocate(sens, model_dir=model, budget_bpw=14.7, default=default, in_model=m, decisions=4)
+        plan = allocation.allocate(
+            sens, model_dir=model, budget_bpw=14.7, default=default, in_model=m, decisions=4
+        )
         unfit = [p for p, c in plan.choices.items() if c.setting is None]
         assert unfit and plan.interactions["kl_after"] <= plan.interactions["kl_before"]
         assert m.set(plan.layers) == pytest.approx(plan.interactions["kl_after"], rel=1e-6)
 
 
 def command_cfg(tmp_path, model, **allocate):
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     cfg = schema.Config()
     cfg.command.name = "allocate"
@@ -271,26 +275,24 @@ def test_a_budget_every_module_fits_at_its_largest_skips_interactions(model, mea
 
 
 def test_memory_counts_both_weight_copies_and_a_batch_of_float64_logits(model, monkeypatch):
-    from mlxbun.quant import budget
+    from mlxbun.quant.allocate import budget
 
     cfg = command_cfg(model.parent, model)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     need = 8 * budget.read_source(model).parameters + 24 * cfg.sensitivity.batch_size * 32 * vocab
-    monkeypatch.setattr(memory, "available_memory", lambda: need / memory.MEMORY_SHARE)
-    assert al._memory_skip(cfg, model, budget.read_source(model).parameters) is None
-    monkeypatch.setattr(memory, "available_memory", lambda: need / memory.MEMORY_SHARE - 64)
-    assert al._memory_skip(cfg, model, budget.read_source(model).parameters).startswith("they need about")
+    monkeypatch.setattr(rounds, "available_memory", lambda: need / rounds.MEMORY_SHARE)
+    assert al._memory_skip(cfg, allocation.SourceModel.of(model)) is None
+    monkeypatch.setattr(rounds, "available_memory", lambda: need / rounds.MEMORY_SHARE - 64)
+    assert al._memory_skip(cfg, allocation.SourceModel.of(model)).startswith("they need about")
 
 
 def test_batches_shrink_for_large_vocabularies(model, tmp_path):
-    import shutil
+    from dataclasses import replace
 
     cfg = command_cfg(tmp_path, model)
-    assert al._batch(cfg, model) == cfg.sensitivity.batch_size
-    big = tmp_path / "big"
-    shutil.copytree(model, big)
-    config = json.loads((big / "config.json").read_text())
-    (big / "config.json").write_text(json.dumps({**config, "vocab_size": 151936}))
+    opened = allocation.SourceModel.of(model)
+    assert al._batch(cfg, opened) == cfg.sensitivity.batch_size
+    big = replace(opened, config={**opened.config, "vocab_size": 151936})
     cfg.sensitivity.calib.seq_len = 512
     assert al._batch(cfg, big) == 1  # 24 B x 512 x 151,936 = 1.87 GB per sample: one at a time
 
@@ -325,7 +327,7 @@ def _tokens_measured_on(cfg, monkeypatch) -> tuple[int, int]:
 
 
 def test_interactions_take_the_calibration_the_sensitivity_recorded(model, measured, tmp_path, monkeypatch):
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     cfg = command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=4.5)
     cfg.sensitivity.calib = schema.CalibCfg()  # not set: 24 x 512 is only the default
@@ -335,7 +337,7 @@ def test_interactions_take_the_calibration_the_sensitivity_recorded(model, measu
 def test_an_explicit_calibration_is_used_and_the_difference_said_once(
     model, measured, tmp_path, monkeypatch, caplog
 ):
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     cfg = command_cfg(tmp_path, model, sensitivity=str(measured.path), budget_bpw=4.5)
     cfg.sensitivity.calib = schema.CalibCfg(samples=2, seq_len=32)
@@ -405,7 +407,7 @@ def test_interactions_measure_clip_and_gptq_candidates(model, tokens, measured, 
     paths = ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.v_proj"]
     sens = with_methods(measured, paths)
     with ia.InModel(model, tokens, batch_size=2, hessians=hessians) as m:
-        plan = al.allocate(sens, model_dir=model, budget_bpw=4.5, in_model=m, decisions=8)
+        plan = allocation.allocate(sens, model_dir=model, budget_bpw=4.5, in_model=m, decisions=8)
         assert "skipped" not in plan.interactions and plan.interactions["rounds"]
         assert m.set(plan.layers) == pytest.approx(plan.interactions["kl_after"], rel=1e-6)
     assert {plan.layers[p].method for p in paths} & {"clip", "gptq"}
@@ -416,16 +418,18 @@ def test_interactions_skip_gptq_without_hessians_and_awq(model, tokens, measured
     into the layers before: neither is measured (said in plan.json), clip is."""
     path = "model.layers.0.mlp.down_proj"
     with ia.InModel(model, tokens, batch_size=2) as m:
-        plan = al.allocate(with_methods(measured, [path]), model_dir=model, budget_bpw=4.5, in_model=m)
+        plan = allocation.allocate(
+            with_methods(measured, [path]), model_dir=model, budget_bpw=4.5, in_model=m
+        )
         assert m.forwards == 1.0  # nothing measured beyond the reference
         assert plan.interactions == {"skipped": "gptq candidates need quant.hessians to be measured"}
-        plan = al.allocate(
+        plan = allocation.allocate(
             with_methods(measured, [path], ("awq",)), model_dir=model, budget_bpw=4.5, in_model=m
         )
         assert plan.interactions == {
             "skipped": "candidates round by awq; interactions measure rtn, clip and gptq"
         }
-        plan = al.allocate(
+        plan = allocation.allocate(
             with_methods(measured, [path], ("clip",)), model_dir=model, budget_bpw=4.5, in_model=m
         )
         assert plan.interactions["rounds"]
@@ -435,8 +439,8 @@ def test_interactions_skip_gptq_without_hessians_and_awq(model, tokens, measured
 def test_the_check_measures_the_written_model_against_the_interactions_reference(model, tokens, tmp_path):
     """The plan as written, measured on the reference InModel already holds (no second reference
     pass), agrees with the check's own measurement and with the plan's KL in the model."""
-    from mlxbun.quant.check import measured_kl
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.allocate.check import measured_kl
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     layers = uniform(model, 3)
     out = quantize_model_dir(model, tmp_path / "q", bits=3, group_size=64).out
@@ -452,9 +456,9 @@ def test_the_check_measures_the_written_model_against_the_interactions_reference
 def test_measured_kl_in_slices_and_with_a_loaded_reference_is_the_same(model, tokens, tmp_path, monkeypatch):
     """A large vocabulary's log-probs go a sample and a slice of tokens at a time (float64 log-probs
     of 8 x 256 tokens of a 150K vocabulary were 2.5 GB an array); the mean is the same."""
-    from mlxbun.quant import check
+    from mlxbun.quant.allocate import check
     from mlxbun.quant.probe import load_model
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     out = quantize_model_dir(model, tmp_path / "q", bits=3, group_size=64).out
     whole = check.measured_kl(model, out, tokens, batch_size=4)

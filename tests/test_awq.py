@@ -14,7 +14,7 @@ from test_quantize import make_hf_model
 
 from mlxbun.errors import InputError
 from mlxbun.quant import awq, hessian
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
 
 TOKENS = np.random.default_rng(0).integers(3, 64, (8, 32))
 

@@ -11,7 +11,7 @@ from cli_util import run_cli
 
 from mlxbun.quant import hessian
 from mlxbun.quant.calibrate import calibrate
-from mlxbun.quant.spec import HESSIANS_NAME
+from mlxbun.quant.plan import HESSIANS_NAME
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llama-text-3m"
 CALIB = ["sensitivity.calib.samples=2", "sensitivity.calib.seq_len=16"]
@@ -84,7 +84,7 @@ def test_pipeline_calibrate_provides_the_hessians_to_quantize(tmp_path):
 
 def test_quant_hessians_names_a_run_dir_or_the_file(tmp_path):
     from mlxbun.errors import InputError
-    from mlxbun.quant.spec import hessians_file
+    from mlxbun.quant.plan import hessians_file
 
     with pytest.raises(
         InputError, match=f"quant.hessians='{tmp_path}' is a directory without {HESSIANS_NAME}"

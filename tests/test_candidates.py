@@ -13,8 +13,8 @@ import pytest
 from cli_util import run_cli
 
 from mlxbun.errors import InputError
-from mlxbun.quant import candidates
-from mlxbun.quant.sensitivity_file import KIND, SCHEMA_VERSION, load_sensitivity, setting_key
+from mlxbun.quant.sensitivity import candidates
+from mlxbun.quant.sensitivity.file import KIND, SCHEMA_VERSION, load_sensitivity, setting_key
 from mlxbun.quant.spec import QuantSpec
 
 FIXTURE = "tests/fixtures/llama-text-3m"
@@ -137,9 +137,9 @@ def test_pipeline_allocates_among_rich_candidates_and_mlx_lm_loads_the_model(tmp
 
 
 def test_allocate_methods_filter_the_rounding_methods(tmp_path: Path) -> None:
-    from mlxbun import schema
-    from mlxbun.quant.allocate import candidate_filter
-    from mlxbun.quant.sensitivity_file import LayerSensitivity, Sensitivity
+    from mlxbun.config import schema
+    from mlxbun.quant.allocate.allocation import candidate_filter
+    from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
 
     specs = [
         QuantSpec(bits=4, group_size=64),
@@ -156,7 +156,7 @@ def test_allocate_methods_filter_the_rounding_methods(tmp_path: Path) -> None:
 def test_a_killed_candidate_scoring_resumes_from_the_modules_it_finished(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     kw = dict(
         model_dir=FIXTURE, work_dir=tmp_path / "work", bits=[4], samples=2, seq_len=32,
@@ -265,8 +265,9 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     every probe in one streamed pass."""
     from types import SimpleNamespace
 
-    from mlxbun.quant import fisher, hessian, variants
-    from mlxbun.quant.spec import Plan
+    from mlxbun.quant import hessian
+    from mlxbun.quant.plan import Plan
+    from mlxbun.quant.sensitivity import fisher, variants
 
     seen, passes = [], []
     monkeypatch.setattr(

@@ -11,8 +11,9 @@ from cli_util import REPO, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxbun import commands, schema
+from mlxbun import commands
 from mlxbun.commands import COMMANDS, CONF_DIR
+from mlxbun.config import keys, schema
 from mlxbun.errors import InputError
 from mlxbun.help import available_recipes, recipe_summary
 
@@ -38,22 +39,26 @@ def test_every_command_conf_file_is_a_command_of_the_table() -> None:
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_command_is_the_run_of_its_module(command: str) -> None:
-    """command=X is ``run`` of a module named X (kv_gc: kv/gc.py), or a function of the module
-    that holds a family of commands (kv_ls: kv/commands.py's ``ls``)."""
+    """command=X is ``run`` of a module named X, of X/command.py (a package named after the
+    command), or of <package>/<name>.py for X = package_name (kv_gc: kv/gc.py,
+    sensitivity_merge: sensitivity/merge.py); or a function of the module that holds a family of
+    commands (kv_ls: kv/commands.py's ``ls``)."""
     target = COMMANDS[command]
     assert callable(commands.resolve(command))
-    package, _, name = target.module.removeprefix("mlxbun.").rpartition(".")
+    *packages, name = target.module.removeprefix("mlxbun.").split(".")
+    package, name = (packages or [""])[-1], name.rstrip("_")
     if target.function == "run":
-        assert command in (name.rstrip("_"), f"{package}_{name.rstrip('_')}"), target.module
+        named = {name, f"{package}_{name}"} | ({package} if name == "command" else set())
+        assert command in named, target.module
     else:
         assert command == f"{package}_{target.function}", target
 
 
 def test_pipeline_needs_and_provides_name_real_keys() -> None:
-    keys = set(schema.all_keys())
+    known = set(keys.all_keys())
     for name, c in COMMANDS.items():
         for key in [k for group in c.needs for k in group] + list(c.provides):
-            assert key in keys, (name, key)
+            assert key in known, (name, key)
 
 
 @pytest.mark.parametrize("recipe", available_recipes())

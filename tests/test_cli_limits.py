@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from cli_util import run_cli
 
-from mlxbun import synth_write
 from mlxbun.errors import InputError
+from mlxbun.synth import write as synth_write
 
 
 def test_a_petabyte_synth_is_refused_before_writing(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ def _one_error_line(stderr: str) -> str:
 # A synth run that receives a signal while it writes weights (as Slurm preemption would).
 SIGNAL_DURING_SYNTH = """
 import os, signal, time
-from mlxbun import synth_write
+from mlxbun.synth import write as synth_write
 real = synth_write._write_weights
 def write_then_signal(*a, **k):
     os.kill(os.getpid(), signal.{sig})
@@ -99,7 +99,8 @@ def test_corrupt_registry_fails_the_run_naming_the_database(tmp_path: Path) -> N
 # The disk fills while synth writes, and stays full: the manifest cannot be rewritten either.
 DISK_FULL = """
 import errno, os
-from mlxbun import provenance, synth
+from mlxbun.runs import provenance
+from mlxbun.synth import command as synth
 writes = []
 real_write = provenance.atomic_write_json
 def write_manifest(path, data, *a, **k):
@@ -160,7 +161,7 @@ def test_bad_input_found_by_a_command_leaves_no_row_and_no_directory(tmp_path: P
 # quant.out is not writable (a read-only mount); the error names the path.
 READ_ONLY_OUT = """
 import errno, os
-from mlxbun.quant import quantize
+from mlxbun.quant.quantize import command as quantize
 def ro(src, out, **k):
     raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(out))
 quantize.quantize_model_dir = ro
@@ -212,7 +213,7 @@ def test_a_broken_model_dir_is_named_and_the_run_recorded_failed(tmp_path: Path,
 # SIGTERM arrives after the command finished, while its outputs are hashed into the manifest.
 SIGTERM_WHILE_HASHING = """
 import os, signal, time
-from mlxbun import provenance
+from mlxbun.runs import provenance
 real = provenance.hash_paths
 def hash_then_signal(paths, **k):
     if k.get("cache_dir") is None:

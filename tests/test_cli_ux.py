@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from cli_util import REPO, isolated_args, run_cli
 
-from mlxbun import cli, schema
+from mlxbun import cli
 from mlxbun.commands import COMMANDS, CONF_DIR
+from mlxbun.config import schema
 from mlxbun.progress import human_bytes, human_count, human_seconds
 
 FIXTURE = REPO / "tests" / "fixtures" / "llama-text-3m"

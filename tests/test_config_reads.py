@@ -10,8 +10,9 @@ from cli_util import run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from mlxbun import pipeline, schema
+from mlxbun import pipeline
 from mlxbun.commands import CONF_DIR
+from mlxbun.config import keys, schema
 from mlxbun.errors import InputError
 from mlxbun.help import available_recipes
 
@@ -24,7 +25,7 @@ def _check(overrides: list[str], *, given: list[str] | None = None, steps: bool 
         dcfg = compose("config", overrides=[*overrides, "paths.run_dir=/tmp/x"])
     defaults = OmegaConf.to_container(OmegaConf.structured(schema.Config))
     given = overrides if given is None else given
-    schema.check_unread(OmegaConf.to_container(dcfg, resolve=False), defaults, given=given)
+    keys.check_unread(OmegaConf.to_container(dcfg, resolve=False), defaults, given=given)
     cfg = OmegaConf.to_object(dcfg)
     if steps and cfg.command.name == "pipeline":
         pipeline.check_steps(cfg, list(cfg.pipeline.steps))
@@ -32,7 +33,7 @@ def _check(overrides: list[str], *, given: list[str] | None = None, steps: bool 
 
 @pytest.mark.parametrize("recipe", available_recipes())
 def test_every_recipe_sets_only_keys_its_command_reads(recipe: str) -> None:
-    every_key = [f"{k}=" for k in schema.all_keys()]  # a recipe's keys, held to the command line's rule
+    every_key = [f"{k}=" for k in keys.all_keys()]  # a recipe's keys, held to the command line's rule
     _check([f"+recipe={recipe}"], given=every_key, steps=False)
 
 

@@ -15,9 +15,9 @@ from cli_util import run_python
 from test_quantize import make_hf_model
 
 from mlxbun.io.staging import STEPS
-from mlxbun.quant.quantize import quantize_model_dir
-from mlxbun.rotate import rotate_model_dir
-from mlxbun.synth_write import resolve_spec, write_spec
+from mlxbun.quant.quantize.command import quantize_model_dir
+from mlxbun.rotate.command import rotate_model_dir
+from mlxbun.synth.write import resolve_spec, write_spec
 
 SHARD = 40_000
 # Where a run is killed: each staging step, after the writer's first and second shard, when the
@@ -42,16 +42,16 @@ def child_code(command: str, sources: dict[str, str], out: Path, root: Path) -> 
     out, root = str(out), str(root)
     if command == "quantize":
         return (
-            "from mlxbun.quant.quantize import quantize_model_dir\n"
+            "from mlxbun.quant.quantize.command import quantize_model_dir\n"
             f"quantize_model_dir({sources['quantize']!r}, {out!r}, bits=4, shard_bytes={SHARD}, partial_root={root!r})"
         )
     if command == "synth":
         return (
-            "from mlxbun.synth_write import resolve_spec, write_spec\n"
+            "from mlxbun.synth.write import resolve_spec, write_spec\n"
             f"write_spec(resolve_spec(arch='qwen3'), {out!r}, shard_bytes={SHARD}, partial_root={root!r})"
         )
     return (
-        "from mlxbun.rotate import rotate_model_dir\n"
+        "from mlxbun.rotate.command import rotate_model_dir\n"
         f"rotate_model_dir({sources['rotate']!r}, {out!r}, seed=3, shard_bytes={SHARD}, verify=False,"
         f" partial_root={root!r})"
     )

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from mlxbun.fingerprint import model_fingerprint
-from mlxbun.quant.outdir import source_identity
+from mlxbun.quant.quantize.outdir import source_identity
+from mlxbun.source.fingerprint import model_fingerprint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "llama-text-3m"
 

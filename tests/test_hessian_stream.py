@@ -104,7 +104,7 @@ def test_lazy_reader_refuses_what_is_not_a_hessians_file(tmp_path):
 def test_streamed_file_equals_in_memory_capture_and_golden_header(tmp_path):
     from mlx_lm.utils import load
 
-    from mlxbun.quant.calib import load_calibration
+    from mlxbun.quant.calibration import load_calibration
 
     src = make_hf_model(tmp_path / "src", "qwen3")
     calib = tmp_path / "calib.txt"

@@ -10,9 +10,10 @@ import pytest
 from cli_util import run_cli
 
 from mlxbun.errors import InputError
-from mlxbun.quant.quantize import quantize_model_dir
-from mlxbun.quant.sensitivity_file import load_sensitivity
-from mlxbun.quant.spec import Plan, QuantSpec, input_file, load_plan
+from mlxbun.quant.plan import Plan, input_file, load_plan
+from mlxbun.quant.quantize.command import quantize_model_dir
+from mlxbun.quant.sensitivity.file import load_sensitivity
+from mlxbun.quant.spec import QuantSpec
 
 
 @pytest.fixture

@@ -11,9 +11,9 @@ import pytest
 from cli_util import run_cli
 from test_shards import LLAMA, tiny_llama
 
+from mlxbun.config.schema import Config
 from mlxbun.errors import InputError
 from mlxbun.inspect import format_report, inspect_model, run
-from mlxbun.schema import Config
 
 
 @pytest.fixture(scope="module")

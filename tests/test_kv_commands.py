@@ -11,11 +11,11 @@ import pytest
 from cli_util import run_cli
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxbun import synth_write
 from mlxbun.commands import COMMANDS
 from mlxbun.errors import InputError
 from mlxbun.kv import commands
 from mlxbun.kv.store import MismatchError, Store
+from mlxbun.synth import write as synth_write
 
 PROMPT = "the quick brown fox jumps over the lazy dog; " * 6
 
@@ -138,7 +138,7 @@ def test_cli_gc_and_bad_input(tmp_path):
 
 
 def test_fingerprints_tell_models_and_tokenizers_apart(loaded, tmp_path):
-    from mlxbun.fingerprint import model_fingerprint, tokenizer_fingerprint
+    from mlxbun.source.fingerprint import model_fingerprint, tokenizer_fingerprint
 
     other = synth_write.ensure_synthetic(cache_dir=tmp_path, arch="llama", preset="tiny", seed=1)
     assert model_fingerprint(other) != loaded.model_fp  # same shapes, other weights
@@ -168,7 +168,7 @@ def test_fingerprint_covers_every_tensor(tmp_path):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from mlxbun.fingerprint import model_fingerprint
+    from mlxbun.source.fingerprint import model_fingerprint
 
     rng = np.random.default_rng(0)
     tensors = {f"layers.{i:02d}.w": rng.standard_normal((256, 128), dtype=np.float32) for i in range(40)}

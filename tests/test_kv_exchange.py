@@ -13,12 +13,12 @@ import pytest
 from cli_util import REPO, run_cli
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from mlxbun import synth_write
 from mlxbun.errors import DriftError, InputError
 from mlxbun.kv import commands
 from mlxbun.kv import import_ as imp
 from mlxbun.kv.export import export
 from mlxbun.kv.store import Store
+from mlxbun.synth import write as synth_write
 
 PROMPT = "the quick brown fox jumps over the lazy dog; " * 6
 

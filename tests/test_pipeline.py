@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from mlxbun import commands, pipeline, schema
+from mlxbun import commands, pipeline
 from mlxbun.commands import COMMANDS, CONF_DIR
+from mlxbun.config import schema
 from mlxbun.errors import InputError
 from mlxbun.help import available_recipes
-from mlxbun.provenance import RunResult
+from mlxbun.runs.provenance import RunResult
 
 
 @pytest.fixture

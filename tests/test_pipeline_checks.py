@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from cli_util import REPO, run_cli
 
-from mlxbun import pipeline, schema
+from mlxbun import pipeline
+from mlxbun.config import schema
 from mlxbun.errors import InputError
 
 FIXTURE = REPO / "tests" / "fixtures" / "llama-text-3m"

@@ -11,8 +11,9 @@ from test_quantize import hessians_of, make_hf_model
 
 from mlxbun.errors import InputError
 from mlxbun.quant import rounding
-from mlxbun.quant.quantize import quantize_model_dir
-from mlxbun.quant.spec import Plan, QuantSpec
+from mlxbun.quant.plan import Plan
+from mlxbun.quant.quantize.command import quantize_model_dir
+from mlxbun.quant.spec import QuantSpec
 
 L0 = "model.layers.0"
 GOLDEN = (

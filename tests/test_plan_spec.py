@@ -10,11 +10,12 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxbun.config.schema import AllocateCfg, QuantCfg, SensitivityCfg
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import dumps_json
 from mlxbun.quant import spec
-from mlxbun.quant.spec import MODE_BITS, MODE_GROUPS, Plan, QuantSpec, load_plan, spec_for
-from mlxbun.schema import AllocateCfg, QuantCfg, SensitivityCfg
+from mlxbun.quant.plan import Plan, load_plan
+from mlxbun.quant.spec import MODE_BITS, MODE_GROUPS, QuantSpec, spec_for
 
 GOLDEN_PLAN = (
     b'{"version": 1, "default": {"group_size": 64, "bits": 4, "mode": "affine"}, "layers": '

@@ -108,8 +108,8 @@ class _FakeInModel:
 def test_interactions_eta_counts_blocks_run_and_is_within_30_percent_once_a_tenth_is_done() -> None:
     """allocate's interaction steps measured in block order cost 33 blocks at the embedding and
     2 at the head: counted as steps the ETA said 3x the time; counted as blocks run, within 30%."""
-    from mlxbun.quant import interaction_rounds as rounds
-    from mlxbun.quant.interactions import Step
+    from mlxbun.quant.allocate import rounds
+    from mlxbun.quant.allocate.interactions import Step
 
     clock, n = Clock(), 32
     starts = {f"model.layers.{i % n}.m{i}": i % n for i in range(96)}
@@ -127,7 +127,7 @@ def test_interactions_eta_counts_blocks_run_and_is_within_30_percent_once_a_tent
 
 def test_sensitivity_says_what_it_does_before_the_first_progress_line(tiny_model, tmp_path, caplog) -> None:
     """Loading, fingerprinting and calibrating come before the first progress line: each says so."""
-    from mlxbun.quant.sensitivity import sensitivity
+    from mlxbun.quant.sensitivity.command import sensitivity
 
     model = tiny_model()
     caplog.set_level("INFO", logger="mlxbun")

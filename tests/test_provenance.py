@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mlxbun import provenance, verify
 from mlxbun.errors import DriftError, InputError
-from mlxbun.provenance import Manifest, RunResult, cached_sha256, hash_paths, verify_run
+from mlxbun.runs import provenance, verify
+from mlxbun.runs.provenance import Manifest, RunResult, cached_sha256, hash_paths, verify_run
 
 
 def _tree(root: Path) -> dict[str, bytes]:
@@ -130,7 +130,7 @@ def test_verify_never_reads_a_manifest_path_outside_the_run_dir(tmp_path: Path, 
 
 
 def test_verify_command_prints_json_and_exits_1_on_drift(tmp_path: Path) -> None:
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     run_dir = tmp_path / "run"
     _model_run(run_dir)

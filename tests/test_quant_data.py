@@ -92,7 +92,7 @@ SPOILED = {
 @pytest.mark.parametrize("case", sorted(SPOILED))
 def test_gptq_refuses_a_spoiled_hessian_naming_file_and_module(tmp_path, tiny_model, case):
     from mlxbun.errors import InputError
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     corrupt, what = SPOILED[case]
     src = tiny_model()
@@ -105,7 +105,7 @@ def test_gptq_refuses_a_spoiled_hessian_naming_file_and_module(tmp_path, tiny_mo
 
 
 def test_valid_hessians_pass_the_checks(tmp_path, tiny_model):
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     src = tiny_model()
     h = _hessians(src, tmp_path / "h.safetensors")
@@ -128,7 +128,7 @@ def test_cli_gptq_with_a_nan_hessian_exits_2_and_leaves_no_run(tmp_path, tiny_mo
 def test_non_finite_scales_are_never_published(tmp_path, tiny_model):
     """Any rounding: an Inf weight makes mx.quantize's scales NaN; the run fails naming the module."""
     from mlxbun.errors import NumericFailure
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     src = _copy(tiny_model(), tmp_path / "src")
     (f,) = src.glob("model*.safetensors")
@@ -244,7 +244,7 @@ def test_another_settings_job_keeps_the_killed_jobs_progress_until_it_publishes(
 ):
     from test_quantize import _killed_after_three_shards
 
-    from mlxbun.quant import quantize
+    from mlxbun.quant.quantize import command as quantize
 
     src, out, partial = _killed_after_three_shards(tmp_path)
 
@@ -267,7 +267,7 @@ def test_a_job_whose_out_was_published_meanwhile_names_it_and_leaves_no_staging(
     tmp_path, tiny_model, monkeypatch
 ):
     from mlxbun.errors import EnvironmentFailure
-    from mlxbun.quant import quantize
+    from mlxbun.quant.quantize import command as quantize
 
     out = tmp_path / "q"
     real = quantize.write_record

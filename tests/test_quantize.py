@@ -19,8 +19,8 @@ from conftest import make_tokenizer_dir
 from mlx.utils import tree_flatten
 
 from mlxbun.errors import InputError
-from mlxbun.quant import plan as qplan
-from mlxbun.quant.quantize import MARKER, quantize_model_dir
+from mlxbun.quant import skeleton as qplan
+from mlxbun.quant.quantize.command import MARKER, quantize_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 BASE = dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
@@ -253,7 +253,7 @@ KILL_SCRIPT = """
 import os, signal, sys
 sys.path.insert(0, {repo!r})
 from mlxbun.io import shards
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
 real = shards.ShardedWriter._end_shard
 def end_then_die(self, shard):
     real(self, shard)
@@ -321,7 +321,7 @@ def test_resume_redoes_a_kept_shard_changed_since_its_journal_entry(tmp_path):
 
 
 def test_progress_after_a_resume_counts_only_this_runs_bytes(tmp_path, monkeypatch):
-    from mlxbun.quant import quantize
+    from mlxbun.quant.quantize import command as quantize
 
     src, out, _ = _killed_after_three_shards(tmp_path)
     bars = []
@@ -447,7 +447,7 @@ def test_cli_quantize_writes_a_model_and_exits_2_on_bad_input(tmp_path):
 
 
 def test_big_weights_quantized_in_row_blocks_are_bit_identical(tmp_path, monkeypatch):
-    from mlxbun.quant import convert
+    from mlxbun.quant.quantize import convert
 
     monkeypatch.setattr(convert, "BIG_TENSOR", 1000)
     monkeypatch.setattr(convert, "CHUNK_BYTES", 4096)  # 8 rows of 128 f32 per block
@@ -468,7 +468,7 @@ def test_quantize_skips_transformers_and_mlx_lm_still_imports_normally(tmp_path)
     script = (
         "import sys\n"
         f"sys.path.insert(0, {str(REPO)!r})\n"
-        "from mlxbun.quant.quantize import quantize_model_dir\n"
+        "from mlxbun.quant.quantize.command import quantize_model_dir\n"
         f"out = quantize_model_dir({str(src)!r}, {str(tmp_path / 'q')!r}, bits=4).out\n"
         "assert 'transformers' not in sys.modules\n"
         "import mlx_lm\n"

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import xxhash
 
-from mlxbun import provenance
 from mlxbun.io import staging
-from mlxbun.provenance import Manifest, RunResult, hash_paths, named_sha256
-from mlxbun.quant.outdir import MARKER
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
+from mlxbun.quant.quantize.outdir import MARKER
+from mlxbun.runs import provenance
+from mlxbun.runs.provenance import Manifest, RunResult, hash_paths, named_sha256
 
 
 def _sha(path: Path) -> str:

@@ -13,7 +13,7 @@ import pytest
 from mlxbun.errors import InputError
 from mlxbun.io.safetensors import open_model
 from mlxbun.io.shards import write_sharded
-from mlxbun.source import FileTensors, identity, lazy_weights, source_dir
+from mlxbun.source.model import FileTensors, identity, lazy_weights, source_dir
 
 
 def _bits(a: mx.array) -> np.ndarray:
@@ -66,8 +66,9 @@ def test_directory_sources_describe_their_files(model_dir):
 def test_registry_names_of_pipeline_outputs_are_readable(tmp_path: Path) -> None:
     import json
 
-    from mlxbun import registry, schema
-    from mlxbun.quant.quantize import registry_name
+    from mlxbun import registry
+    from mlxbun.config import schema
+    from mlxbun.quant.quantize.command import registry_name
 
     registry.open_db(path=tmp_path / "registry.db")
     model = tmp_path / "run" / "synth" / "model"

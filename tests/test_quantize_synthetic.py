@@ -13,9 +13,10 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlxbun import synth_write
-from mlxbun.quant import convert, quantize
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize import command as quantize
+from mlxbun.quant.quantize import convert
+from mlxbun.quant.quantize.command import quantize_model_dir
+from mlxbun.synth import write as synth_write
 
 REPO = Path(__file__).resolve().parent.parent
 # Embeddings of 40000 x 512 rows span 5 RNG streams; row blocks of 1/8 stream cross none of them.

@@ -20,9 +20,10 @@ import pytest
 from safetensors import safe_open
 from safetensors.numpy import save
 
-from mlxbun import hub, registry
+from mlxbun import registry
 from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.registry import commands
+from mlxbun.source import hub
 
 PG_URL = os.environ.get("MLXBUN_TEST_PG_URL")
 TOOLS_TEMPLATE = (
@@ -675,7 +676,7 @@ def test_parallel_processes_lose_no_run_records(dburl):
 
 
 def _cfg(dburl: str, hub_root: Path, **registry_kw):
-    from mlxbun import schema
+    from mlxbun.config import schema
 
     cfg = schema.Config()
     cfg.registry.url, cfg.registry.hub_cache, cfg.registry.runs_root = dburl, str(hub_root), None

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from test_registry import Hub, dburl, llama_config, model_files, reg, row  # noqa: F401
 
-from mlxbun import hub, registry
+from mlxbun import registry
+from mlxbun.source import hub
 
 GOOD = ("org/good-a", "org/good-b")
 LIMIT_S = 60  # per command, CLI start-up included; a blocking read never ends

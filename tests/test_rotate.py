@@ -12,11 +12,13 @@ import pytest
 from cli_util import run_cli
 from safetensors.numpy import load_file, save_file
 
-from mlxbun import hadamard, rotate, rotate_fold
 from mlxbun.errors import DriftError, InputError
 from mlxbun.kl import kl
-from mlxbun.rotate import FoldRecord, read_fold_record, rotate_model_dir
-from mlxbun.rotate_fold import Rotation
+from mlxbun.rotate import command as rotate
+from mlxbun.rotate import fold as rotate_fold
+from mlxbun.rotate import hadamard
+from mlxbun.rotate.command import FoldRecord, read_fold_record, rotate_model_dir
+from mlxbun.rotate.fold import Rotation
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3_text"]
 
@@ -166,7 +168,7 @@ def test_o_proj_and_down_proj_biases_are_rotated(tiny_model, tmp_path):
 
 def test_each_folded_tensor_is_written_as_it_comes(tiny_model, tmp_path, nothing_pending):
     """No shard is held: after every add the writer has nothing pending."""
-    from mlxbun import rotate
+    from mlxbun.rotate import command as rotate
 
     nothing_pending(rotate)
     src = tiny_model("llama")
@@ -373,7 +375,7 @@ def test_existing_output_quantized_and_rotated_sources_are_refused(tiny_model, t
     res = rotate_model_dir(src, tmp_path / "rot", verify=False)
     with pytest.raises(InputError, match="is a rotated model; rotate its source"):
         rotate_model_dir(res.out, tmp_path / "twice")
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     q = quantize_model_dir(src, tmp_path / "q4", bits=4, group_size=32)
     with pytest.raises(InputError, match="is quantized; rotate needs an unquantized"):
@@ -423,7 +425,7 @@ def test_interrupted_run_resumes_to_the_same_bytes(tiny_model, tmp_path, monkeyp
 def test_rotated_then_quantized_loads_in_mlx_lm_and_quantizes_better(tiny_model, tmp_path):
     from mlx_lm import load
 
-    from mlxbun.quant.quantize import quantize_model_dir
+    from mlxbun.quant.quantize.command import quantize_model_dir
 
     src = tiny_model("llama", dtype="bfloat16", outlier_channels=2, outlier_scale=8.0)
     rot = rotate_model_dir(src, tmp_path / "rot", seed=0)

@@ -1,4 +1,4 @@
-"""Rounded modules kept on disk (mlxbun.quant.rounded): read back, a quantize writes the same bytes;
+"""Rounded modules kept on disk (mlxbun.quant.quantize.cache): read back, a quantize writes the same bytes;
 a damaged file is rounded again; a cache that cannot be written costs nothing but time."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from test_quantize import hessians_of, make_hf_model
 
-from mlxbun.quant import rounded
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize import cache as rounded
+from mlxbun.quant.quantize.command import quantize_model_dir
 
 L0 = "model.layers.0"
 
@@ -123,3 +123,26 @@ def test_roundings_on_worker_processes_write_the_same_bytes(gptq_source, tmp_pat
     pooled = quantize_model_dir(src, tmp_path / "pooled", plan=plan, hessians=h, threads=2).out
     assert sorted(sent) == ["clip", "gptq", "gptq"]
     assert _bytes(plain) == _bytes(pooled)
+
+
+def _blas_of_this_process() -> dict:
+    from mlxbun import blas
+
+    return dict(blas._loaded or {})
+
+
+def test_a_worker_process_loads_the_blas_before_mlx(monkeypatch):
+    """The pool's initializer is mlx-free: a worker loads the BLAS it is handed before it imports
+    mlxbun.quant.workers (which imports mlx.core) for its first task."""
+    from mlxbun import blas
+    from mlxbun.quant import workers
+
+    library = blas.find()
+    if library is None:
+        pytest.skip("no optimized BLAS on this machine")
+    monkeypatch.setattr(
+        blas, "_loaded", {"setting": "auto", "library": library, "loaded": True, "reason": ""}
+    )
+    with workers.pool(threads=2, weights=workers.MIN_WEIGHTS) as pool:
+        there = pool.submit(_blas_of_this_process).result()
+    assert there["loaded"] and there["library"] == library, there

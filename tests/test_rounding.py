@@ -11,9 +11,9 @@ import pytest
 from test_quantize import hessians_of, make_hf_model
 
 from mlxbun.errors import InputError
-from mlxbun.quant import rounding
+from mlxbun.quant import rounding, spec
 from mlxbun.quant.calibrate import calibrate
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
 
 pytestmark = pytest.mark.blas
 
@@ -112,9 +112,9 @@ def test_bad_method_is_refused(tmp_path):
     with pytest.raises(
         InputError, match="quant.method='omq' is not allowed; choose one of rtn, clip, gptq, awq"
     ):
-        rounding.check_method("omq")
+        spec.check_method("omq")
     with pytest.raises(InputError, match="needs mode affine"):
-        rounding.check_method("clip", mode="mxfp4")
+        spec.check_method("clip", mode="mxfp4")
     src = make_hf_model(tmp_path / "src", "llama")
     with pytest.raises(InputError, match="quant.method"):
         quantize_model_dir(src, tmp_path / "out", bits=4, group_size=64, method="nope")
@@ -165,7 +165,7 @@ def test_clip_model_loads_in_mlx_lm_generates_and_is_closer(tmp_path):
 
 
 def test_clip_in_row_blocks_matches_whole_modules(tmp_path, monkeypatch):
-    from mlxbun.quant import convert
+    from mlxbun.quant.quantize import convert
 
     src = make_hf_model(tmp_path / "src", "llama", vocab_size=100)
     whole = quantize_model_dir(src, tmp_path / "whole", bits=4, group_size=32, method="clip").out

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
 from mlxbun.errors import EnvironmentFailure, InputError
-from mlxbun.io.safetensors import HEADER_CAP, SafetensorsFile, count_parameters, open_model
+from mlxbun.io.parameters import count_parameters
+from mlxbun.io.safetensors import HEADER_CAP, SafetensorsFile, open_model
 from mlxbun.io.shards import ShardedWriter, write_sharded
 
 

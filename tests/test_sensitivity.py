@@ -19,12 +19,12 @@ import mlx.core as mx  # noqa: E402
 
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.kl import kl_rows, log_probs  # noqa: E402
-from mlxbun.quant import calib as calib_mod  # noqa: E402
+from mlxbun.quant import calibration as calib_mod  # noqa: E402
 from mlxbun.quant import probe  # noqa: E402
-from mlxbun.quant import sensitivity as sens  # noqa: E402
-from mlxbun.quant.sensitivity_file import combine_shards  # noqa: E402
-from mlxbun.quant.sensitivity_merge import merge  # noqa: E402
-from mlxbun.quant.sensitivity_ref import reference_kl  # noqa: E402
+from mlxbun.quant.sensitivity import command as sens  # noqa: E402
+from mlxbun.quant.sensitivity.file import combine_shards  # noqa: E402
+from mlxbun.quant.sensitivity.merge import merge  # noqa: E402
+from mlxbun.quant.sensitivity.reference import reference_kl  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent

@@ -20,8 +20,9 @@ from test_sensitivity import FIXTURE, by_path, quantized_fixture, run_sens, tiny
 
 from mlxbun import kl  # noqa: E402
 from mlxbun.progress import Progress  # noqa: E402
-from mlxbun.quant import fisher, fisher_blocks, probe  # noqa: E402
-from mlxbun.quant import sensitivity as sens  # noqa: E402
+from mlxbun.quant import probe  # noqa: E402
+from mlxbun.quant.sensitivity import backward, fisher  # noqa: E402
+from mlxbun.quant.sensitivity import command as sens  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
 CAL = {"samples": 4, "seq_len": 64, "seed": 0}
@@ -292,8 +293,8 @@ def test_refine_probes_modules_exactly_and_scales_their_estimates():
 
 
 def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
+    from mlxbun.config.schema import SensitivityCfg
     from mlxbun.errors import InputError
-    from mlxbun.schema import SensitivityCfg
 
     cheap = {"samples": 2, "seq_len": 32, "bits": [4, 8], "method": "fisher"}
     a = run_sens(FIXTURE, tmp_path / "a", tmp_path / "w", **cheap)
@@ -311,7 +312,7 @@ def test_refine_is_part_of_the_cache_key_and_checked(tmp_path):
 
 def raw_scores(s, tokens) -> dict:
     """The Fisher pass's second-order scores of ``tokens`` (before calibration)."""
-    fp = fisher_blocks.FisherStream(s.stream, s.targets, s.cands, seed=0)
+    fp = backward.FisherStream(s.stream, s.targets, s.cands, seed=0)
     try:
         return fp.run(tokens)
     finally:
@@ -383,9 +384,7 @@ def test_streamed_scores_equal_one_whole_model_backward(monkeypatch):
     backward through the whole model. (The fixture's head is tied: its term joins the lookups'.)"""
     s = sens.prepare(model_dir=FIXTURE, bits=[3, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
-    monkeypatch.setattr(
-        fisher_blocks.mx.random, "categorical", lambda logits, key=None: mx.argmax(logits, -1)
-    )
+    monkeypatch.setattr(backward.mx.random, "categorical", lambda logits, key=None: mx.argmax(logits, -1))
     tokens = s.tokens[:2]
     streamed = raw_scores(s, tokens)
     model, _, _ = probe.load_model(FIXTURE)
@@ -405,11 +404,11 @@ def test_disk_and_batches_and_slices_give_the_same_scores(monkeypatch):
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
     kept = raw_scores(s, s.tokens)
     saved = []
-    monkeypatch.setattr(fisher_blocks.np, "save", lambda p, a, _s=np.save: saved.append(p) or _s(p, a))
-    monkeypatch.setattr(fisher_blocks, "BOUNDARY_MEMORY", 1)
-    monkeypatch.setattr(fisher_blocks, "COLUMNS_MEMORY", 1)
-    monkeypatch.setattr(fisher_blocks, "ACTIVATION_BYTES", 1)
-    monkeypatch.setattr(fisher_blocks, "CHUNK", 32 * 256)  # 32 rows of 256 per slice
+    monkeypatch.setattr(backward.np, "save", lambda p, a, _s=np.save: saved.append(p) or _s(p, a))
+    monkeypatch.setattr(backward, "BOUNDARY_MEMORY", 1)
+    monkeypatch.setattr(backward, "COLUMNS_MEMORY", 1)
+    monkeypatch.setattr(backward, "ACTIVATION_BYTES", 1)
+    monkeypatch.setattr(backward, "CHUNK", 32 * 256)  # 32 rows of 256 per slice
     spilled = raw_scores(s, s.tokens)
     assert len(saved) == s.stream.n_blocks
     for path, row in kept.items():
@@ -439,12 +438,10 @@ def test_the_head_is_scored_on_a_sample_of_the_tokens(monkeypatch):
     calibration groups, and measured at every bit width (never carried), so its KL is measured."""
     s = sens.prepare(model_dir=FIXTURE, bits=[6, 8], group_size=64, mode="affine", calib_path=None,
                      method="fisher", batch_size=2, **CAL)  # fmt: skip
-    monkeypatch.setattr(
-        fisher_blocks.mx.random, "categorical", lambda logits, key=None: mx.argmax(logits, -1)
-    )
+    monkeypatch.setattr(backward.mx.random, "categorical", lambda logits, key=None: mx.argmax(logits, -1))
     every = raw_scores(s, s.tokens)
-    monkeypatch.setattr(fisher_blocks, "HEAD_TOKENS", s.tokens.size // 4)
-    fp = fisher_blocks.FisherStream(s.stream, s.targets, s.cands, seed=0)
+    monkeypatch.setattr(backward, "HEAD_TOKENS", s.tokens.size // 4)
+    fp = backward.FisherStream(s.stream, s.targets, s.cands, seed=0)
     assert len(fp.scored_rows(s.tokens.size)) == s.tokens.size // 4
     sampled = raw_scores(s, s.tokens)
     emb = s.stream.embedding_path

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mlxbun.errors import InputError
-from mlxbun.quant.sensitivity_file import KIND, SCHEMA_VERSION, load_sensitivity, read_shard
+from mlxbun.quant.sensitivity.file import KIND, SCHEMA_VERSION, load_sensitivity, read_shard
 
 PATH = "model.layers.0.mlp.down_proj"
 

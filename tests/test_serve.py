@@ -18,7 +18,7 @@ import pytest
 from cli_util import REPO, isolated_args, run_cli
 from mlx_lm.models.cache import make_prompt_cache
 
-from mlxbun import synth_write
+from mlxbun.synth import write as synth_write
 from mlxbun.kv import commands
 from mlxbun.kv.store import Store
 

@@ -19,7 +19,8 @@ from safetensors.numpy import load_file
 
 from mlxbun.errors import InputError
 from mlxbun.io import shards as shards_mod
-from mlxbun.io.safetensors import count_parameters, open_model
+from mlxbun.io.parameters import count_parameters
+from mlxbun.io.safetensors import open_model
 from mlxbun.io.shards import JOURNAL, ShardedWriter, WriterStateError, write_sharded
 
 REPO = Path(__file__).resolve().parent.parent

@@ -13,7 +13,7 @@ from cli_util import run_python
 from test_quantize import make_hf_model
 
 from mlxbun.io.staging import Stage, damaged_files, digest_files, read_marker
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.quantize.command import quantize_model_dir
 
 REPO = Path(__file__).resolve().parent.parent
 SHARD = 40_000  # bytes: a tiny llama gives several shards
@@ -22,7 +22,7 @@ SHARD = 40_000  # bytes: a tiny llama gives several shards
 def quantize_code(src: Path, out: Path, **kw) -> str:
     args = ", ".join(f"{k}={v!r}" for k, v in {"bits": 4, "shard_bytes": SHARD, **kw}.items())
     return (
-        "from mlxbun.quant.quantize import quantize_model_dir\n"
+        "from mlxbun.quant.quantize.command import quantize_model_dir\n"
         f"quantize_model_dir({str(src)!r}, {str(out)!r}, {args})\n"
     )
 
@@ -113,7 +113,7 @@ def test_outputs_do_not_depend_on_where_the_source_is(src, clean, tmp_path):
 def test_rotate_cli_rerun_after_sigkill_resumes(tiny_model, tmp_path):
     from cli_util import kill_hook, run_cli
 
-    from mlxbun.rotate import rotate_model_dir
+    from mlxbun.rotate.command import rotate_model_dir
 
     src = tiny_model("llama", norm_jitter=0.2)
     args = ("command=rotate", f"model.name={src}", "io.shard_gb=0.00002", "fold.verify=false", "verbose=true")

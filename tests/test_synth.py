@@ -15,9 +15,11 @@ import pytest
 from cli_util import KILL_AFTER_SECOND_SHARD, REPO, run_cli
 from mlx.utils import tree_flatten
 
-from mlxbun import synth_arch, synth_values, synth_write
 from mlxbun.errors import InputError
-from mlxbun.synth_arch import ARCHS
+from mlxbun.synth import arch as synth_arch
+from mlxbun.synth import values as synth_values
+from mlxbun.synth import write as synth_write
+from mlxbun.synth.arch import ARCHS
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -349,7 +351,7 @@ def test_tiny_model_fixture_is_shared(tiny_model):
 
 def test_concurrent_ensure_synthetic_builds_once(tmp_path):
     code = (
-        "import sys; from mlxbun import synth_write; "
+        "import sys; from mlxbun.synth import write as synth_write; "
         "print(synth_write.ensure_synthetic(cache_dir=sys.argv[1], arch='qwen3', preset='small'))"
     )
     procs = [
@@ -363,8 +365,8 @@ def test_concurrent_ensure_synthetic_builds_once(tmp_path):
 
 
 def test_model_synthetic_source_uses_the_cache(tmp_path):
-    from mlxbun.schema import Config
-    from mlxbun.source import model_dir
+    from mlxbun.config.schema import Config
+    from mlxbun.source.model import model_dir
 
     cfg = Config()
     cfg.paths.cache = str(tmp_path)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from cli_util import run_cli
 
-from mlxbun import synth_write
 from mlxbun.errors import InputError
-from mlxbun.synth_values import plan
+from mlxbun.synth import write as synth_write
+from mlxbun.synth.values import plan
 
 
 @pytest.mark.parametrize(

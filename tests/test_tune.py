@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from cli_util import run_cli
 
-from mlxbun.quant import blockwise
-from mlxbun.quant.calib import read_documents, split_kinds
-from mlxbun.quant.quantize import quantize_model_dir
+from mlxbun.quant.calibration import read_documents, split_kinds
+from mlxbun.quant.quantize.command import quantize_model_dir
+from mlxbun.quant.tune import blockwise
 
 pytestmark = pytest.mark.blas
 

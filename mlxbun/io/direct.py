@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-BUFFER = 4 << 20  # bytes per O_DIRECT write (dd: 4 MiB blocks as fast as 16), a multiple of blocks
+BUFFER = 4 << 20  # bytes per O_DIRECT write: large enough to run at disk speed, a multiple of blocks
 ALIGN = 4096  # offsets and lengths of O_DIRECT writes are multiples of this
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 

@@ -18,17 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
 from mlxbun.errors import DriftError, EnvironmentFailure, InputError
-from mlxbun.fingerprint import model_fingerprint, tokenizer_fingerprint
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.safetensors import read_config
 from mlxbun.kv import format as fmt
 from mlxbun.kv.state import cache_state
 from mlxbun.kv.store import MismatchError, Store, StoreBusy, check_snapshot_name, common_prefix
 from mlxbun.progress import Progress, human_bytes
-from mlxbun.provenance import RunResult
-from mlxbun.quant.outdir import VOCABULARY, tokenizer_warning
-from mlxbun.source import model_dir
+from mlxbun.quant.mlxlm import load
+from mlxbun.quant.quantize.outdir import VOCABULARY, tokenizer_warning
+from mlxbun.runs.provenance import RunResult
+from mlxbun.source.fingerprint import model_fingerprint, tokenizer_fingerprint
+from mlxbun.source.model import model_dir
 
 PREFILL_STEP = 512
 
@@ -104,23 +108,19 @@ def prompt_tokens(loaded: Loaded, text: str, *, chat: bool | None, reply: bool =
 def load_model(path: Path, *, cache_dir: Path | None = None) -> Loaded:
     """The model and tokenizer at ``path`` with their fingerprints (shard digests remembered in
     ``cache_dir``)."""
-    import mlx_lm
-
     read_config(path)  # a broken config.json: the one reader's line, not mlx-lm's
     if tokenizer_warning(path) is not None:  # transformers' own error is many lines
         raise EnvironmentFailure(  # a model directory missing files, as a broken config.json is
             f"{path}: no tokenizer files ({', '.join(VOCABULARY)}; model.name); KV caches are keyed by"
             " token ids, so copy the model's tokenizer files (one of those, with tokenizer_config.json) into it"
         )
-    model, tokenizer = mlx_lm.load(str(path))
+    model, tokenizer = load(path)
     fp = model_fingerprint(path, cache_dir=cache_dir)
     return Loaded(model, tokenizer, path, fp, tokenizer_fingerprint(path))
 
 
 def prefill(model: Any, tokens: list[int], cache: list[Any], *, step: int = PREFILL_STEP) -> None:
     """Run ``tokens`` through ``model`` into ``cache`` in chunks (logits discarded)."""
-    import mlx.core as mx
-
     for i in range(0, len(tokens), step):
         model(mx.array(tokens[i : i + step])[None], cache=cache)
         mx.eval([c.state for c in cache])
@@ -131,8 +131,6 @@ def save_prompt(
 ) -> tuple[Any, list[int], float]:
     """Prefill ``text`` (through the chat template with ``chat``) and save its cache as ``name``;
     returns (info, tokens, prefill seconds)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     tokens = prompt_tokens(loaded, text, chat=chat)
     if not tokens:
         raise InputError("kv.prompt encodes to zero tokens; give a non-empty prompt")
@@ -314,8 +312,6 @@ def continue_from(
 
 
 def _fresh(loaded: Loaded) -> list[Any]:
-    from mlx_lm.models.cache import make_prompt_cache
-
     return make_prompt_cache(loaded.model)
 
 
@@ -323,8 +319,6 @@ def _continue(
     loaded: Loaded, tokens: list[int], cache: list[Any], reused: int, *, max_tokens: int, notes: list[str]
 ) -> Outcome:
     """Decode from ``cache`` holding ``tokens[:reused]`` (the model needs at least one new token)."""
-    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-
     if reused == len(tokens):
         if can_trim_prompt_cache(cache):
             trim_prompt_cache(cache, 1)
@@ -375,7 +369,6 @@ def _repair(
 
 def greedy(loaded: Loaded, rest: list[int], cache: list[Any], *, max_tokens: int) -> list[int]:
     """mlx-lm's generate_step with its default (argmax) sampler, stopping at EOS."""
-    import mlx.core as mx
     from mlx_lm.generate import generate_step
 
     eos = set(getattr(loaded.tokenizer, "eos_token_ids", ()) or ())

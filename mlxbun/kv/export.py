@@ -18,20 +18,20 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mlx_lm.models.cache import save_prompt_cache
+
 from mlxbun.errors import InputError
-from mlxbun.fingerprint import model_fingerprint
 from mlxbun.io.atomic import atomic_save
 from mlxbun.kv.commands import digest_cache, model_reference, store_of
 from mlxbun.kv.store import check_snapshot_name
-from mlxbun.provenance import RunResult
-from mlxbun.source import model_dir
+from mlxbun.runs.provenance import RunResult
+from mlxbun.source.fingerprint import model_fingerprint
+from mlxbun.source.model import model_dir
 
 
 def export(store: Any, name: str, path: Path, *, model_ref: str | None = None) -> dict[str, Any]:
     """Write snapshot ``name`` of ``store`` to ``path`` atomically; returns what was written.
     ``model_ref``: the ``model`` key (default: the snapshot's repo id or recorded directory)."""
-    from mlx_lm.models.cache import save_prompt_cache
-
     restored = store.load(name, model=None, verify=True)
     _, header = store.header(name)
     ref = model_ref or header.get("model_name") or store.model_of(header["model"]) or ""

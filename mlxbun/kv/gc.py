@@ -28,7 +28,7 @@ from mlxbun.io.atomic import TMP_MARK, atomic_write_json, fsync_dir
 from mlxbun.kv import format as fmt
 from mlxbun.kv.store import FILES, SnapshotInfo, Store
 from mlxbun.progress import human_bytes
-from mlxbun.provenance import RunResult
+from mlxbun.runs.provenance import RunResult
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import can_trim_prompt_cache, load_prompt_cache, make_prompt_cache, trim_prompt_cache
 
 from mlxbun.errors import DriftError, InputError
 from mlxbun.kv import state
@@ -36,8 +38,8 @@ from mlxbun.kv.commands import (
 )
 from mlxbun.kv.store import check_snapshot_name
 from mlxbun.progress import human_bytes
-from mlxbun.provenance import RunResult
-from mlxbun.source import model_dir
+from mlxbun.runs.provenance import RunResult
+from mlxbun.source.model import model_dir
 
 # recomputed K/V of the last token may differ from the file's by float rounding only
 TOLERANCE = 0.02
@@ -57,9 +59,6 @@ def check_file(file: str | None) -> Path:
 def read_prompt_cache(path: Path) -> tuple[list[Any], dict[str, str]]:
     """The caches and user metadata of an mlx-lm prompt-cache file; classes are checked against
     the allow-list before mlx-lm builds anything from their names."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import load_prompt_cache
-
     try:
         _, meta = mx.load(str(path), return_metadata=True)
     except Exception as e:
@@ -100,8 +99,6 @@ def _leaves(cache: list[Any]) -> list[Any]:
 
 def check_against(loaded: Loaded, cache: list[Any], tokens: list[int], *, path: Path) -> None:
     """Layers, classes and length fit the model and prompt (InputError naming what differs)."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     want = [type(c).__name__ for c in make_prompt_cache(loaded.model)]
     got = [type(c).__name__ for c in cache]
     if got != want:
@@ -158,9 +155,6 @@ def recompute_check(loaded: Loaded, cache: list[Any], tokens: list[int], *, path
     """Recompute sampled prompt positions, each from the file's own cache of the tokens before it;
     the keys and values must match the file's there in every layer. Returns the largest relative
     difference (DriftError naming the layer and position past the tolerance; NaN never passes)."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
-
     if len(tokens) < 2 or not can_trim_prompt_cache(cache):
         raise InputError(
             f"kv.file={str(path)!r} cannot be checked by recomputing its tokens (untrimmable "

@@ -17,6 +17,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models import cache as C
 
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import CODES, ITEMSIZE
@@ -227,8 +228,6 @@ def _unrotate(t: mx.array, keep: int, idx: int) -> mx.array:
 
 def build_layer(cls: str, meta: dict[str, Any], arrays: dict[str, mx.array]) -> Any:
     """An mlx-lm cache object from meta and restored arrays (already validated)."""
-    from mlx_lm.models import cache as C
-
     if cls == "CacheList":
         subs = []
         for i, sub in enumerate(meta["caches"]):

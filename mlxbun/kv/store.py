@@ -218,7 +218,7 @@ class Store:
             fields: tokens, model, tokenizer, layout, model_name, chat_template as below (checked by one
                 function for :meth:`save` and :meth:`save_async`).
             tokens: the token ids the cache holds (checked against the cache's length).
-            model, tokenizer: fingerprints (see mlxbun.fingerprint); loads must match.
+            model, tokenizer: fingerprints (see mlxbun.source.fingerprint); loads must match.
             layout: "snapshot" (one mlx-lm prompt-cache file) or "blocks" (deduplicated).
             model_name: what ``mlx_lm generate --prompt-cache-file`` loads when no ``--model``
                 is given (a path or an HF repo id); kept in snapshot files, shown by kv_ls.

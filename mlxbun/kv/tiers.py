@@ -26,6 +26,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
 from mlxbun.errors import InputError
 from mlxbun.kv import format as fmt
 from mlxbun.kv.store import Store, common_prefix
@@ -109,16 +111,12 @@ def usable(have: Sequence[int], want: Sequence[int], *, trimmable: bool) -> int:
 
 
 def trimmed(cache: list[Any], have: int, keep: int) -> list[Any]:
-    from mlx_lm.models.cache import trim_prompt_cache
-
     if keep < have:
         trim_prompt_cache(cache, have - keep)
     return cache
 
 
 def _trimmable(cache: list[Any]) -> bool:
-    from mlx_lm.models.cache import can_trim_prompt_cache
-
     return can_trim_prompt_cache(cache)
 
 

@@ -6,7 +6,7 @@ calibration set's hidden states, never the whole model's activations. The result
 sensitivity's checkpoints, by the model's fingerprint and the calibration record, so a rerun
 with the same model and calibration (``sensitivity.calib.*``) reuses the file and says so::
 
-    <cache>/hessians/<key>/             key = sha256(format, model fingerprint, calibration)[:20]
+    <cache>/hessians/<key>/             key = job_key(version, model fingerprint, calibration)
         meta.json                       what the key was made of
         hessians.safetensors            (format: mlxbun.quant.hessian)
     <run_dir>/
@@ -21,7 +21,6 @@ Example:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
@@ -30,15 +29,16 @@ from pathlib import Path
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.fingerprint import model_fingerprint
-from mlxbun.io.atomic import atomic_write_json, dumps_json, file_lock, publish_link
+from mlxbun.io.atomic import atomic_write_json, file_lock, publish_link
+from mlxbun.io.digest import job_key
 from mlxbun.progress import Progress
-from mlxbun.provenance import RunResult
 from mlxbun.quant import hessian
-from mlxbun.quant.calib import load_calibration
-from mlxbun.quant.spec import HESSIANS_NAME
-from mlxbun.source import expand
-from mlxbun.source import model_dir as source_dir
+from mlxbun.quant.calibration import load_calibration
+from mlxbun.quant.plan import HESSIANS_NAME
+from mlxbun.runs.provenance import RunResult
+from mlxbun.source.fingerprint import model_fingerprint
+from mlxbun.source.model import expand
+from mlxbun.source.model import model_dir as source_dir
 
 log = logging.getLogger("mlxbun.calibrate")
 
@@ -73,7 +73,7 @@ def calibrate(
         model_dir: a bf16/f16/f32 checkpoint or an mlx-lm quantized model directory.
         out_dir: the run directory (created if missing).
         work_dir: root of the cache (one directory per key); None captures without one.
-        calib_path, samples, seq_len, seed: calibration (see :mod:`mlxbun.quant.calib`); the same
+        calib_path, samples, seq_len, seed: calibration (see :mod:`mlxbun.quant.calibration`); the same
             keys as sensitivity's, so both measure on the same tokens.
         batch_size: samples per block forward.
     """
@@ -87,7 +87,7 @@ def calibrate(
         "model": model_fingerprint(model_dir, depth="sampled"),
         "calibration": calib.to_dict(),
     }
-    key = hashlib.sha256(dumps_json(settings).encode()).hexdigest()[:20]
+    key = job_key("calibrate", VERSION, settings)
     out = Path(out_dir) / HESSIANS_NAME
     out.parent.mkdir(parents=True, exist_ok=True)
     if work_dir is None:

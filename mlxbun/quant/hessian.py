@@ -44,7 +44,8 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_open
 from mlxbun.io.safetensors import SafetensorsFile, read_config
-from mlxbun.quant.stream import find_blocks
+from mlxbun.quant import mlxlm
+from mlxbun.quant.streamed import find_blocks
 
 FORMAT = "mlxbun-hessians"
 
@@ -240,14 +241,12 @@ def _drain(store: dict[str, Any], sink: Callable[[str, np.ndarray], None] | None
 
 def load_lazy(model_dir: str | Path) -> tuple[Any, Any]:
     """mlx-lm model (float32, weights read from disk only when a block first runs) and tokenizer."""
-    from mlx_lm.utils import dequantize_model, load
-
     read_config(Path(model_dir))  # a broken config.json: the one reader's line, not mlx-lm's
     try:
-        model, tokenizer = load(str(model_dir), lazy=True)
+        model, tokenizer = mlxlm.load(model_dir, lazy=True)
     except (FileNotFoundError, ValueError) as e:
         raise InputError(f"model.name={str(model_dir)!r} cannot be loaded by mlx_lm: {e}") from None
-    model = dequantize_model(model)
+    model = mlxlm.dequantize_model(model)
     # Embeddings keep their stored dtype: a row lookup is exact in it, and a large vocabulary's
     # float32 copy would be the biggest thing in memory (the head's logits are never computed).
     embeds = [(m, m.weight) for _, m in model.named_modules() if isinstance(m, nn.Embedding)]

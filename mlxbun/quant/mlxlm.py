@@ -1,10 +1,13 @@
-"""mlx-lm's model classes and config rules, reached without importing ``transformers``.
+"""mlx-lm as mlxbun reaches it: its model classes and config rules without ``transformers``, and
+its loaders, which import ``transformers``, only when one is called.
 
-``import mlx_lm.models.llama`` runs ``mlx_lm/__init__.py``, which imports ``mlx_lm.utils`` and
-with it ``transformers`` (seconds of start-up) although a conversion needs only the model
-classes. :func:`model_classes` registers the ``mlx_lm`` package without running its
-``__init__``; the first attribute anyone asks of the package (``from mlx_lm import load``) runs
-it then, so other code sees the normal package. The remapping tables are read from
+A conversion needs mlx-lm's model classes, not its tokenizers: ``mlxbun`` registers the
+``mlx_lm`` package with its ``__init__`` (which imports ``transformers``) deferred, so
+:func:`model_classes` imports ``mlx_lm.models.<type>`` alone. ``mlx_lm.utils``,
+``mlx_lm.tokenizer_utils`` and ``mlx_lm.convert`` import ``transformers`` (seconds): :func:`load`,
+:func:`load_model`, :func:`load_tokenizer`, :func:`dequantize_model` and
+:func:`mixed_quant_predicate_builder` import them on first use, so a command that never loads a
+tokenizer, or stops at bad input, never pays for it. The remapping tables are read from
 ``mlx_lm/utils.py`` itself (``ast``), and ``load_config`` / the tagged-float rules mirror
 ``mlx_lm.utils`` (tests compare our config.json with mlx-lm's byte for byte).
 """
@@ -16,7 +19,6 @@ import importlib
 import importlib.util
 import json
 import math
-import sys
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -25,22 +27,6 @@ from mlxbun.errors import InputError
 from mlxbun.io.safetensors import read_config
 
 _FLOAT_TAGS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
-
-
-def _lazy_package() -> None:
-    """Put ``mlx_lm`` in sys.modules with its __init__ deferred to the first attribute lookup."""
-    if "mlx_lm" in sys.modules:
-        return
-    spec = importlib.util.find_spec("mlx_lm")
-    pkg = importlib.util.module_from_spec(spec)
-
-    def __getattr__(attr: str) -> Any:  # noqa: N807 - module-level __getattr__ (PEP 562)
-        del pkg.__dict__["__getattr__"]
-        spec.loader.exec_module(pkg)
-        return getattr(pkg, attr)
-
-    pkg.__getattr__ = __getattr__  # type: ignore[attr-defined]
-    sys.modules["mlx_lm"] = pkg
 
 
 @cache
@@ -69,7 +55,6 @@ def model_type_module(config: dict[str, Any]) -> str:
 def model_classes(config: dict[str, Any]) -> tuple[Any, Any]:
     """(Model, ModelArgs) of mlx-lm for ``config``; InputError for an unsupported model_type."""
     name = model_type_module(config)
-    _lazy_package()
     try:
         module = importlib.import_module(f"mlx_lm.models.{name}")
     except ImportError:
@@ -111,3 +96,38 @@ def load_config(model_path: Path) -> dict[str, Any]:
         if eos:
             config["eos_token_id"] = eos
     return config
+
+
+def load(path: str | Path, **kwargs: Any) -> tuple[Any, Any]:
+    """``mlx_lm.utils.load``: the model and its tokenizer."""
+    from mlx_lm.utils import load as mlx_lm_load
+
+    return mlx_lm_load(str(path), **kwargs)
+
+
+def load_model(path: str | Path, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """``mlx_lm.utils.load_model``: the model and its config, no tokenizer."""
+    from mlx_lm.utils import load_model as mlx_lm_load_model
+
+    return mlx_lm_load_model(Path(path), **kwargs)
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """``mlx_lm.tokenizer_utils.load``: the tokenizer of a model directory."""
+    from mlx_lm.tokenizer_utils import load as mlx_lm_load_tokenizer
+
+    return mlx_lm_load_tokenizer(Path(path))
+
+
+def dequantize_model(model: Any) -> Any:
+    """``mlx_lm.utils.dequantize_model``."""
+    from mlx_lm.utils import dequantize_model as mlx_lm_dequantize_model
+
+    return mlx_lm_dequantize_model(model)
+
+
+def mixed_quant_predicate_builder(rule: str, model: Any, group_size: int) -> Any:
+    """``mlx_lm.convert.mixed_quant_predicate_builder``: mlx-lm's mixed-bit rule ``rule``."""
+    from mlx_lm.convert import mixed_quant_predicate_builder as builder
+
+    return builder(rule, model, group_size)

@@ -24,15 +24,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
+from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_NAMES
 from mlxbun.io.safetensors import open_model, read_config
 from mlxbun.io.staging import ScratchDir
-from mlxbun.quant import rounding
+from mlxbun.quant import hessian, rounding
+from mlxbun.quant.mlxlm import load
 from mlxbun.quant.spec import QuantSpec
-from mlxbun.quant.stream import find_blocks
+from mlxbun.quant.streamed import find_blocks
 
 
 @dataclass(frozen=True)
@@ -50,11 +55,6 @@ class Target:
 def load_model(model_dir: str | Path, *, key: str = "model.name") -> tuple[Any, Any, dict[str, dict]]:
     """mlx-lm model (float32, dequantized) + tokenizer + each quantized module's original setting;
     ``key``: the setting that named ``model_dir``, for the error when mlx-lm cannot load it."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_flatten
-    from mlx_lm.utils import load
-
     if not (Path(model_dir) / "config.json").is_file():
         raise InputError(f"{key}={str(model_dir)!r} has no config.json; pass a Hugging Face model directory")
     read_config(Path(model_dir))  # a broken config.json: the one reader's line, not mlx-lm's
@@ -82,11 +82,6 @@ def _dequantize(model: Any) -> None:
     :data:`FAKE_QUANT_CHUNK` weights cast to float32 one after the other. The values come out in
     the scales' dtype first (the candidates' source), as there; dequantized whole, a 150K-row
     embedding's temporaries alone peaked at 4 GB."""
-    import mlx.core as mx
-    import mlx.nn as nn
-    from mlx.utils import tree_unflatten
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
-
     kinds = {
         nn.QuantizedLinear: nn.Linear,
         nn.QuantizedEmbedding: nn.Embedding,
@@ -116,8 +111,6 @@ def dequantized(
 ) -> Any:
     """mlx's dequantize as ``dtype``, in slices of rows of about :data:`FAKE_QUANT_CHUNK` weights,
     each evaluated before the next (whole, a 150K-row 5-bit embedding takes 3.4 GB of temporaries)."""
-    import mlx.core as mx
-
     rows = wq.shape[-2]
     step = max(1, FAKE_QUANT_CHUNK // max(1, wq.size * 32 // bits // rows))
     parts = []
@@ -196,8 +189,6 @@ def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str, hessian: Any = None,
     made one module at a time. Large rtn weights go in slices of rows (quantization groups never
     cross a row: the same values), each evaluated before the next, so the temporaries stay near
     ``FAKE_QUANT_CHUNK`` weights."""
-    import mlx.core as mx
-
     if cand.method != "rtn":
         return _rounded(weight, cand, dtype, hessian, factor)
 
@@ -214,7 +205,7 @@ def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str, hessian: Any = None,
 class Written:
     """A module's weight as quantize writes it at a setting, float32: RTN and the microscaling
     modes by ``mx.quantize``, clip and GPTQ by :func:`mlxbun.quant.rounding.quantize` with the
-    module's Hessian. Those roundings go to ``rounded`` (:class:`mlxbun.quant.rounded.Rounded`,
+    module's Hessian. Those roundings go to ``rounded`` (:class:`mlxbun.quant.quantize.cache.Rounded`,
     keyed as quantize keys them), so a quantize of the same plan reads them back.
 
     ``dtype``: the output dtype quantize casts to (None: each module's ``dtypes`` entry)."""
@@ -225,10 +216,6 @@ class Written:
         self.dtype, self.dtypes, self.hessians, self.rounded = dtype, dtypes, hessians, rounded
 
     def __call__(self, path: str, w: Any, spec: QuantSpec) -> Any:
-        import mlx.core as mx
-
-        from mlxbun.quant import hessian
-
         dtype = self.dtype or self.dtypes.get(path, "bfloat16")
         if spec.method == "rtn" or spec.mode != "affine":
             return fake_quant(w, spec, dtype=dtype)
@@ -255,8 +242,6 @@ class Written:
 
 
 def _rounded(weight: Any, cand: QuantSpec, dtype: str, hessian: Any, factor: Any) -> Any:
-    import mlx.core as mx
-
     if cand.method not in ("clip", "gptq"):
         raise ValueError(f"fake_quant: method {cand.method!r} cannot be applied to one module alone")
     src = weight.astype(getattr(mx, dtype))
@@ -267,8 +252,6 @@ def _rounded(weight: Any, cand: QuantSpec, dtype: str, hessian: Any, factor: Any
 
 
 def _fake_quant(weight: Any, cand: QuantSpec, dtype: str) -> Any:
-    import mlx.core as mx
-
     src = weight.astype(getattr(mx, dtype))
     parts = mx.quantize(src, group_size=cand.group_size, bits=cand.bits, mode=cand.mode)
     biases = parts[2] if len(parts) > 2 else None
@@ -399,8 +382,6 @@ class Spill:
 
 def timed_forward(model: Any, tokens: Any, batch_size: int) -> float:
     """Seconds of one forward of a batch, from a forward of its first quarter of tokens (>= 16)."""
-    import mlx.core as mx
-
     length = tokens.shape[1]
     part = min(length, max(16, length // 4))
     x = mx.array(tokens[:batch_size, :part])

@@ -24,11 +24,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
-METHODS = ("rtn", "clip", "gptq", "awq")
-VERSION = 2  # of what the rounding gives: bump on any change of its bytes (it keys mlxbun.quant.rounded;
-# 2: GPTQ in act-order with static groups)
+from mlxbun.errors import NumericFailure
+from mlxbun.quant.spec import check_method
+
+VERSION = 2  # of what the rounding gives: bump on any change of its bytes (it keys the rounded cache)
 DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
@@ -40,16 +42,6 @@ class NotPositiveDefinite(ValueError):
     """GPTQ's Cholesky of a dampened H failed: H is not positive semi-definite."""
 
 
-def check_method(method: str, *, mode: str = "affine", key: str = "quant.method") -> None:
-    """Reject an unknown method, or a non-default one for a mode other than affine."""
-    from mlxbun.errors import InputError
-
-    if method not in METHODS:
-        raise InputError(f"{key}={method!r} is not allowed; choose one of {', '.join(METHODS)}")
-    if method != "rtn" and mode != "affine":
-        raise InputError(f"{key}={method!r} needs mode affine, got mode={mode!r}; use method rtn")
-
-
 def pack(codes: np.ndarray, bits: int) -> np.ndarray:
     """Codes (rows, cols) in [0, 2**bits) -> uint32 (rows, cols*bits/32), mlx's bit order."""
     rows, cols = codes.shape
@@ -59,29 +51,21 @@ def pack(codes: np.ndarray, bits: int) -> np.ndarray:
 
 
 def _codes(w: Any, s: Any, b: Any, n: int) -> Any:
-    import mlx.core as mx
-
     return mx.clip(mx.round((w - b) / s), 0, n)
 
 
 def _err(w: Any, q: Any, s: Any, b: Any, imp: Any) -> Any:
-    import mlx.core as mx
-
     return mx.sum(imp * mx.square(w - (s * q + b)), axis=-1, keepdims=True)
 
 
 def _stored(x: Any, dtype: Any) -> Any:
     """The value a scale or bias has once written in ``dtype``; zero scales become tiny."""
-    import mlx.core as mx
-
     x = x.astype(dtype).astype(mx.float32)
     return mx.where(x == 0, mx.array(1e-8, mx.float32).astype(dtype).astype(mx.float32), x)
 
 
 def _refit(w: Any, q: Any, imp: Any, s: Any, b: Any) -> tuple[Any, Any]:
     """Weighted least-squares scale and bias for fixed codes (unchanged where degenerate)."""
-    import mlx.core as mx
-
     iq = imp * q  # once: (imp * q) * q and (imp * q) * w are what imp * q * q and imp * q * w compute
     sw, sq = mx.sum(imp, -1, keepdims=True), mx.sum(iq, -1, keepdims=True)
     sqq, swx = mx.sum(iq * q, -1, keepdims=True), mx.sum(imp * w, -1, keepdims=True)
@@ -100,8 +84,6 @@ def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -
     are then taken in the order ratio by ratio, refit by refit, each kept where its error is
     strictly below the best so far (ties keep the earlier one), starting from ``mx.quantize``'s.
     """
-    import mlx.core as mx
-
     n = (1 << bits) - 1
     rows, cols = w.shape
     wg = w.reshape(rows, cols // group_size, group_size)
@@ -134,8 +116,6 @@ def _search_block(w: Any, imp: Any, *, bits: int, group_size: int, dtype: Any) -
 
 def _in_order(parts: list[Any], ratios: int) -> Any:
     """[first (1, ...), then one (ratios, ...) per refit step] -> (1 + ratios x steps, ...), ratio-major."""
-    import mlx.core as mx
-
     tried = mx.stack(parts[1:], axis=1).reshape(-1, *parts[1].shape[1:])
     return mx.concatenate([parts[0], tried], axis=0)
 
@@ -146,8 +126,6 @@ def _search(
     """:func:`_search_block` over ``w`` (rows, cols; any float dtype) in blocks of rows of about
     :data:`BLOCK_ELEMENTS` weights: the codes packed (:func:`pack`; None unless ``codes``),
     scales and biases (float32)."""
-    import mlx.core as mx
-
     rows, cols = w.shape
     step = max(1, BLOCK_ELEMENTS // cols)
     packed, scales, biases = [], [], []
@@ -169,8 +147,6 @@ def inverse_factor(h: np.ndarray) -> np.ndarray:
     one Cholesky and one triangular inverse in float32 through mlx's LAPACK, instead of numpy's
     float64 ``cholesky(inv(H))`` (slower, and the same U to float32 rounding).
     """
-    import mlx.core as mx
-
     H = np.array(h, dtype=np.float64)
     diag = np.diag(H).copy()
     dead = np.flatnonzero(diag <= 0)
@@ -194,8 +170,7 @@ def gptq_factor(h: Any) -> tuple[np.ndarray, np.ndarray]:
 
     The order is act-order (GPTQ's ``desc_act``): the columns of largest diag(H) first (ties in
     column order), so the inputs that carry the most energy are rounded while the most columns are
-    left to absorb their error. On the two narrow fixtures' Hessians it lowers GPTQ's output error
-    at 2, 4 and 6 bits x group 32/64/128 by 4-25% (mean over modules) against the plain order."""
+    left to absorb their error (BENCHMARKS.md has its gain over the plain order)."""
     order = np.argsort(-np.diag(np.asarray(h, dtype=np.float64)), kind="stable")
     return order, inverse_factor(np.asarray(h, dtype=np.float64)[np.ix_(order, order)])
 
@@ -230,8 +205,6 @@ def _gptq(
     after each block of ``group_size`` columns is one matmul through mlx (BLAS), the column loop
     runs on the block's slice only.
     """
-    import mlx.core as mx
-
     n = (1 << bits) - 1
     W = np.array(w.astype(mx.float32), dtype=np.float32)
     imp = np.maximum(np.diag(np.asarray(h, dtype=np.float32)), 0)
@@ -256,10 +229,6 @@ def _gptq(
 def check_finite(path: str, arrays: dict[str, Any]) -> None:
     """Refuse to publish a quantized module whose scales or biases hold a NaN or Inf (whatever
     rounded it: an Inf weight makes ``mx.quantize`` give NaN scales too)."""
-    import mlx.core as mx
-
-    from mlxbun.errors import NumericFailure
-
     for name in (f"{path}.scales", f"{path}.biases"):
         a = arrays.get(name)
         if a is not None and mx.issubdtype(a.dtype, mx.floating) and not mx.all(mx.isfinite(a)).item():
@@ -294,8 +263,6 @@ def quantize(
         factor: ``gptq_factor(hessian)`` when the caller has it (GPTQ of one module at
             several settings factors its Hessian once).
     """
-    import mlx.core as mx
-
     check_method(method)
     if method == "rtn":
         return tuple(mx.quantize(w, group_size=group_size, bits=bits))

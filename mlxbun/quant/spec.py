@@ -1,9 +1,9 @@
-"""The quantization vocabulary: one setting type (QuantSpec), what MLX supports per mode, plan.json.
+"""The quantization vocabulary: one setting type (QuantSpec), what MLX supports per mode, the
+rounding methods and the protect-rule grammar.
 
-Every layer that knows what a quantization setting is imports it from here: the config schema
-checks user input against these tables, ``quantize`` reads :class:`Plan`, ``allocate`` writes it,
-``sensitivity`` probes :class:`QuantSpec` candidates. What MLX 0.32 accepts (measured with
-``mx.quantize``; anything else raises or is refused here)::
+Every layer that knows what a quantization setting is imports it from here, the config schema
+first: it checks user input against these tables, so this module imports no mlx (and no numpy).
+What MLX accepts (anything else raises in ``mx.quantize`` or is refused here)::
 
     mode     bits               group_size     default (mlx-lm's defaults_for_mode)
     affine   2, 3, 4, 5, 6, 8   32, 64, 128    4-bit, g64
@@ -14,16 +14,9 @@ checks user input against these tables, ``quantize`` reads :class:`Plan`, ``allo
 A setting as JSON (plan.json entries, config.json ``quantization``) is
 ``{"group_size": 64, "bits": 4, "mode": "affine"}``; reading ignores unknown keys and fills a
 missing bits or group size from the mode's default. A plan entry may add ``"method"`` (how an
-affine weight is rounded: ``rtn``, ``clip``, ``gptq``; see ``mlxbun.quant.rounding``), so one plan
-mixes quantizers; config.json never carries it (:meth:`QuantSpec.mlx_dict`). plan.json::
-
-    {"version": 1,
-     "default": {"bits": 4, "group_size": 64, "mode": "affine"},
-     "layers": {"model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 64, "mode": "affine"},
-                "model.layers.0.mlp.up_proj": {"bits": 3, "group_size": 32, "mode": "affine",
-                                               "method": "gptq"},
-                "lm_head": false},              false = leave unquantized
-     ...}                                       other keys (allocate's report) are ignored
+affine weight is rounded: ``rtn``, ``clip``, ``gptq``, ``awq``; see ``mlxbun.quant.rounding``), so
+one plan mixes quantizers; config.json never carries it (:meth:`QuantSpec.mlx_dict`). plan.json
+itself is :mod:`mlxbun.quant.plan`.
 
 Example:
     >>> QuantSpec(mode="mxfp4")
@@ -36,12 +29,10 @@ Example:
 
 from __future__ import annotations
 
+import fnmatch
 import functools
-import json
-import stat
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, fields
 from typing import Any
 
 from mlxbun.errors import InputError
@@ -55,12 +46,18 @@ AFFINE_BITS = MODE_BITS["affine"]
 # Any mode's bits / group sizes: what a filter over several modes may name.
 ALL_BITS = tuple(sorted({b for bs in MODE_BITS.values() for b in bs}))
 ALL_GROUPS = tuple(sorted({g for gs in MODE_GROUPS.values() for g in gs}))
+# mlx-lm's QuantizedKVCache quantizes keys and values with mx.quantize, affine: these are its choices.
+KV_BITS = MODE_BITS["affine"]
+KV_GROUPS = MODE_GROUPS["affine"]
 # Microscaling modes store 8-bit scales (shared exponents, or fp8) and no biases.
 UINT8_SCALE_MODES = frozenset({"mxfp4", "mxfp8", "nvfp4"})
 MIXED_RULES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
-PLAN_VERSION = 1
-HESSIANS_NAME = "hessians.safetensors"  # its name in a command=calibrate run directory
-HESSIANS_FILE = f"a Hessians file ({HESSIANS_NAME}, mlxbun.quant.hessian) or the calibrate run dir holding it"
+# How an affine weight is rounded (mlxbun.quant.rounding): rtn is mx.quantize's own rounding.
+ROUNDING_METHODS = ("rtn", "clip", "gptq", "awq")
+# The methods sensitivity.candidates scores from a module's Hessian (awq needs its folds first).
+CANDIDATE_METHODS = ("rtn", "clip", "gptq")
+# Rounding methods that need the layers' input Hessians (quant.hessians).
+HESSIAN_METHODS = ("gptq", "awq")
 
 
 @functools.total_ordering
@@ -123,9 +120,6 @@ class QuantSpec:
         extra = {f.name: data[f.name] for f in fields(cls) if f.name not in _CORE and f.name in data}
         spec = spec_for(data.get("mode", "affine"), data.get("bits"), data.get("group_size"), key=key)
         if "method" in extra:
-            # deferred: rounding pulls in numpy, and this module loads with the CLI's schema
-            from mlxbun.quant.rounding import check_method
-
             check_method(extra["method"], mode=spec.mode, key=f"{key}.method")
         return cls(bits=spec.bits, group_size=spec.group_size, mode=spec.mode, **extra)
 
@@ -196,6 +190,47 @@ def spec_for(
     return QuantSpec(bits=int(bits), group_size=int(group_size), mode=mode)
 
 
+def check_method(method: str, *, mode: str = "affine", key: str = "quant.method") -> None:
+    """Reject an unknown rounding method, or one other than rtn for a mode other than affine."""
+    if method not in ROUNDING_METHODS:
+        raise InputError(f"{key}={method!r} is not allowed; choose one of {_choices(ROUNDING_METHODS)}")
+    if method != "rtn" and mode != "affine":
+        raise InputError(f"{key}={method!r} needs mode affine, got mode={mode!r}; use method rtn")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """``pattern:min_bits`` (``allocate.protect``): matching modules get at least ``min_bits``.
+
+    ``pattern`` is a glob over the module path when it has ``*?[``, else a run of whole dotted
+    components (``lm_head``, ``down_proj``, ``layers.0.mlp``); the components ``first`` and
+    ``last`` stand for the first and last block index.
+
+    Example:
+        >>> Rule.parse("layers.last.mlp.down_proj:6").matches("model.layers.11.mlp.down_proj", n_blocks=12)
+        True
+    """
+
+    pattern: str
+    min_bits: int
+
+    @classmethod
+    def parse(cls, text: str) -> Rule:
+        pattern, sep, bits = str(text).rpartition(":")
+        if not sep or not pattern or not bits.strip().isdigit():
+            raise InputError(
+                f"allocate.protect entry {text!r} is not PATTERN:BITS; e.g. lm_head:6 or layers.first.mlp.down_proj:6"
+            )
+        return cls(pattern.strip(), int(bits))
+
+    def matches(self, path: str, *, n_blocks: int) -> bool:
+        parts = [{"first": "0", "last": str(max(n_blocks - 1, 0))}.get(c, c) for c in self.pattern.split(".")]
+        pattern = ".".join(parts)
+        if any(ch in pattern for ch in "*?["):
+            return fnmatch.fnmatchcase(path, pattern)
+        return f".{pattern}." in f".{path}."
+
+
 def check_mixed(mixed: str | None, *, mode: str, plan: Any = None) -> None:
     """The ``quant.mixed`` rule: one of mlx-lm's rules, affine only, not together with a plan."""
     if mixed is None:
@@ -221,110 +256,3 @@ def check_budget(budget_bpw: float | None, budget_bytes: int | None, *, required
             "allocate.budget_bpw and allocate.budget_bytes are both unset; set exactly one"
             " (e.g. allocate.budget_bpw=4.5)"
         )
-
-
-# ------------------------------------------------------------------------------- plan.json
-
-
-@dataclass(frozen=True)
-class Plan:
-    """A per-layer plan: ``layers[path]`` is a QuantSpec, or None to leave that module unquantized.
-
-    Modules not in ``layers`` take ``default``. ``allocate`` writes one (with its report beside
-    these keys), ``quantize`` reads one.
-    """
-
-    default: QuantSpec
-    layers: Mapping[str, QuantSpec | None] = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, data: Any, *, source: str = "plan") -> Plan:
-        """A checked plan; errors name ``source`` and the entry. Keys other than these are ignored."""
-        if not isinstance(data, dict) or not isinstance(data.get("default"), dict):
-            raise InputError(
-                f"{source}: a plan is an object with a 'default' setting; see mlxbun/quant/spec.py"
-            )
-        if data.get("version", PLAN_VERSION) != PLAN_VERSION:
-            raise InputError(
-                f"{source}: plan version {data.get('version')!r} is not supported; use version {PLAN_VERSION}"
-            )
-        layers = {} if data.get("layers") is None else data["layers"]
-        if not isinstance(layers, dict):
-            raise InputError(f"{source}: 'layers' must map module paths to a setting or false")
-        return cls(
-            default=QuantSpec.from_dict(data["default"], key=f"{source}: default"),
-            layers={
-                path: None
-                if entry is False
-                else QuantSpec.from_dict(entry, key=f"{source}: layers[{path!r}]")
-                for path, entry in layers.items()
-            },
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        layers = {p: (s.to_dict() if s else False) for p, s in sorted(self.layers.items())}
-        return {"version": PLAN_VERSION, "default": self.default.to_dict(), "layers": layers}
-
-
-def input_file(key: str, path: str | Path, *, what: str, directory: bool = False) -> Path:
-    """``path`` (``~`` expanded), or an InputError naming ``key`` when it does not exist or is not a
-    regular file (a FIFO or device would block or never end when read); ``directory`` allows one.
-
-    Example:
-        >>> input_file("quant.plan", "/dev/zero", what="a plan.json from `allocate`")
-        Traceback (most recent call last):
-        mlxbun.errors.InputError: quant.plan='/dev/zero' is a device, not a regular file; pass a plan.json ...
-    """
-    p = Path(path).expanduser()
-    try:
-        mode = p.stat().st_mode
-    except (FileNotFoundError, NotADirectoryError):
-        raise InputError(f"{key}={str(path)!r} does not exist; pass {what}") from None
-    if stat.S_ISREG(mode) or (directory and stat.S_ISDIR(mode)):
-        return p
-    kind = (
-        "a directory" if stat.S_ISDIR(mode)
-        else "a FIFO" if stat.S_ISFIFO(mode)
-        else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-        else "a socket"
-    )  # fmt: skip
-    raise InputError(f"{key}={str(path)!r} is {kind}, not a regular file; pass {what}")
-
-
-def hessians_file(path: str | Path, *, key: str = "quant.hessians") -> Path:
-    """The Hessians file ``path`` names: the file itself, or the command=calibrate run directory
-    holding ``hessians.safetensors``; an InputError naming ``key`` otherwise."""
-    p = input_file(key, path, what=HESSIANS_FILE, directory=True)
-    if not p.is_dir():
-        return p
-    if not (p / HESSIANS_NAME).exists():
-        raise InputError(f"{key}={str(path)!r} is a directory without {HESSIANS_NAME}; pass {HESSIANS_FILE}")
-    return input_file(key, p / HESSIANS_NAME, what=HESSIANS_FILE)
-
-
-# Rounding methods that need the layers' input Hessians (quant.hessians); see mlxbun.quant.rounding.
-HESSIAN_METHODS = ("gptq", "awq")
-
-
-def check_hessians(method: str, plan: Plan | None, hessians: Any) -> None:
-    """Refuse a run whose ``quant.method``, or a plan entry's method, needs Hessians when none are given."""
-    if hessians is not None:
-        return
-    if method in HESSIAN_METHODS:
-        raise InputError(f"quant.method={method!r} needs quant.hessians, {HESSIANS_FILE}")
-    entries = {} if plan is None else {"default": plan.default, **plan.layers}
-    for path, spec in entries.items():
-        if spec is not None and spec.method in HESSIAN_METHODS:
-            raise InputError(
-                f"quant.plan gives {path!r} method {spec.method!r}, which needs quant.hessians, {HESSIANS_FILE}"
-            )
-
-
-def load_plan(path: str | Path) -> Plan:
-    """Read and check a plan.json; errors name the file and the entry."""
-    p = input_file("quant.plan", path, what="a plan.json from `allocate`")
-    try:
-        data = json.loads(p.read_text())
-    except (OSError, ValueError) as e:
-        raise InputError(f"quant.plan={str(path)!r} is not valid JSON ({e})") from None
-    return Plan.from_dict(data, source=f"quant.plan={str(path)!r}")

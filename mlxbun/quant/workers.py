@@ -1,10 +1,10 @@
 """Worker processes for the rounding searches (clip, GPTQ) and the candidates' errors.
 
-MLX's CPU work from two Python threads of one process runs about one at a time: two 0.5B-shaped
-modules' candidate errors took 6.95 s one after the other, 6.70 s on two threads and 3.7 s in
-two processes (measured while another job shared the two cores). So a big model's rounding goes to ``threads`` processes (each started with the
-same BLAS, ``mlxbun.blas``), fed by the threads that stream its modules; a small one's stays on
-threads, where a process's start-up (about 2 s: importing mlx) would cost more than it saves.
+MLX's CPU work from two Python threads of one process runs about one at a time, while two
+processes run side by side (BENCHMARKS.md has the timings). So a big model's rounding goes to
+``threads`` processes (each started with the same BLAS, ``mlxbun.blas``), fed by the threads that
+stream its modules; a small one's stays on threads, where a process's start-up (importing mlx)
+would cost more than it saves.
 A worker runs exactly the in-process code on the same inputs, so the results are the same bits.
 
 Example:
@@ -21,18 +21,15 @@ from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
-# Below this many weights to round, the work stays on threads (every fixture is under it; a
-# 0.5B model's are 4x over it).
+from mlxbun import blas
+from mlxbun.quant import rounding
+
+# Below this many weights to round, the work stays on threads: the processes' start-up would cost
+# more than they save.
 MIN_WEIGHTS = 1 << 27
-
-
-def _start(library: str) -> None:
-    from mlxbun import blas
-
-    blas.load(library)
-    import mlx.core  # noqa: F401  (imported once here, not in the first task)
 
 
 @contextmanager
@@ -42,13 +39,13 @@ def pool(*, threads: int, weights: int) -> Iterator[ProcessPoolExecutor | None]:
     if threads <= 1 or weights < MIN_WEIGHTS:
         yield None
         return
-    from mlxbun import blas
-
     loaded = blas.load()
     library = loaded["library"] if loaded.get("loaded") else "off"
     ctx = multiprocessing.get_context("spawn")  # never fork a process that has MLX's threads
+    # the initializer lives in mlx-free mlxbun.blas: a worker loads the BLAS before this module
+    # (and with it mlx.core) is imported for its first task
     with ProcessPoolExecutor(
-        max_workers=threads, mp_context=ctx, initializer=_start, initargs=(library,)
+        max_workers=threads, mp_context=ctx, initializer=blas.load, initargs=(library,)
     ) as ex:
         yield ex
 
@@ -56,22 +53,14 @@ def pool(*, threads: int, weights: int) -> Iterator[ProcessPoolExecutor | None]:
 def sent(w: Any) -> tuple[np.ndarray, str]:
     """An mx array as float32 numpy and its dtype's name (bfloat16 has no numpy dtype; the
     float32 round trip is exact)."""
-    import mlx.core as mx
-
     return np.asarray(w.astype(mx.float32)), str(w.dtype).rpartition(".")[2]
 
 
 def received(a: np.ndarray, dtype: str) -> Any:
-    import mlx.core as mx
-
     return mx.array(a).astype(getattr(mx, dtype))
 
 
 def _quantize(w: np.ndarray, dtype: str, hessian: np.ndarray | None, kw: dict) -> tuple[np.ndarray, ...]:
-    import mlx.core as mx
-
-    from mlxbun.quant import rounding
-
     packed, s, b = rounding.quantize(received(w, dtype), hessian=hessian, **kw)
     mx.eval(packed, s, b)
     return np.asarray(packed), np.asarray(s.astype(mx.float32)), np.asarray(b.astype(mx.float32))
@@ -79,8 +68,6 @@ def _quantize(w: np.ndarray, dtype: str, hessian: np.ndarray | None, kw: dict) -
 
 def quantize(ex: ProcessPoolExecutor, w: Any, *, hessian: Any, **kw: Any) -> tuple[Any, Any, Any]:
     """``rounding.quantize(w, hessian=hessian, **kw)`` on a worker (``kw``: bits, group_size, method)."""
-    import mlx.core as mx
-
     a, dtype = sent(w)
     h = None if hessian is None else np.asarray(hessian)
     packed, s, b = ex.submit(_quantize, a, dtype, h, kw).result()

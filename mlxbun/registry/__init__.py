@@ -1,6 +1,6 @@
 """The registry: a peewee index of local models and of every run (sqlite by default, any db_url).
 
-Models come from the HF hub cache (see :mod:`mlxbun.hub` for the tree), from model directories
+Models come from the HF hub cache (see :mod:`mlxbun.source.hub` for the tree), from model directories
 that mlxbun runs wrote under the outputs root (a ``manifest.json`` in an enclosing run dir),
 from local directories (``registry.paths``) and from explicit :func:`register_model` calls. A
 scan is incremental; rows whose directory vanished are pruned, and reads never return one.

@@ -11,8 +11,8 @@ from dataclasses import asdict
 from typing import Any
 
 from mlxbun.errors import InputError
-from mlxbun.provenance import RunResult
 from mlxbun.registry import database, index, memory, query, table
+from mlxbun.runs.provenance import RunResult
 
 
 def _open(cfg: Any) -> None:

@@ -30,7 +30,9 @@ db = pw.DatabaseProxy()
 SQLITE_PRAGMAS = {"busy_timeout": 60000, "journal_mode": "wal", "synchronous": "normal", "foreign_keys": 1}
 CONNECT_DEADLINE_S = 60.0
 DEFAULT_DB = "~/.cache/mlxbun/registry.db"
-GB = 1 << 30  # every *_gb key is GiB (mlxbun/schema.py): registry.filter.max_gb, registry.fit.budget_gb
+GB = (
+    1 << 30
+)  # every *_gb key is GiB (mlxbun/config/checks.py): registry.filter.max_gb, registry.fit.budget_gb
 PG_LOCK_KEY = 0x6D6C7862  # advisory lock serializing schema upgrades on PostgreSQL
 _target: tuple[str | None, str | None] | None = None
 

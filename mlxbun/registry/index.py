@@ -18,10 +18,10 @@ from typing import Any, NamedTuple
 
 import peewee as pw
 
-from mlxbun import hub
 from mlxbun.errors import InputError
 from mlxbun.progress import Progress
 from mlxbun.registry.database import ModelRecord, column_max, db, log, require_db, utcnow, write_txn
+from mlxbun.source import hub
 
 
 @dataclass(frozen=True)

@@ -9,10 +9,10 @@ from typing import Any
 
 import peewee as pw
 
-from mlxbun import hub
 from mlxbun.errors import EnvironmentFailure, InputError
 from mlxbun.registry.database import GB, ModelRecord, column_max, require_db
 from mlxbun.registry.index import scan
+from mlxbun.source import hub
 
 
 def _alive(rows: Iterable[ModelRecord]) -> list[ModelRecord]:

@@ -1,0 +1,117 @@
+"""Whole-model KL of many variants of a model in one streamed pass: each block read once.
+
+A variant is the model with some modules at other settings (a calibration group at a candidate,
+a plan's probe). Every variant shares the reference's hidden state up to the first block it
+changes; from there each carries its own state through the later blocks, all advanced together
+as each block is read (:class:`mlxbun.quant.stream.Stream`), and each is compared with the
+reference at the head. Memory: one block, one hidden state of the windows per variant in flight.
+
+    ref = Reference.capture(stream, tokens)          # boundary states and the reference's last state
+    kls = measure(stream, ref, [{"model.layers.3.mlp.down_proj": QuantSpec(bits=3)}, ...], fake=fq)
+
+``fake(path, weight, spec)`` gives a module's weight at a setting (float32 in, float32 out):
+quantize -> dequantize for RTN and the microscaling modes, a rounding with the module's Hessian
+for clip and GPTQ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from mlxbun.quant.spec import QuantSpec
+from mlxbun.quant.streamed import Stream
+
+Fake = Callable[[str, mx.array, QuantSpec], mx.array]
+Variant = Mapping[str, QuantSpec]
+
+
+@dataclass
+class Reference:
+    """The reference's hidden states on some windows: entering each block (``states[i]``) and
+    leaving the last (``final``), kept in memory."""
+
+    tokens: np.ndarray
+    states: list[mx.array] = field(default_factory=list)
+    final: mx.array | None = None
+
+    @classmethod
+    def capture(cls, stream: Stream, tokens: np.ndarray) -> Reference:
+        ref = cls(tokens=np.asarray(tokens))
+        h = stream.embed(ref.tokens)
+        for i in range(stream.n_blocks):
+            ref.states.append(h)
+            with stream.loaded(i):
+                h = stream.run(i, h)
+                mx.eval(h)
+        ref.final = h
+        return ref
+
+    @property
+    def tokens_total(self) -> int:
+        return int(self.tokens.size)
+
+
+def block_of(stream: Stream, path: str) -> int:
+    """The block a module belongs to: -1 outside the blocks before them (the embedding), n after
+    them (the head: ``lm_head`` and the final norm)."""
+    if path.startswith(stream.prefix):
+        return int(path[len(stream.prefix) :].split(".")[0])
+    return -1 if path == stream.embedding_path else stream.n_blocks
+
+
+def measure(
+    stream: Stream,
+    ref: Reference,
+    variants: Sequence[Variant],
+    *,
+    fake: Fake,
+    on_block: Callable[[], None] | None = None,
+) -> list[float]:
+    """Mean KL(reference || variant) per token of each variant on the reference's windows."""
+    emb = stream.embedding_path
+    starts = [min((block_of(stream, p) for p in v), default=stream.n_blocks) for v in variants]
+    states: dict[int, mx.array] = {}
+    for k, v in enumerate(variants):
+        if starts[k] < 0:  # the embedding changes: the lookups differ from block 0 on
+            with stream.swapped({emb: fake(emb, stream.weight(emb), v[emb])}):
+                states[k] = stream.embed(ref.tokens)
+    for i in range(max(0, min(starts, default=0)), stream.n_blocks):
+        active = [k for k in range(len(variants)) if starts[k] <= i]
+        for k in active:
+            states.setdefault(k, ref.states[i])
+        weights = stream.load(i)
+        memo: dict[tuple[str, QuantSpec], mx.array] = {}
+        try:
+            for k in active:
+                mine = _in_block(stream, i, variants[k])
+                overrides = {}
+                for rel, spec in mine.items():
+                    if (rel, spec) not in memo:
+                        memo[(rel, spec)] = fake(f"{stream.prefix}{i}.{rel}", weights[f"{rel}.weight"], spec)
+                        mx.eval(memo[(rel, spec)])
+                    overrides[f"{rel}.weight"] = memo[(rel, spec)]
+                stream.set(i, weights | overrides)
+                states[k] = stream.run(i, states[k])
+                mx.eval(states[k])
+        finally:
+            stream.release(i)
+        if on_block is not None:
+            on_block()
+    return [_head_kl(stream, ref, states.get(k, ref.final), v, fake) for k, v in enumerate(variants)]
+
+
+def _in_block(stream: Stream, i: int, variant: Variant) -> dict[str, QuantSpec]:
+    """The variant's modules in block ``i``, by path relative to the block."""
+    prefix = f"{stream.prefix}{i}."
+    return {p[len(prefix) :]: s for p, s in variant.items() if p.startswith(prefix)}
+
+
+def _head_kl(stream: Stream, ref: Reference, final: mx.array, variant: Variant, fake: Fake) -> float:
+    """Mean KL at the head; a variant that sets the head (or a tied embedding) swaps its weight."""
+    heads = {p: s for p, s in variant.items() if p in stream.head_paths}
+    swaps = {p: fake(p, stream.weight(p), s) for p, s in heads.items()}
+    return stream.kl_sum(ref.final, final, head=swaps) / ref.tokens_total
