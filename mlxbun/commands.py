@@ -171,8 +171,8 @@ COMMANDS: dict[str, Command] = {
         reads=(*MODEL_SECTIONS, "kv"),
     ),
     "serve": Command(
-        "mlxbun.serve",
-        "OpenAI-compatible server whose prompt caches persist in the KV store",
+        "mlxbun.serve.command",
+        "OpenAI- and Anthropic-compatible server: continuous batching, prompt caches kept in the KV store",
         reads=(*MODEL_SECTIONS, "kv", "serve"),
     ),
     "registry_scan": Command(
