@@ -42,7 +42,9 @@ class Local:
         self.server.server_close()
         self.engine.stop()
 
-    def call(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, dict]:
+    def call(
+        self, method: str, path: str, body: bytes | None = None, headers: dict | None = None
+    ) -> tuple[int, dict]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
         conn.request(method, path, body, {"Content-Type": "application/json", **(headers or {})})
         resp = conn.getresponse()

@@ -80,7 +80,9 @@ def test_chat_logprobs_carry_token_bytes_and_top_logprobs(loaded, oai):
     got = c.logprobs.content
     assert [bytes(e.bytes) for e in got] == [tt.bytes(t) for t in want]
     assert [e.logprob for e in got] == pytest.approx(lps, abs=1e-4)
-    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in got)
+    assert all(
+        len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob for e in got
+    )
     assert c.message.role == "assistant" and c.message.content == loaded.tokenizer.decode(want)
 
 
@@ -147,15 +149,23 @@ def test_bad_requests_are_openai_errors_and_poison_nothing(oai, fields, param, c
         oai.completions.create(**({"model": "x", "prompt": "hi", "max_tokens": 4} | fields))
     assert e.value.status_code == 400 and e.value.param == param and e.value.code == code
     assert e.value.type == "invalid_request_error" and param in e.value.message
-    after = oai.completions.create(model="x", prompt="hi", max_tokens=4, temperature=0.5, extra_body={"top_k": 5})
+    after = oai.completions.create(
+        model="x", prompt="hi", max_tokens=4, temperature=0.5, extra_body={"top_k": 5}
+    )
     assert after.usage.completion_tokens == 4
 
 
-@pytest.mark.parametrize("body", [b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}'])
+@pytest.mark.parametrize(
+    "body", [b'{"prompt": "hi", "temperature": NaN}', b'{"prompt": "hi", "top_p": Infinity}']
+)
 def test_non_finite_numbers_are_refused(server, body):
     status, reply = server.call("POST", "/v1/completions", body)
     param = "temperature" if b"temperature" in body else "top_p"
-    assert status == 400 and reply["error"]["param"] == param and reply["error"]["type"] == "invalid_request_error"
+    assert (
+        status == 400
+        and reply["error"]["param"] == param
+        and reply["error"]["type"] == "invalid_request_error"
+    )
 
 
 def test_models_name_the_model_as_clients_send_it(oai):
@@ -171,7 +181,9 @@ def test_anthropic_messages_whole_and_streamed(loaded, claude, oai):
     m = claude.messages.create(model="any", max_tokens=8, system="be brief", messages=msgs)
     prompt = loaded.tokenizer.encode(convert_chat([{"role": "system", "content": "be brief"}, *msgs]))
     assert m.type == "message" and m.role == "assistant" and m.stop_reason == "max_tokens"
-    assert m.usage.output_tokens == 8 and m.usage.input_tokens + m.usage.cache_read_input_tokens == len(prompt)
+    assert m.usage.output_tokens == 8 and m.usage.input_tokens + m.usage.cache_read_input_tokens == len(
+        prompt
+    )
     with claude.messages.stream(model="any", max_tokens=8, system="be brief", messages=msgs) as stream:
         kinds = [e.type for e in stream]
         final = stream.get_final_message()
@@ -181,16 +193,23 @@ def test_anthropic_messages_whole_and_streamed(loaded, claude, oai):
         "content_block_stop", "message_delta", "message_stop"
     ]  # fmt: skip
     stop = m.content[0].text[3:6]
-    cut = claude.messages.create(model="any", max_tokens=8, system="be brief", messages=msgs, stop_sequences=[stop])
+    cut = claude.messages.create(
+        model="any", max_tokens=8, system="be brief", messages=msgs, stop_sequences=[stop]
+    )
     assert (cut.stop_reason, cut.stop_sequence) == ("stop_sequence", stop)
     assert cut.content[0].text == m.content[0].text[: m.content[0].text.find(stop)]
-    assert claude.messages.count_tokens(model="any", system="be brief", messages=msgs).input_tokens == len(prompt)
+    assert claude.messages.count_tokens(model="any", system="be brief", messages=msgs).input_tokens == len(
+        prompt
+    )
 
 
 def test_anthropic_errors_are_anthropic_shapes(claude):
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(
-            model="m", max_tokens=8, messages=[{"role": "user", "content": "x"}], extra_body={"temperature": 1.5}
+            model="m",
+            max_tokens=8,
+            messages=[{"role": "user", "content": "x"}],
+            extra_body={"temperature": 1.5},
         )
     assert e.value.body["error"]["type"] == "invalid_request_error" and "temperature" in e.value.message
     with pytest.raises(anthropic.BadRequestError) as e:

@@ -160,7 +160,12 @@ def test_a_quantized_kv_cache_is_served_one_at_a_time(loaded):
         want = [
             int(t)
             for t, _ in generate_step(
-                mx.array(j.request.tokens), loaded.model, max_tokens=6, kv_bits=8, kv_group_size=64, quantized_kv_start=0
+                mx.array(j.request.tokens),
+                loaded.model,
+                max_tokens=6,
+                kv_bits=8,
+                kv_group_size=64,
+                quantized_kv_start=0,
             )
         ]
         assert got == want
@@ -181,6 +186,8 @@ def test_concurrent_http_requests_share_one_batch(loaded):
             assert status == 200, reply
             tokens = list(loaded.tokenizer.encode(body["prompt"]))
             want = solo(loaded, tokens, 8)
-            assert reply["choices"][0]["logprobs"]["tokens"] == [TokenText(loaded.tokenizer).text(t) for t in want]
+            assert reply["choices"][0]["logprobs"]["tokens"] == [
+                TokenText(loaded.tokenizer).text(t) for t in want
+            ]
     finally:
         server.close()

@@ -43,7 +43,9 @@ def conversation(body: dict[str, Any]) -> tuple[list[dict[str, str]], bool]:
     """The messages (``system`` first) and whether the last one, the assistant's, is continued."""
     value = body.get("messages")
     if not isinstance(value, list) or not value:
-        raise BadRequest("messages: a non-empty list of {role, content} objects is required", param="messages")
+        raise BadRequest(
+            "messages: a non-empty list of {role, content} objects is required", param="messages"
+        )
     out = []
     system = body.get("system")
     if system is not None:
@@ -65,7 +67,9 @@ def request(body: dict[str, Any], ctx: Context) -> tuple[Request, dict[str, Any]
     """The engine's request and the reply's options (stream, stop) of a body."""
     bad = sorted(k for k, v in body.items() if k not in FIELDS and v is not None and v not in NOOP.get(k, []))
     if bad:
-        raise BadRequest(f"{bad[0]}: unsupported field(s): {', '.join(bad)}; remove, or set to null", param=bad[0])
+        raise BadRequest(
+            f"{bad[0]}: unsupported field(s): {', '.join(bad)}; remove, or set to null", param=bad[0]
+        )
     if not isinstance(body.get("model"), str):
         raise BadRequest("model: a string is required", param="model")
     if body.get("max_tokens") is None:
@@ -73,7 +77,9 @@ def request(body: dict[str, Any], ctx: Context) -> tuple[Request, dict[str, Any]
     asked = checks.integer(body, "max_tokens", lo=1, hi=2**62, default=None)
     sampling = checks.sampling(body, ctx.limits, max_temperature=1.0)
     prompt = tokens(body, ctx)
-    n = checks.budget(len(prompt), asked, default=asked or 1, limits=ctx.limits, param="messages", key="max_tokens")
+    n = checks.budget(
+        len(prompt), asked, default=asked or 1, limits=ctx.limits, param="messages", key="max_tokens"
+    )
     stop = checks.stop_words(body.get("stop_sequences"), key="stop_sequences")
     return Request("messages", prompt, n, sampling), {"stream": checks.flag(body, "stream"), "stop": stop}
 
@@ -132,6 +138,9 @@ def reply(job: Job, out: Any, ctx: Context, opts: dict[str, Any]) -> None:
         return
     out.event({"type": "content_block_stop", "index": 0}, "content_block_stop")
     end = {"stop_reason": STOP[choice.reason or "eos"], "stop_sequence": choice.stop_word}
-    out.event({"type": "message_delta", "delta": end, "usage": {"output_tokens": len(choice.pieces)}}, "message_delta")
+    out.event(
+        {"type": "message_delta", "delta": end, "usage": {"output_tokens": len(choice.pieces)}},
+        "message_delta",
+    )
     out.event({"type": "message_stop"}, "message_stop")
     out.close_stream()

@@ -163,7 +163,9 @@ def no_surrogates(value: Any, where: str = "body") -> None:
             value.encode("utf-8")
         except UnicodeEncodeError as e:
             bad = value[e.start : e.end].encode("unicode_escape").decode()
-            raise BadRequest(f"{where} holds a lone surrogate ({bad}), which is not text", param=where) from None
+            raise BadRequest(
+                f"{where} holds a lone surrogate ({bad}), which is not text", param=where
+            ) from None
     elif isinstance(value, dict):
         for k, v in value.items():
             no_surrogates(k, where)

@@ -155,7 +155,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         app, path = self.server.app, self.path.split("?")[0]
         if path == "/health":
-            self.send_json(200, {"status": "ok", "running": app.engine.running, "waiting": app.engine.inbox.qsize()})
+            self.send_json(
+                200, {"status": "ok", "running": app.engine.running, "waiting": app.engine.inbox.qsize()}
+            )
         elif path == "/v1/models":
             self.send_json(200, openai_api.models(app.ctx.model_id, app.created))
         elif path.startswith("/v1/models/") and path[len("/v1/models/") :] == app.ctx.model_id:
@@ -209,7 +211,9 @@ class Handler(BaseHTTPRequestHandler):
         if not raw.isdigit():
             self.close_connection = True
             what = f"not {raw!r}" if raw else "and it is missing"
-            raise BadRequest(f"Content-Length must be the body's size in bytes, {what}", status=411 if not raw else 400)
+            raise BadRequest(
+                f"Content-Length must be the body's size in bytes, {what}", status=411 if not raw else 400
+            )
         if int(raw) > MAX_BODY:
             self.close_connection = True  # the body is never read
             raise BadRequest(f"the body is {int(raw)} bytes; at most {MAX_BODY} are read", status=413)
@@ -230,7 +234,9 @@ def listen(host: str, port: int, app: App | None) -> Server:
     try:
         server = Server((host, port), app)  # type: ignore[arg-type]
     except socket.gaierror as e:
-        raise InputError(f"serve.host={host!r}: not an address of this machine ({e.strerror}); try 127.0.0.1 or 0.0.0.0") from None
+        raise InputError(
+            f"serve.host={host!r}: not an address of this machine ({e.strerror}); try 127.0.0.1 or 0.0.0.0"
+        ) from None
     except OSError as e:
         if e.errno in (99, 49):  # EADDRNOTAVAIL (Linux, macOS): the host is not this machine's
             raise InputError(

@@ -64,17 +64,29 @@ def messages(value: Any) -> list[dict[str, str]]:
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise BadRequest(f"{where} must be an object with a role of {', '.join(ROLES)}", param=where)
-        extra = sorted(k for k, v in m.items() if k not in ("role", "content", "name") and v not in (None, []))
+        extra = sorted(
+            k for k, v in m.items() if k not in ("role", "content", "name") and v not in (None, [])
+        )
         if extra:
-            raise BadRequest(f"{where}: unsupported field(s): {', '.join(extra)}", param=f"{where}.{extra[0]}")
+            raise BadRequest(
+                f"{where}: unsupported field(s): {', '.join(extra)}", param=f"{where}.{extra[0]}"
+            )
         content = m.get("content")
-        text = "" if content is None and m["role"] == "assistant" else prompts.text_of(content, f"{where}.content")
+        text = (
+            ""
+            if content is None and m["role"] == "assistant"
+            else prompts.text_of(content, f"{where}.content")
+        )
         out.append({"role": ROLES[m["role"]], "content": text})
     return out
 
 
 def max_tokens(body: dict[str, Any], kind: str) -> tuple[int | None, str]:
-    key = "max_completion_tokens" if kind == "chat" and body.get("max_completion_tokens") is not None else "max_tokens"
+    key = (
+        "max_completion_tokens"
+        if kind == "chat" and body.get("max_completion_tokens") is not None
+        else "max_tokens"
+    )
     return checks.integer(body, key, lo=1, hi=2**62, default=None), key
 
 
@@ -86,7 +98,9 @@ def request(kind: str, body: dict[str, Any], ctx: Context) -> tuple[Request, dic
     stream = checks.flag(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}):
-        raise BadRequest("stream_options takes only include_usage, and only with stream: true", param="stream_options")
+        raise BadRequest(
+            "stream_options takes only include_usage, and only with stream: true", param="stream_options"
+        )
     sampling = checks.sampling(body, ctx.limits)
     n = checks.integer(body, "n", lo=1, hi=checks.MAX_N, default=1)
     if kind == "text":
@@ -100,7 +114,9 @@ def request(kind: str, body: dict[str, Any], ctx: Context) -> tuple[Request, dic
         k = (top or 0) if checks.flag(body, "logprobs") else None
     asked, key = max_tokens(body, kind)
     where = "prompt" if kind == "text" else "messages"
-    budget = checks.budget(len(tokens), asked, default=ctx.default_max_tokens, limits=ctx.limits, param=where, key=key)
+    budget = checks.budget(
+        len(tokens), asked, default=ctx.default_max_tokens, limits=ctx.limits, param=where, key=key
+    )
     reply = {
         "stream": stream,
         "stop": checks.stop_words(body.get("stop")),
@@ -143,7 +159,9 @@ class Shapes:
         return {
             "tokens": [tt.text(p.token) for p in pieces],
             "token_logprobs": [p.logprob for p in pieces],
-            "top_logprobs": [{tt.text(i): g for i, g in p.top or []} | {tt.text(p.token): p.logprob} for p in pieces],
+            "top_logprobs": [
+                {tt.text(i): g for i, g in p.top or []} | {tt.text(p.token): p.logprob} for p in pieces
+            ],
             "text_offset": [p.offset for p in pieces],
         }
 
@@ -160,7 +178,9 @@ class Shapes:
             out.append(entry)
         return self.base(out) | {"usage": usage(choices, prompt, cached)}
 
-    def chunk(self, i: int, delta: str | None, pieces: list[Piece], wanted: bool, finish: str | None) -> dict[str, Any]:
+    def chunk(
+        self, i: int, delta: str | None, pieces: list[Piece], wanted: bool, finish: str | None
+    ) -> dict[str, Any]:
         """One choice's chunk: ``delta`` None is the chat role chunk that opens a choice."""
         entry: dict[str, Any] = {"index": i}
         if self.kind == "chat":

@@ -58,7 +58,9 @@ def completion_tokens(tokenizer: Any, prompt: Any, vocab: int) -> list[int]:
     elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = [t for t in prompt if not 0 <= t < vocab]
         if bad:
-            raise BadRequest(f"prompt: token id {bad[0]} is not below the vocabulary's {vocab}", param="prompt")
+            raise BadRequest(
+                f"prompt: token id {bad[0]} is not below the vocabulary's {vocab}", param="prompt"
+            )
         tokens = list(prompt)
     else:
         raise BadRequest(
@@ -81,7 +83,9 @@ def chat_tokens(tokenizer: Any, messages: list[dict[str, str]], *, continue_fina
         else:
             tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except Exception as e:
-        raise BadRequest(f"messages cannot be formatted by the chat template: {e}", param="messages") from None
+        raise BadRequest(
+            f"messages cannot be formatted by the chat template: {e}", param="messages"
+        ) from None
     if not tokens:
         raise BadRequest("messages give an empty prompt", param="messages")
     return list(tokens)

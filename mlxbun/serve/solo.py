@@ -79,7 +79,9 @@ class Solo:
             return [s.uid], []
         return [], [self._decode(s)]
 
-    def remove(self, uids: list[int], return_prompt_caches: bool = False) -> dict[int, tuple[list[Any], list[int]]]:
+    def remove(
+        self, uids: list[int], return_prompt_caches: bool = False
+    ) -> dict[int, tuple[list[Any], list[int]]]:
         gone = set(uids)
         out = {}
         for s in [*([self.current] if self.current else []), *self.waiting]:
