@@ -13,7 +13,7 @@ Aggregate tokens/s: every completion token over the time until the last stream e
 token: the longest time from the start to a stream's first text. The servers alternate within a
 round (which goes first alternates too) and the best of ``--rounds`` is kept for each (the
 machine is shared). Peak memory is each server process's VmHWM at the end. A dropped stream: a
-900-token stream closed after its first chunk, then the time until mlxbun's ``/health`` says
+600-token stream closed after its first chunk, then the time until mlxbun's ``/health`` says
 nothing runs (mlx_lm.server reports no such thing).
 """
 
@@ -121,12 +121,14 @@ def round_of(port: int, prompts: list[str], tokens: int) -> tuple[float, float]:
 
 def dropped_stream_s(server: Server, prompt: str) -> float:
     """Seconds from closing a running stream until the server's /health says nothing runs."""
-    body = {"prompt": prompt, "max_tokens": 900, "stream": True, "logit_bias": {"0": -100}}
+    body = {"prompt": prompt, "max_tokens": 600, "stream": True, "logit_bias": {"0": -100}}
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=600)
     conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
     resp.fp.readline()  # the first chunk: it runs
-    conn.sock.close()
+    resp.close()
+    conn.close()
     closed = time.perf_counter()
     while server.get("/health")[1].get("running", 0):
         time.sleep(0.02)
@@ -135,9 +137,24 @@ def dropped_stream_s(server: Server, prompt: str) -> float:
 
 def servers(root: Path) -> list[Server]:
     mlxbun = [sys.executable, "-m", "mlxbun", "command=serve", f"model.name={MODEL}", "serve.port=18311"]
-    mlxbun += [f"kv.store={root / 'kv'}", f"paths.outputs={root / 'outputs'}", f"paths.cache={root / 'cache'}"]
+    mlxbun += [
+        f"kv.store={root / 'kv'}",
+        f"paths.outputs={root / 'outputs'}",
+        f"paths.cache={root / 'cache'}",
+    ]
     mlxbun += [f"registry.path={root / 'registry.db'}"]
-    stock = [sys.executable, "-m", "mlx_lm", "server", "--model", str(MODEL), "--port", "18312", "--host", "127.0.0.1"]
+    stock = [
+        sys.executable,
+        "-m",
+        "mlx_lm",
+        "server",
+        "--model",
+        str(MODEL),
+        "--port",
+        "18312",
+        "--host",
+        "127.0.0.1",
+    ]
     return [
         Server("mlxbun serve", mlxbun, 18311, root / "mlxbun.log"),
         Server("mlx_lm.server", stock, 18312, root / "mlx_lm.log"),
@@ -164,7 +181,10 @@ def measure(clients: list[int], rounds: int, tokens: int, prompt_tokens: int) ->
                     rate, first = round_of(s.port, prompts, tokens)
                     old = best.get((s.name, n), (0.0, float("inf")))
                     best[(s.name, n)] = (max(old[0], rate), min(old[1], first))
-                    print(f"round {r} {s.name} {n} clients: {rate:.1f} tok/s, slowest first token {first:.3f} s", flush=True)
+                    print(
+                        f"round {r} {s.name} {n} clients: {rate:.1f} tok/s, slowest first token {first:.3f} s",
+                        flush=True,
+                    )
         drop = dropped_stream_s(ours, prompt_of(tok, prompt_tokens, 99_999))
         peaks = {s.name: s.peak_mib() for s in (ours, stock)}
     finally:
@@ -186,17 +206,21 @@ def report(best: dict, peaks: dict, drop: float, args: argparse.Namespace, load:
     ]
     for n in [int(c) for c in args.clients.split(",")]:
         (ra, fa), (rb, fb) = best[("mlxbun serve", n)], best[("mlx_lm.server", n)]
-        lines.append(f"| {n} | {ra:.1f} | {rb:.1f} | {ra / rb:.2f}× | {fa:.3f} s | {fb:.3f} s | {fa / fb:.2f}× |")
+        lines.append(
+            f"| {n} | {ra:.1f} | {rb:.1f} | {ra / rb:.2f}× | {fa:.3f} s | {fb:.3f} s | {fa / fb:.2f}× |"
+        )
     lines += [
         "",
         f"Peak memory (VmHWM): mlxbun serve {peaks['mlxbun serve']:.0f} MiB, mlx_lm.server {peaks['mlx_lm.server']:.0f} MiB.",
-        f"A dropped 900-token stream: mlxbun's batch was empty {drop:.2f} s after the client closed.",
+        f"A dropped 600-token stream: mlxbun's batch was empty {drop:.2f} s after the client closed.",
     ]
     return "\n".join(lines) + "\n"
 
 
 def run(*, clients: list[int], rounds: int, out: Path, tokens: int = 48, prompt_tokens: int = 300) -> str:
-    args = argparse.Namespace(clients=",".join(map(str, clients)), rounds=rounds, tokens=tokens, prompt_tokens=prompt_tokens)
+    args = argparse.Namespace(
+        clients=",".join(map(str, clients)), rounds=rounds, tokens=tokens, prompt_tokens=prompt_tokens
+    )
     start_load = os.getloadavg()[0]
     best, peaks, drop = measure(clients, rounds, tokens, prompt_tokens)
     text = report(best, peaks, drop, args, (start_load, os.getloadavg()[0]))
@@ -213,7 +237,13 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=300)
     ap.add_argument("--out", default=str(REPO / "bench/results/serve_concurrency.md"))
     a = ap.parse_args()
-    run(clients=[int(c) for c in a.clients.split(",")], rounds=a.rounds, out=Path(a.out), tokens=a.tokens, prompt_tokens=a.prompt_tokens)
+    run(
+        clients=[int(c) for c in a.clients.split(",")],
+        rounds=a.rounds,
+        out=Path(a.out),
+        tokens=a.tokens,
+        prompt_tokens=a.prompt_tokens,
+    )
 
 
 if __name__ == "__main__":

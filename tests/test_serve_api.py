@@ -221,10 +221,12 @@ def test_anthropic_errors_are_anthropic_shapes(claude):
 def hostile(server) -> list[tuple[bytes, int]]:
     post = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
     deep = b"[" * 100_000 + b"]" * 100_000
+    nested = b'{"prompt": ' + b"[" * 990 + b"]" * 990 + b', "temperature": ' + b"[" * 900 + b"]" * 900 + b"}"
     return [
         (post + b"Content-Length: 1000000000000000\r\n\r\n", 413),
         (post + b"Content-Length: 1e15\r\n\r\n", 400),
         (post + f"Content-Length: {len(deep)}\r\n\r\n".encode() + deep, 400),
+        (post + f"Content-Length: {len(nested)}\r\n\r\n".encode() + nested, 400),
         (post + b'Content-Length: 20\r\n\r\n{"prompt": "\\ud800"}', 400),
         (b"PUT /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n", 405),
         (b"DELETE /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", 405),

@@ -53,13 +53,21 @@ class Sampling:
     logit_bias: dict[int, float] = field(default_factory=dict)
 
 
+def shown(value: Any) -> str:
+    """A request's value in an error line: short, and never the repr of a deep structure."""
+    if isinstance(value, dict | list):
+        return f"a JSON {'object' if isinstance(value, dict) else 'array'} of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def number(body: dict[str, Any], key: str, *, lo: float, hi: float, default: float) -> float:
     """``body[key]`` as a finite number in [lo, hi] (``default`` when absent or null)."""
     value = body.get(key)
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
-        raise BadRequest(f"{key} must be a number from {lo:g} to {hi:g}, not {value!r}", param=key)
+        raise BadRequest(f"{key} must be a number from {lo:g} to {hi:g}, not {shown(value)}", param=key)
     return float(value)
 
 
@@ -69,7 +77,7 @@ def integer(body: dict[str, Any], key: str, *, lo: int, hi: int, default: int | 
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise BadRequest(f"{key} must be an integer from {lo} to {hi}, not {value!r}", param=key)
+        raise BadRequest(f"{key} must be an integer from {lo} to {hi}, not {shown(value)}", param=key)
     return value
 
 
@@ -78,7 +86,7 @@ def flag(body: dict[str, Any], key: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise BadRequest(f"{key} must be true or false, not {value!r}", param=key)
+        raise BadRequest(f"{key} must be true or false, not {shown(value)}", param=key)
     return value
 
 
@@ -86,7 +94,7 @@ def sampling(body: dict[str, Any], limits: Limits, *, max_temperature: float = 2
     """The sampling fields of a request (OpenAI's ranges; Anthropic's temperature tops at 1)."""
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or abs(seed) >= MAX_SEED):
-        raise BadRequest(f"seed must be an integer from -2^63 to 2^63-1, not {seed!r}", param="seed")
+        raise BadRequest(f"seed must be an integer from -2^63 to 2^63-1, not {shown(seed)}", param="seed")
     top_k = integer(body, "top_k", lo=0, hi=limits.vocab, default=0)
     return Sampling(
         temperature=number(body, "temperature", lo=0, hi=max_temperature, default=0.0),
@@ -113,7 +121,7 @@ def logit_bias(value: Any, vocab: int) -> dict[int, float]:
             raise BadRequest(f"logit_bias: {key!r} is not a token id below {vocab}", param="logit_bias")
         if isinstance(bias, bool) or not isinstance(bias, int | float) or not -100 <= bias <= 100:
             raise BadRequest(
-                f"logit_bias[{key}] must be a number from -100 to 100, not {bias!r}", param="logit_bias"
+                f"logit_bias[{key}] must be a number from -100 to 100, not {shown(bias)}", param="logit_bias"
             )
         out[int(key)] = float(bias)
     return out
@@ -125,7 +133,9 @@ def stop_words(value: Any, *, key: str = "stop") -> list[str]:
         return []
     words = [value] if isinstance(value, str) else value
     if not isinstance(words, list) or not all(isinstance(w, str) and w for w in words):
-        raise BadRequest(f"{key} must be a string or a list of non-empty strings, not {value!r}", param=key)
+        raise BadRequest(
+            f"{key} must be a string or a list of non-empty strings, not {shown(value)}", param=key
+        )
     if len(words) > MAX_STOP and key == "stop":
         raise BadRequest(f"stop takes at most {MAX_STOP} strings, not {len(words)}", param=key)
     return words
@@ -156,23 +166,25 @@ def budget(prompt: int, asked: int | None, *, default: int, limits: Limits, para
     return asked
 
 
-def no_surrogates(value: Any, where: str = "body") -> None:
-    """Refuse a lone surrogate (``"\\ud800"`` parses, but is no text a tokenizer can take)."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as e:
-            bad = value[e.start : e.end].encode("unicode_escape").decode()
-            raise BadRequest(
-                f"{where} holds a lone surrogate ({bad}), which is not text", param=where
-            ) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            no_surrogates(k, where)
-            no_surrogates(v, k if where == "body" else f"{where}.{k}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            no_surrogates(v, f"{where}[{i}]")
+def no_surrogates(body: Any) -> None:
+    """Refuse a lone surrogate (``"\\ud800"`` parses, but is no text a tokenizer can take),
+    naming the field that holds it (walked without recursion: JSON may nest deep)."""
+    todo: list[tuple[Any, str]] = [(body, "body")]
+    while todo:
+        value, where = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                bad = value[e.start : e.end].encode("unicode_escape").decode()
+                raise BadRequest(
+                    f"{where} holds a lone surrogate ({bad}), which is not text", param=where
+                ) from None
+        elif isinstance(value, dict):
+            todo += [(k, where) for k in value]
+            todo += [(v, k if where == "body" else f"{where}.{k}") for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(v, f"{where}[{i}]") for i, v in enumerate(value)]
 
 
 def sampler(s: Sampling) -> Any:

@@ -179,6 +179,9 @@ class Handler(BaseHTTPRequestHandler):
             body = self.body()
             checks.no_surrogates(body)
             job, opts = self.job(route, body)
+        except RecursionError:  # a structure too deep for some check: refused, not a 500
+            self.send_json(400, api.error_body(BadRequest("the body nests JSON deeper than it can be read")))
+            return
         except BadRequest as e:
             self.send_json(e.status, api.error_body(e))
             return

@@ -94,7 +94,7 @@ def request(kind: str, body: dict[str, Any], ctx: Context) -> tuple[Request, dic
     """The engine's request and the reply's options (stream, stop, include_usage) of a body."""
     refuse_unknown(body, FIELDS[kind])
     if body.get("model") is not None and not isinstance(body["model"], str):
-        raise BadRequest(f"model must be a string, not {body['model']!r}", param="model")
+        raise BadRequest(f"model must be a string, not {checks.shown(body['model'])}", param="model")
     stream = checks.flag(body, "stream")
     opts = body.get("stream_options")
     if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {"include_usage"}):

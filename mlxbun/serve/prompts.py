@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mlxbun.serve.checks import BadRequest
+from mlxbun.serve.checks import BadRequest, shown
 
 # mlx_lm.server's convert_chat as a template: one "ROLE: content" line per message, then the
 # assistant's turn (without the trailing space it strips)
@@ -39,7 +39,9 @@ def text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRequest(f"{where} must be a string or a list of text parts, not {content!r}", param=where)
+        raise BadRequest(
+            f"{where} must be a string or a list of text parts, not {shown(content)}", param=where
+        )
     texts = []
     for i, part in enumerate(content):
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
@@ -64,7 +66,7 @@ def completion_tokens(tokenizer: Any, prompt: Any, vocab: int) -> list[int]:
         tokens = list(prompt)
     else:
         raise BadRequest(
-            f"prompt must be a string or a list of token ids (one prompt a request), not {prompt!r:.80}",
+            f"prompt must be a string or a list of token ids (one prompt a request), not {shown(prompt)}",
             param="prompt",
         )
     if not tokens:
