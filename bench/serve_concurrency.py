@@ -6,12 +6,14 @@ Run: nice -n 0 .venv/bin/python bench/serve_concurrency.py [--clients 1,4,8,16] 
 
 Model: tests/fixtures/llama-text-12l (12.6M parameters, bfloat16), both servers up at once on
 their defaults (mlxbun with its KV store, so finished prompts are saved in the background as a
-user's server does; mlx_lm.server with decode concurrency 32, prompt concurrency 8). A round starts
+user's server does; mlx_lm.server with decode concurrency 32, prompt concurrency 8), and a third,
+mlxbun with ``serve.float32=true`` (the bfloat16 weights upcast: OpenBLAS's float32 matmuls;
+``--no-float32`` leaves it out), compared with mlx_lm.server in a table of its own. A round starts
 N streaming ``/v1/completions`` together (a barrier), each with its own ~``--prompt-tokens`` prompt
 (new prompts every round: no cache hits), ``--tokens`` tokens, greedy, ``include_usage``.
 Aggregate tokens/s: every completion token over the time until the last stream ends; slowest first
-token: the longest time from the start to a stream's first text. The servers alternate within a
-round (which goes first alternates too) and the best of ``--rounds`` is kept for each (the
+token: the longest time from the start to a stream's first text. The servers take turns within a
+round (the order reverses every other one) and the best of ``--rounds`` is kept for each (the
 machine is shared). Peak memory is each server process's VmHWM at the end. A dropped stream: a
 600-token stream closed after its first chunk, then the time until mlxbun's ``/health`` says
 nothing runs (mlx_lm.server reports no such thing).
@@ -33,6 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "tests/fixtures/llama-text-12l"
+OURS, STOCK, OURS32 = "mlxbun serve", "mlx_lm.server", "mlxbun serve, serve.float32=true"
 WORDS = "river stone cloud lamp orbit quiet maple signal harbor copper violet engine meadow lantern".split()
 
 
@@ -161,21 +164,22 @@ def servers(root: Path) -> list[Server]:
     ]
 
 
-def measure(clients: list[int], rounds: int, tokens: int, prompt_tokens: int) -> tuple[dict, dict, float]:
+def measure(
+    clients: list[int], rounds: int, tokens: int, prompt_tokens: int, float32: bool
+) -> tuple[dict, dict, float]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(MODEL))
     root = Path(tempfile.mkdtemp(prefix="mlxbun-serve-concurrency-"))
-    ours, stock = servers(root)
+    up = servers(root, float32)
     best: dict = {}
     seed = 0
     try:
-        for s in (ours, stock):  # warm-up: the first calls build kernels
+        for s in up:  # warm-up: the first calls build kernels
             round_of(s.port, [prompt_of(tok, prompt_tokens, 10_000 + i) for i in range(4)], 8)
         for r in range(rounds):
             for n in clients:
-                order = (ours, stock) if (r + n) % 2 == 0 else (stock, ours)
-                for s in order:
+                for s in up if (r + n) % 2 == 0 else up[::-1]:
                     prompts = [prompt_of(tok, prompt_tokens, seed + i) for i in range(n)]
                     seed += n
                     rate, first = round_of(s.port, prompts, tokens)
@@ -185,11 +189,11 @@ def measure(clients: list[int], rounds: int, tokens: int, prompt_tokens: int) ->
                         f"round {r} {s.name} {n} clients: {rate:.1f} tok/s, slowest first token {first:.3f} s",
                         flush=True,
                     )
-        drop = dropped_stream_s(ours, prompt_of(tok, prompt_tokens, 99_999))
-        peaks = {s.name: s.peak_mib() for s in (ours, stock)}
+        drop = dropped_stream_s(up[0], prompt_of(tok, prompt_tokens, 99_999))
+        peaks = {s.name: s.peak_mib() for s in up}
     finally:
-        ours.stop()
-        stock.stop()
+        for s in up:
+            s.stop()
     return best, peaks, drop
 
 

@@ -13,7 +13,14 @@ from mlxbun.kv import commands, tiers
 from mlxbun.serve import caches, command, httpd, prompts
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llama-text-3m"
-SETTINGS = {"max_tokens": 16, "max_batch": 32, "prefill_step": 64, "kv_bits": None, "kv_group_size": 64}
+SETTINGS = {
+    "max_tokens": 16,
+    "max_batch": 32,
+    "prefill_step": 64,
+    "kv_bits": None,
+    "kv_group_size": 64,
+    "float32": False,
+}
 
 
 def load() -> commands.Loaded:
@@ -27,7 +34,7 @@ class Local:
 
     def __init__(self, loaded: commands.Loaded, *, begin: bool = True, **settings: object) -> None:
         s = types.SimpleNamespace(**(SETTINGS | settings))
-        space = caches.keyspace(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size)
+        space = caches.keyspace(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size, float32=s.float32)
         self.caches = tiers.PromptCaches(space, tiers.MemoryTier(max_bytes=2**30))
         self.server = httpd.listen("127.0.0.1", 0, None)
         self.app = command.start(self.server, loaded, self.caches, model_id="llama-text-3m", s=s, begin=begin)

@@ -14,7 +14,7 @@ from mlx_lm.generate import generate_step
 from serve_util import Local, load
 
 from mlxbun.kv import tiers
-from mlxbun.serve import caches, engine
+from mlxbun.serve import caches, command, engine
 from mlxbun.serve.text import TokenText
 
 PROMPTS = [
@@ -191,3 +191,20 @@ def test_concurrent_http_requests_share_one_batch(loaded):
             ]
     finally:
         server.close()
+
+
+def test_float32_compute_is_its_own_keyspace_with_float32_tokens():
+    loaded32 = load()
+    command.upcast(loaded32.model)
+    assert caches.keyspace(loaded32, kv_bits=None, kv_group_size=64, float32=True).digest != (
+        caches.keyspace(loaded32, kv_bits=None, kv_group_size=64).digest
+    )
+    server = Local(loaded32, float32=True)
+    try:
+        status, reply = server.post("/v1/completions", {"prompt": PROMPTS[1], "max_tokens": 8, "logprobs": 0})
+    finally:
+        server.close()
+    want = solo(loaded32, list(loaded32.tokenizer.encode(PROMPTS[1])), 8)
+    assert status == 200 and reply["choices"][0]["logprobs"]["tokens"] == [
+        TokenText(loaded32.tokenizer).text(t) for t in want
+    ]

@@ -13,8 +13,12 @@ from mlxbun.kv import tiers
 KV_GROUPS = (32, 64, 128)  # mlx-lm's QuantizedKVCache group sizes
 
 
-def keyspace(loaded: Any, *, kv_bits: int | None, kv_group_size: int) -> tiers.Keyspace:
-    """The keyspace of this model, tokenizer, chat template and cache configuration."""
+def keyspace(
+    loaded: Any, *, kv_bits: int | None, kv_group_size: int, float32: bool = False
+) -> tiers.Keyspace:
+    """The keyspace of this model, tokenizer, chat template and cache configuration (and of
+    float32 compute, ``serve.float32``, whose caches are another dtype: hashed with the template,
+    so entries of either never meet)."""
     from mlx_lm.models.cache import make_prompt_cache
 
     if kv_bits:
@@ -28,7 +32,7 @@ def keyspace(loaded: Any, *, kv_bits: int | None, kv_group_size: int) -> tiers.K
     return tiers.Keyspace(
         model=loaded.model_fp,
         tokenizer=loaded.tokenizer_fp,
-        template=hashlib.sha256(template.encode()).hexdigest(),
+        template=hashlib.sha256((template + ("\0compute=float32" if float32 else "")).encode()).hexdigest(),
         cache=tiers.cache_kind(classes, bits=kv_bits, group_size=kv_group_size),
     )
 

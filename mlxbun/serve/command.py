@@ -34,6 +34,15 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_le
 NO_CONTEXT = 2**24  # the cap when a config names no context
 
 
+def upcast(model: Any) -> None:
+    """serve.float32: every floating weight in float32 (quantized codes stay as they are)."""
+    import mlx.core as mx
+
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())  # here: a lazy array is evaluated only on the thread that made it
+    log.info("serve: computing in float32 (serve.float32=true)")
+
+
 def limits(loaded: Any) -> Limits:
     """The model's context (from its config) and logits width (from one token's forward)."""
     import mlx.core as mx
@@ -133,8 +142,11 @@ def run(cfg: Any) -> Any:
     server = httpd.listen(s.host, s.port, None)  # a bad address fails before the model loads
     try:
         loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
+        if s.float32:
+            upcast(loaded.model)
         prompts.ensure_template(loaded.tokenizer)  # before the keyspace, which hashes the template
-        caches = build_caches(cfg, loaded, keyspace(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size))
+        space = keyspace(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size, float32=s.float32)
+        caches = build_caches(cfg, loaded, space)
         app = start(server, loaded, caches, model_id=loaded.name or cfg.model.name or loaded.path.name, s=s)
     except BaseException:
         server.server_close()
