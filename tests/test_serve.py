@@ -243,6 +243,7 @@ def test_greedy_tokens_equal_mlx_lm_and_survive_a_restart(loaded, tmp_path):
     assert server.proc.returncode == 0, log
     assert re.search(r"serve: text: prompt \d+ tokens, cached 0 \(none\).*tok/s", log)
     assert "stopped: the client hung up" in log and "Traceback" not in log and "Broken" not in log
+    assert "the tokenizer has no chat template; chat requests use mlx-lm's server transcript" in log
 
     again = Server(loaded.path, tmp_path)
     second = again.post("/v1/completions", text)

@@ -63,6 +63,15 @@ def limits(loaded: Any) -> Limits:
     return Limits(context=context or NO_CONTEXT, vocab=vocab)
 
 
+def chat_fallback(tokenizer: Any) -> None:
+    """Give a tokenizer without a chat template the fallback, and say so (once)."""
+    if prompts.ensure_template(tokenizer):
+        log.warning(
+            "serve: the tokenizer has no chat template; chat requests use mlx-lm's server transcript"
+            " (USER: ... lines, then ASSISTANT:)"
+        )
+
+
 def start(
     server: httpd.Server,
     loaded: Any,
@@ -75,11 +84,7 @@ def start(
     """Attach the engine and the request context to a bound server and start the engine
     (``s``: the serve settings: max_tokens, max_batch, prefill_step, kv_bits, kv_group_size;
     ``begin=False``: the caller starts ``app.engine`` when it chooses)."""
-    if prompts.ensure_template(loaded.tokenizer):
-        log.warning(
-            "serve: the tokenizer has no chat template; chat requests use mlx-lm's server transcript"
-            " (USER: ... lines, then ASSISTANT:)"
-        )
+    chat_fallback(loaded.tokenizer)
     batch = engine.batchable(loaded.model, s.kv_bits)
     if not batch:
         log.info(
@@ -144,7 +149,7 @@ def run(cfg: Any) -> Any:
         loaded = load_model(model_dir(cfg), cache_dir=digest_cache(cfg))
         if s.float32:
             upcast(loaded.model)
-        prompts.ensure_template(loaded.tokenizer)  # before the keyspace, which hashes the template
+        chat_fallback(loaded.tokenizer)  # before the keyspace, which hashes the template
         space = keyspace(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size, float32=s.float32)
         caches = build_caches(cfg, loaded, space)
         app = start(server, loaded, caches, model_id=loaded.name or cfg.model.name or loaded.path.name, s=s)

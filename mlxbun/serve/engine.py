@@ -173,13 +173,21 @@ class Engine:
 
     def _loop(self) -> None:
         while not self.stopping:
-            if not self.seqs:
-                job = self.inbox.get()
-                if job is None:
-                    break
-                self._admit(job)
-            self.step()
+            try:
+                if not self.seqs:
+                    job = self.inbox.get()
+                    if job is None:
+                        break
+                    self._admit(job)
+                self.step()
+            except Exception as e:  # no request may end the engine: these get a 500
+                log.exception("serve: the engine failed")
+                self._abort(f"{type(e).__name__}: {e}", 500)
         self._abort("the server is stopping", 503)
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is None or self.thread.is_alive()
 
     def step(self) -> int:
         """One token boundary: admit, drop, advance; returns how many sequences made a token."""

@@ -52,6 +52,7 @@ class App:
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    request_queue_size = 128  # connections waiting to be accepted: a burst of clients is not reset
 
     def __init__(self, address: tuple[str, int], app: App) -> None:
         self.app = app
@@ -155,9 +156,9 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         app, path = self.server.app, self.path.split("?")[0]
         if path == "/health":
-            self.send_json(
-                200, {"status": "ok", "running": app.engine.running, "waiting": app.engine.inbox.qsize()}
-            )
+            ok = app.engine.alive and not app.engine.stopping
+            doc = {"status": "ok" if ok else "stopping", "running": app.engine.running}
+            self.send_json(200 if ok else 503, doc | {"waiting": app.engine.inbox.qsize()})
         elif path == "/v1/models":
             self.send_json(200, openai_api.models(app.ctx.model_id, app.created))
         elif path.startswith("/v1/models/") and path[len("/v1/models/") :] == app.ctx.model_id:
