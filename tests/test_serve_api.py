@@ -263,3 +263,20 @@ def test_a_client_that_hangs_up_stops_its_generation_quietly(server, caplog, cap
     assert server.engine.record.dropped == before + 1
     assert "stopped: the client hung up" in caplog.text
     assert "Traceback" not in caplog.text + capsys.readouterr().err
+
+
+def test_a_burst_of_connections_waits_to_be_accepted():
+    import socket
+
+    from mlxbun.serve import httpd
+
+    server = httpd.listen("127.0.0.1", 0, None)  # bound and listening, accepting nothing yet
+    clients = []
+    try:
+        for _ in range(48):  # more than socketserver's default backlog of 5 holds
+            clients.append(socket.create_connection(server.server_address, timeout=2))
+        assert len(clients) == 48
+    finally:
+        for c in clients:
+            c.close()
+        server.server_close()
