@@ -171,7 +171,7 @@ COMMANDS: dict[str, Command] = {
         reads=(*MODEL_SECTIONS, "kv"),
     ),
     "serve": Command(
-        "mlxbun.serve.command",
+        "mlxbun.serve",
         "OpenAI- and Anthropic-compatible server: continuous batching, prompt caches kept in the KV store",
         reads=(*MODEL_SECTIONS, "kv", "serve"),
     ),

@@ -9,8 +9,9 @@ import threading
 import types
 from pathlib import Path
 
+from mlxbun import serve
 from mlxbun.kv import commands, tiers
-from mlxbun.serve import caches, command, httpd, prompts
+from mlxbun.serve import caches, httpd, prompts
 
 FIXTURE = Path(__file__).resolve().parent / "fixtures" / "llama-text-3m"
 SETTINGS = {
@@ -30,14 +31,14 @@ def load() -> commands.Loaded:
 
 
 class Local:
-    """``command.start`` on a free port, memory caches only; :meth:`close` stops it."""
+    """``mlxbun.serve.start`` on a free port, memory caches only; :meth:`close` stops it."""
 
     def __init__(self, loaded: commands.Loaded, *, begin: bool = True, **settings: object) -> None:
         s = types.SimpleNamespace(**(SETTINGS | settings))
         space = caches.keyspace(loaded, kv_bits=s.kv_bits, kv_group_size=s.kv_group_size, float32=s.float32)
         self.caches = tiers.PromptCaches(space, tiers.MemoryTier(max_bytes=2**30))
         self.server = httpd.listen("127.0.0.1", 0, None)
-        self.app = command.start(self.server, loaded, self.caches, model_id="llama-text-3m", s=s, begin=begin)
+        self.app = serve.start(self.server, loaded, self.caches, model_id="llama-text-3m", s=s, begin=begin)
         self.engine = self.app.engine
         self.port = self.server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"

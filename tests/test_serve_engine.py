@@ -13,8 +13,9 @@ import pytest
 from mlx_lm.generate import generate_step
 from serve_util import Local, load
 
+from mlxbun import serve
 from mlxbun.kv import tiers
-from mlxbun.serve import caches, command, engine
+from mlxbun.serve import caches, engine
 from mlxbun.serve.text import TokenText
 
 PROMPTS = [
@@ -195,7 +196,7 @@ def test_concurrent_http_requests_share_one_batch(loaded):
 
 def test_float32_compute_is_its_own_keyspace_with_float32_tokens():
     loaded32 = load()
-    command.upcast(loaded32.model)
+    serve.upcast(loaded32.model)
     assert caches.keyspace(loaded32, kv_bits=None, kv_group_size=64, float32=True).digest != (
         caches.keyspace(loaded32, kv_bits=None, kv_group_size=64).digest
     )
