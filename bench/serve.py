@@ -1,7 +1,11 @@
-"""Serving with persistent prompt caches: `command=serve` against `mlx_lm.server`, in one run.
+"""Serving: `command=serve` against `mlx_lm.server`, side by side in one run.
 
-Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/serve.py [--tokens 8192]
-     [--system-tokens 4096] [--conversations 16] [--out bench/results/serve.md]
+Run: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE .venv/bin/python bench/serve.py [--part all|restart|concurrency]
+     [--tokens 8192] [--system-tokens 4096] [--conversations 16] [--out bench/results/serve.md]
+     [--clients 1,4,8,16] [--rounds 2] [--concurrency-out bench/results/serve_concurrency.md]
+
+Part ``concurrency`` (bench/serve_concurrency.py) drives both servers with 1, 4, 8 and 16 concurrent
+streaming clients on tests/fixtures/llama-text-12l; the parts below are ``restart``.
 
 Model: a synthetic checkpoint of Qwen2.5-0.5B's shape (24 layers, hidden 896, 14 heads, 2 KV
 heads, head_dim 64, 151,936-token vocabulary, tied embeddings) in float32, so that MLX's CPU
@@ -235,11 +239,26 @@ def report(rows: list, disk: dict[str, int], args: argparse.Namespace, model_byt
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--part", choices=("all", "restart", "concurrency"), default="all")
+    ap.add_argument("--clients", default="1,4,8,16")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--concurrency-out", default=str(REPO / "bench/results/serve_concurrency.md"))
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--system-tokens", type=int, default=4096)
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--out", default=str(REPO / "bench/results/serve.md"))
     args = ap.parse_args()
+    if args.part in ("all", "concurrency"):
+        sys.path.insert(0, str(REPO / "bench"))
+        from serve_concurrency import run as concurrency
+
+        concurrency(
+            clients=[int(c) for c in args.clients.split(",")],
+            rounds=args.rounds,
+            out=Path(args.concurrency_out),
+        )
+    if args.part == "concurrency":
+        return
 
     from transformers import AutoTokenizer
 

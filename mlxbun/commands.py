@@ -171,7 +171,7 @@ COMMANDS: dict[str, Command] = {
     ),
     "serve": Command(
         "mlxbun.serve",
-        "OpenAI-compatible server whose prompt caches persist in the KV store",
+        "OpenAI- and Anthropic-compatible server: continuous batching, prompt caches kept in the KV store",
         reads=(*MODEL_SECTIONS, "kv", "serve"),
     ),
     "registry_scan": Command(

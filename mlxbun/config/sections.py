@@ -283,8 +283,19 @@ class ServeCfg:
     kv_bits: int | None = None
     # Group size of the KV quantization.
     kv_group_size: int = 64
+    # Sequences generated together at most, in [1, 1024] (continuous batching; more wait for a place).
+    max_batch: int = 32
+    # Prompt tokens a new sequence reads per step, >= 1, so running streams keep their pace meanwhile.
+    prefill_step: int = 512
+    # Compute in float32 (16-bit weights upcast at load): on a Linux CPU, through OpenBLAS, several
+    # times faster than bfloat16; twice the weights' memory; tokens may differ from 16-bit compute.
+    float32: bool = False
 
     def __post_init__(self) -> None:
+        positive("serve.max_batch", self.max_batch)
+        at_most("serve.max_batch", self.max_batch, 1024, "a batch far beyond what one machine decodes")
+        positive("serve.prefill_step", self.prefill_step)
+        at_most("serve.prefill_step", self.prefill_step, MAX_TOKENS, "above any model's context")
         positive("serve.port", self.port, allow_zero=True)
         at_most("serve.port", self.port, 65535, "the largest TCP port")
         positive("serve.cache_gb", self.cache_gb, allow_zero=True)

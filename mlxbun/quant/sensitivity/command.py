@@ -46,8 +46,9 @@ from mlxbun.progress import Progress
 from mlxbun.quant import calibrate
 from mlxbun.quant.allocate import allocation
 from mlxbun.quant.calibration import load_calibration
+from mlxbun.quant.mlxlm import load_tokenizer
 from mlxbun.quant.plan import hessians_file
-from mlxbun.quant.probe import Stack, Target, load_model, source_dtypes, targets, timed_forward
+from mlxbun.quant.probe import Stack, Target, load_model, module_at, source_dtypes, targets, timed_forward
 from mlxbun.quant.quantize import command as quantize
 from mlxbun.quant.sensitivity import candidates as rich_candidates
 from mlxbun.quant.sensitivity import fisher
@@ -137,8 +138,6 @@ class Setup:
         """A module's float32 weight (read from disk when streamed)."""
         if self.stream is not None:
             return self.stream.read(f"{path}.weight")
-        from mlxbun.quant.probe import module_at
-
         return module_at(self.model, path).weight
 
 
@@ -162,8 +161,6 @@ def prepare(
     cands = candidates(bits, group_size=group_size, mode=mode)
     stream = None
     if method == "fisher":
-        from mlx_lm.tokenizer_utils import load as load_tokenizer
-
         stream = Stream(model_dir)
         model, tokenizer, source = stream.model, load_tokenizer(Path(model_dir)), stream.source()
     else:

@@ -32,11 +32,11 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from mlxbun.errors import InputError
 from mlxbun.quant.rounding import BLOCK_ELEMENTS, pack
-from mlxbun.quant.streamed import Stream
+from mlxbun.quant.streamed import Stream, kl_rows
 
 log = logging.getLogger("mlxbun")
 
@@ -211,8 +211,6 @@ def tune_block(
 
 
 def _unflat(flat: dict[str, mx.array]) -> dict:
-    from mlx.utils import tree_unflatten
-
     return tree_unflatten(list(flat.items()))
 
 
@@ -336,8 +334,6 @@ def _tuned_linears(q: Stream, ref_weights: dict[str, mx.array], i: int) -> dict[
 
 def kl_between(ref: Stream, h_ref: mx.array, cur: Stream, h_cur: mx.array) -> np.ndarray:
     """KL(ref || cur) of each token, of two models' heads on their last states (token slices)."""
-    from mlxbun.quant.streamed import kl_rows
-
     a, b = h_ref.reshape(-1, h_ref.shape[-1]), h_cur.reshape(-1, h_cur.shape[-1])
     step, out = min(ref.token_rows(), cur.token_rows()), []
     for lo in range(0, a.shape[0], step):
