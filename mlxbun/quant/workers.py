@@ -1,7 +1,8 @@
 """Worker processes for the rounding searches (clip, GPTQ) and the candidates' errors.
 
 MLX's CPU work from two Python threads of one process runs about one at a time, while two
-processes run side by side (BENCHMARKS.md has the timings). So a big model's rounding goes to
+processes run side by side (BENCHMARKS.md has the timings). So on MLX's CPU backend a big model's
+rounding goes to
 ``threads`` processes (each started with the same BLAS, ``mlxbun.blas``), fed by the threads that
 stream its modules; a small one's stays on threads, where a process's start-up (importing mlx)
 would cost more than it saves.
@@ -24,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from mlxbun import blas
+from mlxbun import blas, device
 from mlxbun.quant import rounding
 
 # Below this many weights to round, the work stays on threads: the processes' start-up would cost
@@ -35,8 +36,10 @@ MIN_WEIGHTS = 1 << 27
 @contextmanager
 def pool(*, threads: int, weights: int) -> Iterator[ProcessPoolExecutor | None]:
     """``threads`` worker processes when there are several and ``weights`` reaches
-    :data:`MIN_WEIGHTS`, else None (the callers round in this process)."""
-    if threads <= 1 or weights < MIN_WEIGHTS:
+    :data:`MIN_WEIGHTS`, else None (the callers round in this process). Never on a GPU: each
+    process would hold the device and its own copy of what it works on, while one process's
+    streams keep the device busy."""
+    if threads <= 1 or weights < MIN_WEIGHTS or device.name() == "gpu":
         yield None
         return
     loaded = blas.load()
