@@ -2,19 +2,19 @@
 # The GPU tier: the recipes and commands on MLX's default device (a GPU: Metal, or a CUDA build),
 # each step's wall time and GPU busy %, and the same run with device=cpu for comparison.
 #
-#   bash scripts/gpu_check.sh [OUT_DIR] [STAGES]     STAGES: any of quick,fixture,big,serve (default all)
+#   bash scripts/gpu_check.sh [OUT_DIR] [STAGES]     STAGES: quick,fixture,fixturecpu,eval,big,serve (default all)
 #
 # Writes OUT_DIR/summary.tsv (stage, device, seconds, GPU busy % mean/max, exit code) and a log per
 # run. Needs MLX with a GPU; GPU busy % needs nvidia-smi (CUDA) and is "-" elsewhere.
 set -uo pipefail
 OUT=${1:-outputs/gpu_check}
-STAGES=${2:-quick,fixture,big,serve}
+STAGES=${2:-quick,fixture,fixturecpu,eval,big,serve}
 PY=${PY:-python3}
 mkdir -p "$OUT"
 SUMMARY=$OUT/summary.tsv
 [ -f "$SUMMARY" ] || printf "stage\tdevice\tseconds\tgpu_mean\tgpu_max\texit\n" > "$SUMMARY"
 FIXTURE=tests/fixtures/llama-narrow-8l
-COMMON=(paths.outputs="$OUT/runs" paths.cache="$OUT/cache" registry.path="$OUT/registry.db")
+COMMON=(paths.outputs="$OUT/runs" registry.path="$OUT/registry.db")
 
 # run NAME DEVICE ARGS...: one command, timed, with the GPU's utilization sampled every 200 ms
 run() {
@@ -26,7 +26,7 @@ run() {
     sampler=$!
   fi
   local t0=$(date +%s%N)
-  "$PY" -m mlxbun "$@" device="$device" "${COMMON[@]}" > "$log" 2>&1
+  "$PY" -m mlxbun "$@" device="$device" "${COMMON[@]}" paths.cache="$OUT/cache-$device" > "$log" 2>&1
   local rc=$?
   local secs=$(awk -v a="$t0" -v b="$(date +%s%N)" 'BEGIN {print (b - a) / 1e9}')
   [ -n "$sampler" ] && kill "$sampler" 2>/dev/null
@@ -47,11 +47,14 @@ if has quick; then
   run quickstart gpu +recipe=quickstart
   run quickstart cpu +recipe=quickstart
 fi
-if has fixture; then  # the best model at a size on a representative fixture, GPU against CPU
-  for d in gpu cpu; do
-    run best-fixture "$d" +recipe=best model.name=$FIXTURE allocate.budget_bpw=3.5 quant.out="$OUT/best-$d"
-  done
-  run eval gpu command=eval model.name=$FIXTURE "eval.candidates=[$OUT/best-gpu,$OUT/best-cpu]"
+if has fixture; then  # the best model at a size on a representative fixture
+  run best-fixture gpu +recipe=best model.name=$FIXTURE allocate.budget_bpw=3.5 quant.out="$OUT/best-gpu"
+fi
+if has fixturecpu; then  # the same with the CPU forced, on the same machine
+  run best-fixture cpu +recipe=best model.name=$FIXTURE allocate.budget_bpw=3.5 quant.out="$OUT/best-cpu"
+fi
+if has eval; then
+  run eval gpu command=eval model.name=$FIXTURE "eval.candidates=[$(ls -d "$OUT"/best-* | paste -sd,)]"
 fi
 if has big; then  # Qwen2.5-0.5B's shapes, synthetic weights
   run synth-0.5b gpu command=synth synth.arch=qwen2 synth.hidden_size=896 synth.intermediate_size=4864 \
@@ -61,7 +64,7 @@ if has big; then  # Qwen2.5-0.5B's shapes, synthetic weights
 fi
 if has serve; then  # a few requests to command=serve, then the KV cache commands
   port=18421
-  "$PY" -m mlxbun command=serve model.name=$FIXTURE serve.port=$port "${COMMON[@]}" > "$OUT/serve.log" 2>&1 &
+  "$PY" -m mlxbun command=serve model.name=$FIXTURE serve.port=$port "${COMMON[@]}" paths.cache="$OUT/cache-gpu" > "$OUT/serve.log" 2>&1 &
   server=$!
   "$PY" - "$port" <<'PYEOF' | tee "$OUT/serve-answers.txt"
 import json, sys, time, urllib.request
