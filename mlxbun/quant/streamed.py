@@ -466,15 +466,29 @@ class Stream:
         """Tokens whose logits (and temporaries) fit :data:`LOGIT_BYTES` at once."""
         return max(1, LOGIT_BYTES // (16 * self.vocab))
 
-    def kl_sum(self, h_ref: mx.array, h_cur: mx.array, *, head: dict[str, mx.array] | None = None) -> float:
+    def kl_sum(
+        self,
+        h_ref: mx.array,
+        h_cur: mx.array,
+        *,
+        head: dict[str, mx.array] | None = None,
+        ref_logits: list | None = None,
+    ) -> float:
         """Summed over every token, KL(ref || cur) of the head's distributions on the last hidden
         states ``h_ref`` and ``h_cur`` ([n, T, D]), in slices of tokens; float64 on the host.
-        ``head``: other weights of the head's modules for the current side (path -> weight)."""
+        ``head``: other weights of the head's modules for the current side (path -> weight);
+        ``ref_logits``: a list that keeps the reference's logits a slice each (filled on first use)."""
         a = h_ref.reshape(-1, h_ref.shape[-1])
         b = h_cur.reshape(-1, h_cur.shape[-1])
         step, total = self.token_rows(), 0.0
-        for lo in range(0, a.shape[0], step):
-            ref = self.head(a[None, lo : lo + step])
+        for j, lo in enumerate(range(0, a.shape[0], step)):
+            if ref_logits is not None and j < len(ref_logits):
+                ref = ref_logits[j]
+            else:
+                ref = self.head(a[None, lo : lo + step])
+                if ref_logits is not None:
+                    mx.eval(ref)
+                    ref_logits.append(ref)
             with self.swapped(head or {}):
                 cur = self.head(b[None, lo : lo + step])
             total += float(kl_rows(ref, cur).sum().item())

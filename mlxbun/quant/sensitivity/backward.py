@@ -194,7 +194,7 @@ class FisherStream:
         ref = Reference(tokens=self._windows[:n])
         ref.states = [self.bounds.get(i, slice(0, n)) for i in range(self.stream.n_blocks)]
         ref.final = self.final[:n]
-        return ref
+        return ref.fit(self.stream)
 
     def close(self) -> None:
         if self.bounds is not None:

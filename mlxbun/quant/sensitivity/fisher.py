@@ -205,9 +205,9 @@ def estimate(
     def rtn(path: str, w: Any, spec: QuantSpec) -> Any:
         return fake_quant(w, spec, dtype=dtypes[path])
 
-    step = n_sub / blocks
-    kls = variants.measure(stream, ref, [v for _, _, v in group_variants], fake=rtn, on_block=lambda: None)
-    tick(sum(blocks - max(s, 0) for s in starts[: len(group_variants)]) * step)
+    kls = variants.measure(
+        stream, ref, [v for _, _, v in group_variants], fake=rtn, tick=lambda f: tick(f * n_sub)
+    )
     measured: dict[str, dict[str, float]] = {}
     for (b, k, _), value in zip(group_variants, kls, strict=True):
         measured.setdefault(b, {})[k] = value
@@ -215,8 +215,9 @@ def estimate(
     est = _calibrate(raw, measured, groups, carried(cands), unfitted, forward_equivalents=fwd / n)
     if not probe_variants:
         return est
-    values = variants.measure(stream, ref, [{t.path: c} for t, c in probe_variants], fake=rtn)
-    tick(sum(blocks - max(s, 0) for s in starts[len(group_variants) :]) * step)
+    values = variants.measure(
+        stream, ref, [{t.path: c} for t, c in probe_variants], fake=rtn, tick=lambda f: tick(f * n_sub)
+    )
     exact: dict[str, dict[str, float]] = {}
     for (t, c), value in zip(probe_variants, values, strict=True):
         exact.setdefault(t.path, {})[str(c.bits)] = value

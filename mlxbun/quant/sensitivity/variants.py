@@ -26,6 +26,7 @@ from mlxbun.quant.spec import QuantSpec
 from mlxbun.quant.streamed import Stream
 
 Fake = Callable[[str, mx.array, QuantSpec], mx.array]
+REF_LOGITS_BYTES = 512 << 20
 Variant = Mapping[str, QuantSpec]
 
 
@@ -37,6 +38,9 @@ class Reference:
     tokens: np.ndarray
     states: list[mx.array] = field(default_factory=list)
     final: mx.array | None = None
+    # the head's logits on ``final``, a slice of tokens each, kept once computed when they fit
+    # REF_LOGITS_BYTES (every variant is compared with them); None: recomputed each time
+    logits: list | None = field(default_factory=list)
 
     @classmethod
     def capture(cls, stream: Stream, tokens: np.ndarray) -> Reference:
@@ -48,7 +52,13 @@ class Reference:
                 h = stream.run(i, h)
                 mx.eval(h)
         ref.final = h
-        return ref
+        return ref.fit(stream)
+
+    def fit(self, stream: Stream) -> Reference:
+        """Keep the head's logits only when they fit :data:`REF_LOGITS_BYTES`."""
+        if int(np.prod(self.final.shape[:-1])) * stream.vocab * 4 > REF_LOGITS_BYTES:
+            self.logits = None
+        return self
 
     @property
     def tokens_total(self) -> int:
@@ -69,9 +79,13 @@ def measure(
     variants: Sequence[Variant],
     *,
     fake: Fake,
-    on_block: Callable[[], None] | None = None,
+    tick: Callable[[float], None] | None = None,
 ) -> list[float]:
-    """Mean KL(reference || variant) per token of each variant on the reference's windows."""
+    """Mean KL(reference || variant) per token of each variant on the reference's windows.
+    ``tick(forwards)`` is called as work is done: a block or the head run for one variant over
+    the windows is 1 / (blocks + 1) of a forward."""
+    tick = tick or (lambda forwards: None)
+    share = 1 / (stream.n_blocks + 1)
     emb = stream.embedding_path
     starts = [min((block_of(stream, p) for p in v), default=stream.n_blocks) for v in variants]
     states: dict[int, mx.array] = {}
@@ -97,11 +111,14 @@ def measure(
                 stream.set(i, weights | overrides)
                 states[k] = stream.run(i, states[k])
                 mx.eval(states[k])
+                tick(share)
         finally:
             stream.release(i)
-        if on_block is not None:
-            on_block()
-    return [_head_kl(stream, ref, states.get(k, ref.final), v, fake) for k, v in enumerate(variants)]
+    out = []
+    for k, v in enumerate(variants):
+        out.append(_head_kl(stream, ref, states.pop(k, ref.final), v, fake))
+        tick(share)
+    return out
 
 
 def _in_block(stream: Stream, i: int, variant: Variant) -> dict[str, QuantSpec]:
@@ -114,4 +131,4 @@ def _head_kl(stream: Stream, ref: Reference, final: mx.array, variant: Variant, 
     """Mean KL at the head; a variant that sets the head (or a tied embedding) swaps its weight."""
     heads = {p: s for p, s in variant.items() if p in stream.head_paths}
     swaps = {p: fake(p, stream.weight(p), s) for p, s in heads.items()}
-    return stream.kl_sum(ref.final, final, head=swaps) / ref.tokens_total
+    return stream.kl_sum(ref.final, final, head=swaps, ref_logits=ref.logits) / ref.tokens_total
