@@ -156,11 +156,11 @@ def test_allocate_methods_filter_the_rounding_methods(tmp_path: Path) -> None:
 def test_a_killed_candidate_scoring_resumes_from_the_modules_it_finished(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from mlxbun.quant.sensitivity.command import sensitivity
+    from mlxbun.quant.sensitivity.command import Rich, sensitivity
 
     kw = dict(
         model_dir=FIXTURE, work_dir=tmp_path / "work", bits=[4], samples=2, seq_len=32,
-        candidate_methods=["gptq"], probe_bpw=None,
+        rich=Rich(group_sizes=[], methods=["gptq"], modes=[]),
     )  # fmt: skip
     real, calls = candidates.module_errors, []
 
@@ -266,7 +266,6 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     from types import SimpleNamespace
 
     from mlxbun.quant import hessian
-    from mlxbun.quant.plan import Plan
     from mlxbun.quant.sensitivity import fisher, variants
 
     seen, passes = [], []
@@ -280,11 +279,6 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     )
     default = QuantSpec(bits=4, group_size=64)
     gptq = QuantSpec(bits=4, group_size=64, method="gptq")
-    steps = candidates.Steps(
-        calibrate=None,
-        allocate=lambda *a, **k: Plan(default=default, layers={"a": gptq, "b": default}),
-        default=default,
-    )
     stream = SimpleNamespace(
         dir="m", source=lambda: {"current": {}, "dtypes": {}}, stored_dtype=lambda name: "bfloat16"
     )
@@ -292,7 +286,7 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     kls = {p: {default: 0.05, gptq: 0.03} for p in ("a", "b")}
     tokens = np.zeros((32, 16), dtype=np.int32)
     _, probes = candidates.corrected(
-        kls, stream=stream, hessians=tmp_path / "h.safetensors", tokens=tokens, steps=steps, budget_bpw=4.5
+        kls, {"a": gptq, "b": default}, stream=stream, hessians=tmp_path / "h.safetensors", tokens=tokens
     )
     assert [p["key"] for p in probes] == ["rtn", "gptq"]
     assert seen == [(32 // fisher.CALIB_FRACTION, 16)] and passes == [2]

@@ -146,11 +146,7 @@ MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 80
 MAX_FOLDER_MODULES = 15
 MAX_DEFERRED_MLX = 25
-# Being rewritten for block-streamed sensitivity and tune; remove each entry as its rewrite lands.
-LONG_FUNCTIONS = {  # the sensitivity's orchestration, to be split with it
-    "mlxbun.quant.sensitivity.candidates:extend",
-    "mlxbun.quant.sensitivity.command:sensitivity",
-}
+LONG_FUNCTIONS: set[str] = set()
 LONG_MODULES: set[str] = set()
 MLX = ("mlx", "mlx_lm")
 TREES = {m: ast.parse(p.read_text()) for m, p in MODULES.items()}

@@ -21,7 +21,11 @@ from test_sensitivity import FIXTURE, by_path, quantized_fixture, run_sens, tiny
 from mlxbun import kl  # noqa: E402
 from mlxbun.progress import Progress  # noqa: E402
 from mlxbun.quant import probe  # noqa: E402
-from mlxbun.quant.sensitivity import backward, fisher  # noqa: E402
+from mlxbun.quant.sensitivity import (  # noqa: E402
+    backward,
+    fisher,
+    setup,  # noqa: E402
+)
 from mlxbun.quant.sensitivity import command as sens  # noqa: E402
 from mlxbun.quant.spec import QuantSpec  # noqa: E402
 
@@ -206,7 +210,7 @@ def test_cache_key_changes_with_blas_and_method(tmp_path, monkeypatch):
     assert again["_stats"]["groups_computed"] == 0  # same everything: resumed
     # Another BLAS than this process runs (which one depends on what loaded mlx first).
     blas = f"not {first['runtime']['blas']}"
-    monkeypatch.setattr(sens, "runtime", lambda: {"mlx": mx.__version__, "blas": blas})
+    monkeypatch.setattr(setup, "runtime", lambda: {"mlx": mx.__version__, "blas": blas})
     other = run_sens(FIXTURE, tmp_path / "c", tmp_path / "w", **cheap)
     assert other["_stats"]["groups_resumed"] == 0 and other["runtime"]["blas"] == blas
     monkeypatch.undo()

@@ -30,11 +30,9 @@ Example:
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,18 +40,14 @@ import mlx.core as mx
 import numpy as np
 
 from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_json
-from mlxbun.progress import Progress
-from mlxbun.quant import hessian, rounding, workers
-from mlxbun.quant.allocate import check
+from mlxbun.quant import rounding, workers
 from mlxbun.quant.allocate.check import correction_factors, rescaled
 from mlxbun.quant.hessian import Hessians, output_error
-from mlxbun.quant.plan import HESSIANS_NAME
 from mlxbun.quant.probe import Written, fake_quant
 from mlxbun.quant.quantize.cache import Rounded
 from mlxbun.quant.quantize.stream import stream
 from mlxbun.quant.sensitivity import variants
-from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity, parse_setting_key, setting_key
+from mlxbun.quant.sensitivity.file import LayerSensitivity, Sensitivity
 from mlxbun.quant.sensitivity.fisher import calibration_subset
 from mlxbun.quant.spec import CANDIDATE_METHODS as METHODS
 from mlxbun.quant.spec import MODE_BITS, MODE_DEFAULTS, QuantSpec, spec_for
@@ -262,54 +256,36 @@ def score(
     return out, anchors
 
 
-@dataclass(frozen=True)
-class Steps:
-    """The commands' functions the candidates run, handed in by the sensitivity command (a library
-    imports no command): the Hessian capture and the allocator with its default setting;
-    ``rounded``: where the probes keep their clip and GPTQ roundings for quantize to read back."""
-
-    calibrate: Callable[..., Any]
-    allocate: Callable[..., Any]
-    default: QuantSpec
-    rounded: Path | None = None
-
-
 def corrected(
     kls: dict[str, dict[QuantSpec, float]],
+    layers: Mapping[str, QuantSpec | None],
     *,
     stream: Any,
     hessians: str | Path,
     tokens: Any,
-    budget_bpw: float | None = None,
-    budget_bytes: int | None = None,
     out_dtype: str | None = "bfloat16",
-    steps: Steps,
+    rounded: Path | None = None,
     reference: Any = None,
 ) -> tuple[dict[str, dict[QuantSpec, float]], list[dict[str, Any]]]:
-    """``kls`` with each quantizer's estimates rescaled by whole-model probes around the plan at
-    the budget (:func:`mlxbun.quant.allocate.check.correction_factors`), and the probes.
+    """``kls`` with each quantizer's estimates rescaled by whole-model probes around the plan
+    ``layers`` (:func:`mlxbun.quant.allocate.check.correction_factors`), and the probes.
 
     Each probe is the model with its plan's weights as quantize would write them
-    (:class:`mlxbun.quant.probe.Written`), measured against the reference on the calibration subset
-    of ``tokens`` (``fisher.calibration_subset``: the samples the estimate's own whole-model KLs
-    are measured on), all probes in one streamed pass (:func:`mlxbun.quant.sensitivity.variants.measure`);
-    ``reference``: the reference's states on that subset, when the sensitivity kept them."""
-    sens = Sensitivity({p: LayerSensitivity(p, 0, kl) for p, kl in kls.items()})
-    plan = steps.allocate(
-        sens, model_dir=stream.dir, budget_bpw=budget_bpw, budget_bytes=budget_bytes, out_dtype=out_dtype
-    )
-    rounded = None
-    if steps.rounded is not None:
+    (:class:`mlxbun.quant.probe.Written`; clip and GPTQ roundings kept under ``rounded`` for
+    quantize to read back), measured against the reference on the calibration subset of
+    ``tokens`` (``fisher.calibration_subset``: the samples the estimate's own whole-model KLs are
+    measured on), all probes in one streamed pass (:func:`mlxbun.quant.sensitivity.variants.measure`);
+    ``reference``: the reference's states on that subset, when already captured."""
+    cache = None
+    if rounded is not None:
         with open(hessians, "rb") as f:
-            rounded = Rounded(steps.rounded, hashlib.file_digest(f, "sha256").hexdigest())
+            cache = Rounded(rounded, hashlib.file_digest(f, "sha256").hexdigest())
     source = stream.source()
     written = Written(
         dtype=out_dtype, dtypes=source["dtypes"] | {p: stream.stored_dtype(f"{p}.weight") for p in kls},
-        hessians=Hessians(hessians), rounded=rounded,
+        hessians=Hessians(hessians), rounded=cache,
     )  # fmt: skip
-    ref = (
-        reference if reference is not None else variants.Reference.capture(stream, calibration_subset(tokens))
-    )
+    ref = reference or variants.Reference.capture(stream, calibration_subset(tokens))
 
     def measure(settings: list[Mapping[str, QuantSpec | None]]) -> list[float]:
         t0 = time.monotonic()
@@ -324,138 +300,10 @@ def corrected(
         )  # fmt: skip
         return kl
 
-    probes = correction_factors(plan.layers, lambda p, s: kls[p].get(s) if p in kls else None, measure)
+    probes = correction_factors(layers, lambda p, s: kls[p].get(s) if p in kls else None, measure)
     factors = {p.key: p.factor for p in probes}
     fixed = rescaled(Sensitivity({p: LayerSensitivity(p, 0, kl) for p, kl in kls.items()}), factors)
     return {p: dict(layer.kl) for p, layer in fixed.layers.items()}, [p.to_json() for p in probes]
-
-
-def extend(
-    *,
-    weight: Callable[[str], Any],
-    stream: Any,
-    targets: Sequence[Any],
-    kls: Mapping[str, Mapping[str, float]],
-    model_dir: str | Path,
-    work_dir: Path,
-    group_size: int,
-    mode: str,
-    group_sizes: Sequence[int],
-    methods: Sequence[str],
-    modes: Sequence[str],
-    hessians: str | Path | None,
-    calib: Mapping[str, Any],
-    tokens: Any,
-    budget_bpw: float | None = None,
-    budget_bytes: int | None = None,
-    out_dtype: str | None = "bfloat16",
-    steps: Steps,
-    threads: int = 1,
-    reference: Any = None,
-) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
-    """sensitivity.json's "kl" of every module (``kls``: the measured RTN bits) with every candidate
-    added, and the "candidates" record. Each stage is kept under ``work_dir`` (a rerun resumes):
-
-        hessians.safetensors    captured on ``calib`` (``command=calibrate``'s capture) when
-                                ``hessians`` is None
-        scored.json             every module's candidates' KL, before correction
-                                (scored.partial.json: the modules done so far, while scoring)
-        corrected-v<check.VERSION>-<dtype>-<budget>.json   after the probes of a plan at that budget,
-                                and the probes
-    """
-    work_dir.mkdir(parents=True, exist_ok=True)
-    bits = sorted({int(k) for kl in kls.values() for k in kl})
-    specs = settings(bits, group_sizes=[group_size, *group_sizes], methods=["rtn", *methods], modes=modes)
-    seconds: dict[str, float] = {}
-    if hessians is None:
-        hessians = work_dir / HESSIANS_NAME
-        if not hessians.is_file():
-            log.info("sensitivity.candidates: capturing input Hessians on the calibration text")
-            done = steps.calibrate(
-                model_dir=model_dir, out_dir=work_dir, calib_path=calib.get("path"), samples=calib["samples"],
-                seq_len=calib["seq_len"], seed=calib["seed"],
-            )  # fmt: skip
-            seconds["hessians"] = round(done.seconds, 3)
-
-    def read(name: str) -> dict[str, Any] | None:
-        p = work_dir / name
-        return json.loads(p.read_text()) if p.is_file() else None
-
-    def keyed(values: Mapping[str, Mapping[QuantSpec, float]]) -> dict[str, dict[str, float]]:
-        return {
-            p: {setting_key(s, group=group_size, mode=mode): v for s, v in kl.items()}
-            for p, kl in values.items()
-        }
-
-    def specced(values: Mapping[str, Mapping[str, float]]) -> dict[str, dict[QuantSpec, float]]:
-        return {
-            p: {
-                parse_setting_key(k, group=group_size, mode=mode, source=str(work_dir)): v
-                for k, v in kl.items()
-            }
-            for p, kl in values.items()
-        }
-
-    scored = read("scored.json")
-    if scored is None:
-        t0 = time.monotonic()
-        # modules finished before a kill (saved every SAVE_EVERY seconds) are not scored again
-        part = read("scored.partial.json") or {"kl": {}, "gptq_scales": {}, "seconds": 0.0}
-        saved = [time.monotonic()]
-        progress = Progress(total=len(kls), unit="modules", desc="sensitivity (candidates)", heartbeat=True)
-        progress.update(len(part["kl"]))
-
-        def keep(path: str, kl: dict[QuantSpec, float], scales: dict[str, float]) -> None:
-            part["kl"] |= keyed({path: kl})
-            part["gptq_scales"][path] = scales
-            progress.update(1)
-            if time.monotonic() - saved[0] >= SAVE_EVERY:
-                atomic_write_json(
-                    work_dir / "scored.partial.json",
-                    part | {"seconds": part["seconds"] + time.monotonic() - t0},
-                )
-                saved[0] = time.monotonic()
-
-        try:
-            score(
-                weight=weight, targets=targets, hessians=hessian.Hessians(hessians), measured=specced(kls),
-                specs=specs, base_group=group_size, done=set(part["kl"]), on_module=keep, threads=threads,
-            )  # fmt: skip
-        finally:
-            progress.close()
-        scored = part | {"seconds": round(part["seconds"] + time.monotonic() - t0, 3)}
-        atomic_write_json(work_dir / "scored.json", scored)
-        (work_dir / "scored.partial.json").unlink(missing_ok=True)
-        seconds["score"] = scored["seconds"]
-    out, probes = scored["kl"], []
-    if budget_bpw is not None or budget_bytes is not None:
-        name = f"corrected-v{check.VERSION}-{out_dtype}-" + (
-            f"{budget_bpw}bpw" if budget_bpw is not None else f"{budget_bytes}B"
-        )
-        done = read(f"{name}.json")
-        if done is None:
-            t0 = time.monotonic()
-            values, probes = corrected(
-                specced(out), stream=stream, hessians=hessians, tokens=tokens, budget_bpw=budget_bpw,
-                budget_bytes=budget_bytes, out_dtype=out_dtype, steps=steps, reference=reference,
-            )  # fmt: skip
-            done = {"kl": keyed(values), "probes": probes, "seconds": round(time.monotonic() - t0, 3)}
-            atomic_write_json(work_dir / f"{name}.json", done)
-            seconds["probes"] = done["seconds"]
-        out, probes = done["kl"], done["probes"]
-    record = {
-        "group_sizes": sorted({group_size, *group_sizes}),
-        "methods": sorted({"rtn", *methods}),
-        "modes": sorted(modes),
-        "settings": len(specs),
-        "hessians": str(hessians),
-        "gptq": f"closed form scaled by one exact GPTQ per module and bits at group {ANCHOR_GROUP}",
-        "rows": f"a weight of over {SCORE_WEIGHTS} weights: a fixed sample of its rows (at least {MIN_SCORE_ROWS})",
-        "probes": probes,
-        "probe_budget": {"bpw": budget_bpw, "bytes": budget_bytes},
-        "seconds": seconds,  # the stages computed by this run (the others were cached)
-    }
-    return out, record
 
 
 def gptq_agreement(

@@ -2,23 +2,22 @@
 
 ``method`` chooses the estimator that makes the numbers:
 
-- ``fisher`` (default, ``fisher.py``): a second-order estimate from one forward + backward per
-  calibration batch, scaled per candidate by one whole-model forward: about 3 + candidates
+- ``fisher`` (default, ``fisher.py``): a second-order estimate from one forward and a backward a
+  block at a time, scaled per candidate by measured whole-model KLs: about 4 + candidates
   forward passes in all, linear in depth;
 - ``exact`` (``exact.py``): every (module, candidate) measured from the stored hidden state;
-- ``reference`` (``sensitivity_ref.py``): the same numbers as ``exact``, the slow way.
+- ``reference`` (``reference.py``): the same numbers as ``exact``, the slow way.
 
-This module loads the model and calibration (``prepare``), shards the work, keeps per-group
-checkpoints and writes the reports. Work is grouped by the first block a module changes
-("group" = block index; 0 also holds the embedding, L is the head). Groups are the unit of
-sharding and of checkpoints::
+This command prepares the sweep (:mod:`mlxbun.quant.sensitivity.setup`), shards the work, keeps
+per-group checkpoints and writes the reports. Work is grouped by the first block a module changes
+("group" = block index; 0 also holds the embedding, L is the head). With candidates beyond RTN it
+then runs their stages, each kept so that a rerun resumes (:class:`Stages`)::
 
-    <cache>/sensitivity/<key>/          key = job_key(model, calibration, settings)
-        meta.json                       settings and fingerprints of this key
-        groups/0003.json                results of group 3 (atomic; a rerun skips it)
-        estimate.json                   fisher: factors, measured groups, probes
+    <cache>/sensitivity/<key>/          the sweep's checkpoints (setup.py)
+        candidates/<key>/               hessians.safetensors (captured when none is given),
+                                        scored.json, corrected-v<V>-<dtype>-<budget>.json
     <run_dir>/
-        sensitivity.json, .csv, .png    the results (format: ``sensitivity_file.py``)
+        sensitivity.json, .csv, .png    the results (format: ``file.py``)
 
 Example:
     >>> doc = sensitivity(model_dir="tests/fixtures/llama-text-3m", out_dir="out", work_dir="work")
@@ -30,188 +29,41 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
-from mlxbun import blas, device
 from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.digest import job_key
-from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
 from mlxbun.quant import calibrate
-from mlxbun.quant.allocate import allocation
-from mlxbun.quant.calibration import load_calibration
-from mlxbun.quant.mlxlm import load_tokenizer
-from mlxbun.quant.plan import hessians_file
-from mlxbun.quant.probe import Stack, Target, load_model, module_at, source_dtypes, targets, timed_forward
+from mlxbun.quant.allocate import allocation, check
+from mlxbun.quant.hessian import Hessians
+from mlxbun.quant.plan import HESSIANS_NAME, hessians_file
+from mlxbun.quant.probe import Target, timed_forward
 from mlxbun.quant.quantize import command as quantize
 from mlxbun.quant.sensitivity import candidates as rich_candidates
 from mlxbun.quant.sensitivity import fisher
 from mlxbun.quant.sensitivity.exact import Sweep, group_cost
-from mlxbun.quant.sensitivity.file import SCHEMA_VERSION, document, write_reports
+from mlxbun.quant.sensitivity.file import (
+    LayerSensitivity,
+    Sensitivity,
+    document,
+    parse_setting_key,
+    setting_key,
+    write_reports,
+)
 from mlxbun.quant.sensitivity.reference import reference_sweep
-from mlxbun.quant.spec import QuantSpec, spec_for
+from mlxbun.quant.sensitivity.setup import Checkpoints, Setup, assign_groups, prepare
+from mlxbun.quant.spec import QuantSpec
 from mlxbun.quant.streamed import Stream
 from mlxbun.runs.provenance import RunResult
-from mlxbun.source.fingerprint import model_fingerprint, shard_sha256
+from mlxbun.source.fingerprint import shard_sha256
 from mlxbun.source.model import expand
 from mlxbun.source.model import model_dir as source_dir
 
 log = logging.getLogger("mlxbun.sensitivity")
-
-
-def candidates(bits: list[int], *, group_size: int | None, mode: str) -> list[QuantSpec]:
-    """The candidate settings, checked against what MLX's quantize supports for ``mode``."""
-    return [spec_for(mode, b, group_size, key="sensitivity") for b in sorted(set(bits))]
-
-
-# ---------------------------------------------------------------- sharding and checkpoints
-
-
-def assign_groups(
-    groups: dict[int, list[Target]], *, num_shards: int, n_blocks: int, n_cands: int
-) -> list[list[int]]:
-    """Groups per shard: longest-processing-time first, balanced by probe cost; deterministic."""
-    order = sorted(groups, key=lambda g: (-group_cost(g, groups[g], n_blocks, n_cands), g))
-    loads = [0] * num_shards
-    shards: list[list[int]] = [[] for _ in range(num_shards)]
-    for g in order:
-        i = min(range(num_shards), key=lambda k: (loads[k], k))
-        shards[i].append(g)
-        loads[i] += group_cost(g, groups[g], n_blocks, n_cands)
-    return [sorted(s) for s in shards]
-
-
-class Checkpoints:
-    """Per-group results under a work dir keyed by the model, calibration and settings."""
-
-    def __init__(self, root: Path, settings: dict[str, Any]) -> None:
-        key = job_key("sensitivity", SCHEMA_VERSION, settings)
-        self.dir = root / key
-        (self.dir / "groups").mkdir(parents=True, exist_ok=True)
-        meta = self.dir / "meta.json"
-        if not meta.exists():
-            atomic_write_json(meta, settings)
-
-    def path(self, g: int) -> Path:
-        return self.dir / "groups" / f"{g:04d}.json"
-
-    def load(self, g: int) -> dict | None:
-        p = self.path(g)
-        if not p.exists():
-            return None
-        try:
-            return json.loads(p.read_text())["layers"]
-        except (ValueError, KeyError):
-            log.warning("ignoring unreadable checkpoint %s", p)
-            return None
-
-    def save(self, g: int, layers: dict) -> None:
-        atomic_write_json(self.path(g), {"group": g, "layers": layers})
-
-
-# ---------------------------------------------------------------- library entry point
-
-
-@dataclass
-class Setup:
-    """What a sweep runs on: ``model`` is the float32 model (exact, reference) or, for fisher,
-    the skeleton of ``stream``, which reads the weights a block at a time."""
-
-    model: Any
-    tokens: Any
-    targets: list[Target]
-    cands: list[QuantSpec]
-    settings: dict[str, Any]
-    stream: Stream | None = None
-
-    @property
-    def n_blocks(self) -> int:
-        return self.stream.n_blocks if self.stream is not None else Stack(self.model).n
-
-    def weight(self, path: str) -> Any:
-        """A module's float32 weight (read from disk when streamed)."""
-        if self.stream is not None:
-            return self.stream.read(f"{path}.weight")
-        return module_at(self.model, path).weight
-
-
-def prepare(
-    *,
-    model_dir: str | Path,
-    bits: list[int],
-    group_size: int | None,
-    mode: str,
-    calib_path: str | None,
-    samples: int,
-    seq_len: int,
-    seed: int,
-    method: str,
-    batch_size: int,
-    refine: float = 0.0,
-    refine_bits: list[int] | None = None,
-) -> Setup:
-    """Load the model and calibration; list targets and candidates; the settings that key results."""
-
-    cands = candidates(bits, group_size=group_size, mode=mode)
-    stream = None
-    if method == "fisher":
-        stream = Stream(model_dir)
-        model, tokenizer, source = stream.model, load_tokenizer(Path(model_dir)), stream.source()
-    else:
-        model, tokenizer, source = load_model(model_dir)
-    calib = load_calibration(
-        tokenizer=tokenizer, path=calib_path, samples=samples, seq_len=seq_len, seed=seed
-    )
-    vocab = _vocab_size(model)
-    if int(calib.tokens.max()) >= vocab:
-        raise InputError(f"calibration token id {int(calib.tokens.max())} >= model vocab_size {vocab}")
-    tgts = targets(
-        model,
-        group_size=cands[0].group_size,
-        source=source,
-        dtypes=source_dtypes(model_dir) | source["dtypes"],
-        modules=None if stream is None else stream.named_modules(),
-    )
-    n_blocks = stream.n_blocks if stream is not None else Stack(model).n
-    settings = {
-        "version": SCHEMA_VERSION,
-        "method": method,
-        "bits": [c.bits for c in cands],
-        "group_size": cands[0].group_size,
-        "mode": mode,
-        "batch_size": batch_size if method != "reference" else 1,
-        **(_fisher_settings(refine, refine_bits) if method == "fisher" else {}),
-        "runtime": runtime(),
-        "model": {
-            "fingerprint": model_fingerprint(model_dir, depth="sampled"),
-            "model_type": getattr(model, "model_type", None) or _config(model_dir).get("model_type"),
-            "num_layers": n_blocks,
-            "quantized": bool(source["current"]),
-        },
-        "calibration": calib.to_dict(),
-    }
-    return Setup(
-        model=model, tokens=calib.tokens, targets=tgts, cands=cands, settings=settings, stream=stream
-    )
-
-
-def _fisher_settings(refine: float, refine_bits: list[int] | None) -> dict[str, Any]:
-    return {"refine": refine, "refine_bits": sorted(refine_bits or []), "estimator": fisher.VERSION}
-
-
-def _config(model_dir: str | Path) -> dict:
-    return read_config(Path(model_dir))
-
-
-def _vocab_size(model: Any) -> int:
-    args = getattr(model, "args", None)
-    return int(getattr(args, "vocab_size", 1 << 31))
 
 
 def sensitivity(
@@ -234,15 +86,8 @@ def sensitivity(
     num_shards: int = 1,
     ref_cache_mb: float = 1024,
     stop_after_groups: int | None = None,
-    candidate_group_sizes: Sequence[int] = (),
-    candidate_methods: Sequence[str] = (),
-    candidate_modes: Sequence[str] = (),
+    rich: Rich | None = None,
     hessians: str | Path | None = None,
-    probe_bpw: float | None = None,
-    probe_bytes: int | None = None,
-    out_dtype: str | None = "bfloat16",
-    threads: int | None = None,
-    rounded: str | Path | None = None,
 ) -> dict[str, Any]:
     """Per-layer KL sensitivities of ``model_dir``; writes sensitivity.json/.csv/.png to ``out_dir``.
 
@@ -252,76 +97,39 @@ def sensitivity(
         work_dir: root of per-group checkpoints (keyed by model, calibration and settings).
         bits, group_size, mode: the candidates (``mode`` as in ``mx.quantize``).
         calib_path, samples, seq_len, seed: calibration (see ``mlxbun.quant.calibration``).
-        method: "fisher" (``fisher.py``: estimated from one backward pass, the default),
-            "exact" (``exact.py``) or "reference" (``sensitivity_ref``: one full forward per
-            sample and probe; slow, for checking).
+        method: "fisher" (the default), "exact" or "reference" (module docstring).
         batch_size: samples per forward (fisher, exact).
         refine, refine_bits: fisher only: the fraction of modules (largest first) probed exactly on
             the calibration subset at ``refine_bits`` (default: the middle candidate), each
             module's estimate then scaled to its probe (``fisher.refine_kl``); 0 turns it off.
         shard, num_shards: compute only this shard's groups (merge with ``sensitivity_merge``).
-        ref_cache_mb: keep reference log-probs for all samples when they fit in this budget.
-        stop_after_groups: stop (raising KeyboardInterrupt) after this many new groups (tests).
-        candidate_group_sizes, candidate_methods, candidate_modes: more candidates, each module's
-            KL scored from its input Hessian (``hessians``; None: captured on the calibration)
-            and the measured RTN KL (``mlxbun.quant.sensitivity.candidates``); probe_bpw / probe_bytes: the
-            budget of the plan whose whole-model probes correct them (None: uncorrected);
-            out_dtype: the dtype those probes are quantized with; threads: modules scored at
-            once (None: one per core this process may use, as quantize); rounded: where the
-            probes keep their clip and GPTQ roundings (``mlxbun.quant.quantize.cache``) for quantize.
-
-    Returns:
-        The sensitivity.json document (also written) plus ``_stats`` (not written).
+        ref_cache_mb, stop_after_groups: the exact sweep's reference cache; stop (raising
+            KeyboardInterrupt) after this many new groups (tests).
+        rich: candidates beyond RTN (:class:`Rich`), each module's KL scored from its input Hessian
+            (``hessians``; None: captured on the calibration) and the measured RTN KL
+            (:mod:`mlxbun.quant.sensitivity.candidates`), corrected by probes at ``rich``'s budget.
+    Returns the sensitivity.json document (also written) and ``_stats`` (not written).
     """
-    log.info(  # before the first progress line: a 27B model takes minutes to load and hash
-        "sensitivity (%s): loading and fingerprinting %s, tokenizing %d x %d calibration tokens",
-        method, model_dir, samples, seq_len,
-    )  # fmt: skip
+    log.info("sensitivity (%s): loading %s, %d x %d calibration tokens", method, model_dir, samples, seq_len)
     s = prepare(
         model_dir=model_dir, bits=list(bits), group_size=group_size, mode=mode, calib_path=calib_path,
         samples=samples, seq_len=seq_len, seed=seed, method=method, batch_size=batch_size,
         refine=refine, refine_bits=refine_bits,
     )  # fmt: skip
-    n_blocks = s.n_blocks
-    groups: dict[int, list[Target]] = {}
-    for t in s.targets:
-        groups.setdefault(t.group, []).append(t)
-    mine = assign_groups(groups, num_shards=num_shards, n_blocks=n_blocks, n_cands=len(s.cands))[shard]
-    ckpt = Checkpoints(Path(work_dir), s.settings)
-    kls, todo = {}, {}
-    for g in mine:
-        done = ckpt.load(g)
-        if done is not None and all(t.path in done for t in groups[g]):
-            kls.update(done)
-        else:
-            todo[g] = groups[g]
-    first = {"fisher": "one backward pass for the estimate", "exact": "timing one forward for the ETA"}
-    log.info(
-        "sensitivity (%s): %d of %d groups to compute (%d resumed), %d candidates each; %s",
-        method, len(todo), len(mine), len(mine) - len(todo), len(s.cands),
-        first.get(method, "one forward per sample and probe"),
-    )  # fmt: skip
     t0 = time.monotonic()
-    _compute(
-        s, todo, ckpt, kls, batch_size=batch_size, ref_cache_mb=ref_cache_mb, stop_after=stop_after_groups
-    )
+    kls, todo, mine, ckpt = _sweep(
+        s, Path(work_dir), shard=shard, num_shards=num_shards, batch_size=batch_size,
+        ref_cache_mb=ref_cache_mb, stop_after=stop_after_groups,
+    )  # fmt: skip
     shard_info = None if num_shards == 1 else {"index": shard, "count": num_shards, "groups": mine}
     record = None
-    if candidate_group_sizes or candidate_methods or candidate_modes:
+    if rich is not None:
         if num_shards != 1:
             raise InputError("sensitivity.candidates needs the whole model: set sensitivity.num_shards=1")
-        rich = {"group_sizes": sorted(candidate_group_sizes), "methods": sorted(candidate_methods),
-                "modes": sorted(candidate_modes), "hessians": None if hessians is None else shard_sha256(Path(hessians), cache_dir=None),
-                "version": rich_candidates.VERSION}  # fmt: skip
-        kls, record = rich_candidates.extend(
-            weight=s.weight, stream=s.stream or Stream(model_dir), targets=s.targets, kls=kls, model_dir=model_dir, tokens=s.tokens,
-            work_dir=ckpt.dir / "candidates" / job_key("candidates", rich_candidates.VERSION, rich),
-            group_size=s.cands[0].group_size, mode=mode, group_sizes=candidate_group_sizes,
-            methods=candidate_methods, modes=candidate_modes, hessians=hessians,
-            calib=s.settings["calibration"] | {"path": calib_path, "seed": seed},
-            budget_bpw=probe_bpw, budget_bytes=probe_bytes, out_dtype=out_dtype, steps=_candidate_steps(rounded),
-            threads=quantize.default_threads() if threads is None else threads,
-        )  # fmt: skip
+        calib = s.settings["calibration"] | {"path": calib_path, "seed": seed}
+        kls, record = extend(
+            s, kls, rich, model_dir=Path(model_dir), hessians=hessians, calib=calib, ckpt=ckpt
+        )
     doc = document(tgts=s.targets, kls=kls, settings=s.settings, shard=shard_info)
     if record is not None:
         doc["candidates"] = record
@@ -330,20 +138,39 @@ def sensitivity(
     write_reports(doc, Path(out_dir))
     stats = {
         "seconds": round(time.monotonic() - t0, 3),
-        **({"candidates_seconds": record["seconds"]} if record else {}),
         "groups_computed": len(todo),
-        "groups_resumed": len(mine) - len(todo),
         "layers": len(doc["layers"]),
-        "checkpoints": str(ckpt.dir),
     }
-    return doc | {"_stats": stats}
+    stats |= {"groups_resumed": len(mine) - len(todo), "checkpoints": str(ckpt.dir)}
+    return doc | {"_stats": stats | ({"candidates_seconds": record["seconds"]} if record else {})}
 
 
-def runtime() -> dict[str, Any]:
-    """What changes the numbers besides model, calibration and settings: mlx version and BLAS."""
-    info = blas.load()  # what was loaded before mlx.core (cached), or the bundled BLAS
-    out = {"mlx": mx.__version__, "blas": info.get("library") if info.get("loaded") else "bundled"}
-    return out | ({"device": "gpu"} if device.name() == "gpu" else {})  # a CPU run keeps its cache keys
+def _sweep(
+    s: Setup, work_dir: Path, *, shard: int, num_shards: int, batch_size: int, ref_cache_mb: float, stop_after
+) -> tuple[dict, dict, list[int], Checkpoints]:
+    """This shard's groups measured, or read back from their checkpoints: (KLs, the groups computed,
+    the shard's groups, the checkpoints)."""
+    groups: dict[int, list[Target]] = {}
+    for t in s.targets:
+        groups.setdefault(t.group, []).append(t)
+    mine = assign_groups(groups, num_shards=num_shards, n_blocks=s.n_blocks, n_cands=len(s.cands))[shard]
+    ckpt = Checkpoints(work_dir, s.settings)
+    kls, todo = {}, {}
+    for g in mine:
+        done = ckpt.load(g)
+        if done is not None and all(t.path in done for t in groups[g]):
+            kls.update(done)
+        else:
+            todo[g] = groups[g]
+    method = s.settings["method"]
+    first = {"fisher": "one backward pass for the estimate", "exact": "timing one forward for the ETA"}
+    log.info(
+        "sensitivity (%s): %d of %d groups to compute (%d resumed), %d candidates each; %s",
+        method, len(todo), len(mine), len(mine) - len(todo), len(s.cands),
+        first.get(method, "one forward per sample and probe"),
+    )  # fmt: skip
+    _compute(s, todo, ckpt, kls, batch_size=batch_size, ref_cache_mb=ref_cache_mb, stop_after=stop_after)
+    return kls, todo, mine, ckpt
 
 
 def _compute(
@@ -405,13 +232,196 @@ def _fisher(s: Setup, todo: dict, on_group, progress, *, batch_size: int, ckpt_d
     return extra
 
 
-def _candidate_steps(rounded: str | Path | None) -> rich_candidates.Steps:
-    """The commands the candidates run: capture (calibrate), then the probes' allocate (their clip
-    and GPTQ roundings kept in ``rounded`` for the final quantize)."""
-    return rich_candidates.Steps(
-        calibrate=calibrate.calibrate, allocate=allocation.allocate, default=allocation.DEFAULT,
-        rounded=None if rounded is None else Path(rounded),
-    )  # fmt: skip
+# ---------------------------------------------------------------- candidates beyond RTN
+
+
+@dataclass(frozen=True)
+class Rich:
+    """sensitivity.candidates: the settings beyond RTN, the probes' budget and where their
+    roundings are kept (:mod:`mlxbun.quant.quantize.cache`)."""
+
+    group_sizes: list[int]
+    methods: list[str]
+    modes: list[str]
+    budget_bpw: float | None = None
+    budget_bytes: int | None = None
+    out_dtype: str | None = "bfloat16"
+    rounded: Path | None = None
+    threads: int = 1
+
+    def key(self, hessians: str | Path | None) -> str:
+        """The work directory's key: the settings the scores depend on, and the Hessians given."""
+        h = None if hessians is None else shard_sha256(Path(hessians), cache_dir=None)
+        parts = {"group_sizes": self.group_sizes, "methods": self.methods, "modes": self.modes, "hessians": h}
+        return job_key("candidates", rich_candidates.VERSION, parts | {"version": rich_candidates.VERSION})
+
+
+class Stages:
+    """The candidates' stages under one work directory: each written once whole (atomically), so a
+    rerun resumes from the last one done."""
+
+    def __init__(self, root: Path) -> None:
+        self.dir = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def read(self, name: str) -> dict[str, Any] | None:
+        p = self.dir / name
+        return json.loads(p.read_text()) if p.is_file() else None
+
+    def write(self, name: str, doc: dict[str, Any]) -> None:
+        atomic_write_json(self.dir / name, doc)
+
+
+def extend(
+    s: Setup,
+    kls: dict,
+    rich: Rich,
+    *,
+    model_dir: Path,
+    hessians: str | Path | None,
+    calib: dict,
+    ckpt: Checkpoints,
+) -> tuple[dict[str, dict[str, float]], dict[str, Any]]:
+    """sensitivity.json's "kl" of every module (``kls``: the measured RTN bits) with every
+    candidate added (scored from the input Hessians, captured here when none are given), corrected
+    by the probes at the budget when there is one; and the "candidates" record."""
+    stages = Stages(ckpt.dir / "candidates" / rich.key(hessians))
+    group, mode = s.cands[0].group_size, s.cands[0].mode
+    bits = sorted({int(k) for kl in kls.values() for k in kl})
+    specs = rich_candidates.settings(
+        bits, group_sizes=[group, *rich.group_sizes], methods=["rtn", *rich.methods], modes=rich.modes
+    )
+    seconds: dict[str, float] = {}
+    hessians = _hessians(stages, hessians, model_dir, calib, seconds)
+    keys = _Keys(group, mode, stages.dir)
+    scored = _scores(stages, s, keys, kls, specs, hessians, rich.threads, seconds)
+    out, probes = scored["kl"], []
+    if rich.budget_bpw is not None or rich.budget_bytes is not None:
+        out, probes = _probes(stages, s, keys, scored["kl"], rich, model_dir, hessians, seconds)
+    record = {
+        "group_sizes": sorted({group, *rich.group_sizes}),
+        "methods": sorted({"rtn", *rich.methods}),
+        "modes": sorted(rich.modes),
+        "settings": len(specs),
+        "hessians": str(hessians),
+        "gptq": f"closed form scaled by one exact GPTQ per module and bits at group {rich_candidates.ANCHOR_GROUP}",
+        "rows": f"a weight of over {rich_candidates.SCORE_WEIGHTS} weights: a fixed sample of its rows"
+        f" (at least {rich_candidates.MIN_SCORE_ROWS})",
+        "probes": probes,
+        "probe_budget": {"bpw": rich.budget_bpw, "bytes": rich.budget_bytes},
+        "seconds": seconds,  # the stages computed by this run (the others were cached)
+    }
+    return out, record
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """sensitivity.json's setting keys ("affine:3:64:gptq") and back, for one sweep."""
+
+    group: int
+    mode: str
+    source: Path
+
+    def keyed(self, values: dict[str, dict[QuantSpec, float]]) -> dict[str, dict[str, float]]:
+        return {
+            p: {setting_key(s, group=self.group, mode=self.mode): v for s, v in kl.items()}
+            for p, kl in values.items()
+        }
+
+    def specced(self, values: dict[str, dict[str, float]]) -> dict[str, dict[QuantSpec, float]]:
+        return {
+            p: {
+                parse_setting_key(k, group=self.group, mode=self.mode, source=str(self.source)): v
+                for k, v in kl.items()
+            }
+            for p, kl in values.items()
+        }
+
+
+def _hessians(
+    stages: Stages, hessians: str | Path | None, model_dir: Path, calib: dict, seconds: dict
+) -> Path:
+    """The input Hessians given, or captured on the calibration (``command=calibrate``'s capture)."""
+    if hessians is not None:
+        return Path(hessians)
+    path = stages.dir / HESSIANS_NAME
+    if not path.is_file():
+        log.info("sensitivity.candidates: capturing input Hessians on the calibration text")
+        done = calibrate.calibrate(
+            model_dir=model_dir, out_dir=stages.dir, calib_path=calib.get("path"), samples=calib["samples"],
+            seq_len=calib["seq_len"], seed=calib["seed"],
+        )  # fmt: skip
+        seconds["hessians"] = round(done.seconds, 3)
+    return path
+
+
+def _scores(
+    stages: Stages, s: Setup, keys: _Keys, kls: dict, specs: list, hessians: Path, threads: int, seconds: dict
+) -> dict[str, Any]:
+    """Every module's candidates' KL before correction (scored.json); the modules finished before a
+    kill are kept every SAVE_EVERY seconds (scored.partial.json) and not scored again."""
+    scored = stages.read("scored.json")
+    if scored is not None:
+        return scored
+    t0 = time.monotonic()
+    part = stages.read("scored.partial.json") or {"kl": {}, "gptq_scales": {}, "seconds": 0.0}
+    saved = [time.monotonic()]
+    progress = Progress(total=len(kls), unit="modules", desc="sensitivity (candidates)", heartbeat=True)
+    progress.update(len(part["kl"]))
+
+    def keep(path: str, kl: dict[QuantSpec, float], scales: dict[str, float]) -> None:
+        part["kl"] |= keys.keyed({path: kl})
+        part["gptq_scales"][path] = scales
+        progress.update(1)
+        if time.monotonic() - saved[0] >= rich_candidates.SAVE_EVERY:
+            stages.write("scored.partial.json", part | {"seconds": part["seconds"] + time.monotonic() - t0})
+            saved[0] = time.monotonic()
+
+    try:
+        rich_candidates.score(
+            weight=s.weight, targets=s.targets, hessians=Hessians(hessians), measured=keys.specced(kls), specs=specs,
+            base_group=keys.group, done=set(part["kl"]), on_module=keep, threads=threads,
+        )  # fmt: skip
+    finally:
+        progress.close()
+    scored = part | {"seconds": round(part["seconds"] + time.monotonic() - t0, 3)}
+    stages.write("scored.json", scored)
+    (stages.dir / "scored.partial.json").unlink(missing_ok=True)
+    seconds["score"] = scored["seconds"]
+    return scored
+
+
+def _probes(
+    stages: Stages,
+    s: Setup,
+    keys: _Keys,
+    kl: dict,
+    rich: Rich,
+    model_dir: Path,
+    hessians: Path,
+    seconds: dict,
+) -> tuple[dict[str, dict[str, float]], list[dict[str, Any]]]:
+    """The scores corrected by whole-model probes around the plan at the budget
+    (:func:`mlxbun.quant.sensitivity.candidates.corrected`), kept per budget and dtype."""
+    budget = f"{rich.budget_bpw}bpw" if rich.budget_bpw is not None else f"{rich.budget_bytes}B"
+    name = f"corrected-v{check.VERSION}-{rich.out_dtype}-{budget}.json"
+    done = stages.read(name)
+    if done is None:
+        t0 = time.monotonic()
+        values = keys.specced(kl)
+        sens = Sensitivity({p: LayerSensitivity(p, 0, v) for p, v in values.items()})
+        plan = allocation.allocate(
+            sens, model_dir=model_dir, budget_bpw=rich.budget_bpw, budget_bytes=rich.budget_bytes,
+            out_dtype=rich.out_dtype,
+        )  # fmt: skip
+        fixed, probes = rich_candidates.corrected(
+            values, plan.layers, stream=s.stream or Stream(model_dir), hessians=hessians, tokens=s.tokens,
+            out_dtype=rich.out_dtype, rounded=rich.rounded,
+        )  # fmt: skip
+        done = {"kl": keys.keyed(fixed), "probes": probes, "seconds": round(time.monotonic() - t0, 3)}
+        stages.write(name, done)
+        seconds["probes"] = done["seconds"]
+    return done["kl"], done["probes"]
 
 
 def run(cfg: Any) -> Any:
@@ -454,12 +464,13 @@ def _candidates(cfg: Any) -> dict[str, Any]:
     if not c.enabled:
         return {}
     hessians = None if cfg.quant.hessians is None else hessians_file(cfg.quant.hessians)
-    budget = {"probe_bpw": a.budget_bpw, "probe_bytes": a.budget_bytes}
-    if a.budget_bpw is None and a.budget_bytes is None:
-        budget["probe_bpw"] = rich_candidates.PROBE_BPW
-    return {
-        "candidate_group_sizes": list(c.group_sizes), "candidate_methods": list(c.methods),
-        "candidate_modes": list(c.modes), "hessians": hessians, "out_dtype": cfg.quant.dtype,
-        "threads": cfg.quant.threads, "rounded": expand(cfg.paths.cache) / "rounded",
-        **(budget if c.correct else {}),
-    }  # fmt: skip
+    bpw, nbytes = a.budget_bpw, a.budget_bytes
+    if bpw is None and nbytes is None:
+        bpw = rich_candidates.PROBE_BPW
+    rich = Rich(
+        group_sizes=sorted(c.group_sizes), methods=sorted(c.methods), modes=sorted(c.modes),
+        budget_bpw=bpw if c.correct else None, budget_bytes=nbytes if c.correct else None,
+        out_dtype=cfg.quant.dtype, rounded=expand(cfg.paths.cache) / "rounded",
+        threads=quantize.default_threads() if cfg.quant.threads is None else cfg.quant.threads,
+    )  # fmt: skip
+    return {"rich": rich, "hessians": hessians}

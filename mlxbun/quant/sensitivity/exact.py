@@ -19,7 +19,7 @@ loop works. Work is grouped by the first block a module changes ("group" = block
 holds the embedding, L is the head).
 
 Example:
-    >>> from mlxbun.quant.sensitivity.command import prepare
+    >>> from mlxbun.quant.sensitivity.setup import prepare
     >>> s = prepare(model_dir=d, bits=[4, 8], group_size=64, mode="affine", calib_path=None,
     ...             samples=4, seq_len=128, seed=0, method="exact", batch_size=4)
     >>> groups = {0: [t for t in s.targets if t.group == 0]}

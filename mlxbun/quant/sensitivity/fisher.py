@@ -28,7 +28,7 @@ The returned numbers are per-module KLs in nats per token, the same unit as the 
 so ``allocate`` reads either. ``bench/sensitivity_methods.py`` compares them with exact ones.
 
 Example:
-    >>> from mlxbun.quant.sensitivity.command import prepare
+    >>> from mlxbun.quant.sensitivity.setup import prepare
     >>> s = prepare(model_dir=d, bits=[2, 4, 8], group_size=64, mode="affine", calib_path=None,
     ...             samples=8, seq_len=256, seed=0, method="fisher", batch_size=1)
     >>> est = estimate(s.stream, s.tokens, s.targets, s.cands, seed=0)

@@ -9,7 +9,7 @@ over samples, and restore the weight exactly. A candidate equal to the module's 
 Cost: modules x candidates x samples full forwards; use ``method=reference`` only to check.
 
 Example:
-    >>> from mlxbun.quant.sensitivity.command import prepare
+    >>> from mlxbun.quant.sensitivity.setup import prepare
     >>> s = prepare(model_dir=d, bits=[4, 8], group_size=64, mode="affine", calib_path=None,
     ...             samples=4, seq_len=128, seed=0, method="reference", batch_size=1)
     >>> kls = reference_kl(s.model, s.tokens, s.targets, s.cands)
