@@ -228,7 +228,7 @@ def _check_from_cfg(
     c, run_dir = cfg.sensitivity.calib, plan_path.parent
     res = quantize_model_dir(
         src, run_dir / "model", plan=plan_path, dtype=cfg.quant.dtype, shard_bytes=cfg.io.shard_bytes,
-        hessians=cfg.quant.hessians,
+        hessians=cfg.quant.hessians, digests=Path(cfg.paths.cache).expanduser() / "digests",
     )  # fmt: skip
     check = check_plan(
         plan, model_dir=src, written=res.out, calib_path=c.path, samples=c.samples, seq_len=c.seq_len,
