@@ -116,10 +116,11 @@ def _quantized_dir(cfg: Any) -> Path:
     return src
 
 
-def check_reference(q: Any, ref: Any, ref_dir: Path, q_dir: Path) -> str:
+def check_reference(q: Any, ref: Any, ref_dir: Path, q_dir: Path, *, digests: Path | None = None) -> str:
     """Refuse a reference that is not the quantized model's source: a tuned module missing there
-    or of another shape, or (when quantize recorded its source) another source's identity.
-    Returns how the reference was checked."""
+    or of another shape, or (when quantize recorded its source) another source's identity: its
+    config and weight headers, and (when recorded) every byte of it (``digests``: where its
+    shards' sha256 are remembered). Returns how the reference was checked."""
     for i in range(q.n_blocks):
         for path in tunable_modules(q, i):
             want = tuple(q.module(path).weight.shape)
@@ -147,7 +148,15 @@ def check_reference(q: Any, ref: Any, ref_dir: Path, q_dir: Path) -> str:
             " config.json or weight headers differ from the source quantize recorded"
             f" in {q_dir / MARKER}"
         )
-    return "source identity"
+    if "content" in record and record["content"] != model_fingerprint(
+        ref_dir, depth="content", cache_dir=digests
+    ):
+        raise InputError(
+            f"tune.reference={str(ref_dir)!r} is not the model model.name was quantized from: its"
+            " config.json and weight headers match, its tensor bytes differ from the source quantize"
+            f" recorded in {q_dir / MARKER}"
+        )
+    return "source content" if "content" in record else "source identity"
 
 
 def _windows(cfg: Any, tokenizer: Any) -> tuple[Any, Any, str]:
@@ -177,7 +186,7 @@ def run(cfg: Any) -> Any:
     q, ref = Stream(src, exact=True), Stream(ref_dir, key="tune.reference")
     if not any(tunable_modules(q, i) for i in range(q.n_blocks)):  # refused before anything is staged
         raise InputError(NOTHING_TO_TUNE)
-    checked = check_reference(q, ref, ref_dir, src)
+    checked = check_reference(q, ref, ref_dir, src, digests=Path(cfg.paths.cache).expanduser() / "digests")
     train, val, split = _windows(cfg, load_tokenizer(src))
     record: dict[str, Any] = {
         "version": VERSION,
