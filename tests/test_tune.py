@@ -41,6 +41,8 @@ def _run(tmp: Path, *args: str):
 def test_tune_keeps_every_tensor_and_the_bytes_and_is_deterministic(tmp_path: Path, q3: Path) -> None:
     r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL)
     assert r.returncode == 0, r.stderr
+    verified = run_cli("command=verify", f"runs.dir={run}", tmp=tmp_path)
+    assert verified.returncode == 0, verified.stderr  # the tuned model's files are in the manifest
     record = json.loads((run / "tune.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert record["status"] in ("tuned", "unchanged") and len(record["blocks"]) == 4
     assert record["reference_checked_by"] == "source content"
@@ -316,6 +318,8 @@ def test_a_pipeline_ending_in_tune_writes_the_tuned_model_to_quant_out(tmp_path:
     assert json.loads((run / "tune" / "tune.json").read_text())["input"] == str(run / "quantize" / "model")
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
     assert f"model: {out}" in r.stdout
+    verified = run_cli("command=verify", f"runs.dir={run}", tmp=tmp_path)
+    assert verified.returncode == 0, verified.stderr
 
 
 def test_a_gain_inside_the_validation_noise_is_none() -> None:

@@ -41,7 +41,7 @@ from mlxbun.progress import Progress
 from mlxbun.quant.calibration import load_calibration, read_documents, split_kinds
 from mlxbun.quant.mlxlm import load_tokenizer
 from mlxbun.quant.quantize.command import source_name
-from mlxbun.quant.quantize.outdir import MARKER, copy_side_files, source_identity, written_files
+from mlxbun.quant.quantize.outdir import MARKER, copy_side_files, source_identity
 from mlxbun.quant.streamed import Stream
 from mlxbun.quant.tune.blockwise import tunable_modules, tune_streamed
 from mlxbun.runs.provenance import RunResult
@@ -263,8 +263,7 @@ def _finish(
             "seconds": record["seconds"],
         },
         message=message,
-        provides={"model.name": str(out)},
-        written=written_files(out),
+        provides={"model.name": str(out)},  # out is what this run published: every file in it is an output
     )
 
 
