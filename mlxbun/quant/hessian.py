@@ -29,8 +29,8 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
-import shutil
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -265,12 +265,13 @@ def write(
     batch_size: int = 8,
     meta: Mapping[str, str] | None = None,
     on_block: Callable[[], None] | None = None,
-) -> None:
+) -> str:
     """:func:`capture` of a lazily loaded ``model`` (released block by block) straight into the
-    file ``out`` (:class:`Writer`): memory holds one block's weights and Hessians at a time."""
+    file ``out`` (:class:`Writer`): memory holds one block's weights and Hessians at a time.
+    Returns the file's sha256."""
     with Writer(out) as writer:
         capture(model, tokens, batch_size=batch_size, release=True, sink=writer.add, on_block=on_block)
-        writer.finish(tokens=tokens.size, meta=meta)
+        return writer.finish(tokens=tokens.size, meta=meta)
 
 
 class Writer:
@@ -301,8 +302,9 @@ class Writer:
         self.entries[name] = {"dtype": "F32", "shape": list(data.shape), "data_offsets": [self.offset, end]}
         self.offset = end
 
-    def finish(self, *, tokens: int, meta: Mapping[str, str] | None = None) -> None:
-        """Publish the file; ``meta``: more metadata strings (e.g. "model", "calibration")."""
+    def finish(self, *, tokens: int, meta: Mapping[str, str] | None = None) -> str:
+        """Publish the file and return its sha256 (computed as it is written); ``meta``: more
+        metadata strings (e.g. "model", "calibration")."""
         self.spool.close()
         header = {
             "__metadata__": {**(meta or {}), "format": FORMAT, "tokens": str(tokens)},
@@ -310,9 +312,13 @@ class Writer:
         }
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
+        digest = hashlib.sha256(struct.pack("<Q", len(text)) + text)
         with atomic_open(self.path) as f, open(self.spool_path, "rb") as data:
             f.write(struct.pack("<Q", len(text)) + text)
-            shutil.copyfileobj(data, f, 16 << 20)
+            while block := data.read(16 << 20):
+                digest.update(block)
+                f.write(block)
+        return digest.hexdigest()
 
 
 def save(hessians: dict[str, Any], path: str | Path, *, tokens: int) -> None:
