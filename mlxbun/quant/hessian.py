@@ -46,6 +46,7 @@ from mlxbun.io.atomic import atomic_open
 from mlxbun.io.safetensors import SafetensorsFile, read_config
 from mlxbun.quant import mlxlm
 from mlxbun.quant.streamed import find_blocks
+from mlxbun.source.fingerprint import model_fingerprint
 
 FORMAT = "mlxbun-hessians"
 
@@ -386,6 +387,24 @@ class Hessians(Mapping):
 
     def __len__(self) -> int:
         return len(self.file.names())
+
+
+def check_model(path: str | Path, model_dir: str | Path, *, key: str = "model.name") -> bool:
+    """Refuse Hessians captured on another model: the "model" fingerprint command=calibrate
+    recorded in the file (``model_fingerprint(depth="sampled")``) against ``model_dir``'s.
+    False when the file records none (written by :func:`save`): it is then checked by shapes only."""
+    with SafetensorsFile(path) as f:
+        recorded = f.metadata.get("model")
+    if not recorded:
+        return False
+    actual = model_fingerprint(model_dir, depth="sampled")
+    if recorded != actual:
+        raise InputError(
+            f"quant.hessians={str(path)!r} was captured on another model (fingerprint {recorded[:12]})"
+            f" than {key}={str(model_dir)!r} ({actual[:12]}); capture this model's Hessians"
+            f" (python -m mlxbun command=calibrate {key}=...)"
+        )
+    return True
 
 
 SYMMETRY_TOL = 1e-4  # |H - H^T| relative to max diag(H): float32 accumulation stays far below

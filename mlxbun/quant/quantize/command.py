@@ -331,6 +331,7 @@ class Conversion:
         )
         if hessians is not None:
             _check_hessian_shapes(sk, hessians)
+            _check_hessian_model(hessians, source)
         dtype = resolve_dtype(dtype, sk.config)
         settings = _settings(spec, plan, mixed, dtype, shard_bytes)
         tensors = None if isinstance(source, (str, Path)) else identity(source)
@@ -410,6 +411,17 @@ def _check_hessian_shapes(sk: Skeleton, path: str | Path) -> None:
         h.check_shapes(in_features)
     finally:
         h.file.close()
+
+
+def _check_hessian_model(path: Path, source: Any) -> None:
+    """Before any work: the Hessians were captured on this model (the fingerprint calibrate
+    recorded), or say that only their shapes could be checked."""
+    if not isinstance(source, (str, Path)):
+        log.warning(
+            "quantize: a synthetic source has no files to fingerprint; %s is checked by shapes only", path
+        )
+    elif not hessian.check_model(path, source_dir(source)):
+        log.warning("quantize: %s records no model (not written by calibrate); checked by shapes only", path)
 
 
 def _convert(

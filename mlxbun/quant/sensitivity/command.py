@@ -43,7 +43,7 @@ from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.digest import job_key
 from mlxbun.io.safetensors import read_config
 from mlxbun.progress import Progress
-from mlxbun.quant import calibrate
+from mlxbun.quant import calibrate, hessian
 from mlxbun.quant.allocate import allocation
 from mlxbun.quant.calibration import load_calibration
 from mlxbun.quant.mlxlm import load_tokenizer
@@ -426,7 +426,7 @@ def run(cfg: Any) -> Any:
         bits=list(sc.bits), group_size=sc.group_size, mode=sc.mode, calib_path=sc.calib.path,
         samples=sc.calib.samples, seq_len=sc.calib.seq_len, seed=sc.calib.seed, method=sc.method,
         batch_size=sc.batch_size, shard=sc.shard, num_shards=sc.num_shards,
-        refine=sc.refine, refine_bits=list(sc.refine_bits) or None, **_candidates(cfg),
+        refine=sc.refine, refine_bits=list(sc.refine_bits) or None, **_candidates(cfg, mdir),
     )  # fmt: skip
     stats = doc.pop("_stats")
     out = run_dir / "sensitivity.json"
@@ -448,12 +448,15 @@ def run(cfg: Any) -> Any:
     )
 
 
-def _candidates(cfg: Any) -> dict[str, Any]:
-    """sensitivity.candidates as :func:`sensitivity`'s arguments; the probes at allocate's budget."""
+def _candidates(cfg: Any, mdir: Path) -> dict[str, Any]:
+    """sensitivity.candidates as :func:`sensitivity`'s arguments; the probes at allocate's budget.
+    Hessians captured on another model than ``mdir`` are refused."""
     c, a = cfg.sensitivity.candidates, cfg.allocate
     if not c.enabled:
         return {}
     hessians = None if cfg.quant.hessians is None else hessians_file(cfg.quant.hessians)
+    if hessians is not None:
+        hessian.check_model(hessians, mdir)
     budget = {"probe_bpw": a.budget_bpw, "probe_bytes": a.budget_bytes}
     if a.budget_bpw is None and a.budget_bytes is None:
         budget["probe_bpw"] = rich_candidates.PROBE_BPW
