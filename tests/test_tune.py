@@ -208,6 +208,7 @@ def test_tune_steps_0_hands_the_input_on_and_says_so(tmp_path: Path, q3: Path) -
         (["tune.val_samples=0"], "tune.val_samples=0"),
         (["tune.max_minutes=0"], "tune.max_minutes=0"),
         (["tune.validation_kinds=[]"], "tune.validation_kinds is empty"),
+        (["tune.seq_len=60000"], "error: tune.seq_len=60000 is longer than the calibration text's training"),
         (
             [f"tune.reference={FIXTURE.parent / 'llama-text-12l'}"],
             "is not the model model.name was quantized from",

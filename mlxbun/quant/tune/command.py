@@ -38,7 +38,7 @@ from mlxbun.io.safetensors import INDEX_FILE, open_model, read_config
 from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, read_json_object, stable_root
 from mlxbun.progress import Progress
-from mlxbun.quant.calibration import load_calibration, read_documents, split_kinds
+from mlxbun.quant.calibration import WindowKeys, load_calibration, read_documents, split_kinds
 from mlxbun.quant.mlxlm import load_tokenizer
 from mlxbun.quant.quantize.command import source_name
 from mlxbun.quant.quantize.outdir import MARKER, copy_side_files, source_identity
@@ -166,11 +166,13 @@ def _windows(cfg: Any, tokenizer: Any) -> tuple[Any, Any, str]:
     how = split_kinds(read_documents(c.path)[0], kinds)[2]
     common = {"tokenizer": tokenizer, "path": c.path, "seq_len": t.seq_len, "seed": c.seed}
     train = load_calibration(
-        **common, samples=t.samples, documents=lambda d: split_kinds(d, kinds)[0], label="training"
-    )
+        **common, samples=t.samples, documents=lambda d: split_kinds(d, kinds)[0], label="training",
+        keys=WindowKeys(samples="tune.samples", seq_len="tune.seq_len"),
+    )  # fmt: skip
     val = load_calibration(
-        **common, samples=t.val_samples, documents=lambda d: split_kinds(d, kinds)[1], label="validation"
-    )
+        **common, samples=t.val_samples, documents=lambda d: split_kinds(d, kinds)[1], label="validation",
+        keys=WindowKeys(samples="tune.val_samples", seq_len="tune.seq_len"),
+    )  # fmt: skip
     return train, val, how
 
 
