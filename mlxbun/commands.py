@@ -152,12 +152,17 @@ COMMANDS: dict[str, Command] = {
         reads=(*MODEL_SECTIONS, "kv"),
         needs=(MODEL, ("kv.prompt", "kv.prompt_file")),
     ),
-    "kv_ls": Command("mlxbun.kv.commands:ls", "list stored KV snapshots", reads=("kv",), readonly=True),
+    "kv_ls": Command("mlxbun.kv.commands:ls", "list stored KV snapshots", reads=("kv.store",), readonly=True),
     "kv_verify": Command(
-        "mlxbun.kv.commands:verify", "re-hash stored KV snapshots and blocks", reads=("kv",), readonly=True
+        "mlxbun.kv.commands:verify",
+        "re-hash stored KV snapshots and blocks",
+        reads=("kv.store", "kv.name"),
+        readonly=True,
     ),
     "kv_gc": Command(
-        "mlxbun.kv.gc", "plan (and with kv.execute=true free) unreferenced KV blocks", reads=("kv",)
+        "mlxbun.kv.gc",
+        "plan (and with kv.execute=true free) unreferenced KV blocks",
+        reads=("kv.store", "kv.block_kib", "kv.cap_gb", "kv.execute"),
     ),
     "kv_import": Command(
         "mlxbun.kv.import_",
@@ -172,7 +177,8 @@ COMMANDS: dict[str, Command] = {
     "serve": Command(
         "mlxbun.serve",
         "OpenAI- and Anthropic-compatible server: continuous batching, prompt caches kept in the KV store",
-        reads=(*MODEL_SECTIONS, "kv", "serve"),
+        # the store it keeps prompts in; prompts, names and kv_* settings come from its clients
+        reads=(*MODEL_SECTIONS, "serve", "kv.store", "kv.block_kib", "kv.layout", "kv.verify", "kv.cap_gb"),
     ),
     "registry_scan": Command(
         "mlxbun.registry.commands:scan", "index the HF cache and local model dirs", reads=("registry",)

@@ -92,3 +92,55 @@ def test_quant_hessians_names_a_run_dir_or_the_file(tmp_path):
         hessians_file(tmp_path)
     (tmp_path / HESSIANS_NAME).write_bytes(b"x")
     assert hessians_file(tmp_path) == tmp_path / HESSIANS_NAME == hessians_file(tmp_path / HESSIANS_NAME)
+
+
+def test_a_flipped_byte_in_the_cache_is_captured_again_and_the_earlier_run_still_verifies(tmp_path):
+    """The cache is checked against the digest recorded when it was written, and a run's file is
+    its own copy: a byte flipped in the cache is neither reused nor a change to the earlier run."""
+    r = run_cli("command=calibrate", f"model.name={FIXTURE}", *CALIB, tmp=tmp_path)
+    assert r.returncode == 0, r.stderr
+    (first,) = (tmp_path / "outputs" / "calibrate").iterdir()
+    good = (first / HESSIANS_NAME).read_bytes()
+    (cached,) = (tmp_path / "cache" / "hessians").rglob(HESSIANS_NAME)
+    with open(cached, "r+b") as f:  # in place, as a disk error or a stray write would
+        f.seek(len(good) - 100)
+        f.write(bytes([good[-100] ^ 0x01]))
+    verified = run_cli("command=verify", f"runs.dir={first}", tmp=tmp_path)
+    assert verified.returncode == 0, verified.stderr
+    again = run_cli("command=calibrate", f"model.name={FIXTURE}", *CALIB, tmp=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert "reused" not in again.stdout and "captured" in again.stdout
+    assert f"{cached} is damaged" in again.stderr
+    (second,) = set((tmp_path / "outputs" / "calibrate").iterdir()) - {first}
+    assert (second / HESSIANS_NAME).read_bytes() == good == cached.read_bytes()
+    assert (second / HESSIANS_NAME).stat().st_ino != cached.stat().st_ino
+
+
+def test_hessians_of_another_model_of_the_same_shapes_are_refused_naming_both(tmp_path):
+    """The file records the model it was captured on (its fingerprint); quantize refuses it for
+    another model of the same shapes before any work."""
+    import mlx.core as mx
+
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in FIXTURE.iterdir():
+        if f.suffix != ".safetensors":
+            (other / f.name).write_bytes(f.read_bytes())
+    arrays, meta = mx.load(str(FIXTURE / "model.safetensors"), return_metadata=True)
+    mx.save_safetensors(
+        str(other / "model.safetensors"),
+        {k: (v * 1.01).astype(v.dtype) for k, v in arrays.items()},
+        metadata=meta,
+    )
+    theirs = calibrate(model_dir=other, out_dir=tmp_path / "h", samples=2, seq_len=16).path
+    out = tmp_path / "q"
+    args = ("command=quantize", "quant.method=gptq", "quant.bits=4", f"quant.out={out}")
+    r = run_cli(*args, f"model.name={FIXTURE}", f"quant.hessians={theirs}", tmp=tmp_path)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert f"quant.hessians={str(theirs)!r}" in line and str(FIXTURE) in line and "another model" in line, (
+        line
+    )
+    assert not out.exists() and not list((tmp_path / "outputs").rglob("manifest.json"))
+    mine = run_cli(*args, f"model.name={other}", f"quant.hessians={theirs}", tmp=tmp_path)
+    assert mine.returncode == 0, mine.stderr

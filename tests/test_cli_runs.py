@@ -6,10 +6,12 @@ Faults are injected into a child process through a ``sitecustomize.py`` on its P
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import sqlite3
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -336,3 +338,61 @@ def test_a_run_directory_that_cannot_be_made_is_named_exit_1_and_recorded_failed
     (row,) = _rows(tmp_path)
     assert row["status"] == "failed" and row["command"] == "synth" and str(out) in row["error"], row
     assert not out.exists()
+
+
+@contextlib.contextmanager
+def _read_only(path: Path):
+    """The file or directory ``path`` made read-only for this process: by its mode, or for root,
+    who ignores modes, by a read-only mount (skipped where mounting is not allowed)."""
+    is_file = path.is_file()
+    if os.geteuid() != 0:
+        mode = path.stat().st_mode
+        path.chmod(0o444 if is_file else 0o555)
+        try:
+            yield
+        finally:
+            path.chmod(mode)
+        return
+    mount = (
+        ["mount", "--bind", str(path), str(path)] if is_file else ["mount", "-t", "tmpfs", "tmpfs", str(path)]
+    )
+    if subprocess.run(mount, capture_output=True).returncode:
+        pytest.skip("cannot mount here")
+    try:
+        ro = ["mount", "-o", "remount,ro,bind" if is_file else "remount,ro", str(path)]
+        assert subprocess.run(ro, capture_output=True).returncode == 0
+        yield
+    finally:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+@pytest.mark.parametrize("read_only", ["file", "directory"])
+def test_a_registry_that_cannot_be_written_is_one_line_naming_registry_path(
+    tmp_path: Path, read_only: str
+) -> None:
+    """A run is recorded in the registry: one it cannot write is bad input, refused before any
+    work (exit 2, nothing written), not the database's own error once the run has started;
+    a read-only command still reads a registry it cannot write."""
+    where = tmp_path / ("registry.db" if read_only == "file" else "ro")
+    db = where if read_only == "file" else where / "registry.db"
+    keep = [
+        f"paths.outputs={tmp_path / 'outputs'}",
+        f"paths.cache={tmp_path / 'cache'}",
+        f"registry.path={db}",
+    ]
+    if read_only == "file":
+        assert (
+            run_cli("command=runs", *keep, tmp=tmp_path, isolate=False).returncode == 0
+        )  # an empty registry
+    else:
+        where.mkdir()
+    with _read_only(where):
+        r = run_cli(
+            "command=quantize", f"model.name={FIXTURE}", "quant.bits=4", *keep, tmp=tmp_path, isolate=False
+        )
+        listed = run_cli("command=runs", *keep, tmp=tmp_path, isolate=False)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stderr.startswith(f"error: registry.path={str(db)!r} cannot be written"), r.stderr
+    assert not (tmp_path / "outputs").exists() or not any((tmp_path / "outputs").rglob("*"))
+    if read_only == "file":
+        assert listed.returncode == 0, listed.stderr

@@ -150,6 +150,24 @@ def test_a_registry_that_is_no_database_names_registry_path(tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize(
+    ("args", "start"),
+    [
+        (["runs.max_gb=4"], "error: runs.max_gb=4.0 filters evaluated candidates"),
+        (["runs.model=llama"], "error: runs.model='llama' filters evaluated candidates"),
+        (["runs.command=eval", "runs.status=ok"], "error: runs.status='ok' filters recorded runs"),
+        (["runs.command=eval", "runs.recipe=best"], "error: runs.recipe='best' filters recorded runs"),
+    ],
+)
+def test_a_runs_filter_the_listing_does_not_apply_is_refused(
+    tmp_path: Path, args: list[str], start: str
+) -> None:
+    """runs.max_gb and runs.model apply to runs.command=eval's listing only, runs.status and
+    runs.recipe to the other: one that would be ignored is one line, exit 2."""
+    res = run_cli("command=runs", *args, tmp=tmp_path)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and res.stderr.startswith(start), res.stderr
+
+
+@pytest.mark.parametrize(
     ("args", "key", "code"),
     [
         (["command=runs", "runs.limit=-1"], "runs.limit", 2),

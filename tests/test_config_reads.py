@@ -46,6 +46,11 @@ def test_every_recipe_sets_only_keys_its_command_reads(recipe: str) -> None:
             "quant.method='gptq' is not read by command=sensitivity",
         ),
         (["command=synth", "quant.bits=8"], "quant.bits=8 is not read by command=synth"),
+        (["command=serve", "kv.prompt=hi"], "kv.prompt='hi' is not read by command=serve"),
+        (["command=serve", "kv.max_tokens=8"], "kv.max_tokens=8 is not read by command=serve"),
+        (["command=kv_ls", "kv.name=x"], "kv.name='x' is not read by command=kv_ls"),
+        (["command=kv_verify", "kv.strict=true"], "kv.strict=True is not read by command=kv_verify"),
+        (["command=kv_gc", "kv.layout=blocks"], "kv.layout='blocks' is not read by command=kv_gc"),
         (["command=sensitivity_merge", "sensitivity.bits=[2]"], "sensitivity.bits=[2] is not read"),
         (["command=quantize", "quant.plan=p.json", "quant.bits=8"], "quant.bits=8 is ignored by quant.plan"),
         (["command=quantize", "quant.plan=p.json", "quant.mode=mxfp4"], "quant.mode='mxfp4' is ignored"),
@@ -73,10 +78,29 @@ def test_a_key_the_command_would_ignore_is_refused(args: list[str], needle: str)
         ["command=quantize", "model.synthetic=true", "synth.preset=tiny", "quant.bits=8"],
         ["command=pipeline", "pipeline.steps=[synth,quantize]", "synth.num_layers=2", "quant.bits=8"],
         ["command=quantize", "quant.plan=p.json", "quant.method=clip", "quant.dtype=float16"],
+        [
+            "command=serve",
+            "kv.store=/s",
+            "kv.layout=blocks",
+            "kv.block_kib=64",
+            "kv.verify=false",
+            "kv.cap_gb=1",
+        ],
+        ["command=kv_verify", "kv.store=/s", "kv.name=x"],
+        ["command=kv_gc", "kv.store=/s", "kv.block_kib=64", "kv.cap_gb=1", "kv.execute=true"],
     ],
 )
 def test_keys_the_command_reads_pass(args: list[str]) -> None:
     _check(args)
+
+
+def test_serve_refuses_a_kv_key_it_does_not_read_before_it_starts(tmp_path: Path) -> None:
+    fixture = Path(__file__).resolve().parent / "fixtures" / "llama-text-3m"
+    res = run_cli(
+        "command=serve", f"model.name={fixture}", "serve.port=0", "kv.prompt=hi", tmp=tmp_path, timeout=60
+    )
+    assert res.returncode == 2 and res.stderr.count("\n") == 1, res.stderr
+    assert res.stderr.startswith("error: kv.prompt='hi' is not read by command=serve"), res.stderr
 
 
 def test_a_recipe_for_more_steps_than_run_is_not_refused() -> None:

@@ -162,6 +162,19 @@ def test_block_flip_truncate_extend_missing_name_the_block(model, tmp_path):
         store.load("s", model="m")
 
 
+def test_a_damaged_block_of_the_right_size_is_rewritten_by_the_next_save(model, tmp_path):
+    """A block's name is its content's hash: one that exists with other bytes is replaced, not
+    taken as already written."""
+    store, cache, toks = _saved(model, tmp_path, "blocks")
+    block = _block(tmp_path)
+    good = block.read_bytes()
+    block.write_bytes(bytes([good[0] ^ 0x80]) + good[1:])
+    assert block.name in store.verify()[1][0]
+    store.save("s", cache, tokens=toks, model="m", layout="blocks")
+    assert block.read_bytes() == good and store.verify()[1] == []
+    assert store.load("s", model="m").cache
+
+
 # ---------------------------------------------------------------- lying headers
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,12 @@ def test_digest_cache_reuses_unchanged_files_and_notices_changes(tmp_path: Path,
     f.write_bytes(b"y" * 1000)  # same size, new content: new mtime, new key
     os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns + 1_000_000))
     assert cached_sha256(f, cache) == hashlib.sha256(b"y" * 1000).hexdigest() and len(calls) == 2
+    before = f.stat()
+    time.sleep(0.05)  # file times tick with the kernel's coarse clock (at most 10 ms a tick)
+    with open(f, "r+b") as fh:  # rewritten in place (same inode, same size), its mtime set back
+        fh.write(b"z" * 1000)
+    os.utime(f, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert cached_sha256(f, cache) == hashlib.sha256(b"z" * 1000).hexdigest() and len(calls) == 3
 
 
 def test_verify_reports_changed_and_missing_outputs(tmp_path: Path) -> None:

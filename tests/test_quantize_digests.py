@@ -1,19 +1,24 @@
-"""The manifest's digests of a conversion: outputs hashed while written, inputs free in the HF cache."""
+"""The manifest's digests of a conversion: outputs hashed while written, inputs free in the HF cache;
+and the source's content identity, without which an output is not reused."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
 import xxhash
+from cli_util import run_cli
+from test_quantize import assert_same_tensors, make_hf_model
 
 from mlxbun.io import staging
 from mlxbun.quant.quantize.command import quantize_model_dir
 from mlxbun.quant.quantize.outdir import MARKER
 from mlxbun.runs import provenance
 from mlxbun.runs.provenance import Manifest, RunResult, hash_paths, named_sha256
+from mlxbun.source.fingerprint import model_fingerprint
 
 
 def _sha(path: Path) -> str:
@@ -109,3 +114,56 @@ def test_record_takes_the_writers_xxh3_without_reading_the_shards(tmp_path, tiny
         assert entry == {"xxh3_128": xxhash.xxh3_128(data).hexdigest(), "size": len(data)}, name
     monkeypatch.setattr(staging, "file_digest", real)
     assert quantize_model_dir(src, tmp_path / "model", bits=4, shard_bytes=20000, threads=2).reused
+
+
+def _rewrite_keeping_header(shard: Path, data: bytes, *, keep_mtime: bool) -> None:
+    """``data`` (a file with the same safetensors header) written over ``shard`` in place: the same
+    inode and size; with ``keep_mtime`` its mtime set back, as ``cp -p`` or ``touch -d`` would."""
+    before = shard.stat()
+    with open(shard, "r+b") as f:
+        n = int.from_bytes(data[:8], "little")
+        assert f.read(8 + n) == data[: 8 + n]  # the same header: only tensor bytes differ
+        f.write(data[8 + n :])
+    if keep_mtime:
+        os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+def test_an_output_of_other_source_bytes_under_the_same_header_is_converted_again(tmp_path):
+    """Same config, shapes and safetensors header, other tensor bytes: the record's content
+    identity differs, so quant.out is converted again, not reused."""
+    src = make_hf_model(tmp_path / "src", "llama")
+    other = make_hf_model(tmp_path / "other", "llama", seed=1)
+    first = quantize_model_dir(src, tmp_path / "out", bits=4)
+    assert json.loads((first.out / MARKER).read_text())["content"] == model_fingerprint(src, depth="content")
+    _rewrite_keeping_header(
+        src / "model.safetensors", (other / "model.safetensors").read_bytes(), keep_mtime=True
+    )
+    again = quantize_model_dir(src, tmp_path / "out", bits=4)
+    assert not again.reused
+    assert_same_tensors(quantize_model_dir(other, tmp_path / "fresh", bits=4).out, again.out)
+    assert json.loads((again.out / MARKER).read_text())["content"] == model_fingerprint(
+        other, depth="content"
+    )
+    assert quantize_model_dir(src, tmp_path / "out", bits=4).reused  # the same content: reused
+
+
+def test_cli_quantize_after_the_weights_changed_writes_and_describes_the_new_output(tmp_path):
+    """Through the digest cache: a shard rewritten with its mtime set back is hashed again (its
+    ctime moved), the output converted again and the manifest's digests are the new files'."""
+    src = make_hf_model(tmp_path / "src", "llama")
+    other = make_hf_model(tmp_path / "other", "llama", seed=1)
+    out = tmp_path / "q"
+    args = ("command=quantize", f"model.name={src}", "quant.bits=4", f"quant.out={out}", "blas=off")
+    assert run_cli(*args, tmp=tmp_path).returncode == 0
+    _rewrite_keeping_header(
+        src / "model.safetensors", (other / "model.safetensors").read_bytes(), keep_mtime=True
+    )
+    r = run_cli(*args, "json=true", tmp=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    doc = json.loads(r.stdout)
+    assert doc["metrics"]["reused"] is False
+    assert_same_tensors(quantize_model_dir(other, tmp_path / "fresh", bits=4).out, out)
+    manifest = json.loads((Path(doc["run_dir"]) / "manifest.json").read_text())
+    shard = str((src / "model.safetensors").resolve())
+    assert manifest["inputs"][shard]["sha256"] == _sha(src / "model.safetensors")
+    assert manifest["outputs"][str(out / "model.safetensors")]["sha256"] == _sha(out / "model.safetensors")

@@ -281,6 +281,34 @@ def test_a_flipped_byte_is_a_miss_recomputed_and_replaced(loaded, tmp_path):
     assert store.verify() == (store.verify()[0], [])  # replaced by a good copy
 
 
+def test_a_damaged_block_is_replaced_so_the_next_restart_reuses_it(loaded, tmp_path):
+    """kv.layout=blocks: a block of the right size and other bytes is a miss; the log says it was
+    replaced, and it was: the next server reuses the prompt from disk."""
+    text = {"prompt": PROMPT, "max_tokens": 10, "logprobs": 0}
+    tokens = list(loaded.tokenizer.encode(PROMPT))
+    server = Server(loaded.path, tmp_path, "kv.layout=blocks")
+    want = ids(server.post("/v1/completions", text))
+    server.stop()
+    store = Store(tmp_path / "kv")
+    block = next(p for p in sorted((tmp_path / "kv" / "blocks").iterdir()) if not p.name.startswith("."))
+    good = block.read_bytes()
+    block.write_bytes(bytes([good[0] ^ 0x01]) + good[1:])
+    assert store.verify()[1]
+
+    server = Server(loaded.path, tmp_path, "kv.layout=blocks")
+    reply = server.post("/v1/completions", text)
+    log = server.stop()
+    assert ids(reply) == want and cached(reply) == 0
+    assert "a miss, recomputed and replaced" in log
+    assert block.read_bytes() == good and store.verify()[1] == []
+
+    again = Server(loaded.path, tmp_path, "kv.layout=blocks")
+    reply = again.post("/v1/completions", text)
+    log = again.stop()
+    assert ids(reply) == want and cached(reply) == len(tokens) - 1, log
+    assert f"cached {len(tokens) - 1} (disk)" in log
+
+
 def test_eight_parallel_clients_share_a_system_prompt(loaded, tmp_path):
     server = Server(loaded.path, tmp_path)
     users = [f"question {i}: what is {i} plus {i}?" for i in range(9)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import mlx.core as mx
@@ -11,7 +12,7 @@ import pytest
 from cli_util import run_cli
 
 from mlxbun.quant.calibration import read_documents, split_kinds
-from mlxbun.quant.quantize.command import quantize_model_dir
+from mlxbun.quant.quantize.command import MARKER, quantize_model_dir
 from mlxbun.quant.tune import blockwise
 
 pytestmark = pytest.mark.blas
@@ -40,9 +41,11 @@ def _run(tmp: Path, *args: str):
 def test_tune_keeps_every_tensor_and_the_bytes_and_is_deterministic(tmp_path: Path, q3: Path) -> None:
     r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL)
     assert r.returncode == 0, r.stderr
+    verified = run_cli("command=verify", f"runs.dir={run}", tmp=tmp_path)
+    assert verified.returncode == 0, verified.stderr  # the tuned model's files are in the manifest
     record = json.loads((run / "tune.json").read_text(), parse_constant=lambda c: pytest.fail(c))
     assert record["status"] in ("tuned", "unchanged") and len(record["blocks"]) == 4
-    assert record["reference_checked_by"] == "source identity"
+    assert record["reference_checked_by"] == "source content"
     assert record["validation"]["split"] == "kinds math, prose"
     before, after = _tensors(q3), _tensors(run / "model")
     assert sorted(before) == sorted(after)
@@ -205,6 +208,7 @@ def test_tune_steps_0_hands_the_input_on_and_says_so(tmp_path: Path, q3: Path) -
         (["tune.val_samples=0"], "tune.val_samples=0"),
         (["tune.max_minutes=0"], "tune.max_minutes=0"),
         (["tune.validation_kinds=[]"], "tune.validation_kinds is empty"),
+        (["tune.seq_len=60000"], "error: tune.seq_len=60000 is longer than the calibration text's training"),
         (
             [f"tune.reference={FIXTURE.parent / 'llama-text-12l'}"],
             "is not the model model.name was quantized from",
@@ -237,6 +241,23 @@ def test_a_reference_of_the_same_shapes_but_another_model_is_refused(tmp_path: P
     assert r.returncode == 2 and "is not the model model.name was quantized from" in r.stderr, r.stderr
 
 
+def test_a_reference_of_the_same_headers_but_other_tensor_bytes_is_refused(tmp_path: Path, q3: Path) -> None:
+    """The source's config and safetensors header, one tensor byte changed: the header identity
+    matches, the content identity quantize recorded does not."""
+    ref = tmp_path / "ref"
+    shutil.copytree(FIXTURE, ref)
+    shard = bytearray((ref / "model.safetensors").read_bytes())
+    shard[8 + int.from_bytes(shard[:8], "little") + 1001] ^= 0x01  # a low mantissa bit of a weight
+    (ref / "model.safetensors").write_bytes(bytes(shard))
+    r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={ref}", *SMALL)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    line = r.stderr.strip().splitlines()[-1]
+    assert (
+        line.startswith(f"error: tune.reference={str(ref)!r} is not the model") and "tensor bytes" in line
+    ), line
+    assert run is None
+
+
 def test_a_reference_that_cannot_be_loaded_or_is_quantized_is_named_as_the_reference(
     tmp_path: Path, q3: Path
 ) -> None:
@@ -250,7 +271,8 @@ def test_a_reference_that_cannot_be_loaded_or_is_quantized_is_named_as_the_refer
 
 def test_a_reference_that_is_not_finite_is_refused_before_anything_is_written(tmp_path: Path) -> None:
     """The source quantize read, then a NaN written into one of its weights (same header, same
-    identity): tune stops at that block, naming the reference; nothing is published."""
+    identity; a record without the content identity, as an older quantize wrote it): tune stops
+    at that block, naming the reference; nothing is published."""
 
     def copy(dst: Path, nan: bool) -> Path:
         dst.mkdir()
@@ -266,6 +288,9 @@ def test_a_reference_that_is_not_finite_is_refused_before_anything_is_written(tm
 
     source, q = copy(tmp_path / "source", nan=False), tmp_path / "q3"
     quantize_model_dir(source, q, bits=3, group_size=64, dtype="bfloat16")
+    record = json.loads((q / MARKER).read_text())
+    del record["content"]  # else the NaN's bytes are refused before anything runs
+    (q / MARKER).write_text(json.dumps(record))
     bad = copy(tmp_path / "bad", nan=True)
     (source / "model.safetensors").unlink()
     (bad / "model.safetensors").rename(source / "model.safetensors")
@@ -294,6 +319,8 @@ def test_a_pipeline_ending_in_tune_writes_the_tuned_model_to_quant_out(tmp_path:
     assert json.loads((run / "tune" / "tune.json").read_text())["input"] == str(run / "quantize" / "model")
     assert sorted(p.name for p in out.glob("*.safetensors")) == ["model.safetensors"]
     assert f"model: {out}" in r.stdout
+    verified = run_cli("command=verify", f"runs.dir={run}", tmp=tmp_path)
+    assert verified.returncode == 0, verified.stderr
 
 
 def test_a_gain_inside_the_validation_noise_is_none() -> None:

@@ -23,6 +23,7 @@ from mlxbun.config.checks import (
     not_empty,
     positive,
 )
+from mlxbun.errors import InputError
 from mlxbun.io.dtypes import OUTPUT_DTYPES
 from mlxbun.quant.spec import KV_BITS, KV_GROUPS
 from mlxbun.synth.arch import ARCHS, SYNTH_DIMS
@@ -261,6 +262,25 @@ class RunsCfg:
         positive("runs.limit", self.limit)
         positive("runs.max_gb", self.max_gb)
         at_most("runs.limit", self.limit, MAX_RUNS_LIMIT)
+        self._check_filters()
+
+    def _check_filters(self) -> None:
+        """runs.command=eval lists evaluated candidates (runs.max_gb, runs.model), any other value
+        recorded runs (runs.status, runs.recipe): a filter of the other listing would be ignored."""
+        eval_only = {"max_gb": self.max_gb, "model": self.model}
+        runs_only = {"status": self.status, "recipe": self.recipe}
+        for key, value in (runs_only if self.command == "eval" else eval_only).items():
+            if value is None:
+                continue
+            if self.command == "eval":
+                raise InputError(
+                    f"runs.{key}={value!r} filters recorded runs, which runs.command=eval does not list"
+                    " (it lists evaluated candidates); drop it"
+                )
+            raise InputError(
+                f"runs.{key}={value!r} filters evaluated candidates, so it is read only with"
+                " runs.command=eval; add runs.command=eval or drop it"
+            )
 
 
 @dataclass

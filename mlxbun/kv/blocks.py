@@ -10,8 +10,10 @@ block byte-identical, and a growing conversation rewrites only its last, partial
     <store>/blocks/<64 lower-case hex>    raw bytes; the name is the BLAKE3-256 of the content
     <store>/snapshots/<name>.kvm          framed header (mlxbun.kv.format) with the block list
 
-A block is published with ``link(tmp, final)``: it fails if the block exists, so an existing
-block is never rewritten and two writers of the same block both succeed. New blocks are
+A block is published with ``link(tmp, final)``: it fails if the block exists, so an intact
+block is never rewritten and two writers of the same block both succeed. A block already under
+its name is read and compared before it is trusted (a read instead of a write): one of the right
+size and other bytes (damaged) is replaced atomically, as a block of the wrong size is. New blocks are
 fdatasync'd, then the directory, before the manifest that references them is published.
 """
 
@@ -137,30 +139,51 @@ def _block_bytes(j: int, rows: list[np.ndarray], geo: Geometry) -> memoryview:
     return memoryview(dst)
 
 
-def _existing(path: Path, nbytes: int) -> bool:
-    """True if a regular file of the right size is already published under this name."""
+def _found(path: Path, data: Any) -> str:
+    """What is published under a block's name: "none", "same" (these bytes) or "other" (another
+    size or other bytes: a damaged block). An existing block is read and compared, never trusted
+    by its size: a damaged one would otherwise be kept and every later restore would miss."""
     try:
-        st = os.lstat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return False
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISREG(st.st_mode):
-        raise fmt.CorruptError(f"block {path.name} in {path.parent} is not a regular file (symlink?)")
-    return st.st_size == nbytes
+        return "none"
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        fd = None
+    try:
+        st = None if fd is None else os.fstat(fd)
+        if st is None or not stat.S_ISREG(st.st_mode):
+            raise fmt.CorruptError(f"block {path.name} in {path.parent} is not a regular file (symlink?)")
+        if st.st_size != len(data):
+            return "other"
+        got = bytearray(len(data))
+        view, pos = memoryview(got), 0
+        while pos < len(got) and (n := os.preadv(fd, [view[pos:]], pos)):
+            pos += n
+    finally:
+        if fd is not None:
+            os.close(fd)
+    return "same" if got == data else "other"
 
 
 @dataclass(frozen=True)
 class Staged:
-    """A hashed block: already published (tmp None) or written to a temporary sibling."""
+    """A hashed block: already published (tmp None) or written to a temporary sibling;
+    ``replace``: a damaged block holds its name, to be replaced."""
 
     name: str
     nbytes: int
     tmp: Path | None
+    replace: bool = False
 
 
 def stage_block(blocks: Path, data: bytes | bytearray) -> Staged:
-    """Hash ``data``; unless the block exists, write it to a temp file and start its writeback."""
+    """Hash ``data``; unless the block exists with these bytes, write it to a temp file and start
+    its writeback."""
     name = fmt.digest(data)
-    if _existing(blocks / name, len(data)):
+    found = _found(blocks / name, data)
+    if found == "same":
         return Staged(name, len(data), None)
     tmp = tmp_sibling(blocks / name)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -172,7 +195,7 @@ def stage_block(blocks: Path, data: bytes | bytearray) -> Staged:
         raise
     finally:
         os.close(fd)
-    return Staged(name, len(data), tmp)
+    return Staged(name, len(data), tmp, replace=found == "other")
 
 
 def sync_staged(s: Staged) -> None:
@@ -184,17 +207,26 @@ def sync_staged(s: Staged) -> None:
             os.close(fd)
 
 
+def _intact(blocks: Path, name: str, nbytes: int) -> bool:
+    try:
+        read_block(blocks, name, nbytes, verify=True, what=str(blocks))
+    except fmt.CorruptError:
+        return False
+    return True
+
+
 def publish_block(blocks: Path, s: Staged) -> int:
-    """Link a synced temp block to its name (never over an existing block); bytes written."""
+    """Link a synced temp block to its name (never over an intact block); bytes written. A
+    damaged block under the name is replaced atomically."""
     if s.tmp is None:
         return 0
     final = blocks / s.name
     try:
         os.link(s.tmp, final)
     except FileExistsError:
-        if _existing(final, s.nbytes):
+        if not s.replace and _intact(blocks, s.name, s.nbytes):
             return 0  # another writer published the same block first
-        os.replace(s.tmp, final)  # a wrong-sized (damaged) block: replace it atomically
+        os.replace(s.tmp, final)
     finally:
         s.tmp.unlink(missing_ok=True)
     return s.nbytes

@@ -7,10 +7,15 @@ sensitivity's checkpoints, by the model's fingerprint and the calibration record
 with the same model and calibration (``sensitivity.calib.*``) reuses the file and says so::
 
     <cache>/hessians/<key>/             key = job_key(version, model fingerprint, calibration)
-        meta.json                       what the key was made of
+        meta.json                       what the key was made of, and the file's sha256
         hessians.safetensors            (format: mlxbun.quant.hessian)
     <run_dir>/
-        hessians.safetensors            the cached file (a hard link, or a copy across file systems)
+        hessians.safetensors            a copy of the cached file (a reflink where the file system
+                                        has them): never the same file, so damage to either is not
+                                        damage to the other
+
+A cached file is reused only when it still has the sha256 recorded when it was written (one read
+of it); otherwise it is captured again.
 
 ``quant.hessians`` of quantize and allocate may name the run directory or the file.
 
@@ -28,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxbun.errors import InputError
-from mlxbun.io.atomic import atomic_write_json, file_lock, publish_link
-from mlxbun.io.digest import job_key
+from mlxbun.io.atomic import atomic_write_json, file_lock, publish_copy
+from mlxbun.io.digest import file_digest, job_key
+from mlxbun.io.staging import read_json_object
 from mlxbun.progress import Progress
 from mlxbun.quant import hessian
 from mlxbun.quant.calibration import load_calibration
@@ -54,6 +59,7 @@ class Calibrated:
     reused: bool
     seconds: float
     calibration: dict[str, Any]
+    sha256: str  # of the file, computed as it was written
 
 
 def calibrate(
@@ -91,41 +97,47 @@ def calibrate(
     out = Path(out_dir) / HESSIANS_NAME
     out.parent.mkdir(parents=True, exist_ok=True)
     if work_dir is None:
-        _capture(model, calib.tokens, settings, out, batch_size=batch_size)
+        sha256 = _capture(model, calib.tokens, settings, out, batch_size=batch_size)
         reused = False
     else:
         entry = Path(work_dir) / key
         cached = entry / HESSIANS_NAME
         with file_lock(entry / ".lock"):
-            reused = _intact(cached)
-            if not reused:
-                atomic_write_json(entry / "meta.json", settings)
-                _capture(model, calib.tokens, settings, cached, batch_size=batch_size)
-            publish_link(cached, out)
+            sha256 = _intact(entry)
+            reused = sha256 is not None
+            if sha256 is None:
+                sha256 = _capture(model, calib.tokens, settings, cached, batch_size=batch_size)
+                atomic_write_json(entry / "meta.json", {**settings, "sha256": sha256})
+            publish_copy(cached, out)
     seconds = time.monotonic() - t0
-    return Calibrated(path=out, key=key, reused=reused, seconds=seconds, calibration=settings["calibration"])
+    return Calibrated(
+        path=out, key=key, reused=reused, seconds=seconds, calibration=settings["calibration"], sha256=sha256
+    )
 
 
-def _capture(model: Any, tokens: Any, settings: dict[str, Any], out: Path, *, batch_size: int) -> None:
-    """Stream the capture into ``out`` with progress in blocks; the file records model and calibration."""
+def _capture(model: Any, tokens: Any, settings: dict[str, Any], out: Path, *, batch_size: int) -> str:
+    """Stream the capture into ``out`` with progress in blocks; the file records model and
+    calibration. Returns its sha256."""
     meta = {"model": settings["model"], "calibration": json.dumps(settings["calibration"], sort_keys=True)}
     progress = Progress(total=hessian.n_blocks(model) + 1, unit="blocks", desc="calibrate", heartbeat=True)
     try:
-        hessian.write(model, tokens, out, batch_size=batch_size, meta=meta, on_block=progress.update)
+        return hessian.write(model, tokens, out, batch_size=batch_size, meta=meta, on_block=progress.update)
     finally:
         progress.close()
 
 
-def _intact(path: Path) -> bool:
-    """Whether the cache holds a complete Hessians file (a damaged one is captured again)."""
-    if not path.exists():
-        return False
-    try:
-        hessian.Hessians(path)
-        return True
-    except InputError as e:
-        log.warning("calibrate: %s is damaged (%s); capturing again", path, e)
-        return False
+def _intact(entry: Path) -> str | None:
+    """The sha256 recorded for the cache entry's file when the file still has it; None when it is
+    missing, has none recorded, or has other bytes (a damaged one is captured again)."""
+    cached = entry / HESSIANS_NAME
+    if not cached.exists():
+        return None
+    want = (read_json_object(entry / "meta.json") or {}).get("sha256")
+    if want is not None and file_digest(cached, "sha256") == want:
+        return str(want)
+    why = "its sha256 is not the one recorded when it was written" if want else "no sha256 was recorded"
+    log.warning("calibrate: %s is damaged (%s); capturing again", cached, why)
+    return None
 
 
 def run(cfg: Any) -> RunResult:
@@ -148,4 +160,5 @@ def run(cfg: Any) -> RunResult:
         metrics={"seconds": round(r.seconds, 3), "reused": r.reused, "key": r.key},
         message=msg,
         provides={"quant.hessians": str(r.path)},
+        digests={r.path: r.sha256},
     )

@@ -47,6 +47,18 @@ class Document:
 
 
 @dataclass(frozen=True)
+class WindowKeys:
+    """The config keys that set a caller's windows, named when they do not fit the text."""
+
+    samples: str = "sensitivity.calib.samples"
+    seq_len: str = "sensitivity.calib.seq_len"
+    path: str = "sensitivity.calib.path"
+
+
+CALIB_KEYS = WindowKeys()
+
+
+@dataclass(frozen=True)
 class Windows:
     """Token windows drawn from a text and where they came from: the calibration samples, and
     eval's held-out windows. ``fingerprint`` is the sha256 of the tokens; ``to_dict`` is the
@@ -169,12 +181,21 @@ def token_stream(docs: list[Document], tokenizer: Any, *, seed: int) -> tuple[np
     return np.fromiter((t for p in parts for t in p), dtype=np.int32), templated
 
 
-def choose_windows(n_tokens: int, *, samples: int, seq_len: int, seed: int) -> np.ndarray:
-    """Start offsets of ``samples`` windows: disjoint when the stream allows, else overlapping."""
+def choose_windows(
+    n_tokens: int,
+    *,
+    samples: int,
+    seq_len: int,
+    seed: int,
+    keys: WindowKeys = CALIB_KEYS,
+    text: str = "the calibration text",
+) -> np.ndarray:
+    """Start offsets of ``samples`` windows: disjoint when the stream allows, else overlapping.
+    ``keys`` and ``text`` name the caller's settings and text when they do not fit."""
     if n_tokens < seq_len:
         raise InputError(
-            f"sensitivity.calib.seq_len={seq_len} is longer than the calibration text "
-            f"({n_tokens} tokens); lower it or pass a longer sensitivity.calib.path"
+            f"{keys.seq_len}={seq_len} is longer than {text} ({n_tokens} tokens); lower it or pass"
+            f" a longer {keys.path}"
         )
     rng = np.random.default_rng([seed, 1])
     if n_tokens // seq_len >= samples:
@@ -182,7 +203,7 @@ def choose_windows(n_tokens: int, *, samples: int, seq_len: int, seed: int) -> n
         return np.sort(slots) * seq_len
     if n_tokens - seq_len + 1 < samples:
         raise InputError(
-            f"sensitivity.calib.samples={samples} x seq_len={seq_len} does not fit {n_tokens} tokens"
+            f"{keys.samples}={samples} x {keys.seq_len}={seq_len} does not fit {text} ({n_tokens} tokens)"
         )
     return np.sort(rng.choice(n_tokens - seq_len + 1, size=samples, replace=False))
 
@@ -226,6 +247,7 @@ def load_calibration(
     seed: int = 0,
     documents: Callable[[list[Document]], list[Document]] | None = None,
     label: str = "",
+    keys: WindowKeys = CALIB_KEYS,
 ) -> Windows:
     """Calibration tokens from ``path`` (None: the built-in set), deterministic for a seed.
 
@@ -237,12 +259,14 @@ def load_calibration(
         seed: shuffles documents and picks windows.
         documents: keeps some of the documents (e.g. one side of :func:`split_kinds`); ``label``
             says which in the record's source.
+        keys: the caller's config keys of ``samples``, ``seq_len`` and ``path``, for its errors.
     """
     docs, source = read_documents(path)
     if documents is not None:
         docs, source = documents(docs), f"{source} ({label})" if label else source
     stream, templated = token_stream(docs, tokenizer, seed=seed)
-    starts = choose_windows(len(stream), samples=samples, seq_len=seq_len, seed=seed)
+    text = f"the calibration text's {label} documents" if label else "the calibration text"
+    starts = choose_windows(len(stream), samples=samples, seq_len=seq_len, seed=seed, keys=keys, text=text)
     tokens = np.stack([stream[s : s + seq_len] for s in starts]).astype(np.int32)
     if templated:
         source += f" (chat template on {templated} dialogues)"

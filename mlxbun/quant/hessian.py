@@ -29,8 +29,8 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
-import shutil
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -46,6 +46,7 @@ from mlxbun.io.atomic import atomic_open
 from mlxbun.io.safetensors import SafetensorsFile, read_config
 from mlxbun.quant import mlxlm
 from mlxbun.quant.streamed import find_blocks
+from mlxbun.source.fingerprint import model_fingerprint
 
 FORMAT = "mlxbun-hessians"
 
@@ -265,12 +266,13 @@ def write(
     batch_size: int = 8,
     meta: Mapping[str, str] | None = None,
     on_block: Callable[[], None] | None = None,
-) -> None:
+) -> str:
     """:func:`capture` of a lazily loaded ``model`` (released block by block) straight into the
-    file ``out`` (:class:`Writer`): memory holds one block's weights and Hessians at a time."""
+    file ``out`` (:class:`Writer`): memory holds one block's weights and Hessians at a time.
+    Returns the file's sha256."""
     with Writer(out) as writer:
         capture(model, tokens, batch_size=batch_size, release=True, sink=writer.add, on_block=on_block)
-        writer.finish(tokens=tokens.size, meta=meta)
+        return writer.finish(tokens=tokens.size, meta=meta)
 
 
 class Writer:
@@ -301,8 +303,9 @@ class Writer:
         self.entries[name] = {"dtype": "F32", "shape": list(data.shape), "data_offsets": [self.offset, end]}
         self.offset = end
 
-    def finish(self, *, tokens: int, meta: Mapping[str, str] | None = None) -> None:
-        """Publish the file; ``meta``: more metadata strings (e.g. "model", "calibration")."""
+    def finish(self, *, tokens: int, meta: Mapping[str, str] | None = None) -> str:
+        """Publish the file and return its sha256 (computed as it is written); ``meta``: more
+        metadata strings (e.g. "model", "calibration")."""
         self.spool.close()
         header = {
             "__metadata__": {**(meta or {}), "format": FORMAT, "tokens": str(tokens)},
@@ -310,9 +313,13 @@ class Writer:
         }
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
+        digest = hashlib.sha256(struct.pack("<Q", len(text)) + text)
         with atomic_open(self.path) as f, open(self.spool_path, "rb") as data:
             f.write(struct.pack("<Q", len(text)) + text)
-            shutil.copyfileobj(data, f, 16 << 20)
+            while block := data.read(16 << 20):
+                digest.update(block)
+                f.write(block)
+        return digest.hexdigest()
 
 
 def save(hessians: dict[str, Any], path: str | Path, *, tokens: int) -> None:
@@ -380,6 +387,24 @@ class Hessians(Mapping):
 
     def __len__(self) -> int:
         return len(self.file.names())
+
+
+def check_model(path: str | Path, model_dir: str | Path, *, key: str = "model.name") -> bool:
+    """Refuse Hessians captured on another model: the "model" fingerprint command=calibrate
+    recorded in the file (``model_fingerprint(depth="sampled")``) against ``model_dir``'s.
+    False when the file records none (written by :func:`save`): it is then checked by shapes only."""
+    with SafetensorsFile(path) as f:
+        recorded = f.metadata.get("model")
+    if not recorded:
+        return False
+    actual = model_fingerprint(model_dir, depth="sampled")
+    if recorded != actual:
+        raise InputError(
+            f"quant.hessians={str(path)!r} was captured on another model (fingerprint {recorded[:12]})"
+            f" than {key}={str(model_dir)!r} ({actual[:12]}); capture this model's Hessians"
+            f" (python -m mlxbun command=calibrate {key}=...)"
+        )
+    return True
 
 
 SYMMETRY_TOL = 1e-4  # |H - H^T| relative to max diag(H): float32 accumulation stays far below

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import random
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -175,17 +176,21 @@ MIGRATIONS = [
 SCHEMA_VERSION = MIGRATIONS[-1][0]
 
 
-def open_db(*, url: str | None = None, path: str | Path | None = None) -> pw.Database:
+def open_db(*, url: str | None = None, path: str | Path | None = None, writable: bool = False) -> pw.Database:
     """Connect the registry to ``url`` (any playhouse.db_url URL) or to sqlite at ``path``.
 
     Creates missing tables and upgrades an older schema in place. Calling it again with the
-    same target is cheap; another target re-points the registry.
+    same target is cheap; another target re-points the registry. ``writable``: first refuse a
+    sqlite ``path`` this process cannot write (:func:`check_writable`), as a run that records
+    itself needs to.
 
     Example:
         >>> open_db(path="~/.cache/mlxbun/registry.db")
         >>> open_db(url="postgresql://user:pw@127.0.0.1:5432/mlxbun")
     """
     global _target
+    if writable and not url:
+        check_writable(path)
     target = (url or None, None if url else str(Path(os.path.expanduser(str(path or DEFAULT_DB)))))
     if _target == target and db.obj is not None:
         return db.obj
@@ -202,6 +207,29 @@ def open_db(*, url: str | None = None, path: str | Path | None = None) -> pw.Dat
         ) from e
     _target = target
     return database
+
+
+def check_writable(path: str | Path | None) -> None:
+    """InputError naming registry.path when the sqlite file there cannot be written: a read-only
+    file, or a directory (or file system) where sqlite cannot create it or its journal beside it.
+    Tried, not inferred from modes (root ignores them; a read-only mount refuses root too)."""
+    given = str(path or DEFAULT_DB)
+    p = Path(os.path.expanduser(given))
+    where = "its directory"
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.is_file():
+            where = "the file"
+            os.close(os.open(p, os.O_RDWR))
+            where = "its directory"
+        fd, probe = tempfile.mkstemp(dir=p.parent, prefix=f".{p.name}.probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise InputError(
+            f"registry.path={given!r} cannot be written ({where}: {e.strerror or e}); every run is"
+            " recorded there: point registry.path at a database file mlxbun may create and write"
+        ) from None
 
 
 def _root_cause(e: BaseException) -> str:

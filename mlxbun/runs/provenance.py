@@ -15,6 +15,7 @@ directories, and reads nothing outside the run directory.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,6 +23,8 @@ import platform
 import stat
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -90,29 +93,48 @@ def named_sha256(path: Path) -> str | None:
 
 def cached_sha256(path: Path, cache_dir: Path | None) -> str:
     """sha256 of ``path``: from its name in a Hugging Face cache (:func:`named_sha256`), else
-    remembered in ``cache_dir`` under its identity (device, inode, size, mtime in ns, resolved
-    path), so a sweep over one source model hashes its shards once.
+    remembered in ``cache_dir`` under its identity (resolved path, device, inode, size, mtime and
+    ctime in ns), so a sweep over one source model hashes its shards once: an unchanged file
+    costs a stat, a changed one a full read.
 
-    Any change to the file changes its mtime and so its key; ``cache_dir=None`` always hashes.
+    Any write to the file changes its ctime, which no one can set back (an mtime can be, with
+    ``touch -d`` or ``cp -p``), and so its key; file times tick with the kernel's coarse clock
+    (milliseconds), so only a rewrite within the tick of the one hashed would go unseen. Two threads asking for the same file hash it once
+    (the second waits for the first). ``cache_dir=None`` always hashes.
     """
     if (named := named_sha256(path)) is not None:
         return named
     if cache_dir is None:
         return file_digest(path, "sha256")
     st = path.stat()
-    ident = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}"
+    ident = f"{path.resolve()}\0{st.st_dev}\0{st.st_ino}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}"
     key = hashlib.sha256(ident.encode()).hexdigest()
     entry = cache_dir / key[:2] / key
-    try:
-        digest = entry.read_text().strip()
-        if len(digest) == 64:
-            return digest
-    except OSError:
-        pass
-    digest = file_digest(path, "sha256")
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(entry, digest.encode())
+    with _hashing(key):
+        try:
+            digest = entry.read_text().strip()
+            if len(digest) == 64:
+                return digest
+        except OSError:
+            pass
+        digest = file_digest(path, "sha256")
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(entry, digest.encode())
     return digest
+
+
+_HASHING: dict[str, threading.Lock] = {}
+_HASHING_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _hashing(key: str) -> Iterator[None]:
+    """Held while one file identity is hashed: a prehash thread and the command's own thread
+    asking for the same shard read it once."""
+    with _HASHING_LOCK:
+        lock = _HASHING.setdefault(key, threading.Lock())
+    with lock:
+        yield
 
 
 def _files_under(path: Path) -> list[Path]:

@@ -152,7 +152,7 @@ class RunRecorder:
         registry = _registry_module()
 
         problem = self._registry(
-            lambda: registry.open_db(url=self.cfg.registry.url, path=self.cfg.registry.path)
+            lambda: registry.open_db(url=self.cfg.registry.url, path=self.cfg.registry.path, writable=True)
         )
         if problem is None:
             problem = self._registry(self._insert_row)

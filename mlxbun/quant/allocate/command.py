@@ -45,6 +45,7 @@ from typing import Any
 
 from mlxbun.errors import DriftError, InputError
 from mlxbun.io.atomic import atomic_write_json
+from mlxbun.quant import hessian
 from mlxbun.quant.allocate.allocation import Allocation, SourceModel, allocate, candidate_filter
 from mlxbun.quant.allocate.check import CheckResult, check_plan
 from mlxbun.quant.allocate.interactions import InModel
@@ -71,7 +72,7 @@ def _check_boundary(cfg: Any, src: Path) -> tuple[Sensitivity, QuantSpec]:
         raise InputError("allocate.sensitivity is not set; pass a sensitivity.json or the run dir holding it")
     sens = load_sensitivity(a.sensitivity)
     if cfg.quant.hessians is not None:
-        hessians_file(cfg.quant.hessians)
+        hessian.check_model(hessians_file(cfg.quant.hessians), src)
     if a.extra_sensitivity:
         extra = [load_sensitivity(x, key="allocate.extra_sensitivity") for x in a.extra_sensitivity]
         sens = merge_sensitivities([sens, *extra])
@@ -228,7 +229,7 @@ def _check_from_cfg(
     c, run_dir = cfg.sensitivity.calib, plan_path.parent
     res = quantize_model_dir(
         src, run_dir / "model", plan=plan_path, dtype=cfg.quant.dtype, shard_bytes=cfg.io.shard_bytes,
-        hessians=cfg.quant.hessians,
+        hessians=cfg.quant.hessians, digests=Path(cfg.paths.cache).expanduser() / "digests",
     )  # fmt: skip
     check = check_plan(
         plan, model_dir=src, written=res.out, calib_path=c.path, samples=c.samples, seq_len=c.seq_len,

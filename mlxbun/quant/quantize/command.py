@@ -24,12 +24,13 @@ On disk (the staging protocol of :mod:`mlxbun.io.staging`, kind "quantize")::
         model.safetensors | model-0000i-of-0000N.safetensors, model.safetensors.index.json
         config.json, tokenizer files ...  and the record .mlxbun-quantize.json
                                           (:mod:`mlxbun.quant.quantize.outdir`); a later run reuses <out>
-                                          only when settings and source match and every file
-                                          verifies
+                                          only when settings, source and the source's bytes
+                                          match and every file verifies
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -59,6 +60,7 @@ from mlxbun.quant.quantize.outdir import (
     MARKER,
     fingerprint,
     reusable,
+    source_content,
     source_identity,
     tokenizer_warning,
     write_record,
@@ -226,6 +228,7 @@ def quantize_model_dir(
     method: str = "rtn",
     hessians: str | Path | None = None,
     rounded: str | Path | None = None,
+    digests: str | Path | None = None,
 ) -> QuantizeResult:
     """Quantize the HF model in ``src`` into an mlx-lm-loadable directory ``out``.
 
@@ -246,6 +249,9 @@ def quantize_model_dir(
             columns by it.
         rounded: where clip and GPTQ roundings with these Hessians are kept and read back
             (:mod:`mlxbun.quant.quantize.cache`; command=quantize: ``<paths.cache>/rounded``); None: not kept.
+        digests: where the source shards' sha256 are remembered per file identity, for the
+            content identity a reuse of ``out`` checks (command=quantize: ``<paths.cache>/digests``);
+            None reads the whole source each time ``out`` is reused or written.
 
     Example:
         >>> r = quantize_model_dir("hf/llama", "llama-4bit", bits=4, group_size=64)
@@ -255,7 +261,7 @@ def quantize_model_dir(
     t0 = time.monotonic()
     conv = Conversion.prepare(
         src, mode=mode, bits=bits, group_size=group_size, plan=plan, mixed=mixed, dtype=dtype,
-        shard_bytes=shard_bytes, method=method, hessians=hessians,
+        shard_bytes=shard_bytes, method=method, hessians=hessians, digests=digests,
     )  # fmt: skip
     threads = default_threads() if threads is None else threads
     out = Path(out).expanduser().resolve()
@@ -278,6 +284,14 @@ class Conversion:
     settings: dict[str, Any]
     identity: dict[str, Any]
     key: str
+    digests: Path | None = None
+
+    @functools.cached_property
+    def content(self) -> str:
+        """The source's content identity (:func:`source_content`): computed once, when a reuse is
+        checked or the record written (by then a command's prehash of the same shards is done)."""
+        tensors = None if isinstance(self.source, (str, Path)) else identity(self.source)
+        return source_content(self.src, tensors, cache_dir=self.digests)
 
     @classmethod
     def prepare(
@@ -293,6 +307,7 @@ class Conversion:
         shard_bytes: int,
         method: str,
         hessians: str | Path | None,
+        digests: str | Path | None = None,
     ) -> Conversion:
         """Check every input (InputError naming the first bad one) and build the skeleton."""
         if dtype is not None and dtype not in CONVERSION_DTYPES:
@@ -316,6 +331,7 @@ class Conversion:
         )
         if hessians is not None:
             _check_hessian_shapes(sk, hessians)
+            _check_hessian_model(hessians, source)
         dtype = resolve_dtype(dtype, sk.config)
         settings = _settings(spec, plan, mixed, dtype, shard_bytes)
         tensors = None if isinstance(source, (str, Path)) else identity(source)
@@ -330,7 +346,8 @@ class Conversion:
             with open(hessians, "rb") as f:  # streamed: a Hessians file can be larger than the model
                 settings["hessians"] = hashlib.file_digest(f, "sha256").hexdigest()
         key = fingerprint(src, settings, tensors=tensors)
-        return cls(source, src, sk, dtype, shard_bytes, method, hessians, settings, identity_doc, key)
+        cache = None if digests is None else Path(digests).expanduser()
+        return cls(source, src, sk, dtype, shard_bytes, method, hessians, settings, identity_doc, key, cache)
 
     def write(
         self,
@@ -347,7 +364,7 @@ class Conversion:
         with Stage.locked(
             out, kind="quantize", key=self.key, root=partial_root, setting="quant.out"
         ) as stage:
-            if (done := reusable(out, self.identity)) is not None:
+            if (done := reusable(out, self.identity, lambda: self.content)) is not None:
                 return QuantizeResult(
                     out, done[1], done[0], 0, 0, 0.0, reused=True, warnings=_warnings(self.src)
                 )
@@ -362,7 +379,7 @@ class Conversion:
             )  # fmt: skip
             reached("weights")
             write_side_files(self.sk, self.src, stage.dir)
-            write_record(stage.dir, self.identity, self.sk.quantization, known=w.xxh3)
+            write_record(stage.dir, self.identity, self.sk.quantization, content=self.content, known=w.xxh3)
             stage.publish()
         files = sorted(p.name for p in out.glob("model*.safetensors"))
         q, seconds = self.sk.quantization or {}, time.monotonic() - t0
@@ -394,6 +411,17 @@ def _check_hessian_shapes(sk: Skeleton, path: str | Path) -> None:
         h.check_shapes(in_features)
     finally:
         h.file.close()
+
+
+def _check_hessian_model(path: Path, source: Any) -> None:
+    """Before any work: the Hessians were captured on this model (the fingerprint calibrate
+    recorded), or say that only their shapes could be checked."""
+    if not isinstance(source, (str, Path)):
+        log.warning(
+            "quantize: a synthetic source has no files to fingerprint; %s is checked by shapes only", path
+        )
+    elif not hessian.check_model(path, source_dir(source)):
+        log.warning("quantize: %s records no model (not written by calibrate); checked by shapes only", path)
 
 
 def _convert(
@@ -453,7 +481,8 @@ def run(cfg: Any) -> Any:
     out = Path(q.out).expanduser() if q.out else Path(cfg.paths.run_dir) / "model"
     partial_root = None if q.out else stable_root(cfg.paths.outputs, out)
     # The manifest's input digests: free in the HF cache, else hashed while the conversion runs.
-    inputs = prehash([src], cache_dir=Path(cfg.paths.cache).expanduser() / "digests")
+    digests = Path(cfg.paths.cache).expanduser() / "digests"
+    inputs = prehash([src], cache_dir=digests)
     res = quantize_model_dir(
         source,
         out,
@@ -470,6 +499,7 @@ def run(cfg: Any) -> Any:
         method=q.method,
         hessians=q.hessians,
         rounded=Path(cfg.paths.cache).expanduser() / "rounded",
+        digests=digests,
     )
     _register(cfg, res.out, res.quantization)
     rate = res.source_bytes / res.seconds / 1e9 if res.seconds else 0.0

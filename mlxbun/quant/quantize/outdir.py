@@ -6,7 +6,15 @@ In ``<out>/`` (see :mod:`mlxbun.quant.quantize.command` for the whole layout)::
     config.json               with "quantization" and "quantization_config", as mlx-lm saves it
     tokenizer files, generation_config.json, *.py   copied from the source (COPY_PATTERNS)
     .mlxbun-quantize.json     record: {"format", "settings", "source" (source_identity: no paths,
-                              no mtimes), "quantization", "files": {name: {"xxh3_128", "size"}}}
+                              no mtimes), "content" (source_content), "quantization",
+                              "files": {name: {"xxh3_128", "size"}}}
+
+A later run reuses ``<out>`` only for the same format, settings and source identity (else it is
+refused as another conversion's) and the same content identity (else it is converted again):
+the header identity is the same in every copy of a source, the content identity changes with any
+tensor byte. The content identity costs a full read of the source once; its shards' digests are
+remembered per file identity (:func:`mlxbun.runs.provenance.cached_sha256`, the digests the
+run's manifest takes), so an unchanged source costs a stat per shard.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,12 +70,23 @@ def source_identity(src: Path, tensors: str | None = None) -> str:
     return h.hexdigest()
 
 
+def source_content(src: Path, tensors: str | None = None, *, cache_dir: Path | None = None) -> str:
+    """Digest of every byte of the source: config.json and each shard's full sha256
+    (``model_fingerprint(depth="content")``, digests remembered in ``cache_dir``) — or, for a
+    synthetic source, its spec's identity, which fixes every byte."""
+    if tensors is not None:
+        return source_identity(src, tensors)
+    return model_fingerprint(src, depth="content", cache_dir=cache_dir)
+
+
 def fingerprint(src: Path, settings: dict[str, Any], *, tensors: str | None = None) -> str:
-    """Key of a conversion's staging dir: source identity, the weight files' mtimes (a source
-    rewritten in place is never resumed into), settings."""
+    """Key of a conversion's staging dir: source identity, the weight files' inodes, mtimes and
+    ctimes (a source rewritten in place, even with its mtime set back, is never resumed into),
+    settings."""
     h = hashlib.sha256(source_identity(src, tensors).encode())
     for f in sorted(src.glob("model*.safetensors*")) if tensors is None else []:
-        h.update(f"{f.name}:{f.stat().st_mtime_ns}\n".encode())
+        st = f.stat()
+        h.update(f"{f.name}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}\n".encode())
     h.update(json.dumps({"format": FORMAT_VERSION, **settings}, sort_keys=True).encode())
     return h.hexdigest()
 
@@ -74,10 +94,13 @@ def fingerprint(src: Path, settings: dict[str, Any], *, tensors: str | None = No
 # ------------------------------------------------------------------------------- record
 
 
-def reusable(out: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], list[str]] | None:
-    """(quantization, weight files) of ``out`` if it is this conversion's intact output; None when
-    there is no ``out``, or when it is ours but damaged (it is then discarded, to be converted
-    again). Another conversion's ``out`` is refused."""
+def reusable(
+    out: Path, identity: dict[str, Any], content: Callable[[], str]
+) -> tuple[dict[str, Any], list[str]] | None:
+    """(quantization, weight files) of ``out`` if it is this conversion's intact output of the
+    same source bytes; None when there is no ``out``, or when it is ours but made from other bytes
+    (``content()``: this source's :func:`source_content`) or damaged (it is then discarded, to be
+    converted again). Another conversion's ``out`` is refused."""
     if not out.exists():
         return None
     record = read_json_object(out / MARKER)
@@ -86,6 +109,14 @@ def reusable(out: Path, identity: dict[str, Any]) -> tuple[dict[str, Any], list[
             f"quant.out={str(out)!r} already exists and is not this conversion's output; choose"
             " another quant.out or delete it"
         )
+    if record.get("content") != content():
+        log.warning(
+            "quantize: %s was converted from other bytes of the source (same config and headers,"
+            " other tensor bytes%s); converting again",
+            out, "" if record.get("content") else ", or none recorded",
+        )  # fmt: skip
+        discard_dir(out)
+        return None
     bad = damaged_files(out, record.get("files") or {}) if record.get("files") else ["no digests recorded"]
     if bad:
         log.warning("quantize: %s is damaged (%s); converting again", out, "; ".join(bad[:3]))
@@ -102,11 +133,18 @@ def written_files(out: Path) -> list[Path]:
 
 
 def write_record(
-    d: Path, identity: dict[str, Any], quantization: dict[str, Any] | None, *, known: dict[str, str]
+    d: Path,
+    identity: dict[str, Any],
+    quantization: dict[str, Any] | None,
+    *,
+    content: str,
+    known: dict[str, str],
 ) -> None:
     """The record that lets a later run recognise and verify this output (hidden, last file).
-    ``known``: file name -> xxh3_128 computed while it was written (not read again)."""
-    record = {**identity, "quantization": quantization, "files": digest_files(d, known=known)}
+    ``content``: the source's :func:`source_content`; ``known``: file name -> xxh3_128 computed
+    while it was written (not read again)."""
+    files = digest_files(d, known=known)
+    record = {**identity, "content": content, "quantization": quantization, "files": files}
     atomic_write_json(d / MARKER, record)
 
 

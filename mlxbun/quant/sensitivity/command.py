@@ -37,7 +37,7 @@ from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_write_json
 from mlxbun.io.digest import job_key
 from mlxbun.progress import Progress
-from mlxbun.quant import calibrate
+from mlxbun.quant import calibrate, hessian
 from mlxbun.quant.allocate import allocation, check
 from mlxbun.quant.hessian import Hessians
 from mlxbun.quant.plan import HESSIANS_NAME, hessians_file
@@ -436,7 +436,7 @@ def run(cfg: Any) -> Any:
         bits=list(sc.bits), group_size=sc.group_size, mode=sc.mode, calib_path=sc.calib.path,
         samples=sc.calib.samples, seq_len=sc.calib.seq_len, seed=sc.calib.seed, method=sc.method,
         batch_size=sc.batch_size, shard=sc.shard, num_shards=sc.num_shards,
-        refine=sc.refine, refine_bits=list(sc.refine_bits) or None, **_candidates(cfg),
+        refine=sc.refine, refine_bits=list(sc.refine_bits) or None, **_candidates(cfg, mdir),
     )  # fmt: skip
     stats = doc.pop("_stats")
     out = run_dir / "sensitivity.json"
@@ -458,12 +458,15 @@ def run(cfg: Any) -> Any:
     )
 
 
-def _candidates(cfg: Any) -> dict[str, Any]:
-    """sensitivity.candidates as :func:`sensitivity`'s arguments; the probes at allocate's budget."""
+def _candidates(cfg: Any, mdir: Path) -> dict[str, Any]:
+    """sensitivity.candidates as :func:`sensitivity`'s arguments; the probes at allocate's budget.
+    Hessians captured on another model than ``mdir`` are refused."""
     c, a = cfg.sensitivity.candidates, cfg.allocate
     if not c.enabled:
         return {}
     hessians = None if cfg.quant.hessians is None else hessians_file(cfg.quant.hessians)
+    if hessians is not None:
+        hessian.check_model(hessians, mdir)
     bpw, nbytes = a.budget_bpw, a.budget_bytes
     if bpw is None and nbytes is None:
         bpw = rich_candidates.PROBE_BPW

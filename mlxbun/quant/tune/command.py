@@ -38,10 +38,10 @@ from mlxbun.io.safetensors import INDEX_FILE, open_model, read_config
 from mlxbun.io.shards import ShardedWriter
 from mlxbun.io.staging import Stage, read_json_object, stable_root
 from mlxbun.progress import Progress
-from mlxbun.quant.calibration import load_calibration, read_documents, split_kinds
+from mlxbun.quant.calibration import WindowKeys, load_calibration, read_documents, split_kinds
 from mlxbun.quant.mlxlm import load_tokenizer
 from mlxbun.quant.quantize.command import source_name
-from mlxbun.quant.quantize.outdir import MARKER, copy_side_files, source_identity, written_files
+from mlxbun.quant.quantize.outdir import MARKER, copy_side_files, source_identity
 from mlxbun.quant.streamed import Stream
 from mlxbun.quant.tune.blockwise import tunable_modules, tune_streamed
 from mlxbun.runs.provenance import RunResult
@@ -116,10 +116,11 @@ def _quantized_dir(cfg: Any) -> Path:
     return src
 
 
-def check_reference(q: Any, ref: Any, ref_dir: Path, q_dir: Path) -> str:
+def check_reference(q: Any, ref: Any, ref_dir: Path, q_dir: Path, *, digests: Path | None = None) -> str:
     """Refuse a reference that is not the quantized model's source: a tuned module missing there
-    or of another shape, or (when quantize recorded its source) another source's identity.
-    Returns how the reference was checked."""
+    or of another shape, or (when quantize recorded its source) another source's identity: its
+    config and weight headers, and (when recorded) every byte of it (``digests``: where its
+    shards' sha256 are remembered). Returns how the reference was checked."""
     for i in range(q.n_blocks):
         for path in tunable_modules(q, i):
             want = tuple(q.module(path).weight.shape)
@@ -147,7 +148,15 @@ def check_reference(q: Any, ref: Any, ref_dir: Path, q_dir: Path) -> str:
             " config.json or weight headers differ from the source quantize recorded"
             f" in {q_dir / MARKER}"
         )
-    return "source identity"
+    if "content" in record and record["content"] != model_fingerprint(
+        ref_dir, depth="content", cache_dir=digests
+    ):
+        raise InputError(
+            f"tune.reference={str(ref_dir)!r} is not the model model.name was quantized from: its"
+            " config.json and weight headers match, its tensor bytes differ from the source quantize"
+            f" recorded in {q_dir / MARKER}"
+        )
+    return "source content" if "content" in record else "source identity"
 
 
 def _windows(cfg: Any, tokenizer: Any) -> tuple[Any, Any, str]:
@@ -157,11 +166,13 @@ def _windows(cfg: Any, tokenizer: Any) -> tuple[Any, Any, str]:
     how = split_kinds(read_documents(c.path)[0], kinds)[2]
     common = {"tokenizer": tokenizer, "path": c.path, "seq_len": t.seq_len, "seed": c.seed}
     train = load_calibration(
-        **common, samples=t.samples, documents=lambda d: split_kinds(d, kinds)[0], label="training"
-    )
+        **common, samples=t.samples, documents=lambda d: split_kinds(d, kinds)[0], label="training",
+        keys=WindowKeys(samples="tune.samples", seq_len="tune.seq_len"),
+    )  # fmt: skip
     val = load_calibration(
-        **common, samples=t.val_samples, documents=lambda d: split_kinds(d, kinds)[1], label="validation"
-    )
+        **common, samples=t.val_samples, documents=lambda d: split_kinds(d, kinds)[1], label="validation",
+        keys=WindowKeys(samples="tune.val_samples", seq_len="tune.seq_len"),
+    )  # fmt: skip
     return train, val, how
 
 
@@ -177,7 +188,7 @@ def run(cfg: Any) -> Any:
     q, ref = Stream(src, exact=True), Stream(ref_dir, key="tune.reference")
     if not any(tunable_modules(q, i) for i in range(q.n_blocks)):  # refused before anything is staged
         raise InputError(NOTHING_TO_TUNE)
-    checked = check_reference(q, ref, ref_dir, src)
+    checked = check_reference(q, ref, ref_dir, src, digests=Path(cfg.paths.cache).expanduser() / "digests")
     train, val, split = _windows(cfg, load_tokenizer(src))
     record: dict[str, Any] = {
         "version": VERSION,
@@ -254,8 +265,7 @@ def _finish(
             "seconds": record["seconds"],
         },
         message=message,
-        provides={"model.name": str(out)},
-        written=written_files(out),
+        provides={"model.name": str(out)},  # out is what this run published: every file in it is an output
     )
 
 
