@@ -177,6 +177,28 @@ def test_top_k_underestimates_by_at_most_the_stated_bound() -> None:
     assert device_stats(ref, cur, targets, 8)["bound"].mean() > 0.0
 
 
+def test_past_the_sorted_tokens_the_bound_stays_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flat tail fills more tokens than are sorted: the bound grows, never below the exact worst case."""
+    rng = np.random.default_rng(1)
+    ref = (rng.normal(size=(200, 400)) * 0.5).astype(np.float32)
+    cur = (ref + rng.normal(size=ref.shape) * 0.3).astype(np.float32)
+    targets = rng.integers(0, 400, size=200)
+    full = f64_stats(ref, cur, targets, 400)["kld"]
+    for k in (8, 64):
+        exact = device_stats(ref, cur, targets, k)
+        monkeypatch.setattr(score, "SORTED", 16)
+        capped = device_stats(ref, cur, targets, k)
+        monkeypatch.undo()
+        assert np.all(full - capped["kld"] <= capped["bound"] + 1e-6), k
+        assert (
+            np.all(capped["bound"] >= exact["bound"] - 1e-6)
+            and capped["bound"].mean() > exact["bound"].mean()
+        ), k
+        np.testing.assert_allclose(
+            exact["bound"], f64_stats(ref, cur, targets, k)["bound"], rtol=1e-4, atol=1e-6
+        )
+
+
 def test_top_k_bound_is_reached_by_a_reference_tail_the_record_allows() -> None:
     # top 3 = 0.5, 0.2, 0.1; the tail (mass 0.2) sits on the candidate's two least likely tokens at
     # p_K = 0.1 each, which is the worst case the record allows: the bound is the KL missed.

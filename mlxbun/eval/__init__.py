@@ -75,7 +75,7 @@ def size(path: Path, *, parameters: int) -> dict[str, Any]:
 
 def _failure(row: int, seq_len: int) -> str:
     window, pos = divmod(row, seq_len - 1)
-    return f"logits not finite (NaN or Inf) from scored token {row} (window {window}, position {pos + 1})"
+    return f"statistics not finite (NaN or infinite logits) from scored token {row} (window {window}, position {pos + 1})"
 
 
 def evaluate(

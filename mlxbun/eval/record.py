@@ -109,7 +109,9 @@ def load(path: Path, key: dict[str, Any]) -> dict[str, np.ndarray] | None:
         return None
     n, length = key["windows"]
     rows, width = n * (length - 1), key["top_k"]
-    shapes = {"idx": (rows, width), "logit": (rows, width)} | {f: (rows,) for f in ("lse", "tail", "target", "top")}
+    shapes = {"idx": (rows, width), "logit": (rows, width)} | {
+        f: (rows,) for f in ("lse", "tail", "target", "top")
+    }
     if rec.pop("key").tobytes() != _key_bytes(key):
         log.warning("eval: the cached reference %s was made for other inputs; computing it again", path)
         return None
@@ -125,16 +127,17 @@ def compute(model: Any, text: Windows, *, k: int, batch_size: int, ref_dir: Path
 
     parts = []
     for at, logits, targets in slices(model, text.tokens, batch_size=batch_size, desc="eval reference"):
-        finite = mx.isfinite(logits).all(axis=-1)
         part = make(logits, targets, k=k)
-        mx.eval(finite, part)
-        ok = np.array(finite)
+        mx.eval(part)
+        part = {f: np.array(v) for f, v in part.items()}
+        # a NaN or +Inf logit reaches lse; -Inf on a kept or next token leaves it non-finite there
+        ok = np.isfinite(part["lse"]) & np.isfinite(part["target"]) & np.isfinite(part["logit"]).all(axis=-1)
         if not ok.all():
             raise NumericFailure(
                 f"model.name={str(ref_dir)!r}: the reference's logits are not finite (NaN or Inf) at scored"
                 f" token {at + int(np.argmin(ok))}; nothing was cached or written"
             )
-        parts.append({f: np.array(v) for f, v in part.items()})
+        parts.append(part)
     return {f: np.concatenate([p[f] for p in parts]) for f in FIELDS}
 
 

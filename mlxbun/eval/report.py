@@ -61,7 +61,10 @@ def _items() -> list[tuple[str, Any]]:
         ("Mean PPL(Q)", lambda r: _pm(f"{r['ppl']:.6f}", f"{r['ppl_err']:.6f}")),
         ("Mean PPL(base)", lambda r: _pm(f"{r['ppl_ref']:.6f}", f"{r['ppl_ref_err']:.6f}")),
         ("Cor(ln(PPL(Q)), ln(PPL(base)))", lambda r: f"{100 * r['ppl_cor']:.2f}%"),
-        ("Mean ln(PPL(Q)/PPL(base))", lambda r: _pm(f"{r['ln_ppl_ratio']:.6f}", f"{r['ln_ppl_ratio_err']:.6f}")),
+        (
+            "Mean ln(PPL(Q)/PPL(base))",
+            lambda r: _pm(f"{r['ln_ppl_ratio']:.6f}", f"{r['ln_ppl_ratio_err']:.6f}"),
+        ),
         ("Mean PPL(Q)/PPL(base)", lambda r: _pm(f"{r['ppl_ratio']:.6f}", f"{r['ppl_ratio_err']:.6f}")),
         ("Mean PPL(Q)-PPL(base)", lambda r: _pm(f"{r['ppl_diff']:.6f}", f"{r['ppl_diff_err']:.6f}")),
         ("====== KL divergence statistics ======", None),
@@ -94,7 +97,9 @@ def llama_report(doc: dict[str, Any]) -> str:
         cols, ws = rows[i : i + n], widths[i : i + n]
 
         def line(label: str, cells: list[str], ws: list[int] = ws) -> str:
-            return GAP.join([label.ljust(label_w), *(c.ljust(w) for c, w in zip(cells, ws, strict=True))]).rstrip()
+            return GAP.join(
+                [label.ljust(label_w), *(c.ljust(w) for c, w in zip(cells, ws, strict=True))]
+            ).rstrip()
 
         lines = [line("", [_fit(r["label"], w) for r, w in zip(cols, ws, strict=True)])]
         lines += [lab if f is None else line(lab, [f(r) for r in cols]) for lab, f in items]
@@ -130,13 +135,18 @@ def plot_png(doc: dict[str, Any]) -> bytes:
         front = pareto(pts)
         ax.plot([pts[i][0] for i in front], [pts[i][1] for i in front], linestyle="--", linewidth=1)
         for r, p in zip(rows, pts, strict=True):
-            ax.annotate(r["label"], p, fontsize=7, xytext=(4, 3), textcoords="offset points", annotation_clip=False)
+            ax.annotate(
+                r["label"], p, fontsize=7, xytext=(4, 3), textcoords="offset points", annotation_clip=False
+            )
     ax.set_yscale("log")
     ax.margins(x=0.12, y=0.15)
     ax.set_xlabel("size on disk (MiB)")
     ax.set_ylabel("KLD vs reference (nats)")
     source = Path(doc["text"]["source"]).name
-    ax.set_title(f"{doc['text']['scored_tokens']} tokens of {source}; reference {doc['reference']['label']}", fontsize=8)
+    ax.set_title(
+        f"{doc['text']['scored_tokens']} tokens of {source}; reference {doc['reference']['label']}",
+        fontsize=8,
+    )
     ax.legend(fontsize=8)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, metadata={"Software": None}, bbox_inches="tight", pad_inches=0.15)

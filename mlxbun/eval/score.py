@@ -30,10 +30,11 @@ from mlxbun.eval.record import on_device, tail_lse
 from mlxbun.quant.calib import Windows
 
 SERIES = 0.1  # |c| below this: expm1(c) - c from its series (float32 expm1 minus c loses digits)
+SORTED = 4096  # the worst tail's least likely tokens sorted per row at most (a sort of V is slow on CPUs)
 
 
 class NonFinite(Exception):
-    """A candidate's logits hold NaN or Inf (``row``: the first scored token that does)."""
+    """A candidate's statistics are not finite: NaN or infinite logits (``row``: the first such token)."""
 
     def __init__(self, row: int) -> None:
         super().__init__(row)
@@ -63,23 +64,31 @@ def merged_kl(w: Any, d: Any, mass: Any, d_tail: Any) -> tuple[Any, Any]:
 
 
 def worst_tail(z: Any, rec: dict[str, Any], cur_tail: Any) -> Any:
-    """Per row, the largest KL(r || q_tail / Q) over tail distributions r with every r_i <= p_K / P."""
+    """Per row, the largest KL(r || q_tail / Q) over tail distributions r with every r_i <= p_K / P
+    (exact while the worst case fills fewer than ``SORTED`` tokens; above, a larger valid bound)."""
     import mlx.core as mx
 
     idx = rec["idx"]
     n_tail = z.shape[1] - idx.shape[1]
     share = mx.minimum(mx.exp(rec["logit"].min(axis=-1) - rec["tail"]), 1.0)  # c = p_K / P
     full = mx.minimum(mx.floor(1.0 / share), n_tail)  # tokens at mass c
-    m = int(min(mx.max(full).item() + 1, n_tail))
+    m = int(min(mx.max(full).item() + 1, n_tail, SORTED))
     rest = mx.put_along_axis(z, idx, mx.array(np.inf, dtype=mx.float32), axis=-1)
     if m < rest.shape[1]:
         rest = mx.partition(rest, m - 1, axis=-1)[:, :m]
-    low = mx.sort(rest, axis=-1)[:, :m] - cur_tail[:, None]  # log q_hat, least likely first
+    # log q_hat of the m least likely tail tokens, ascending; every later one is at least the last
+    low = mx.sort(rest, axis=-1) - cur_tail[:, None]
     j, at = mx.arange(m)[None, :], full[:, None]
     w = mx.where(j < at, share[:, None], 0.0)
     w = mx.where(j == at, mx.maximum(1.0 - full * share, 0.0)[:, None], w)
-    terms = mx.where(w > 0, w * (mx.log(mx.maximum(w, 1e-30)) - low), 0.0)
-    return mx.maximum(terms.sum(axis=-1), 0.0)
+    terms = mx.where(w > 0, w * (mx.log(mx.maximum(w, 1e-30)) - low), 0.0).sum(axis=-1)
+    beyond = mx.maximum(full - m, 0.0)  # tokens at mass c past the sorted ones, each at the last's q_hat
+    rem = mx.where(full >= m, mx.maximum(1.0 - full * share, 0.0), 0.0)
+    last = low[:, -1]
+    terms += beyond * share * (mx.log(share) - last) + mx.where(
+        rem > 0, rem * (mx.log(mx.maximum(rem, 1e-30)) - last), 0.0
+    )
+    return mx.maximum(terms, 0.0)
 
 
 def token_stats(rec: dict[str, Any], logits: Any, targets: Any) -> dict[str, Any]:
@@ -110,7 +119,9 @@ def token_stats(rec: dict[str, Any], logits: Any, targets: Any) -> dict[str, Any
     }
 
 
-def per_token(model: Any, rec: dict[str, np.ndarray], text: Windows, *, batch_size: int, desc: str) -> dict[str, np.ndarray]:
+def per_token(
+    model: Any, rec: dict[str, np.ndarray], text: Windows, *, batch_size: int, desc: str
+) -> dict[str, np.ndarray]:
     """:func:`token_stats` of ``model`` over every window, as float64 (bool) numpy arrays per token.
 
     Raises:
@@ -120,12 +131,13 @@ def per_token(model: Any, rec: dict[str, np.ndarray], text: Windows, *, batch_si
 
     parts = []
     for at, logits, targets in slices(model, text.tokens, batch_size=batch_size, desc=desc):
-        finite = mx.isfinite(logits).all(axis=-1)
         part = token_stats(on_device(rec, at, at + logits.shape[0]), logits, targets)
-        mx.eval(finite, part)
-        ok = np.array(finite)
+        mx.eval(part)
+        part = {k: np.array(v) for k, v in part.items()}
+        # a NaN or Inf logit anywhere in a row reaches its KLD, bound or NLL change (no pass of its own)
+        ok = np.isfinite(part["kld"]) & np.isfinite(part["bound"]) & np.isfinite(part["dnll"])
         if not ok.all():
             raise NonFinite(at + int(np.argmin(ok)))
-        parts.append({k: np.array(v) for k, v in part.items()})
+        parts.append(part)
     out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
     return {k: v if v.dtype == np.bool_ else v.astype(np.float64) for k, v in out.items()}
