@@ -1,9 +1,11 @@
 """command=eval through the CLI: mlx-lm q3/q4/q6 and an mlxbun plan on both fixtures, its time per token
 against ``python -m mlx_lm perplexity`` on the same tokens, the reference-cache speed-up, and peak RSS at
-a 150k vocabulary (a Qwen2-0.5B-shaped synthetic model).
+a 150k vocabulary (a Qwen2-0.5B-shaped synthetic model). ``--throughput REV``: instead, eval's scoring
+rate (tokens/s) of this tree against git revision REV's, side by side in one run (``throughput``).
 
 Run: nice -n 10 .venv/bin/python bench/eval.py [--work W] [--tokens 4096] [--seq-len 256]
          [--big-tokens 512] [--out bench/results/eval.md]
+     nice -n 10 .venv/bin/python bench/eval.py --throughput main [--work W] [--out bench/results/eval_throughput.md]
 
 Per fixture: ``python -m mlx_lm convert -q --q-bits {3,4,6}``; ``command=sensitivity`` then
 ``+recipe=allocate_4p5bpw`` (plan + quantized model); ``command=eval`` of the four against the fixture
@@ -40,14 +42,14 @@ p.main()
 """
 
 
-def run(argv: list[str], *, log: Path) -> tuple[str, float, int]:
-    """Run a command; (stdout, wall seconds, peak RSS bytes of the child)."""
+def run(argv: list[str], *, log: Path, tree: Path = REPO) -> tuple[str, float, int]:
+    """Run a command in ``tree`` (its mlxbun first on the path); (stdout, wall seconds, peak RSS of the child)."""
     t0 = time.perf_counter()
     with open(log, "a") as err:
         err.write(f"\n$ {' '.join(argv)}\n")
         err.flush()
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=err, text=True,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(tree)}
+        proc = subprocess.Popen(argv, cwd=tree, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
         out = proc.stdout.read()
         _, status, usage = os.wait4(proc.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
@@ -55,13 +57,14 @@ def run(argv: list[str], *, log: Path) -> tuple[str, float, int]:
     return out, time.perf_counter() - t0, usage.ru_maxrss * 1024
 
 
-def mlxbun(work: Path, *args: str) -> tuple[dict, float, int]:
+def mlxbun(work: Path, *args: str, tree: Path = REPO) -> tuple[dict, float, int]:
     iso = [
         f"paths.outputs={work / 'outputs'}",
         f"paths.cache={work / 'cache'}",
         f"registry.path={work / 'registry.db'}",
     ]
-    out, secs, rss = run([sys.executable, "-m", "mlxbun", *args, *iso, "json=true"], log=work / "log.txt")
+    argv = [sys.executable, "-m", "mlxbun", *args, *iso, "json=true"]
+    out, secs, rss = run(argv, log=work / "log.txt", tree=tree)
     return json.loads(out), secs, rss
 
 
@@ -92,7 +95,7 @@ def windows(src: Path, tokens: int, seq_len: int, out: Path) -> Path:
 
     text = ev.windows(ev.encode(load_tokenizer(src), ev.HELDOUT.read_text()), source="", tokens=tokens,
                       seq_len=seq_len, seed=0)  # fmt: skip
-    np.save(out, text.windows)
+    np.save(out, text.tokens)
     return out
 
 
@@ -178,6 +181,79 @@ def report(fx: dict[str, dict], bigr: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+# ------------------------------------------------------------------------------- --throughput REV
+
+# A 151,936 vocabulary (Qwen2's) on a tiny body: the per-token math dominates the forward.
+NARROW = {"hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+          "vocab_size": 151936}  # fmt: skip
+
+
+def export(rev: str, dest: Path) -> Path:
+    """The tree of git revision ``rev`` (mlxbun, conf, recipes) in ``dest``."""
+    if not (dest / "mlxbun").is_dir():
+        dest.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", rev, "mlxbun", "conf", "recipes"], cwd=REPO, check=True,
+                                 capture_output=True).stdout  # fmt: skip
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return dest
+
+
+def throughput_models(args: argparse.Namespace) -> dict[str, tuple[Path, list[Path]]]:
+    """llama-text-12l and a narrow model with Qwen2's vocabulary, each with mlx-lm q4 and q8."""
+    work = args.work / "models"
+    work.mkdir(parents=True, exist_ok=True)
+    fx = REPO / "tests" / "fixtures" / "llama-text-12l"
+    narrow = work / "narrow-152k"
+    if not (narrow / "config.json").is_file():
+        dims = [f"synth.{k}={v}" for k, v in NARROW.items()]
+        mlxbun(work, "command=synth", "synth.arch=llama", *dims, f"synth.out={narrow}")
+    return {name: (src, [convert(src, work / f"{name}-q{b}", b, work / "log.txt") for b in (4, 8)])
+            for name, src in (("llama-text-12l", fx), ("narrow-152k", narrow))}  # fmt: skip
+
+
+def throughput(args: argparse.Namespace) -> dict:
+    """Each tree's eval of both models twice (reference computed, then cached), eval.top_k=1024 in both."""
+    trees = {"before": export(args.throughput, args.work / f"tree-{args.throughput}"), "after": REPO}
+    out: dict = {}
+    for name, (src, cands) in throughput_models(args).items():
+        ev = ["command=eval", f"model.name={src}", f"eval.candidates=[{','.join(map(str, cands))}]",
+              f"eval.tokens={args.tokens}", f"eval.seq_len={args.seq_len}", f"eval.batch_size={args.batch}",
+              "eval.top_k=1024"]  # fmt: skip
+        for side, tree in trees.items():
+            work = args.work / f"{side}-{name}"
+            work.mkdir(parents=True, exist_ok=True)
+            first, wall, rss = mlxbun(work, *ev, tree=tree)
+            second, wall2, _ = mlxbun(work, *ev, tree=tree)
+            out.setdefault(name, {})[side] = {"first": first["result"], "second": second["result"],
+                                              "wall": [wall, wall2], "rss": rss}  # fmt: skip
+        out[name]["command"] = " ".join(["python -m mlxbun", *ev])
+    return out
+
+
+def throughput_report(res: dict, args: argparse.Namespace) -> str:
+    lines = [f"# eval throughput: this tree against {args.throughput} (bench/eval.py --throughput)", "",
+             f"{args.tokens} held-out tokens in windows of {args.seq_len}, batch {args.batch}, eval.top_k=1024 in both;"
+             " tokens/s of a candidate counts its load, forward and every statistic.", "",
+             "| model | vocab | step | before tok/s | after tok/s | after / before |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for name, r in res.items():
+        b, a = r["before"], r["after"]
+        vocab = a["first"]["reference"]["vocab"]
+        for i, c in enumerate(a["second"]["candidates"]):
+            tb = b["second"]["candidates"][i]["tokens"] / b["second"]["candidates"][i]["seconds"]
+            ta = c["tokens"] / c["seconds"]
+            lines.append(
+                f"| {name} | {vocab} | candidate {c['label']} | {tb:,.0f} | {ta:,.0f} | {ta / tb:.2f}× |"
+            )
+        n = a["first"]["text"]["scored_tokens"]
+        rb, ra = n / b["first"]["reference"]["seconds"], n / a["first"]["reference"]["seconds"]
+        lines.append(f"| {name} | {vocab} | reference record | {rb:,.0f} | {ra:,.0f} | {ra / rb:.2f}× |")
+    lines += [""] + [f"- {name}: `{r['command']}`; peak RSS before {r['before']['rss'] / 2**30:.2f} GiB, after"
+                     f" {r['after']['rss'] / 2**30:.2f} GiB; mean KLD of q4 before"
+                     f" {r['before']['second']['candidates'][0]['kld_mean']:.6f}, after"
+                     f" {r['after']['second']['candidates'][0]['kld_mean']:.6f}" for name, r in res.items()]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -187,9 +263,20 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--big-tokens", type=int, default=512)
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "eval.md")
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument(
+        "--throughput", metavar="REV", default=None, help="compare eval's rate with git revision REV"
+    )
     args = ap.parse_args()
     args.work = (args.work or Path(tempfile.mkdtemp(prefix="mlxbun-eval-"))).resolve()
+    if args.throughput:
+        out = args.out or REPO / "bench" / "results" / "eval_throughput.md"
+        res = throughput(args)
+        out.with_suffix(".json").write_text(json.dumps(res, indent=2, sort_keys=True))
+        out.write_text(throughput_report(res, args))
+        print(out.read_text())
+        return
+    args.out = args.out or REPO / "bench" / "results" / "eval.md"
     fx = {name: fixture(args, name) for name in FIXTURES}
     bigr = big(args)
     (args.out.with_suffix(".json")).write_text(
