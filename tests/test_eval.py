@@ -200,16 +200,17 @@ def test_past_the_sorted_tokens_the_bound_stays_a_bound(monkeypatch: pytest.Monk
 
 
 def test_top_k_bound_is_reached_by_a_reference_tail_the_record_allows() -> None:
-    # top 3 = 0.5, 0.2, 0.1; the tail (mass 0.2) sits on the candidate's two least likely tokens at
-    # p_K = 0.1 each, which is the worst case the record allows: the bound is the KL missed.
+    # top 3 = 0.5, 0.2, 0.1 (a hair above the tail's, so the top is unambiguous); the tail (mass 0.2)
+    # sits on the candidate's two least likely tokens at about p_K each, the worst case the record
+    # allows: the bound is the KL missed.
     q = np.log(np.array([[0.3, 0.2, 0.1, 0.05, 0.15, 0.002, 0.1, 0.001, 0.047, 0.05]]))
     p = np.full(10, 1e-15)
-    p[[0, 1, 2, 5, 7]] = [0.5, 0.2, 0.1, 0.1, 0.1]
+    p[[0, 1, 2, 5, 7]] = [0.5, 0.2, 0.1 * (1 + 1e-5), 0.1, 0.1]
     ref = np.log(p / p.sum())[None]
     targets = np.array([0])
     s = device_stats(ref.astype(np.float32), q.astype(np.float32), targets, 3)
     full = (np.exp(ref) * (ref - q)).sum(-1)
-    assert full - s["kld"] == pytest.approx(s["bound"], rel=1e-5)
+    assert full - s["kld"] == pytest.approx(s["bound"], rel=1e-4)
     assert s["bound"][0] > 0.1
 
 

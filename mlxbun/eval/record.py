@@ -59,16 +59,20 @@ def make(logits: Any, targets: Any, *, k: int) -> dict[str, Any]:
 
     z = logits.astype(mx.float32)
     rows, vocab = z.shape
+    top = z.max(axis=-1, keepdims=True)
+    e = mx.exp(z - top)  # one exponential pass serves both sums (CPU backends pay per pass)
+    lse = top[:, 0] + mx.log(e.sum(axis=-1))
     if k >= vocab:
         idx = mx.broadcast_to(mx.arange(vocab, dtype=mx.int32), (rows, vocab))
         tail = mx.full((rows,), -np.inf, dtype=mx.float32)
     else:
-        idx = mx.sort(mx.argpartition(-z, kth=k - 1, axis=-1)[:, :k].astype(mx.int32), axis=-1)
-        tail = tail_lse(z, idx)
+        idx = mx.sort(mx.argpartition(z, kth=vocab - k, axis=-1)[:, vocab - k :].astype(mx.int32), axis=-1)
+        rest = mx.put_along_axis(e, idx, mx.array(0.0, dtype=mx.float32), axis=-1).sum(axis=-1)
+        tail = top[:, 0] + mx.log(rest)  # -inf when the rest underflows: no mass outside the record
     return {
         "idx": idx,
         "logit": mx.take_along_axis(z, idx, axis=-1),
-        "lse": mx.logsumexp(z, axis=-1),
+        "lse": lse,
         "tail": tail,
         "target": mx.take_along_axis(z, targets[:, None].astype(mx.int32), axis=-1)[:, 0],
         "top": mx.argmax(z, axis=-1).astype(mx.int32),
