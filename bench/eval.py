@@ -6,6 +6,7 @@ rate (tokens/s) of this tree against git revision REV's, side by side in one run
 Run: nice -n 10 .venv/bin/python bench/eval.py [--work W] [--tokens 4096] [--seq-len 256]
          [--big-tokens 512] [--out bench/results/eval.md]
      nice -n 10 .venv/bin/python bench/eval.py --throughput main [--work W] [--out bench/results/eval_throughput.md]
+     nice -n 10 .venv/bin/python bench/eval.py --precision [--tokens 2048]   (float32 against float64)
 
 Per fixture: ``python -m mlx_lm convert -q --q-bits {3,4,6}``; ``command=sensitivity`` then
 ``+recipe=allocate_4p5bpw`` (plan + quantized model); ``command=eval`` of the four against the fixture
@@ -259,6 +260,53 @@ def throughput_report(res: dict, args: argparse.Namespace) -> str:
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------------------------------------- --precision
+
+
+def precision(args: argparse.Namespace) -> str:
+    """The device's float32 per-token math against the former float64 numpy path (tests/test_eval.py's
+    reference implementation) on the same float32 logits: both fixtures, mlx-lm q3/q4/q6/q8 (g64),
+    every log-prob kept and top 1024 / 512 (the KLD top-K missed and its bound)."""
+    import mlx.core as mx
+    import numpy as np
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]
+    import test_eval as t  # noqa: PLC0415 - the float64 reference lives with the tests
+
+    from mlxbun import eval as ev
+    from mlxbun.quant.probe import load_model
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    lines = ["| fixture | candidate | K | mean KLD float64 | float32 − float64 | relative | max per-token diff |"
+             " KLD missed (whole vocabulary − top-K) | mean bound |", "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for name in FIXTURES:
+        src = REPO / "tests" / "fixtures" / name
+        text = ev.windows(ev.encode(load_tokenizer(src), ev.HELDOUT.read_text()), source="", tokens=args.tokens,
+                          seq_len=args.seq_len, seed=0)  # fmt: skip
+        w, targets = text.tokens, text.tokens[:, 1:].reshape(-1)
+
+        def logits(d: Path, w: np.ndarray = w) -> np.ndarray:
+            model = load_model(d)[0]
+            out = [
+                np.array(model(mx.array(w[i : i + args.batch]))[:, :-1]) for i in range(0, len(w), args.batch)
+            ]
+            return np.concatenate(out).reshape(-1, out[0].shape[-1])
+
+        ref = logits(src)
+        vocab = ref.shape[1]
+        for bits in (3, 4, 6, 8):
+            cur = logits(convert(src, args.work / f"{name}-q{bits}", bits, args.work / "log.txt"))
+            full = t.f64_stats(ref, cur, targets, vocab)["kld"].mean()
+            for k in (vocab, 1024, 512):
+                old, new = t.f64_stats(ref, cur, targets, k), t.device_stats(ref, cur, targets, k)
+                diff = new["kld"].mean() - old["kld"].mean()
+                lines.append(f"| {name} | q{bits} | {k} | {old['kld'].mean():.6e} | {diff:+.1e} |"
+                             f" {diff / old['kld'].mean():+.1e} | {np.abs(new['kld'] - old['kld']).max():.1e} |"
+                             f" {full - new['kld'].mean():.2e} | {new['bound'].mean():.2e} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -276,9 +324,15 @@ def main() -> None:
         help="compare eval's rate with git revision (or tree) REV",
     )
     ap.add_argument("--models", default="llama-text-12l,narrow-152k", help="--throughput: models to evaluate")
+    ap.add_argument("--precision", action="store_true", help="float32 device math against float64 instead")
     args = ap.parse_args()
     args.work = (args.work or Path(tempfile.mkdtemp(prefix="mlxbun-eval-"))).resolve()
     args.models = args.models.split(",")
+    if args.precision:
+        out = args.out or REPO / "bench" / "results" / "eval_precision.md"
+        out.write_text(precision(args))
+        print(out.read_text())
+        return
     if args.throughput:
         out = args.out or REPO / "bench" / "results" / "eval_throughput.md"
         res = throughput(args)
