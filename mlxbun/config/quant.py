@@ -262,8 +262,9 @@ class EvalCfg:
     seq_len: int = 512
     # Picks the windows from the text, >= 0.
     seed: int = 0
-    # Reference log-probs kept per token, >= 1 (plus the tail mass); the KL this misses is bounded and reported.
-    top_k: int = 1024
+    # Reference log-probs kept per token (plus the tail mass), 1 to the vocabulary; the KL this misses
+    # is bounded and reported. None: the whole vocabulary up to 2048 (exact up to there).
+    top_k: int | None = None
     # Windows per forward, >= 1.
     batch_size: int = 4
     # true: evaluate a candidate whose calibration tokens share spans with the text (with a warning).
@@ -273,7 +274,8 @@ class EvalCfg:
         positive("eval.tokens", self.tokens)
         positive("eval.seq_len", self.seq_len)
         at_least("eval.seq_len", self.seq_len, 2, "one token predicts none")
-        positive("eval.top_k", self.top_k)
+        if self.top_k is not None:
+            positive("eval.top_k", self.top_k)
         positive("eval.batch_size", self.batch_size)
 
 
