@@ -1,4 +1,5 @@
-# make run: set up .venv and run the main job (+recipe=quickstart); make test: the full suite;
+# make run: set up .venv and run the main job (+recipe=quickstart); make test: the full suite, on
+# every core (pytest-xdist);
 # make test-fast: the inner loop, without tests marked slow (pytest -m 'not slow').
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -17,10 +18,10 @@ run: $(STAMP)
 	$(PY) -m mlxbun +recipe=quickstart
 
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --dist loadgroup
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow"
+	$(PY) -m pytest -n auto --dist loadgroup -m "not slow"
 
 lint: $(STAMP)
 	PATH=$(abspath $(VENV))/bin:$$PATH $(VENV)/bin/pre-commit run --all-files

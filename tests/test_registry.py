@@ -40,7 +40,12 @@ def _drop_all(database: pw.Database) -> None:
         database.execute_sql(f'DROP TABLE IF EXISTS "{t}"{cascade}')
 
 
-@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+@pytest.fixture(
+    params=[
+        "sqlite",
+        pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.xdist_group("postgres")]),
+    ]
+)
 def dburl(request, tmp_path):
     """A fresh, empty registry database URL: sqlite in tmp_path, or the test PostgreSQL database."""
     if request.param == "sqlite":

@@ -307,7 +307,7 @@ def test_sigkill_then_resume(tmp_path):
 
     args = ["command=sensitivity", f"model.name={FIXTURE}", "sensitivity.bits=[3,4,8]", "sensitivity.batch_size=2",
             "sensitivity.method=exact",
-            "sensitivity.calib.samples=8", "sensitivity.calib.seq_len=128", *isolated_args(tmp_path)]  # fmt: skip
+            "sensitivity.calib.samples=4", "sensitivity.calib.seq_len=64", *isolated_args(tmp_path)]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "mlxbun", *args], cwd=ROOT, stderr=subprocess.PIPE)
     groups = tmp_path / "cache" / "sensitivity"
     deadline = time.monotonic() + 300
