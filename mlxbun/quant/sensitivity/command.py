@@ -110,13 +110,8 @@ def sensitivity(
             (:mod:`mlxbun.quant.sensitivity.candidates`), corrected by probes at ``rich``'s budget.
     Returns the sensitivity.json document (also written) and ``_stats`` (not written).
     """
-    log.info(
-        "sensitivity (%s): loading and fingerprinting %s, tokenizing %d x %d calibration tokens",
-        method,
-        model_dir,
-        samples,
-        seq_len,
-    )
+    say = "sensitivity (%s): loading and fingerprinting %s, tokenizing %d x %d calibration tokens"
+    log.info(say, method, model_dir, samples, seq_len)
     s = prepare(
         model_dir=model_dir, bits=list(bits), group_size=group_size, mode=mode, calib_path=calib_path,
         samples=samples, seq_len=seq_len, seed=seed, method=method, batch_size=batch_size,
