@@ -144,3 +144,15 @@ def test_hessians_of_another_model_of_the_same_shapes_are_refused_naming_both(tm
     assert not out.exists() and not list((tmp_path / "outputs").rglob("manifest.json"))
     mine = run_cli(*args, f"model.name={other}", f"quant.hessians={theirs}", tmp=tmp_path)
     assert mine.returncode == 0, mine.stderr
+
+
+def test_asking_whether_a_module_has_a_hessian_reads_none(tmp_path, monkeypatch):
+    """`path in hessians` answers from the file's header: it neither reads nor checks the module's
+    H (each GPTQ rounding asked, then read and checked it again)."""
+    path = tmp_path / "h.safetensors"
+    hessian.save({"a": np.eye(8, dtype=np.float32)}, path, tokens=1)
+    h = hessian.Hessians(path)
+    checked = []
+    monkeypatch.setattr(hessian, "check", lambda *a, **k: checked.append(k["module"]))
+    assert "a" in h and "b" not in h and checked == []
+    assert h["a"].shape == (8, 8) and checked == ["a"]

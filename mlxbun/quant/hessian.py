@@ -373,6 +373,10 @@ class Hessians(Mapping):
         check(out, file=self.file.path, module=path)
         return out
 
+    def __contains__(self, path: object) -> bool:
+        # Mapping's own would read and check the module's H only to answer
+        return path in self.file
+
     def check_shapes(self, in_features: Mapping[str, int]) -> None:
         """Each module's H is (in, in) for the ``in_features`` of that module in the model."""
         for module, info in self.file.infos().items():
