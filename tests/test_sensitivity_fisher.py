@@ -98,13 +98,16 @@ def test_fisher_cost_does_not_grow_with_candidates(monkeypatch):
     n_samples = 4
     n_sub = max(1, n_samples // fisher.CALIB_FRACTION)
     # Each group runs from its first block (the embedding's from the lookup) to the head: a
-    # depth quarter starting at block k is (n + 1 - k) / (n + 1) of a forward over the subset.
+    # depth quarter starting at block k is (n - k) blocks' part of a forward and the head's
+    # (weighed by their multiply-adds) over the subset.
     groups = groups_by_bits(s)
     todo = fisher.to_measure(groups, s.cands, sampled=frozenset({s.stream.embedding_path}))
-    share = sum(
-        (n + 1 - min(max(t.group for t in ts if t.group < n) if all(t.group < n for t in ts) else n, min(t.group for t in ts))) / (n + 1)
+    head = s.stream.head_share()
+    starts = [
+        min(max(t.group for t in ts if t.group < n) if all(t.group < n for t in ts) else n, min(t.group for t in ts))
         for b, by_key in todo.items() for ts in by_key.values()
-    )  # fmt: skip
+    ]  # fmt: skip
+    share = sum((n - max(k, 0)) * (1 - head) / n + head for k in starts)
     assert est.forward_equivalents == pytest.approx(4 + len(s.cands) + share * n_sub / n_samples)
     # 8 bits is measured only for the embedding (scored on a sample of the tokens): the other
     # groups take 6 bits' factors.
@@ -290,7 +293,8 @@ def test_refine_probes_modules_exactly_and_scales_their_estimates():
     assert len(same) >= 0.8 * len(probed)
     assert all(est.kl[t.path] == plain.kl[t.path] for t in s.targets if t.path not in probed)
     n = s.stream.n_blocks
-    extra = sum((n + 1 - t.group) / (n + 1) * len(probed.get(t.path, ())) for t in s.targets)
+    head = s.stream.head_share()
+    extra = sum(((n - t.group) * (1 - head) / n + head) * len(probed.get(t.path, ())) for t in s.targets)
     assert est.forward_equivalents == pytest.approx(
         plain.forward_equivalents + extra * len(sub) / len(s.tokens)
     )

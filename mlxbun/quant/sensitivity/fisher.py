@@ -181,12 +181,12 @@ def estimate(
     probe_variants = [(t, c) for t in tgts for c in probes.get(t.path, ())]
     # forward, backward (+ its recomputed forward) and the candidates' error matmuls (~1 forward
     # each) over all samples, then each variant's blocks on the subset
-    blocks = stream.n_blocks + 1
+    head, nb = stream.head_share(), stream.n_blocks
     fwd = (4 + len(cands)) * n
     starts = [_start(stream, v) for _, _, v in group_variants] + [
         _start(stream, {t.path: c}) for t, c in probe_variants
     ]
-    fwd += sum(blocks - max(s, 0) for s in starts) / blocks * n_sub
+    fwd += sum((nb - max(s, 0)) * (1 - head) / nb + head for s in starts) * n_sub
     done = [0.0]
 
     def tick(units: float) -> None:

@@ -83,9 +83,10 @@ def measure(
 ) -> list[float]:
     """Mean KL(reference || variant) per token of each variant on the reference's windows.
     ``tick(forwards)`` is called as work is done: a block or the head run for one variant over
-    the windows is 1 / (blocks + 1) of a forward."""
+    the windows is its part of a forward (:meth:`Stream.head_share`)."""
     tick = tick or (lambda forwards: None)
-    share = 1 / (stream.n_blocks + 1)
+    head_share = stream.head_share()
+    share = (1 - head_share) / stream.n_blocks
     emb = stream.embedding_path
     starts = [min((block_of(stream, p) for p in v), default=stream.n_blocks) for v in variants]
     states: dict[int, mx.array] = {}
@@ -117,7 +118,7 @@ def measure(
     out = []
     for k, v in enumerate(variants):
         out.append(_head_kl(stream, ref, states.pop(k, ref.final), v, fake))
-        tick(share)
+        tick(head_share)
     return out
 
 
