@@ -40,6 +40,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxbun.errors import InputError
+from mlxbun.progress import Progress
 from mlxbun.quant import rounding, workers
 from mlxbun.quant.allocate.check import correction_factors, rescaled
 from mlxbun.quant.hessian import Hessians, output_error
@@ -293,7 +294,11 @@ def corrected(
             {p: s for p, s in layers.items() if s is not None and not s.matches(source["current"].get(p))}
             for layers in settings
         ]
-        kl = variants.measure(stream, ref, wanted, fake=written)
+        progress = Progress(total=len(wanted), unit="probes", desc="sensitivity (probes)", heartbeat=True)
+        try:  # a probe's blocks (its roundings included) and head tick as they are done
+            kl = variants.measure(stream, ref, wanted, fake=written, tick=progress.update)
+        finally:
+            progress.close()
         log.info(
             "sensitivity.candidates: %d probes measured KL %s (%.1f s)",
             len(kl), ", ".join(f"{v:.5g}" for v in kl), time.monotonic() - t0,
