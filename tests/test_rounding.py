@@ -345,3 +345,21 @@ def test_stacked_experts_are_rounded_one_matrix_at_a_time():
     assert [a.shape for a in whole] == [a.shape for a in ref]
     for k in range(3):
         assert mx.array_equal(whole[k], mx.stack([p[k] for p in each]))
+
+
+def test_gptq_in_slices_of_rows_gives_the_same_bytes_with_bounded_temporaries(monkeypatch):
+    """A large weight (a 150K-row embedding) is GPTQ-rounded in slices of rows, which are
+    independent: the same bytes as whole, and the host's peak (numpy's float32 copies, the later
+    columns' updates, the packing's bit planes) near one slice's, not several copies of the weight."""
+    import tracemalloc
+
+    w, h = _weight(rows=2048, cols=256), _correlated_hessian(256)
+    peaks, out = [], []
+    for chunk in (1 << 30, 64 * 256):  # whole, then 64 rows a slice: 32 slices
+        monkeypatch.setattr(rounding, "CHUNK", chunk)
+        tracemalloc.start()
+        out.append([_bytes(a) for a in rounding.quantize(w, bits=5, group_size=64, method="gptq", hessian=h)])
+        peaks.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+    assert out[1] == out[0]
+    assert peaks[1] < 0.4 * peaks[0], peaks

@@ -20,7 +20,7 @@ import mlx.core as mx  # noqa: E402
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.kl import kl_rows, log_probs  # noqa: E402
 from mlxbun.quant import calibration as calib_mod  # noqa: E402
-from mlxbun.quant import probe  # noqa: E402
+from mlxbun.quant import probe, rounding  # noqa: E402
 from mlxbun.quant.sensitivity import command as sens  # noqa: E402
 from mlxbun.quant.sensitivity.file import combine_shards  # noqa: E402
 from mlxbun.quant.sensitivity.merge import merge  # noqa: E402
@@ -327,7 +327,7 @@ def test_fake_quant_in_row_slices_gives_the_same_values(monkeypatch):
     w = mx.random.normal((48, 256), key=mx.random.key(3)).astype(mx.bfloat16)
     for cand in (QuantSpec(bits=3, group_size=64), QuantSpec(bits=4, group_size=32, mode="mxfp4")):
         whole = np.array(probe.fake_quant(w, cand, dtype="bfloat16"))
-        monkeypatch.setattr(probe, "FAKE_QUANT_CHUNK", 5 * 256)  # 5 rows per slice: 10 slices, one short
+        monkeypatch.setattr(rounding, "CHUNK", 5 * 256)  # 5 rows per slice: 10 slices, one short
         sliced = np.array(probe.fake_quant(w, cand, dtype="bfloat16"))
         monkeypatch.undo()
         assert sliced.dtype == np.float32 and np.array_equal(whole, sliced), cand
@@ -355,7 +355,7 @@ def test_a_quantized_model_loads_dequantized_one_slice_at_a_time(tmp_path, monke
         return {"group_size": 64, "bits": 3 if "self_attn" in path else 4, "mode": "affine"}
 
     qdir = quantized_fixture(tmp_path / "mixed", 4, predicate)
-    monkeypatch.setattr(probe, "FAKE_QUANT_CHUNK", 4096)
+    monkeypatch.setattr(rounding, "CHUNK", 4096)
     mx.clear_cache()
     mx.reset_peak_memory()
     model = probe.load_model(qdir)[0]
@@ -369,6 +369,34 @@ def test_a_quantized_model_loads_dequantized_one_slice_at_a_time(tmp_path, monke
     assert ours.keys() == theirs.keys()
     assert all(ours[k].dtype == mx.float32 and mx.array_equal(ours[k], theirs[k]).item() for k in ours)
     assert peak < 1.4 * f32, (peak, f32)
+
+
+def test_a_streamed_quantized_source_reads_a_large_embedding_in_slices(tmp_path, monkeypatch):
+    """Stream dequantizes a quantized embedding (5 bits, the size a plan gives a 150K vocabulary's)
+    in slices of rows: the same float32 values, and the peak near one float32 copy (whole, mlx's
+    5-bit dequantize held ~6x the embedding's float32 size in temporaries: 3.2 GB at Qwen2.5-0.5B)."""
+    from mlxbun.quant.streamed import Stream
+
+    def predicate(path: str, module: Any) -> Any:
+        return {"group_size": 64, "bits": 5 if path.endswith("embed_tokens") else 4, "mode": "affine"}
+
+    qdir = quantized_fixture(tmp_path / "q", 4, predicate)
+    want = {}
+    for exact in (False, True):
+        monkeypatch.setattr(rounding, "CHUNK", 1 << 30)  # whole: one slice
+        mx.clear_cache()
+        want[exact] = np.array(Stream(qdir, exact=exact).read("model.embed_tokens.weight"))
+    f32 = want[True].nbytes
+    monkeypatch.setattr(rounding, "CHUNK", f32 // 4 // 16)  # 16 slices
+    for exact in (False, True):
+        s = Stream(qdir, exact=exact)
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        held = mx.get_active_memory()
+        got = s.read("model.embed_tokens.weight")
+        peak = mx.get_peak_memory() - held  # whole: 7x f32
+        assert got.dtype == mx.float32 and np.array_equal(np.array(got), want[exact])
+        assert peak < 3 * f32, (exact, peak, f32)
 
 
 @pytest.mark.parametrize("scale", [1e-1, 1e-2, 1e-3])

@@ -79,7 +79,7 @@ def load_model(model_dir: str | Path, *, key: str = "model.name") -> tuple[Any, 
 
 def _dequantize(model: Any) -> None:
     """mlx-lm's ``dequantize_model`` in place, each weight in slices of rows of about
-    :data:`FAKE_QUANT_CHUNK` weights cast to float32 one after the other. The values come out in
+    :data:`rounding.CHUNK` weights cast to float32 one after the other. The values come out in
     the scales' dtype first (the candidates' source), as there; dequantized whole, a 150K-row
     embedding's temporaries alone peaked at 4 GB."""
     kinds = {
@@ -92,7 +92,7 @@ def _dequantize(model: Any) -> None:
         cls = next((plain_cls for q, plain_cls in kinds.items() if isinstance(mod, q)), None)
         if cls is None:
             continue
-        weight = dequantized(
+        weight = rounding.dequantized(
             mod.weight, mod.scales, mod.get("biases"), group_size=mod.group_size, bits=mod.bits, mode=mod.mode,
             dtype=mx.float32,
         )  # fmt: skip
@@ -104,24 +104,6 @@ def _dequantize(model: Any) -> None:
         plain.append((name, new))
     if plain:
         model.update_modules(tree_unflatten(plain))
-
-
-def dequantized(
-    wq: Any, scales: Any, biases: Any, *, group_size: int, bits: int, mode: str = "affine", dtype: Any
-) -> Any:
-    """mlx's dequantize as ``dtype``, in slices of rows of about :data:`FAKE_QUANT_CHUNK` weights,
-    each evaluated before the next (whole, a 150K-row 5-bit embedding takes 3.4 GB of temporaries)."""
-    rows = wq.shape[-2]
-    step = max(1, FAKE_QUANT_CHUNK // max(1, wq.size * 32 // bits // rows))
-    parts = []
-    for lo in range(0, rows, step):
-        part = mx.dequantize(
-            wq[..., lo : lo + step, :], scales[..., lo : lo + step, :],
-            None if biases is None else biases[..., lo : lo + step, :], group_size, bits, mode,
-        )  # fmt: skip
-        parts.append(part.astype(dtype))
-        mx.eval(parts[-1])
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
 
 
 def targets(
@@ -176,9 +158,6 @@ def source_dtypes(model_dir: str | Path) -> dict[str, str]:
     return out
 
 
-FAKE_QUANT_CHUNK = 1 << 22  # weights quantized at once: bounds the temporaries of a large embedding
-
-
 def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str, hessian: Any = None, factor: Any = None) -> Any:
     """quantize -> dequantize of ``weight`` cast to its source dtype, returned as float32.
 
@@ -188,11 +167,11 @@ def fake_quant(weight: Any, cand: QuantSpec, *, dtype: str, hessian: Any = None,
     ``rounding.gptq_factor``, when computed already). awq folds scales across modules and cannot be
     made one module at a time. Large rtn weights go in slices of rows (quantization groups never
     cross a row: the same values), each evaluated before the next, so the temporaries stay near
-    ``FAKE_QUANT_CHUNK`` weights."""
+    ``rounding.CHUNK`` weights."""
     if cand.method != "rtn":
         return _rounded(weight, cand, dtype, hessian, factor)
 
-    rows = max(1, FAKE_QUANT_CHUNK // max(1, weight.size // max(1, weight.shape[0])))
+    rows = max(1, rounding.CHUNK // max(1, weight.size // max(1, weight.shape[0])))
     if weight.shape[0] <= rows:
         return _fake_quant(weight, cand, dtype)
     parts = []
@@ -236,7 +215,7 @@ class Written:
             if file is not None:
                 self.rounded.put(file, out, path)
         wq, scales, biases = out
-        return dequantized(
+        return rounding.dequantized(
             mx.array(wq), scales, biases, group_size=spec.group_size, bits=spec.bits, dtype=mx.float32
         )
 
@@ -248,7 +227,7 @@ def _rounded(weight: Any, cand: QuantSpec, dtype: str, hessian: Any, factor: Any
     wq, s, b = rounding.quantize(
         src, bits=cand.bits, group_size=cand.group_size, method=cand.method, hessian=hessian, factor=factor
     )
-    return dequantized(wq, s, b, group_size=cand.group_size, bits=cand.bits, dtype=mx.float32)
+    return rounding.dequantized(wq, s, b, group_size=cand.group_size, bits=cand.bits, dtype=mx.float32)
 
 
 def _fake_quant(weight: Any, cand: QuantSpec, dtype: str) -> Any:

@@ -35,6 +35,7 @@ DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
 REFITS = 2
+CHUNK = 1 << 22  # weights (de)quantized at once: bounds the temporaries of a large embedding
 BLOCK_ELEMENTS = 1 << 14  # rows are searched in blocks of about this many weights (x the ratios)
 
 
@@ -226,6 +227,24 @@ def _gptq(
     return codes, scales, biases
 
 
+def dequantized(
+    wq: Any, scales: Any, biases: Any, *, group_size: int, bits: int, mode: str = "affine", dtype: Any
+) -> Any:
+    """mlx's dequantize as ``dtype``, in slices of rows of about :data:`CHUNK` weights,
+    each evaluated before the next (whole, a 150K-row 5-bit embedding takes 3.4 GB of temporaries)."""
+    rows = wq.shape[-2]
+    step = max(1, CHUNK // max(1, wq.size * 32 // bits // rows))
+    parts = []
+    for lo in range(0, rows, step):
+        part = mx.dequantize(
+            wq[..., lo : lo + step, :], scales[..., lo : lo + step, :],
+            None if biases is None else biases[..., lo : lo + step, :], group_size, bits, mode,
+        )  # fmt: skip
+        parts.append(part.astype(dtype))
+        mx.eval(parts[-1])
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
+
+
 def check_finite(path: str, arrays: dict[str, Any]) -> None:
     """Refuse to publish a quantized module whose scales or biases hold a NaN or Inf (whatever
     rounded it: an Inf weight makes ``mx.quantize`` give NaN scales too)."""
@@ -270,10 +289,19 @@ def quantize(
         kw = {"bits": bits, "group_size": group_size, "method": method, "importance": importance}
         parts = [quantize(w[e], **kw, hessian=hessian, factor=factor) for e in range(w.shape[0])]
         return tuple(mx.stack([p[k] for p in parts]) for k in range(3))
-    if method == "gptq" and hessian is not None:
-        codes, s, b = _gptq(w, hessian, bits=bits, group_size=group_size, factor=factor)
-        return mx.array(pack(codes, bits)), s.astype(w.dtype), b.astype(w.dtype)
     rows, cols = w.shape
+    if method == "gptq" and hessian is not None:  # rows are independent: slices bound the temporaries
+        factor = gptq_factor(hessian) if factor is None else factor
+        step = max(1, CHUNK // cols)
+        parts = []
+        for r0 in range(0, rows, step):
+            codes, s, b = _gptq(w[r0 : r0 + step], hessian, bits=bits, group_size=group_size, factor=factor)
+            parts.append((pack(codes, bits), s.astype(w.dtype), b.astype(w.dtype)))
+            mx.eval(parts[-1][1:])
+        if len(parts) == 1:
+            return mx.array(parts[0][0]), parts[0][1], parts[0][2]
+        packed = mx.array(np.concatenate([p[0] for p in parts]))
+        return packed, mx.concatenate([p[1] for p in parts]), mx.concatenate([p[2] for p in parts])
     if importance is None and hessian is not None:
         importance = np.maximum(np.diag(np.asarray(hessian, dtype=np.float32)), 0)
     imp = mx.ones((cols,), mx.float32) if importance is None else mx.array(importance).astype(mx.float32)
