@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import sys
+import time
 from dataclasses import asdict, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,8 @@ from mlxbun.quant.spec import QuantSpec, spec_for
 from mlxbun.runs.provenance import RunResult
 from mlxbun.source.model import model_dir
 from mlxbun.synth import write as synth_write
+
+log = logging.getLogger("mlxbun")
 
 
 def set_key(cfg: Any, dotted: str, value: Any) -> Any:
@@ -143,12 +147,36 @@ def final_out(cfg: Any, steps: list[str]) -> Any:
     return cfg
 
 
+_now = time.monotonic  # the run's clock (tests replace it)
+MIN_TUNE_MINUTES = 0.5  # a tune step past the run's budget still trains: a few steps per block
+
+
+def budgeted_tune(cfg: Any, elapsed_minutes: float) -> Any:
+    """``cfg`` with tune.max_minutes lowered to what ``pipeline.max_minutes`` leaves after
+    ``elapsed_minutes`` (at least :data:`MIN_TUNE_MINUTES`); unchanged without a run budget."""
+    budget = cfg.pipeline.max_minutes
+    if budget is None:
+        return cfg
+    left = max(MIN_TUNE_MINUTES, budget - elapsed_minutes)
+    own = cfg.tune.max_minutes
+    if own is not None and own <= left:
+        return cfg
+    log.info(
+        "pipeline: %.1f of pipeline.max_minutes=%g minutes used; tune gets the %.1f left",
+        elapsed_minutes, budget, left,
+    )  # fmt: skip
+    return set_key(cfg, "tune.max_minutes", round(left, 2))
+
+
 def run_steps(cfg: Any, steps: list[str]) -> RunResult:
     cfg = final_out(cfg, steps)
     check_steps(cfg, steps)
     total = RunResult()
     run_dir, seen, provided = Path(cfg.paths.run_dir), {}, {}
+    t0 = _now()
     for step in steps:
+        if step == "tune":
+            cfg = budgeted_tune(cfg, (_now() - t0) / 60)
         seen[step] = seen.get(step, 0) + 1
         sub = step if seen[step] == 1 else f"{step}-{seen[step]}"
         step_cfg = set_key(

@@ -161,3 +161,29 @@ def test_a_finished_steps_memory_is_released_before_the_next(tmp_path: Path, mon
     mx.clear_cache()
     pipeline.run(_cfg(tmp_path, ["synth", "quantize"]))
     assert seen["quantize"] - seen["synth"] < 1 << 20  # the 4 MB weight neither held nor cached
+
+
+def test_a_run_budget_gives_tune_what_the_steps_before_it_left(tmp_path: Path, monkeypatch) -> None:
+    """pipeline.max_minutes lowers tune.max_minutes to the minutes left when tune starts, never
+    below MIN_TUNE_MINUTES (tune still trains); a tune budget already below it is kept."""
+    clock = iter(())
+    monkeypatch.setattr(pipeline, "_now", lambda: next(clock))
+    given: dict[str, float | None] = {}
+
+    def fake(step: str):
+        def run(cfg):
+            given[step] = cfg.tune.max_minutes
+            return RunResult(provides={k: f"/x/{step}" for k in COMMANDS[step].provides})
+
+        return run
+
+    monkeypatch.setattr(commands, "resolve", fake)
+    for budget, own, want in ((45.0, 60.0, 15.0), (20.0, 60.0, pipeline.MIN_TUNE_MINUTES), (45.0, 5.0, 5.0)):
+        clock = iter([0.0, 30 * 60.0])  # the run starts; tune starts 30 minutes later
+        cfg = _cfg(tmp_path, ["synth", "quantize", "tune"], tune=schema.TuneCfg(reference="/x/ref", max_minutes=own))
+        cfg.pipeline.max_minutes = budget
+        pipeline.run(cfg)
+        assert given["tune"] == pytest.approx(want), (budget, own)
+        assert given["synth"] == own  # the steps before tune keep their settings
+    with pytest.raises(InputError, match=r"pipeline.max_minutes=0"):
+        schema.PipelineCfg(steps=["tune"], max_minutes=0)

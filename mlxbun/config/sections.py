@@ -332,3 +332,10 @@ class ServeCfg:
 class PipelineCfg:
     # Commands run in order in one run directory (see mlxbun/pipeline.py).
     steps: list[str] = field(default_factory=list)
+    # Minutes the whole run may take, > 0 (null: no limit). A tune step gets what the steps before
+    # it left (its tune.max_minutes lowered to that, never below MIN_TUNE_MINUTES): fewer steps per
+    # block, never a skipped step.
+    max_minutes: float | None = None
+
+    def __post_init__(self) -> None:
+        positive("pipeline.max_minutes", self.max_minutes)
