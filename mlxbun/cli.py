@@ -242,8 +242,8 @@ def _remove_if_empty(dcfg: Any) -> None:
 def execute(cfg: Any, resolved: dict[str, Any]) -> int:
     """Run ``cfg.command.name`` with a manifest and a RunRecord around it."""
     blas_info = blas.load(cfg.blas)
-    device.select(cfg.device)
     name = cfg.command.name
+    device.select(cfg.device, bounded_cache=name != "serve")
     check_command(name)
     fn = commands.resolve(name)
     if COMMANDS[name].readonly:

@@ -110,3 +110,23 @@ def logits(model, forward):
     assert findings("y = mx.array(v, dtype=mx.float64)\n") == [
         "1: mx.array(v, dtype=mx.float64) makes float64 off the CPU stream"
     ]
+
+
+def test_a_batch_command_keeps_a_bounded_cache_of_freed_buffers() -> None:
+    """device.select bounds MLX's cache of freed buffers (by default it grows to the memory limit:
+    a streamed pass's freed logits slices stayed resident); serve keeps MLX's default."""
+    import mlx.core as mx
+
+    from mlxbun import device
+
+    previous = mx.set_cache_limit(1 << 40)
+    try:
+        device.select("auto")
+        for n in range(1, 12):  # freed buffers of distinct sizes: each would be cached
+            mx.eval(mx.ones((n << 20,)) + 1)
+        assert mx.get_cache_memory() <= device.CACHE_BYTES
+        device.select("auto", bounded_cache=False)
+        assert mx.set_cache_limit(device.CACHE_BYTES) == device.CACHE_BYTES  # left as it was
+    finally:
+        mx.set_cache_limit(previous)
+        mx.clear_cache()

@@ -180,7 +180,9 @@ def test_a_run_budget_gives_tune_what_the_steps_before_it_left(tmp_path: Path, m
     monkeypatch.setattr(commands, "resolve", fake)
     for budget, own, want in ((45.0, 60.0, 15.0), (20.0, 60.0, pipeline.MIN_TUNE_MINUTES), (45.0, 5.0, 5.0)):
         clock = iter([0.0, 30 * 60.0])  # the run starts; tune starts 30 minutes later
-        cfg = _cfg(tmp_path, ["synth", "quantize", "tune"], tune=schema.TuneCfg(reference="/x/ref", max_minutes=own))
+        cfg = _cfg(
+            tmp_path, ["synth", "quantize", "tune"], tune=schema.TuneCfg(reference="/x/ref", max_minutes=own)
+        )
         cfg.pipeline.max_minutes = budget
         pipeline.run(cfg)
         assert given["tune"] == pytest.approx(want), (budget, own)
