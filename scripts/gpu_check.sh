@@ -54,7 +54,7 @@ if has fixturecpu; then  # the same with the CPU forced, on the same machine
   run best-fixture cpu +recipe=best model.name=$FIXTURE allocate.budget_bpw=3.5 quant.out="$OUT/best-cpu"
 fi
 if has eval; then
-  run eval gpu command=eval model.name=$FIXTURE "eval.candidates=[$(ls -d "$OUT"/best-* | paste -sd,)]"
+  run eval gpu command=eval model.name=$FIXTURE "eval.candidates=[$(ls -d "$OUT"/best-gpu "$OUT"/best-cpu 2>/dev/null | paste -sd,)]"
 fi
 if has big; then  # Qwen2.5-0.5B's shapes, synthetic weights
   run synth-0.5b gpu command=synth synth.arch=qwen2 synth.hidden_size=896 synth.intermediate_size=4864 \
@@ -82,6 +82,7 @@ for i in range(3):
 PYEOF
   kill "$server" 2>/dev/null; wait "$server" 2>/dev/null
   run kv-save gpu command=kv_save model.name=$FIXTURE kv.store="$OUT/kv" kv.name=check kv.prompt="The harbour town woke slowly"
-  run kv-generate gpu command=kv_generate model.name=$FIXTURE kv.store="$OUT/kv" kv.name=check kv.max_tokens=16
+  run kv-generate gpu command=kv_generate model.name=$FIXTURE kv.store="$OUT/kv" kv.name=check kv.max_tokens=16 \
+    'kv.prompt="The harbour town woke slowly, and then"'
 fi
 cat "$SUMMARY"
