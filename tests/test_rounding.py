@@ -355,7 +355,7 @@ def test_gptq_in_slices_of_rows_gives_the_same_bytes_with_bounded_temporaries(mo
 
     w, h = _weight(rows=2048, cols=256), _correlated_hessian(256)
     peaks, out = [], []
-    for chunk in (1 << 30, 64 * 256):  # whole, then 64 rows a slice: 32 slices
+    for chunk in (1 << 30, 64 * 256):  # whole, then slices of 2 x 64 rows: 16 slices
         monkeypatch.setattr(rounding, "CHUNK", chunk)
         tracemalloc.start()
         out.append([_bytes(a) for a in rounding.quantize(w, bits=5, group_size=64, method="gptq", hessian=h)])

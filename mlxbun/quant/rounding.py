@@ -292,7 +292,10 @@ def quantize(
     rows, cols = w.shape
     if method == "gptq" and hessian is not None:  # rows are independent: slices bound the temporaries
         factor = gptq_factor(hessian) if factor is None else factor
-        step = max(1, CHUNK // cols)
+        # equal slices of at most 2 x CHUNK weights: each slice runs the whole column loop, so a
+        # short last slice would cost as much as a full one
+        slices = -(-rows * cols // (2 * CHUNK))
+        step = -(-rows // slices)
         parts = []
         for r0 in range(0, rows, step):
             codes, s, b = _gptq(w[r0 : r0 + step], hessian, bits=bits, group_size=group_size, factor=factor)
