@@ -17,7 +17,7 @@ from typing import Any
 from mlxbun.serve import checks, prompts
 from mlxbun.serve.checks import BadRequest
 from mlxbun.serve.engine import Job, Request
-from mlxbun.serve.text import Choice, Context, events
+from mlxbun.serve.text import Choice, Context, started
 
 FIELDS = {
     "model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature",
@@ -108,12 +108,9 @@ def reply(job: Job, out: Any, ctx: Context, opts: dict[str, Any]) -> None:
     """Answer a submitted job through ``out``: one message, or Anthropic's stream of events."""
     prompt, stream = len(job.request.tokens), opts["stream"]
     choice = Choice(ctx.tokenizer, opts["stop"])
-    flow = events(job, out.alive)
-    first = next(flow)
-    if first[0] == "error":
-        out.json(first[1], error_body(BadRequest(first[2], status=first[1])))
+    if (begun := started(job, out, error_body)) is None:
         return
-    cached = first[1]
+    flow, cached = begun
     if stream:
         out.open_stream()
         out.event({"type": "message_start", "message": message(ctx, None, cached, prompt)}, "message_start")

@@ -16,7 +16,7 @@ from typing import Any
 from mlxbun.serve import checks, prompts
 from mlxbun.serve.checks import BadRequest
 from mlxbun.serve.engine import Job, Request
-from mlxbun.serve.text import Choice, Context, Piece, TokenText, events
+from mlxbun.serve.text import Choice, Context, Piece, TokenText, started
 
 COMMON = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "n", "stream",
@@ -231,12 +231,9 @@ def reply(job: Job, out: Any, ctx: Context, opts: dict[str, Any]) -> None:
     shapes = Shapes(req.kind, ctx, stream=stream, include_usage=opts["include_usage"])
     choices = [Choice(ctx.tokenizer, opts["stop"]) for _ in range(req.n)]
     wanted = req.logprobs is not None
-    flow = events(job, out.alive)
-    first = next(flow)
-    if first[0] == "error":
-        out.json(first[1], error_body(BadRequest(first[2], status=first[1])))
+    if (begun := started(job, out, error_body)) is None:
         return
-    cached = first[1]
+    flow, cached = begun
     if stream:
         out.open_stream()
         for i in range(req.n if req.kind == "chat" else 0):

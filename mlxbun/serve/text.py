@@ -12,6 +12,8 @@ from typing import Any
 
 from mlx_lm.tokenizer_utils import _byte_decoder
 
+from mlxbun.serve.checks import BadRequest
+
 POLL_S = 0.1  # how often a waiting handler checks that its client is still there
 
 
@@ -122,6 +124,19 @@ class Choice:
         pieces = self.pieces[self.sent_pieces : n]
         self.sent, self.sent_pieces = upto, n
         return delta, pieces
+
+
+def started(
+    job: Any, out: Any, error_body: Callable[[BadRequest], dict[str, Any]]
+) -> tuple[Iterator[tuple], int] | None:
+    """A job's events once it has started, and how many prompt tokens came from the cache; None
+    when it failed before its first token (answered through ``out`` in the API's ``error_body``)."""
+    flow = events(job, out.alive)
+    first = next(flow)
+    if first[0] == "error":
+        out.json(first[1], error_body(BadRequest(first[2], status=first[1])))
+        return None
+    return flow, first[1]
 
 
 def events(job: Any, alive: Callable[[], bool]) -> Iterator[tuple]:
