@@ -101,3 +101,21 @@ def run_python(
     return subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env
     )
+
+
+def other_model(src: Path, dst: Path, *, metadata: dict | None = None) -> Path:
+    """A copy of the model ``src`` with every weight scaled by 1.01: the same config, names and
+    shapes, other weights (another training run of the same architecture)."""
+    import mlx.core as mx
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    arrays, meta = mx.load(str(src / "model.safetensors"), return_metadata=True)
+    mx.save_safetensors(
+        str(dst / "model.safetensors"),
+        {k: (v * 1.01).astype(v.dtype) for k, v in arrays.items()},
+        metadata={**meta, **(metadata or {})},
+    )
+    return dst

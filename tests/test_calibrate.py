@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_util import run_cli
+from cli_util import other_model, run_cli
 
 from mlxbun.quant import hessian
 from mlxbun.quant.calibrate import calibrate
@@ -119,19 +119,7 @@ def test_a_flipped_byte_in_the_cache_is_captured_again_and_the_earlier_run_still
 def test_hessians_of_another_model_of_the_same_shapes_are_refused_naming_both(tmp_path):
     """The file records the model it was captured on (its fingerprint); quantize refuses it for
     another model of the same shapes before any work."""
-    import mlx.core as mx
-
-    other = tmp_path / "other"
-    other.mkdir()
-    for f in FIXTURE.iterdir():
-        if f.suffix != ".safetensors":
-            (other / f.name).write_bytes(f.read_bytes())
-    arrays, meta = mx.load(str(FIXTURE / "model.safetensors"), return_metadata=True)
-    mx.save_safetensors(
-        str(other / "model.safetensors"),
-        {k: (v * 1.01).astype(v.dtype) for k, v in arrays.items()},
-        metadata=meta,
-    )
+    other = other_model(FIXTURE, tmp_path / "other")
     theirs = calibrate(model_dir=other, out_dir=tmp_path / "h", samples=2, seq_len=16).path
     out = tmp_path / "q"
     args = ("command=quantize", "quant.method=gptq", "quant.bits=4", f"quant.out={out}")

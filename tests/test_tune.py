@@ -9,7 +9,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from cli_util import run_cli
+from cli_util import other_model, run_cli
 
 from mlxbun.quant.calibration import read_documents, split_kinds
 from mlxbun.quant.quantize.command import MARKER, quantize_model_dir
@@ -229,14 +229,7 @@ def test_bad_tune_input_is_one_line_and_exit_2(
 
 def test_a_reference_of_the_same_shapes_but_another_model_is_refused(tmp_path: Path, q3: Path) -> None:
     """Same config and shapes, other weights (another training run): quantize recorded its source."""
-    other = tmp_path / "other"
-    other.mkdir()
-    for f in FIXTURE.iterdir():
-        if f.suffix != ".safetensors":
-            (other / f.name).write_bytes(f.read_bytes())
-    arrays, meta = mx.load(str(FIXTURE / "model.safetensors"), return_metadata=True)
-    arrays = {k: (v * 1.01).astype(v.dtype) for k, v in arrays.items()}
-    mx.save_safetensors(str(other / "model.safetensors"), arrays, metadata={**meta, "other": "1"})
+    other = other_model(FIXTURE, tmp_path / "other", metadata={"other": "1"})
     r, _ = _run(tmp_path, f"model.name={q3}", f"tune.reference={other}", *SMALL)
     assert r.returncode == 2 and "is not the model model.name was quantized from" in r.stderr, r.stderr
 
