@@ -16,6 +16,7 @@ from mlxbun import blas
 blas.load()
 
 import mlx.core as mx  # noqa: E402
+from mlx.utils import tree_flatten  # noqa: E402
 
 from mlxbun.errors import InputError  # noqa: E402
 from mlxbun.kl import kl_rows, log_probs  # noqa: E402
@@ -397,6 +398,37 @@ def test_a_streamed_quantized_source_reads_a_large_embedding_in_slices(tmp_path,
         peak = mx.get_peak_memory() - held  # whole: 7x f32
         assert got.dtype == mx.float32 and np.array_equal(np.array(got), want[exact])
         assert peak < 3 * f32, (exact, peak, f32)
+
+
+def test_an_exact_stream_keeps_a_quantized_embedding_packed(tmp_path):
+    """Tune's quantized model (an exact stream) keeps its quantized embedding and head packed and
+    takes float32 rows only where used: the same lookups and logits as the whole float32 matrix,
+    and the model holds no float32 copy of it (at Gemma-3-27B's vocabulary, 5.6 GB)."""
+    from mlxbun.quant.streamed import Dequantized, Stream
+
+    def predicate(path: str, module: Any) -> Any:
+        return {
+            "group_size": 64,
+            "bits": 5 if path.endswith(("embed_tokens", "lm_head")) else 4,
+            "mode": "affine",
+        }
+
+    qdir = quantized_fixture(tmp_path / "q", 4, predicate)
+    s = Stream(qdir, exact=True)
+    paths = {s.embedding_path, *s.head_paths}
+    assert all(isinstance(s.weight(p), Dequantized) for p in paths)
+    held = sum(v.nbytes for p in paths for _, v in tree_flatten(s._base(p).parameters()))
+    whole = {p: s.read(f"{p}.weight") for p in paths}
+    assert held < 0.5 * sum(w.nbytes for w in whole.values())
+    tokens = np.array([[1, 5, 9, 300, 2]])
+    emb = whole[s.embedding_path]
+    assert np.array_equal(np.array(s.embed(tokens)), np.array(emb[mx.array(tokens)]))
+    h = s.embed(tokens)
+    got = s.head(h)
+    head = whole[s.head_paths[0]]
+    norm = s.model.model.norm
+    want = norm(h) @ head.T
+    assert np.allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("scale", [1e-1, 1e-2, 1e-3])
