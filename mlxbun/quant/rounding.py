@@ -30,7 +30,7 @@ import numpy as np
 from mlxbun.errors import NumericFailure
 from mlxbun.quant.spec import check_method
 
-VERSION = 2  # of what the rounding gives: bump on any change of its bytes (it keys the rounded cache)
+VERSION = 3  # of what the rounding gives: bump on any change of its bytes (it keys the rounded cache)
 DAMP = 0.01  # GPTQ's diagonal dampening, relative to the mean of diag(H)
 # Range ratios tried for each group (1.0 = min/max); fixed so results are deterministic.
 RATIOS = tuple(1.0 - 0.025 * i for i in range(1, 21))
@@ -146,10 +146,11 @@ def inverse_factor(h: np.ndarray, order: np.ndarray | None = None) -> np.ndarray
     ``order``; default: as given), without forming ``H^-1``.
 
     With P the reversal, ``P H P = L L^T`` gives ``H = (P L P)(P L P)^T``, so ``U = P L^-1 P``:
-    one Cholesky and one triangular inverse in float32 through mlx's LAPACK, instead of numpy's
-    float64 ``cholesky(inv(H))`` (slower, and the same U to float32 rounding). The diagonal is
-    dampened in float64 and H is copied once, in float32 and already reversed: a 21,504-wide H
-    (Gemma-3-27B's down_proj) is 1.85 GB a copy.
+    one Cholesky and one triangular inverse in float32. Both run in numpy's own LAPACK and BLAS,
+    which every numpy wheel carries: MLX's CPU LAPACK is as fast only with a system OpenBLAS
+    loaded, and without it took 35 s at Qwen2.5-0.5B's 4,864-wide down_proj (numpy: about 3 s).
+    The diagonal is dampened in float64 and H is copied once, in float32 and already reversed: a
+    21,504-wide H (Gemma-3-27B's down_proj) is 1.85 GB a copy.
     """
     n = h.shape[0]
     order = np.arange(n) if order is None else np.asarray(order)
@@ -158,17 +159,61 @@ def inverse_factor(h: np.ndarray, order: np.ndarray | None = None) -> np.ndarray
     back = order[::-1]
     H = np.asarray(h, dtype=np.float32)[np.ix_(back, back)]
     H[np.diag_indices(n)] = damped[::-1].astype(np.float32)
-    L = mx.linalg.cholesky(mx.array(H), stream=mx.cpu)
-    del H
-    _check_factor(np.asarray(L))
-    inv = mx.linalg.tri_inv(L, upper=False, stream=mx.cpu)
-    del L
-    return np.asarray(inv)[::-1, ::-1].copy()
+    _check_factor(_cholesky(H))  # L, in H's place
+    inv = _lower_inverse(H)
+    del H  # before the reversed copy: at most H's size three times over
+    return np.ascontiguousarray(inv[::-1, ::-1])
+
+
+FACTOR_BLOCK = 512  # rows and columns a step of the blocked Cholesky and its updates take
+
+
+def _cholesky(H: np.ndarray) -> np.ndarray:
+    """Lower L with ``H = L L^T``, computed in place in ``H`` (float32) by blocks: each diagonal
+    block factored alone (small), the panel below it solved against it, the trailing lower part
+    updated a block of rows at a time. numpy's own ``cholesky`` works in float64 (4x H in
+    temporaries); this holds H and a block-wide panel."""
+    n, b = H.shape[0], FACTOR_BLOCK
+    for k in range(0, n, b):
+        e = min(k + b, n)
+        try:
+            D = np.linalg.cholesky(H[k:e, k:e]).astype(np.float32)
+        except np.linalg.LinAlgError:
+            raise NotPositiveDefinite(
+                "is not positive definite (its Cholesky failed after dampening)"
+            ) from None
+        H[k:e, k:e] = D
+        if e == n:
+            break
+        H[e:, k:e] = H[e:, k:e] @ _lower_inverse(D).T
+        panel = H[e:, k:e]
+        for r in range(e, n, b):  # the lower part of H[e:, e:] -= panel panel^T, a block of rows at a time
+            s = min(r + b, n)
+            H[r:s, e:s] -= panel[r - e : s - e] @ panel[: s - e].T
+    for k in range(0, n, b):  # the strictly upper part still holds H's values
+        s = min(k + b, n)
+        H[k:s, s:] = 0
+        H[k:s, k:s][np.triu_indices(s - k, 1)] = 0
+    return H
+
+
+def _lower_inverse(L: np.ndarray) -> np.ndarray:
+    """The inverse of lower-triangular ``L`` by halves: [[A, 0], [B, C]]^-1 is
+    [[A^-1, 0], [-C^-1 B A^-1, C^-1]], so the work is matrix products (BLAS-3)."""
+    n = L.shape[0]
+    if n <= 128:
+        return np.tril(np.linalg.inv(L))
+    k = n // 2
+    out = np.zeros_like(L)
+    out[:k, :k] = a = _lower_inverse(L[:k, :k])
+    out[k:, k:] = c = _lower_inverse(L[k:, k:])
+    out[k:, :k] = -(c @ (L[k:, :k] @ a))
+    return out
 
 
 def _check_factor(L: np.ndarray) -> None:
-    """LAPACK stops at the first non-positive pivot and mlx returns what it has: a factor whose
-    diagonal is not finite and positive throughout is a failed one."""
+    """A factor whose diagonal is not finite and positive throughout is a failed one (a NaN or Inf
+    in H passes LAPACK's pivot test)."""
     d = np.diag(L)
     if not (np.isfinite(d).all() and (d > 0).all()):
         raise NotPositiveDefinite("is not positive definite (its Cholesky failed after dampening)")

@@ -68,7 +68,7 @@ class Rounded:
     def file(self, path: str, w: Any, *, bits: int, group_size: int, method: str) -> Path:
         """Where module ``path``'s weight ``w`` rounded at this setting is kept (hashed once per
         rounding: :meth:`get` and :meth:`put` take it)."""
-        # mlx's version too: the roundings go through its quantize, reductions and LAPACK
+        # mlx's version too: the roundings go through its quantize, reductions and matmuls
         head = json.dumps(
             [FORMAT, rounding.VERSION, mx.__version__, path, method, bits, group_size, str(w.dtype), w.shape]
         )
