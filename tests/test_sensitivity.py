@@ -431,6 +431,27 @@ def test_an_exact_stream_keeps_a_quantized_embedding_packed(tmp_path):
     assert np.allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+def test_the_head_casts_one_slice_of_its_vocabulary_at_a_time(monkeypatch):
+    """chunked_matmul's logits equal x @ w.T in float32, and only one slice of the bfloat16
+    head is in float32 at a time (made as one graph, every slice's cast was alive at once)."""
+    from mlxbun.quant import streamed
+
+    w = mx.random.normal((16384, 256), key=mx.random.key(1)).astype(mx.bfloat16)
+    x = mx.random.normal((1, 4, 256), key=mx.random.key(2))
+    mx.eval(w, x)
+    want = np.array(x @ w.astype(mx.float32).T)
+    monkeypatch.setattr(streamed, "HEAD_CHUNK_BYTES", 1024 * 256 * 4)  # 16 slices of 1,024 rows
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    got = streamed.chunked_matmul(x, w)
+    mx.eval(got)
+    peak = mx.get_peak_memory() - held
+    f32 = w.size * 4
+    assert np.allclose(np.array(got), want, rtol=1e-5, atol=1e-5)
+    assert peak < 0.35 * f32, peak / f32  # one slice (1/16) and the logits; whole: f32 and more
+
+
 @pytest.mark.parametrize("scale", [1e-1, 1e-2, 1e-3])
 def test_the_streamed_kl_keeps_its_digits_on_the_host_and_on_the_device(scale):
     """The streamed KL (float32) runs in numpy on MLX's CPU backend and in MLX on a GPU: both

@@ -131,5 +131,8 @@ def _in_block(stream: Stream, i: int, variant: Variant) -> dict[str, QuantSpec]:
 def _head_kl(stream: Stream, ref: Reference, final: mx.array, variant: Variant, fake: Fake) -> float:
     """Mean KL at the head; a variant that sets the head (or a tied embedding) swaps its weight."""
     heads = {p: s for p, s in variant.items() if p in stream.head_paths}
-    swaps = {p: fake(p, stream.weight(p), s) for p, s in heads.items()}
+    swaps = {}
+    for p, s in heads.items():  # in the stored dtype at once: the float32 copy goes
+        swaps[p] = fake(p, stream.weight(p), s).astype(stream.weight(p).dtype)
+        mx.eval(swaps[p])
     return stream.kl_sum(ref.final, final, head=swaps, ref_logits=ref.logits) / ref.tokens_total
