@@ -127,6 +127,7 @@ class BlockResult:
     codes_changed: int
     seconds: float
     best_step: int = 0  # the step whose values are kept (0: the input's)
+    training_seconds: float = 0.0  # of ``seconds``, those in the step loop
     tensors: dict[str, mx.array] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -188,9 +189,9 @@ def tune_block(
         return stream.run(i, x)
 
     before = batched_mse(fn, data.x_val, data.y_val, batch)
-    done, after, best_step = 0, before, 0
+    done, after, best_step, training = 0, before, 0, 0.0
     if steps > 0 and data.x_train.shape[0]:
-        done, after, best_step = _train(
+        done, after, best_step, training = _train(
             stream, i, block, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds,
             validate=lambda: batched_mse(fn, data.x_val, data.y_val, batch), start=before,
         )  # fmt: skip
@@ -206,7 +207,7 @@ def tune_block(
         mx.eval(tensors)
     return BlockResult(
         block=i, steps=done, val_before=before, val_after=after, kept=kept, codes_changed=changed,
-        seconds=time.monotonic() - t0, best_step=best_step, tensors=tensors,
+        seconds=time.monotonic() - t0, best_step=best_step, tensors=tensors, training_seconds=training,
     )  # fmt: skip
 
 
@@ -225,13 +226,13 @@ def _train(
     stream: Stream, i: int, block: Any, tuned: dict[str, TunedLinear], data: Windows, *, steps: int, lr: float,
     batch: int, seed: int, seconds: float | None = None, validate: Callable[[], float] | None = None,
     start: float = math.inf,
-) -> tuple[int, float, int]:  # fmt: skip
+) -> tuple[int, float, int, float]:  # fmt: skip
     """Up to ``steps`` steps of signed gradient descent over random batches of the training
     windows; with ``seconds``, as many as fit in it at the pace of the steps after the first (which
     compiles kernels); the learning rate decays over the steps that will run. ``validate()`` (the
     validation error of the current values) is checked :data:`CHECKS` times; the values of the
     best check, or the input's when none is below ``start``, are left in the modules.
-    Returns (steps run, the best validation error, its step: 0 for the input's)."""
+    Returns (steps run, the best validation error, its step: 0 for the input's, the loop's seconds)."""
     params = {p: m.trainable_parameters() for p, m in tuned.items()}
     opt = SignSGD(lr, steps)
     rng = np.random.default_rng([seed, i])
@@ -243,7 +244,7 @@ def _train(
         return mse(stream.run(i, x), y)
 
     grad_fn = mx.value_and_grad(loss)
-    done, clock = 0, None
+    done, clock, t0 = 0, None, time.monotonic()
     while done < opt.steps:
         pick = mx.array(np.sort(rng.choice(n, size=min(batch, n), replace=False)))
         _, grads = grad_fn(params, data.x_train[pick], data.y_train[pick])
@@ -267,7 +268,7 @@ def _train(
         if stop:
             break
     _set(tuned, best if validate is not None else params)
-    return done, best_val, best_step if validate is not None else done
+    return done, best_val, best_step if validate is not None else done, time.monotonic() - t0
 
 
 def _set(tuned: dict[str, TunedLinear], params: dict) -> None:
@@ -355,6 +356,14 @@ def significantly_lower(after: np.ndarray, before: np.ndarray) -> bool:
 SIGNIFICANCE = 2.0
 
 
+def step_seconds(left: float, blocks: int, outside: float) -> float:
+    """A block's seconds for its steps: its share of the ``left`` seconds over the ``blocks`` still
+    to tune, less what a block costs besides its steps (``outside``: the last one's reference and
+    input passes and validation checks), so the budget holds to the end instead of running over by
+    that much a block."""
+    return max(0.0, left / blocks - outside)
+
+
 def tune_streamed(
     ref: Stream,
     q: Stream,
@@ -377,7 +386,9 @@ def tune_streamed(
     x_in = x_q["val"]  # the input model's own path on the validation windows
     results, plan = [], []
     budget = None if max_minutes is None else 60.0 * max_minutes
+    outside = 0.0  # the last block's seconds outside its step loop (reference and input passes, checks)
     for i in range(q.n_blocks):
+        started = time.monotonic()
         with ref.loaded(i) as ref_w:
             y = {k: run_batched(lambda x, i=i: ref.run(i, x), v, batch) for k, v in x_ref.items()}
         _finite(y, ref, i, "tune.reference")
@@ -389,9 +400,8 @@ def tune_streamed(
             q._set_module(p, m)
         try:
             x_in = run_batched(lambda x, i=i: q.run(i, x), x_in, batch)
-            seconds = (
-                None if budget is None else max(0.0, budget - (time.monotonic() - t0)) / (q.n_blocks - i)
-            )
+            left = None if budget is None else budget - (time.monotonic() - t0)
+            seconds = None if left is None else step_seconds(left, q.n_blocks - i, outside)
             data = Windows(x_train=x_q["train"], y_train=y["train"], x_val=x_q["val"], y_val=y["val"])
             res = None
             if tuned:
@@ -407,6 +417,7 @@ def tune_streamed(
             q.release(i)
         x_ref = y
         if res is not None:
+            outside = time.monotonic() - started - res.training_seconds
             results.append(res)
             if on_block is not None:
                 on_block(res)
