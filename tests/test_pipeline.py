@@ -164,8 +164,9 @@ def test_a_finished_steps_memory_is_released_before_the_next(tmp_path: Path, mon
 
 
 def test_a_run_budget_gives_tune_what_the_steps_before_it_left(tmp_path: Path, monkeypatch) -> None:
-    """pipeline.max_minutes lowers tune.max_minutes to the minutes left when tune starts, never
-    below MIN_TUNE_MINUTES (tune still trains); a tune budget already below it is kept."""
+    """pipeline.max_minutes lowers tune.max_minutes to the minutes left when tune starts less its
+    closing's share, never below MIN_TUNE_MINUTES (tune still trains); a tune budget already
+    below it is kept."""
     clock = iter(())
     monkeypatch.setattr(pipeline, "_now", lambda: next(clock))
     given: dict[str, float | None] = {}
@@ -178,7 +179,12 @@ def test_a_run_budget_gives_tune_what_the_steps_before_it_left(tmp_path: Path, m
         return run
 
     monkeypatch.setattr(commands, "resolve", fake)
-    for budget, own, want in ((45.0, 60.0, 15.0), (20.0, 60.0, pipeline.MIN_TUNE_MINUTES), (45.0, 5.0, 5.0)):
+    share = 1 - pipeline.TUNE_CLOSING_SHARE  # the rest is tune's closing
+    for budget, own, want in (
+        (45.0, 60.0, 15.0 * share),
+        (20.0, 60.0, pipeline.MIN_TUNE_MINUTES),
+        (45.0, 5.0, 5.0),
+    ):
         clock = iter([0.0, 30 * 60.0])  # the run starts; tune starts 30 minutes later
         cfg = _cfg(
             tmp_path, ["synth", "quantize", "tune"], tune=schema.TuneCfg(reference="/x/ref", max_minutes=own)

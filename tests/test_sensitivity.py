@@ -334,6 +334,25 @@ def test_fake_quant_in_row_slices_gives_the_same_values(monkeypatch):
         assert sliced.dtype == np.float32 and np.array_equal(whole, sliced), cand
 
 
+def test_a_head_swapped_in_whole_is_fake_quantized_in_its_own_dtype(monkeypatch):
+    """fake_quant(out=bfloat16) gives the float32 result's values in bfloat16 slice by slice, so a
+    swapped-in embedding never exists in float32 (its float32 slices and their concatenation were
+    most of the sensitivity's peak at a 150K vocabulary)."""
+    w = mx.random.normal((8192, 256), key=mx.random.key(5)).astype(mx.bfloat16)
+    mx.eval(w)
+    monkeypatch.setattr(rounding, "CHUNK", 512 * 256)  # 16 slices
+    peaks, got = [], []
+    for out in (mx.float32, mx.bfloat16):
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        held = mx.get_active_memory()
+        got.append(probe.fake_quant(w, QuantSpec(bits=5, group_size=64), dtype="bfloat16", out=out))
+        mx.eval(got[-1])
+        peaks.append(mx.get_peak_memory() - held)
+    assert got[1].dtype == mx.bfloat16 and mx.array_equal(got[1], got[0].astype(mx.bfloat16)).item()
+    assert peaks[1] < 0.6 * peaks[0], peaks
+
+
 def test_merge_names_a_shard_written_before_a_setting_was_recorded():
     new = {"kind": "x", "batch_size": 8, "estimator": 5}
     old = {"kind": "x", "estimator": 5}

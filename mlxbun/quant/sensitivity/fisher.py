@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from mlxbun.quant.probe import Target, fake_quant
@@ -202,8 +203,8 @@ def estimate(
         fp.close()
     dtypes = {t.path: t.dtype for t in tgts}
 
-    def rtn(path: str, w: Any, spec: QuantSpec) -> Any:
-        return fake_quant(w, spec, dtype=dtypes[path])
+    def rtn(path: str, w: Any, spec: QuantSpec, out: Any = mx.float32) -> Any:
+        return fake_quant(w, spec, dtype=dtypes[path], out=out)
 
     kls = variants.measure(
         stream, ref, [v for _, _, v in group_variants], fake=rtn, tick=lambda f: tick(f * n_sub)
