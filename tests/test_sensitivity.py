@@ -346,11 +346,33 @@ def test_a_head_swapped_in_whole_is_fake_quantized_in_its_own_dtype(monkeypatch)
         mx.clear_cache()
         mx.reset_peak_memory()
         held = mx.get_active_memory()
-        got.append(probe.fake_quant(w, QuantSpec(bits=5, group_size=64), dtype="bfloat16", out=out))
+        got.append(probe.fake_quant(w, QuantSpec(bits=5, group_size=64), dtype="bfloat16", out_dtype=out))
         mx.eval(got[-1])
         peaks.append(mx.get_peak_memory() - held)
     assert got[1].dtype == mx.bfloat16 and mx.array_equal(got[1], got[0].astype(mx.bfloat16)).item()
     assert peaks[1] < 0.6 * peaks[0], peaks
+
+
+def test_written_gives_a_rounding_in_the_dtype_asked_fresh_and_read_back(tmp_path):
+    """Written (the probes' weights as quantize writes them) in bfloat16 on request: GPTQ rounded
+    here, then read back from the rounded cache, both the float32 result's values (a read-back
+    once took the cached arrays for the dtype and failed the 0.5B recipe's probes)."""
+    from mlxbun.quant.quantize.cache import Rounded
+
+    rng = np.random.default_rng(0)
+    w = mx.array(rng.standard_normal((64, 128)).astype(np.float32))
+    x = rng.standard_normal((256, 128)).astype(np.float32)
+    hessians = {"m": x.T @ x}
+    spec = QuantSpec(bits=4, group_size=64, method="gptq")
+    written = probe.Written(
+        dtype="bfloat16", dtypes={}, hessians=hessians, rounded=Rounded(tmp_path, "0" * 64)
+    )
+    f32 = written("m", w, spec)
+    fresh = written("m", w, spec, out_dtype=mx.bfloat16)
+    again = written("m", w, spec, out_dtype=mx.bfloat16)  # from the cache
+    assert written.rounded.hits >= 1
+    for got in (fresh, again):
+        assert got.dtype == mx.bfloat16 and mx.array_equal(got, f32.astype(mx.bfloat16)).item()
 
 
 def test_merge_names_a_shard_written_before_a_setting_was_recorded():

@@ -165,7 +165,7 @@ def fake_quant(
     dtype: str,
     hessian: Any = None,
     factor: Any = None,
-    out: Any = mx.float32,
+    out_dtype: Any = mx.float32,
 ) -> Any:
     """quantize -> dequantize of ``weight`` cast to its source dtype, returned as float32.
 
@@ -175,17 +175,17 @@ def fake_quant(
     ``rounding.gptq_factor``, when computed already). awq folds scales across modules and cannot be
     made one module at a time. Large rtn weights go in slices of rows (quantization groups never
     cross a row: the same values), each evaluated before the next, so the temporaries stay near
-    ``rounding.CHUNK`` weights. ``out``: the dtype of the values returned (float32; the source dtype
+    ``rounding.CHUNK`` weights. ``out_dtype``: the dtype of the values returned (float32; the source dtype
     for a weight swapped in whole, so no float32 copy of an embedding is made)."""
     if cand.method != "rtn":
-        return _rounded(weight, cand, dtype, hessian, factor, out)
+        return _rounded(weight, cand, dtype, hessian, factor, out_dtype)
 
     rows = max(1, rounding.CHUNK // max(1, weight.size // max(1, weight.shape[0])))
     if weight.shape[0] <= rows:
-        return _fake_quant(weight, cand, dtype).astype(out)
+        return _fake_quant(weight, cand, dtype).astype(out_dtype)
     parts = []
     for lo in range(0, weight.shape[0], rows):
-        parts.append(_fake_quant(weight[lo : lo + rows], cand, dtype).astype(out))
+        parts.append(_fake_quant(weight[lo : lo + rows], cand, dtype).astype(out_dtype))
         mx.eval(parts[-1])
     return mx.concatenate(parts)
 
@@ -203,10 +203,10 @@ class Written:
     ) -> None:
         self.dtype, self.dtypes, self.hessians, self.rounded = dtype, dtypes, hessians, rounded
 
-    def __call__(self, path: str, w: Any, spec: QuantSpec, out: Any = mx.float32) -> Any:
+    def __call__(self, path: str, w: Any, spec: QuantSpec, out_dtype: Any = mx.float32) -> Any:
         dtype = self.dtype or self.dtypes.get(path, "bfloat16")
         if spec.method == "rtn" or spec.mode != "affine":
-            return fake_quant(w, spec, dtype=dtype, out=out)
+            return fake_quant(w, spec, dtype=dtype, out_dtype=out_dtype)
         src = w.astype(getattr(mx, dtype))
         setting = {"bits": spec.bits, "group_size": spec.group_size, "method": spec.method}
         file = None if self.rounded is None else self.rounded.file(path, src, **setting)
@@ -225,12 +225,12 @@ class Written:
                 self.rounded.put(file, out, path)
         wq, scales, biases = out
         return rounding.dequantized(
-            mx.array(wq), scales, biases, group_size=spec.group_size, bits=spec.bits, dtype=out
+            mx.array(wq), scales, biases, group_size=spec.group_size, bits=spec.bits, dtype=out_dtype
         )
 
 
 def _rounded(
-    weight: Any, cand: QuantSpec, dtype: str, hessian: Any, factor: Any, out: Any = mx.float32
+    weight: Any, cand: QuantSpec, dtype: str, hessian: Any, factor: Any, out_dtype: Any = mx.float32
 ) -> Any:
     if cand.method not in ("clip", "gptq"):
         raise ValueError(f"fake_quant: method {cand.method!r} cannot be applied to one module alone")
@@ -238,7 +238,7 @@ def _rounded(
     wq, s, b = rounding.quantize(
         src, bits=cand.bits, group_size=cand.group_size, method=cand.method, hessian=hessian, factor=factor
     )
-    return rounding.dequantized(wq, s, b, group_size=cand.group_size, bits=cand.bits, dtype=out)
+    return rounding.dequantized(wq, s, b, group_size=cand.group_size, bits=cand.bits, dtype=out_dtype)
 
 
 def _fake_quant(weight: Any, cand: QuantSpec, dtype: str) -> Any:

@@ -203,8 +203,8 @@ def estimate(
         fp.close()
     dtypes = {t.path: t.dtype for t in tgts}
 
-    def rtn(path: str, w: Any, spec: QuantSpec, out: Any = mx.float32) -> Any:
-        return fake_quant(w, spec, dtype=dtypes[path], out=out)
+    def rtn(path: str, w: Any, spec: QuantSpec, out_dtype: Any = mx.float32) -> Any:
+        return fake_quant(w, spec, dtype=dtypes[path], out_dtype=out_dtype)
 
     kls = variants.measure(
         stream, ref, [v for _, _, v in group_variants], fake=rtn, tick=lambda f: tick(f * n_sub)

@@ -9,8 +9,8 @@ reference at the head. Memory: one block, one hidden state of the windows per va
     ref = Reference.capture(stream, tokens)          # boundary states and the reference's last state
     kls = measure(stream, ref, [{"model.layers.3.mlp.down_proj": QuantSpec(bits=3)}, ...], fake=fq)
 
-``fake(path, weight, spec, out=float32)`` gives a module's weight at a setting (float32 in,
-``out`` out):
+``fake(path, weight, spec, out_dtype=float32)`` gives a module's weight at a setting (float32
+in, ``out_dtype`` out):
 quantize -> dequantize for RTN and the microscaling modes, a rounding with the module's Hessian
 for clip and GPTQ.
 """
@@ -26,7 +26,7 @@ import numpy as np
 from mlxbun.quant.spec import QuantSpec
 from mlxbun.quant.streamed import Stream
 
-Fake = Callable[..., mx.array]  # (path, weight, spec, out=mx.float32) -> the weight at spec
+Fake = Callable[..., mx.array]  # (path, weight, spec, out_dtype=mx.float32) -> the weight at spec
 REF_LOGITS_BYTES = 512 << 20
 Variant = Mapping[str, QuantSpec]
 
@@ -93,7 +93,9 @@ def measure(
     states: dict[int, mx.array] = {}
     for k, v in enumerate(variants):
         if starts[k] < 0:  # the embedding changes: the lookups differ from block 0 on
-            with stream.swapped({emb: fake(emb, stream.weight(emb), v[emb], out=stream.weight(emb).dtype)}):
+            with stream.swapped(
+                {emb: fake(emb, stream.weight(emb), v[emb], out_dtype=stream.weight(emb).dtype)}
+            ):
                 states[k] = stream.embed(ref.tokens)
     for i in range(max(0, min(starts, default=0)), stream.n_blocks):
         active = [k for k in range(len(variants)) if starts[k] <= i]
@@ -134,6 +136,6 @@ def _head_kl(stream: Stream, ref: Reference, final: mx.array, variant: Variant, 
     heads = {p: s for p, s in variant.items() if p in stream.head_paths}
     swaps = {}
     for p, s in heads.items():  # in the stored dtype, slice by slice: no float32 copy of the head
-        swaps[p] = fake(p, stream.weight(p), s, out=stream.weight(p).dtype)
+        swaps[p] = fake(p, stream.weight(p), s, out_dtype=stream.weight(p).dtype)
         mx.eval(swaps[p])
     return stream.kl_sum(ref.final, final, head=swaps, ref_logits=ref.logits) / ref.tokens_total
