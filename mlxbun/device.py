@@ -7,9 +7,8 @@ from mlxbun.errors import InputError
 
 CHOICES = ("auto", "cpu", "gpu")
 # MLX keeps freed buffers for reuse up to its memory limit by default: a streamed command's
-# slices of logits and per-block weights would stay resident as cache long after use (the
-# sensitivity pass at Qwen2.5-0.5B's shapes held 0.9 GB more that way). Batch commands keep at
-# most this much; serve keeps MLX's default, where reuse is its throughput.
+# slices of logits and per-block weights would stay resident as cache long after use. Batch
+# commands keep at most this much; serve keeps MLX's default, where reuse is its throughput.
 CACHE_BYTES = 256 << 20
 
 

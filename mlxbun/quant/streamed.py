@@ -186,8 +186,7 @@ class Dequantized:
 
     def __getitem__(self, rows: Any) -> mx.array:
         biases = None if self.biases is None else self.biases[rows]
-        w = dequantized(self.packed[rows], self.scales[rows], biases, dtype=mx.float32, **self.how)
-        return w
+        return dequantized(self.packed[rows], self.scales[rows], biases, dtype=mx.float32, **self.how)
 
     def astype(self, dtype: Any) -> mx.array:
         return self[:].astype(dtype)
