@@ -288,49 +288,37 @@ class Stream:
 
     def read(self, name: str) -> mx.array:
         """Model parameter ``name`` in float32, read from disk (a quantized module's dequantized)."""
-        src = self.sources[name]
-        base = src[: -len(".weight")] if src.endswith(".weight") else None
-        if base is not None and f"{base}.scales" in self.reader:
-            scales = self.reader.info(f"{base}.scales")
-            q = quant_params(
-                base, weight_shape=tuple(self.reader.info(src).shape), scales_shape=tuple(scales.shape),
-                scales_dtype=scales.dtype, quantization=quantization_block(self.config),
-            )  # fmt: skip
-            scales, biases = self.reader.array(f"{base}.scales"), None
-            if q.get("mode", "affine") == "affine":
-                biases = self.reader.array(f"{base}.biases")
-                if self.exact:  # the values the model computes with, not rounded to the scales' dtype
-                    scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-            w = dequantized(  # in slices of rows: whole, a 5-bit 150K-row embedding peaks at 6x its size
-                self.reader.array(src), scales, biases, group_size=q["group_size"], bits=q["bits"],
-                mode=q.get("mode", "affine"), dtype=mx.float32,
-            )  # fmt: skip
-        else:
-            w = self.reader.array(src)
+        quantized = self._quantized(name, exact=self.exact)
+        # in slices of rows: whole, a 5-bit 150K-row embedding peaks at 6x its size
+        w = quantized[:] if quantized is not None else self.reader.array(self.sources[name])
         w = w.astype(mx.float32)
         mx.eval(w)
         return w
+
+    def _quant_of(self, name: str) -> dict | None:
+        """The quantization (bits, group_size, mode) parameter ``name`` is stored with; None when
+        it is stored unquantized."""
+        src = self.sources[name]
+        base = src[: -len(".weight")] if src.endswith(".weight") else None
+        if base is None or f"{base}.scales" not in self.reader:
+            return None
+        scales = self.reader.info(f"{base}.scales")
+        q = quant_params(
+            base, weight_shape=tuple(self.reader.info(src).shape), scales_shape=tuple(scales.shape),
+            scales_dtype=scales.dtype, quantization=quantization_block(self.config),
+        )  # fmt: skip
+        return {"bits": q["bits"], "group_size": q["group_size"], "mode": q.get("mode", "affine")}
 
     def source(self) -> dict[str, dict]:
         """A quantized source's settings: {"current": {module: {bits, group_size, mode}},
         "dtypes": {module: its scales' dtype}} (both empty for an unquantized source)."""
         current, dtypes = {}, {}
-        for name, src in self.sources.items():
-            base = src[: -len(".weight")] if src.endswith(".weight") else None
-            if base is None or f"{base}.scales" not in self.reader:
+        for name in self.sources:
+            if (q := self._quant_of(name)) is None:
                 continue
-            scales = self.reader.info(f"{base}.scales")
-            q = quant_params(
-                base, weight_shape=tuple(self.reader.info(src).shape), scales_shape=tuple(scales.shape),
-                scales_dtype=scales.dtype, quantization=quantization_block(self.config),
-            )  # fmt: skip
             path = name[: -len(".weight")]
-            current[path] = {
-                "bits": q["bits"],
-                "group_size": q["group_size"],
-                "mode": q.get("mode", "affine"),
-            }
-            dtypes[path] = self.stored_dtype(name) if current[path]["mode"] == "affine" else "bfloat16"
+            current[path] = q
+            dtypes[path] = self.stored_dtype(name) if q["mode"] == "affine" else "bfloat16"
         return {"current": current, "dtypes": dtypes}
 
     def stored_dtype(self, name: str) -> str:
@@ -362,25 +350,20 @@ class Stream:
             del mod["weight"]
             object.__setattr__(mod, "weight", w)
 
-    def _quantized(self, name: str) -> Dequantized | None:
-        """A quantized source's embedding or head weight as :class:`Dequantized` (float32 values
-        exactly as :meth:`read` gives them, a slice at a time); None when it is not quantized."""
+    def _quantized(self, name: str, *, exact: bool = True) -> Dequantized | None:
+        """A quantized parameter as :class:`Dequantized` (float32 values a slice at a time; with
+        ``exact`` the affine scales and biases are float32, the values the model computes with,
+        not rounded to the scales' dtype); None when it is not quantized."""
+        if (q := self._quant_of(name)) is None:
+            return None
         src = self.sources[name]
         base = src[: -len(".weight")]
-        if f"{base}.scales" not in self.reader:
-            return None
-        scales = self.reader.info(f"{base}.scales")
-        q = quant_params(
-            base, weight_shape=tuple(self.reader.info(src).shape), scales_shape=tuple(scales.shape),
-            scales_dtype=scales.dtype, quantization=quantization_block(self.config),
-        )  # fmt: skip
-        mode = q.get("mode", "affine")
-        biases = self.reader.array(f"{base}.biases").astype(mx.float32) if mode == "affine" else None
-        scale_values = self.reader.array(f"{base}.scales")
-        return Dequantized(
-            self.reader.array(src), scale_values.astype(mx.float32) if mode == "affine" else scale_values,
-            biases, group_size=q["group_size"], bits=q["bits"], mode=mode,
-        )  # fmt: skip
+        scales, biases = self.reader.array(f"{base}.scales"), None
+        if q["mode"] == "affine":
+            biases = self.reader.array(f"{base}.biases")
+            if exact:
+                scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
+        return Dequantized(self.reader.array(src), scales, biases, **q)
 
     def block_names(self, i: int) -> list[str]:
         """Block ``i``'s parameters, relative to the block."""
