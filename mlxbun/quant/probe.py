@@ -80,8 +80,8 @@ def load_model(model_dir: str | Path, *, key: str = "model.name") -> tuple[Any, 
 def _dequantize(model: Any) -> None:
     """mlx-lm's ``dequantize_model`` in place, each weight in slices of rows of about
     :data:`rounding.CHUNK` weights cast to float32 one after the other. The values come out in
-    the scales' dtype first (the candidates' source), as there; dequantized whole, a 150K-row
-    embedding's temporaries alone peaked at 4 GB."""
+    the scales' dtype first (the candidates' source), as there; dequantized whole, a large
+    vocabulary's embedding alone set the probes' peak."""
     kinds = {
         nn.QuantizedLinear: nn.Linear,
         nn.QuantizedEmbedding: nn.Embedding,

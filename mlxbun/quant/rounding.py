@@ -148,9 +148,9 @@ def inverse_factor(h: np.ndarray, order: np.ndarray | None = None) -> np.ndarray
     With P the reversal, ``P H P = L L^T`` gives ``H = (P L P)(P L P)^T``, so ``U = P L^-1 P``:
     one Cholesky and one triangular inverse in float32. Both run in numpy's own LAPACK and BLAS,
     which every numpy wheel carries: MLX's CPU LAPACK is as fast only with a system OpenBLAS
-    loaded, and without it took 35 s at Qwen2.5-0.5B's 4,864-wide down_proj (numpy: about 3 s).
-    The diagonal is dampened in float64 and H is copied once, in float32 and already reversed: a
-    21,504-wide H (Gemma-3-27B's down_proj) is 1.85 GB a copy.
+    loaded (BENCHMARKS.md, "GPTQ's factor"). The diagonal is dampened in float64 and H is copied
+    once, in float32 and already reversed: at the widest H a model has (the down_proj's) every
+    copy counts.
     """
     n = h.shape[0]
     order = np.arange(n) if order is None else np.asarray(order)
@@ -285,7 +285,8 @@ def dequantized(
     wq: Any, scales: Any, biases: Any, *, group_size: int, bits: int, mode: str = "affine", dtype: Any
 ) -> Any:
     """mlx's dequantize as ``dtype``, in slices of rows of about :data:`CHUNK` weights,
-    each evaluated before the next (whole, a 150K-row 5-bit embedding takes 3.4 GB of temporaries)."""
+    each evaluated before the next: whole, a large vocabulary's temporaries are several times the
+    float32 matrix."""
     rows = wq.shape[-2]
     step = max(1, CHUNK // max(1, wq.size * 32 // bits // rows))
     parts = []

@@ -159,8 +159,7 @@ HEAD_CHUNK_BYTES = 64 << 20  # float32 bytes of the head's matrix cast at once
 def chunked_matmul(x: mx.array, w: mx.array) -> mx.array:
     """``x @ w.T`` in float32, ``w`` (its stored dtype) cast a slice of its rows at a time, each
     slice's product evaluated before the next is cast: a large vocabulary's head is never copied
-    to float32 whole (evaluated as one graph, every slice's cast was alive at once: 0.5 GB more at
-    Qwen2.5-0.5B's vocabulary)."""
+    to float32 whole (evaluated as one graph, every slice's cast is alive at once)."""
     rows = max(1, HEAD_CHUNK_BYTES // (4 * w.shape[-1]))
     x = x.astype(mx.float32)
     if w.shape[0] <= rows:
@@ -289,7 +288,7 @@ class Stream:
     def read(self, name: str) -> mx.array:
         """Model parameter ``name`` in float32, read from disk (a quantized module's dequantized)."""
         quantized = self._quantized(name, exact=self.exact)
-        # in slices of rows: whole, a 5-bit 150K-row embedding peaks at 6x its size
+        # in slices of rows: whole, a large vocabulary's temporaries are several times its size
         w = quantized[:] if quantized is not None else self.reader.array(self.sources[name])
         w = w.astype(mx.float32)
         mx.eval(w)

@@ -82,7 +82,7 @@ class CheckResult:
 
 
 KL_BYTES = 64 << 20  # float64 log-probs held at once by measured_kl (a 150K vocabulary: ~50 tokens;
-# each of its float64 temporaries is this size: at 256 MB they were 1.3 GB of a 0.5B probe's peak)
+# each of its float64 temporaries is this size, so it bounds the probes' peak, not only their speed)
 
 
 def measured_kl(

@@ -61,9 +61,8 @@ VERSION = 6  # of the estimate: a change gives new cache keys (4: MIN_SCORE_ROWS
 PROBE_BPW = 4.5  # the probes' budget when allocate has none
 SAVE_EVERY = 20.0  # seconds between saves of the modules scored so far
 # A weight of more than SCORE_WEIGHTS is scored on a fixed sample of its rows (rows_scored), never
-# fewer than MIN_SCORE_ROWS: every fixture's weights fit whole; at 0.5B a 4,864 x 896 weight keeps
-# 292 rows and an 896 x 4,864 down_proj 128 (its candidates' KL ratios within 1.1% of 256 rows',
-# median 0.3%; the down_proj was 19.7 of a layer's 35 s of scoring at 256 rows).
+# fewer than MIN_SCORE_ROWS: every fixture's weights fit whole; a wide down_proj, the most of a
+# block's scoring time, keeps MIN_SCORE_ROWS (the candidates' ratios it gives: BENCHMARKS.md).
 SCORE_WEIGHTS = 1 << 18
 MIN_SCORE_ROWS = 128
 ANCHOR_GROUP = 64  # the group size of the one exact GPTQ per module and bits that scales the others
