@@ -286,8 +286,54 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     kls = {p: {default: 0.05, gptq: 0.03} for p in ("a", "b")}
     tokens = np.zeros((32, 16), dtype=np.int32)
     _, probes = candidates.corrected(
-        kls, {"a": gptq, "b": default}, stream=stream, hessians=tmp_path / "h.safetensors", tokens=tokens
+        kls,
+        lambda _: {"a": gptq, "b": default},
+        stream=stream,
+        hessians=tmp_path / "h.safetensors",
+        tokens=tokens,
     )
     assert [p["key"] for p in probes] == ["rtn", "gptq"]
     assert seen == [(32 // fisher.CALIB_FRACTION, 16)] and passes == [2]
     assert fisher.calibration_subset(tokens[:3]).shape == (1, 16)  # at least one sample
+
+
+def test_a_quantizer_the_corrected_plan_brings_in_is_probed_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPTQ's estimates are 4x too low: its probe corrects them, the plan moves to clip, and clip
+    (never measured) is probed in a second round instead of standing on its raw estimate."""
+    from types import SimpleNamespace
+
+    from mlxbun.quant import hessian
+    from mlxbun.quant.sensitivity import variants
+
+    rtn = QuantSpec(bits=4, group_size=64)
+    gptq, clip = (QuantSpec(bits=4, group_size=64, method=m) for m in ("gptq", "clip"))
+    true = {rtn: 0.05, gptq: 0.04, clip: 0.03}  # each module's KL in the whole model
+    passes = []
+    monkeypatch.setattr(variants.Reference, "capture", classmethod(lambda cls, stream, tokens: "ref"))
+
+    def measure(stream, ref, vs, **k):
+        passes.append(len(vs))
+        return [sum(true[s] for s in v.values()) for v in vs]
+
+    monkeypatch.setattr(variants, "measure", measure)
+    stream = SimpleNamespace(
+        dir="m", source=lambda: {"current": {}, "dtypes": {}}, stored_dtype=lambda name: "bfloat16"
+    )
+    hessian.save({"a": np.eye(64, dtype=np.float32)}, tmp_path / "h.safetensors", tokens=1)
+    kls = {p: {rtn: 0.05, gptq: 0.01, clip: 0.02} for p in ("a", "b")}
+
+    def plan(est):  # each module at its lowest estimate other than RTN's
+        return {p: min((gptq, clip), key=lambda s: est[p][s]) for p in est}
+
+    fixed, probes = candidates.corrected(
+        kls,
+        plan,
+        stream=stream,
+        hessians=tmp_path / "h.safetensors",
+        tokens=np.zeros((8, 16), dtype=np.int32),
+    )
+    assert [(p["key"], p["factor"]) for p in probes] == [("rtn", 1.0), ("gptq", 4.0), ("clip", 1.5)]
+    assert passes == [2, 2]  # the first plan's RTN and GPTQ probes, then RTN and clip around the second
+    assert fixed["a"][clip] == pytest.approx(0.03) and fixed["a"][gptq] == pytest.approx(0.04)

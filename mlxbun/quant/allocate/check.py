@@ -45,7 +45,9 @@ FACTOR_RANGE = (0.1, 10.0)  # a probe's factor is clipped to this: one noisy pro
 # 0.47-0.68, moved 42 modules to clip and cost 9% more held-out KL at three sizes); a quantizer
 # that still carries under MIN_PROBE_SHARE is not probed (factor 1).
 PROBE_SHARE = 0.5
-VERSION = 2  # of the probes: in the name of the corrected estimates a run keeps (2: PROBE_SHARE)
+# of the probes: in the name of the corrected estimates a run keeps (2: PROBE_SHARE; 3: rounds
+# of probes until the corrected plan uses no quantizer left unmeasured)
+VERSION = 3
 MIN_PROBE_SHARE = 0.05
 
 
@@ -187,12 +189,14 @@ def correction_factors(
     layers: Layers,
     kl: Callable[[str, QuantSpec], float | None],
     measure: Callable[[list[Layers]], list[float]],
+    keys: set[str] | None = None,
 ) -> list[Probe]:
     """Per-quantizer factors from 1 + (quantizers other than RTN in ``layers``) whole-model probes,
     all measured at once. A probe whose planned modules carry under :data:`PROBE_SHARE` of its
     predicted KL takes the other modules at the quantizer too (:func:`variant`), largest predicted
     KL first, until they do; one that still carries under :data:`MIN_PROBE_SHARE` is not made
-    (measured None, factor 1).
+    (measured None, factor 1). ``keys``: probe only these quantizers (when none of them is made,
+    nothing is measured and the list is empty).
 
     Args:
         layers: a plan's setting of every module (None: unquantized).
@@ -215,12 +219,15 @@ def correction_factors(
     pred_base = predicted(base, scored)
     planned = [("rtn", base, scored, pred_base, 0.0, planned_rtn)]
     for key in sorted({correction_key(layers[p]) for p in scored} - {"rtn"}):
-        planned.append(_probe_settings(key, layers, base, scored, kl, predicted))
+        if keys is None or key in keys:
+            planned.append(_probe_settings(key, layers, base, scored, kl, predicted))
     to_measure = [
         i
         for i, (_, settings, _, pk, po, _) in enumerate(planned)
         if i == 0 or pk >= MIN_PROBE_SHARE * (pk + po)
     ]
+    if keys is not None and len(to_measure) == 1:
+        return []
     values = dict(zip(to_measure, measure([planned[i][1] for i in to_measure]), strict=True))
     meas_base = values[0]
     r = meas_base / pred_base if pred_base > 0 else 1.0

@@ -42,7 +42,7 @@ import numpy as np
 from mlxbun.errors import InputError
 from mlxbun.progress import Progress
 from mlxbun.quant import rounding, workers
-from mlxbun.quant.allocate.check import correction_factors, rescaled
+from mlxbun.quant.allocate.check import Probe, correction_factors, correction_key, rescaled
 from mlxbun.quant.hessian import Hessians, output_error
 from mlxbun.quant.probe import Written, fake_quant
 from mlxbun.quant.quantize.cache import Rounded
@@ -59,6 +59,9 @@ VERSION = 6  # of the estimate: a change gives new cache keys (4: MIN_SCORE_ROWS
 # on the calibration subset; 5: no probe of a quantizer under check.MIN_PROBE_SHARE of the KL;
 # 6: GPTQ in act-order)
 PROBE_BPW = 4.5  # the probes' budget when allocate has none
+# Rounds of probes at most: the first around the estimates' plan, each next one only when the
+# corrected plan brings in a quantizer no probe measured.
+PROBE_ROUNDS = 3
 SAVE_EVERY = 20.0  # seconds between saves of the modules scored so far
 # A weight of more than SCORE_WEIGHTS is scored on a fixed sample of its rows (rows_scored), never
 # fewer than MIN_SCORE_ROWS: every fixture's weights fit whole; a wide down_proj, the most of a
@@ -258,7 +261,7 @@ def score(
 
 def corrected(
     kls: dict[str, dict[QuantSpec, float]],
-    layers: Mapping[str, QuantSpec | None],
+    plan: Callable[[dict[str, dict[QuantSpec, float]]], Mapping[str, QuantSpec | None]],
     *,
     stream: Any,
     hessians: str | Path,
@@ -267,8 +270,12 @@ def corrected(
     rounded: Path | None = None,
     reference: Any = None,
 ) -> tuple[dict[str, dict[QuantSpec, float]], list[dict[str, Any]]]:
-    """``kls`` with each quantizer's estimates rescaled by whole-model probes around the plan
-    ``layers`` (:func:`mlxbun.quant.allocate.check.correction_factors`), and the probes.
+    """``kls`` with each quantizer's estimates rescaled by whole-model probes around the plan the
+    estimates give (``plan``: estimates -> every module's setting at the budget;
+    :func:`mlxbun.quant.allocate.check.correction_factors`), and the probes. The corrected
+    estimates are planned again, and a quantizer that plan uses that no probe measured is probed
+    in another round (at most :data:`PROBE_ROUNDS`): a raw estimate beside corrected ones is
+    what the plan would otherwise lean on.
 
     Each probe is the model with its plan's weights as quantize would write them
     (:class:`mlxbun.quant.probe.Written`; clip and GPTQ roundings kept under ``rounded`` for
@@ -304,10 +311,27 @@ def corrected(
         )  # fmt: skip
         return kl
 
-    probes = correction_factors(layers, lambda p, s: kls[p].get(s) if p in kls else None, measure)
-    factors = {p.key: p.factor for p in probes}
-    fixed = rescaled(Sensitivity({p: LayerSensitivity(p, 0, kl) for p, kl in kls.items()}), factors)
-    return {p: dict(layer.kl) for p, layer in fixed.layers.items()}, [p.to_json() for p in probes]
+    def kl(p: str, s: QuantSpec) -> float | None:
+        return kls[p].get(s) if p in kls else None
+
+    sens = Sensitivity({p: LayerSensitivity(p, 0, v) for p, v in kls.items()})
+    probes: dict[str, Probe] = {}
+    fixed = kls
+    for _ in range(PROBE_ROUNDS):
+        layers = plan(fixed)
+        measured = {k for k, p in probes.items() if p.measured is not None}
+        keys = (
+            None if not probes else {correction_key(s) for s in layers.values() if s is not None} - measured
+        )
+        if keys is not None and not keys - {"rtn"}:
+            break
+        found = correction_factors(layers, kl, measure, keys=keys)
+        if not found:
+            break
+        probes |= {p.key: p for p in found if p.key not in measured}
+        scaled = rescaled(sens, {k: p.factor for k, p in probes.items()})
+        fixed = {p: dict(layer.kl) for p, layer in scaled.layers.items()}
+    return fixed, [p.to_json() for p in probes.values()]
 
 
 def gptq_agreement(

@@ -410,13 +410,16 @@ def _probes(
     if done is None:
         t0 = time.monotonic()
         values = keys.specced(kl)
-        sens = Sensitivity({p: LayerSensitivity(p, 0, v) for p, v in values.items()})
-        plan = allocation.allocate(
-            sens, model_dir=model_dir, budget_bpw=rich.budget_bpw, budget_bytes=rich.budget_bytes,
-            out_dtype=rich.out_dtype,
-        )  # fmt: skip
+
+        def plan(estimates: dict) -> dict:
+            sens = Sensitivity({p: LayerSensitivity(p, 0, v) for p, v in estimates.items()})
+            return allocation.allocate(
+                sens, model_dir=model_dir, budget_bpw=rich.budget_bpw, budget_bytes=rich.budget_bytes,
+                out_dtype=rich.out_dtype,
+            ).layers  # fmt: skip
+
         fixed, probes = rich_candidates.corrected(
-            values, plan.layers, stream=s.stream or Stream(model_dir), hessians=hessians, tokens=s.tokens,
+            values, plan, stream=s.stream or Stream(model_dir), hessians=hessians, tokens=s.tokens,
             out_dtype=rich.out_dtype, rounded=rich.rounded,
         )  # fmt: skip
         done = {"kl": keys.keyed(fixed), "probes": probes, "seconds": round(time.monotonic() - t0, 3)}
