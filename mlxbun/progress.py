@@ -93,6 +93,7 @@ class Progress:
         self.done = 0.0
         self.work_total, self.work = work_total, 0.0
         self.eta_hint: float | None = None  # a caller's estimate of the whole run, until work is done
+        self._deadline: float | None = None  # when a time budget ends the work (clock time)
         self._clock = clock
         self.start = self._last = clock()
         self._marks: list[tuple[float, float, float]] = []  # (time, done, work) at each update
@@ -113,6 +114,8 @@ class Progress:
         now, f = self._clock(), self.fraction()
         if f >= 1:
             return 0.0
+        if self._deadline is not None and now < self._deadline:
+            return self._deadline - now
         if f <= 0:
             return float("inf")
         if len(self._marks) < 2:
@@ -188,6 +191,13 @@ class Progress:
         with self._lock:
             self.eta_hint = self._clock() - self.start + seconds
             self._report(force=True)
+
+    def deadline(self, seconds: float) -> None:
+        """The work ends ``seconds`` from now whatever its pace (a time budget sets how much of it
+        is done, e.g. tune's steps per block): the ETA counts down to that, and follows the rate
+        only once it has passed."""
+        with self._lock:
+            self._deadline = self._clock() + seconds
 
     def _report(self, *, force: bool) -> None:
         now = self._clock()

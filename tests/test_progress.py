@@ -77,6 +77,27 @@ def test_eta_before_any_work_and_at_the_end() -> None:
     assert p.eta() == 0.0
 
 
+def test_a_time_budget_sets_the_eta_whatever_the_pace_of_its_items() -> None:
+    """tune under tune.max_minutes: blocks get fewer steps as the budget runs down, so their pace
+    tells nothing of the end; the budget does (the heartbeat's lines between blocks included)."""
+    clock = Clock()
+    p, paced = (
+        Progress(total=24, unit="blocks", stream=io.StringIO(), log_every=1e9, clock=clock) for _ in "ab"
+    )
+    p.deadline(660.0)
+    clock.now = 5.0
+    assert p.eta() == pytest.approx(655.0)  # before any block
+    for secs in [60.0, 40.0, 35.0]:  # the first blocks take the most steps
+        clock.now += secs
+        p.update(1)
+        paced.update(1)
+        assert p.eta() == pytest.approx(660.0 - clock.now)
+    clock.now += 25.0  # a heartbeat inside the next block
+    assert p.eta() == pytest.approx(660.0 - clock.now)
+    clock.now = 700.0  # past the budget: the pace of the blocks again
+    assert p.eta() == paced.eta() > 0
+
+
 class _Recorded(Progress):
     """A Progress that keeps (time, fraction, eta) after every update."""
 

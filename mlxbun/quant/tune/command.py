@@ -209,6 +209,8 @@ def run(cfg: Any) -> Any:
         train.fingerprint, val.fingerprint, cfg.seed,
     )  # fmt: skip
     progress = Progress(total=q.n_blocks, unit="blocks", desc="tune", heartbeat=True)
+    if t.max_minutes is not None:  # the budget sets each block's steps: the blocks end with it
+        progress.deadline(60.0 * t.max_minutes)
     with Stage.locked(out, kind="tune", key=key, root=stable_root(cfg.paths.outputs, out)) as stage:
         stage.claim(resume=False)
         outcome = tune_streamed(
