@@ -130,3 +130,25 @@ def test_an_unfinished_writer_publishes_nothing(tmp_path):
         w.add("a", np.eye(3))
         raise RuntimeError("killed")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_batch_is_added_into_the_running_h_without_a_second_h() -> None:
+    """A wide down_proj's H is the largest thing the capture holds: a batch's Gram matrix is added
+    into its buffer (a sum then an add held two)."""
+    import mlx.core as mx
+
+    from mlxbun.quant import hessian
+
+    n, t = 1024, 64
+    store: dict = {}
+    x = mx.random.normal((t, n), key=mx.random.key(0))
+    mx.eval(x)
+    hessian._accumulate(store, "m", x)
+    mx.eval(store["m"])
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    hessian._accumulate(store, "m", x)
+    mx.eval(store["m"])
+    assert mx.get_peak_memory() - base < 0.5 * n * n * 4
+    assert mx.allclose(store["m"], 2 * (x.T @ x), rtol=1e-5, atol=1e-3)
