@@ -320,12 +320,10 @@ def corrected(
     for _ in range(PROBE_ROUNDS):
         layers = plan(fixed)
         measured = {k for k, p in probes.items() if p.measured is not None}
-        keys = (
-            None if not probes else {correction_key(s) for s in layers.values() if s is not None} - measured
-        )
-        if keys is not None and not keys - {"rtn"}:
+        unmeasured = {correction_key(s) for s in layers.values() if s is not None} - measured - {"rtn"}
+        if probes and not unmeasured:
             break
-        found = correction_factors(layers, kl, measure, keys=keys)
+        found = correction_factors(layers, kl, measure, keys=unmeasured if probes else None)
         if not found:
             break
         probes |= {p.key: p for p in found if p.key not in measured}
