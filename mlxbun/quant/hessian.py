@@ -53,8 +53,9 @@ FORMAT = "mlxbun-hessians"
 
 def _accumulate(store: dict, path: str, x: Any) -> None:
     xf = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-    # addmm adds the batch's Gram matrix into the running H's buffer (the old H is donated): a sum
-    # then an add would hold a second H, the largest thing a wide down_proj's capture has
+    # addmm adds the batch's Gram matrix into the running H's buffer (the old H is donated, on the
+    # CPU backend): a sum then an add holds a second H, the largest thing a wide down_proj's
+    # capture has (MLX's CUDA backend holds the second H either way)
     store[path] = xf.T @ xf if path not in store else mx.addmm(store[path], xf.T, xf)
 
 
