@@ -13,6 +13,7 @@ import pytest
 from cli_util import run_cli
 
 from mlxbun.errors import InputError
+from mlxbun.quant import hessian
 from mlxbun.quant.sensitivity import candidates
 from mlxbun.quant.sensitivity.file import KIND, SCHEMA_VERSION, load_sensitivity, setting_key
 from mlxbun.quant.spec import QuantSpec
@@ -197,7 +198,7 @@ def test_sensitivity_scores_with_the_given_quant_hessians(tmp_path: Path) -> Non
     assert json.loads((run / "sensitivity.json").read_text())["candidates"]["hessians"] == str(h)
 
 
-def _scored(monkeypatch: pytest.MonkeyPatch, *, threads: int, rows: int) -> dict:
+def _scored(monkeypatch: pytest.MonkeyPatch, *, threads: int, rows: int, file: Path | None = None) -> dict:
     """score() over four Linear layers of 512 x 256 (float32, as the stream reads them),
     each scored on ``rows`` of its rows."""
     import types
@@ -216,6 +217,9 @@ def _scored(monkeypatch: pytest.MonkeyPatch, *, threads: int, rows: int) -> dict
         hessians[path] = h
         measured[path] = {QuantSpec(bits=3, group_size=64): 0.1, QuantSpec(bits=4, group_size=64): 0.03}
         targets.append(types.SimpleNamespace(path=path, dtype="bfloat16", in_features=256, out_features=512))
+    if file is not None:  # the Hessians as the recipe hands them: a file read a module at a time
+        hessian.save(hessians, file, tokens=1)
+        hessians = hessian.Hessians(file)
     specs = candidates.settings([3, 4], group_sizes=[32, 64, 128], methods=["rtn", "clip", "gptq"], modes=[])
     order = []
     modules = dict(model.named_modules())
@@ -242,6 +246,22 @@ def test_scoring_on_worker_processes_gives_the_same_values(monkeypatch: pytest.M
     monkeypatch.setattr(workers, "sent", lambda w: started.append(1) or real(w))
     assert _scored(monkeypatch, threads=2, rows=512) == here
     assert len(started) == 4
+
+
+def test_a_worker_reads_its_modules_h_from_the_file_not_sent_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker is sent the hessians file and key, not the array: at a 21,504-wide MLP the main
+    process's copy of H and its pickled bytes were 1.85 GB each per module in flight."""
+    from mlxbun.quant import workers
+
+    here = _scored(monkeypatch, threads=1, rows=512)
+    monkeypatch.setattr(workers, "MIN_WEIGHTS", 0)
+    sent = []
+    real = workers.hessian_for
+    monkeypatch.setattr(workers, "hessian_for", lambda hs, k: sent.append(real(hs, k)) or sent[-1])
+    assert _scored(monkeypatch, threads=2, rows=512, file=tmp_path / "h.safetensors") == here
+    assert len(sent) == 4 and all(isinstance(h, workers.HessianRef) for h in sent)
 
 
 def test_a_row_sample_scores_a_big_weight_close_to_all_its_rows(monkeypatch: pytest.MonkeyPatch) -> None:

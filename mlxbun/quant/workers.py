@@ -12,14 +12,16 @@ Example:
     >>> with workers.pool(threads=2, weights=n) as pool:
     ...     packed, scales, biases = workers.quantize(pool, w, hessian=h, bits=4, group_size=64, method="gptq")
     ...     errs = pool.submit(task, *workers.sent(w)).result()  # task: a module-level function
+    >>> h = workers.hessian_for(hessians, path)  # a file's H is read by the worker, not sent
 """
 
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -27,6 +29,7 @@ import numpy as np
 
 from mlxbun import blas, device
 from mlxbun.quant import rounding
+from mlxbun.quant.hessian import Hessians
 
 # Below this many weights to round, the work stays on threads: the processes' start-up would cost
 # more than they save.
@@ -53,6 +56,32 @@ def pool(*, threads: int, weights: int) -> Iterator[ProcessPoolExecutor | None]:
         yield ex
 
 
+@dataclass(frozen=True)
+class HessianRef:
+    """A module's H as a worker is sent it: its hessians file and key. The worker reads it from the
+    file, so neither this process's copy nor its pickled bytes exist (at a 21,504-wide MLP each
+    is 1.85 GB)."""
+
+    file: str
+    key: str
+
+    def read(self) -> np.ndarray:
+        return Hessians(self.file)[self.key]
+
+
+def hessian_for(hessians: Mapping[str, Any], key: str) -> HessianRef | np.ndarray | None:
+    """What a worker is sent for module ``key``'s H in ``hessians``: a :class:`HessianRef` when
+    they are a hessians file, else the array (None: there is none)."""
+    if isinstance(hessians, Hessians):
+        return HessianRef(str(hessians.path), key) if key in hessians else None
+    h = hessians.get(key)
+    return None if h is None else np.asarray(h)
+
+
+def received_hessian(h: HessianRef | np.ndarray | None) -> np.ndarray | None:
+    return h.read() if isinstance(h, HessianRef) else h
+
+
 def sent(w: Any) -> tuple[np.ndarray, str]:
     """An mx array as float32 numpy and its dtype's name (bfloat16 has no numpy dtype; the
     float32 round trip is exact)."""
@@ -63,15 +92,15 @@ def received(a: np.ndarray, dtype: str) -> Any:
     return mx.array(a).astype(getattr(mx, dtype))
 
 
-def _quantize(w: np.ndarray, dtype: str, hessian: np.ndarray | None, kw: dict) -> tuple[np.ndarray, ...]:
-    packed, s, b = rounding.quantize(received(w, dtype), hessian=hessian, **kw)
+def _quantize(w: np.ndarray, dtype: str, hessian: Any, kw: dict) -> tuple[np.ndarray, ...]:
+    packed, s, b = rounding.quantize(received(w, dtype), hessian=received_hessian(hessian), **kw)
     mx.eval(packed, s, b)
     return np.asarray(packed), np.asarray(s.astype(mx.float32)), np.asarray(b.astype(mx.float32))
 
 
 def quantize(ex: ProcessPoolExecutor, w: Any, *, hessian: Any, **kw: Any) -> tuple[Any, Any, Any]:
-    """``rounding.quantize(w, hessian=hessian, **kw)`` on a worker (``kw``: bits, group_size, method)."""
+    """``rounding.quantize(w, hessian=H, **kw)`` on a worker (``kw``: bits, group_size, method;
+    ``hessian``: :func:`hessian_for`'s)."""
     a, dtype = sent(w)
-    h = None if hessian is None else np.asarray(hessian)
-    packed, s, b = ex.submit(_quantize, a, dtype, h, kw).result()
+    packed, s, b = ex.submit(_quantize, a, dtype, hessian, kw).result()
     return mx.array(packed), received(s, dtype), received(b, dtype)

@@ -202,16 +202,17 @@ class Converter:
         """The hook where a quantizer variant (``mlxbun.quant.rounding``) replaces mx.quantize."""
         if not self.varies(q, path):
             return tuple(mx.quantize(w, q["group_size"], q["bits"], mode=q.get("mode", "affine")))
-        h = self.hessians.get(path)
         setting = {"bits": q["bits"], "group_size": q["group_size"], "method": self.method_of(path)}
         file = None if self.rounded is None else self.rounded.file(path, w, **setting)
         if file is not None and (kept := self.rounded.get(file, path)) is not None:
             return kept
         try:
             if self.pool is None:
-                out = rounding.quantize(w, hessian=h, **setting)
+                out = rounding.quantize(w, hessian=self.hessians.get(path), **setting)
             else:
-                out = workers.quantize(self.pool, w, hessian=h, **setting)
+                out = workers.quantize(
+                    self.pool, w, hessian=workers.hessian_for(self.hessians, path), **setting
+                )
         except rounding.NotPositiveDefinite as e:
             raise hessian.refused(self.hessians_file, path, str(e)) from None
         if file is not None:

@@ -167,11 +167,9 @@ def module_errors(
     return errs, anchors
 
 
-def _module_errors_on_worker(
-    w: np.ndarray, dtype: str, h: np.ndarray | None, specs: list
-) -> tuple[dict, dict]:
+def _module_errors_on_worker(w: np.ndarray, dtype: str, h: Any, specs: list) -> tuple[dict, dict]:
     """:func:`module_errors` in a worker process (:mod:`mlxbun.quant.workers`)."""
-    return module_errors(workers.received(w, dtype), h, specs)
+    return module_errors(workers.received(w, dtype), workers.received_hessian(h), specs)
 
 
 def to_kl(
@@ -237,11 +235,10 @@ def score(
             rows = rows_scored(w.shape[-2], w.shape[-1])
             if rows is not None:
                 w = mx.take(w, mx.array(rows), axis=-2)
-            h = hessians[t.path] if t.path in hessians else None
             w = w.astype(getattr(mx, t.dtype))
             if pool is None:
-                return module_errors(w, h, specs)
-            h = None if h is None else np.asarray(h)
+                return module_errors(w, hessians[t.path] if t.path in hessians else None, specs)
+            h = workers.hessian_for(hessians, t.path)
             return pool.submit(_module_errors_on_worker, *workers.sent(w), h, list(specs)).result()
 
         def prefetch(t: Any) -> None:  # read and evaluated on this thread: MLX streams are per thread
