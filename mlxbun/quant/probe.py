@@ -180,14 +180,14 @@ def fake_quant(
     if cand.method != "rtn":
         return _rounded(weight, cand, dtype, hessian, factor, out_dtype)
 
-    rows = max(1, rounding.CHUNK // max(1, weight.size // max(1, weight.shape[0])))
-    if weight.shape[0] <= rows:
+    rows = max(1, rounding.CHUNK // max(1, weight.size // max(1, weight.shape[-2])))
+    if weight.shape[-2] <= rows:
         return _fake_quant(weight, cand, dtype).astype(out_dtype)
-    parts = []
-    for lo in range(0, weight.shape[0], rows):
-        parts.append(_fake_quant(weight[lo : lo + rows], cand, dtype).astype(out_dtype))
-        mx.eval(parts[-1])
-    return mx.concatenate(parts)
+
+    def part(lo: int) -> Any:
+        return _fake_quant(weight[..., lo : lo + rows, :], cand, dtype).astype(out_dtype)
+
+    return rounding.filled_by_rows(tuple(weight.shape), out_dtype, rows, part)
 
 
 class Written:
