@@ -13,8 +13,14 @@ linearly to zero, in the direction its gradient's sign says) to make the block's
 quantized model's own inputs (the blocks before it already tuned) match the reference block's
 output on the reference's inputs: mean squared error. The block is kept only when the error on
 validation windows (text of other kinds than the training windows) is lower than the input's;
-the blocks' outputs then feed the next block. Memory is one block of each model, its trainable
-values and the windows' hidden states; time grows with depth.
+the blocks' outputs then feed the next block. Rounding passes the gradient straight through
+where a code is inside the grid and not where it is clipped (AutoRound's clamp).
+
+Memory, whatever the depth: the block's reference weights in their stored dtype, its float32
+offsets and their gradients, one module's float32 weight at a time (built again in the backward
+pass, :func:`_tuned_matmul`), the windows' hidden states; neither model's embedding nor head
+while the blocks train (:meth:`mlxbun.quant.streamed.Stream.outside_released`). Time grows with
+depth.
 
 Example:
     >>> tb = TunedBlock(q_block_modules, reference_weights)   # see tune_blocks()
@@ -32,7 +38,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
-from mlx.utils import tree_flatten, tree_map, tree_unflatten
+from mlx.utils import tree_map
 
 from mlxbun.errors import InputError
 from mlxbun.quant.rounding import BLOCK_ELEMENTS, pack
@@ -42,7 +48,11 @@ log = logging.getLogger("mlxbun")
 
 
 class TunedLinear(nn.Module):
-    """An affine quantized linear with trainable rounding offsets, group scales and biases."""
+    """An affine quantized linear with trainable rounding offsets, group scales and biases.
+
+    The reference weight is held in its stored dtype and the float32 weight is built inside the
+    matmul's own gradient (:func:`_tuned_matmul`), so training holds the block's reference and
+    offsets and one module's float32 weight at a time, not every intermediate of every module."""
 
     def __init__(
         self, *, reference: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
@@ -52,17 +62,15 @@ class TunedLinear(nn.Module):
         rows, cols = reference.shape
         self._bits, self._gs, self._dtype = bits, group_size, scales.dtype
         self._maxq = float(2**bits - 1)
-        self._w = reference.astype(mx.float32).reshape(rows, cols // group_size, group_size)
+        self._w = reference.reshape(rows, cols // group_size, group_size)
         self._s0, self._b0 = scales.astype(mx.float32), biases.astype(mx.float32)
-        ones = mx.ones_like(self._s0)
-        codes = mx.dequantize(weight, ones, mx.zeros_like(ones), group_size=group_size, bits=bits)
-        codes = codes.astype(mx.float32).reshape(self._w.shape)
         self._bias = bias
         self.log_scale = mx.zeros_like(self._s0)
         self.shift = mx.zeros_like(self._s0)
-        s, b = self.scales_biases()
-        self.v = codes - (self._w - b[..., None]) / s[..., None]
-        mx.eval(self.v, self._w)
+        ones = mx.ones_like(self._s0)
+        codes = mx.dequantize(weight, ones, mx.zeros_like(ones), group_size=group_size, bits=bits)
+        self.v = mx.zeros(self._w.shape, dtype=mx.float32)
+        self.restore({"codes": codes.astype(mx.uint8).reshape(self._w.shape)})
 
     def scales_biases(self) -> tuple[mx.array, mx.array]:
         """The scales and biases as stored (rounded to their dtype; the rounding passed straight through)."""
@@ -72,26 +80,38 @@ class TunedLinear(nn.Module):
         b = b + mx.stop_gradient(b.astype(self._dtype).astype(mx.float32) - b)
         return s, b
 
-    def codes(self, s: mx.array, b: mx.array) -> mx.array:
-        """round((W - b) / s + v) on the grid, its gradient passed straight through."""
-        z = (self._w - b[..., None]) / s[..., None] + self.v
-        q = mx.clip(mx.round(z), 0.0, self._maxq)
-        return z + mx.stop_gradient(q - z)
+    def _codes(self, s: mx.array, b: mx.array) -> mx.array:
+        return mx.clip(mx.round(_grid(self._w, s, b) + self.v), 0.0, self._maxq)
 
     def weight(self) -> mx.array:
+        """The float32 weight the module computes with (its gradient as :func:`_tuned_matmul`'s)."""
         s, b = self.scales_biases()
-        w = self.codes(s, b) * s[..., None] + b[..., None]
-        return w.reshape(w.shape[0], -1)
+        return _tuned_weight(self._w, self._maxq)(self.v, s, b)
 
     def __call__(self, x: mx.array) -> mx.array:
-        y = x.astype(mx.float32) @ self.weight().T
+        s, b = self.scales_biases()
+        y = _tuned_matmul(self._w, self._maxq)(x.astype(mx.float32), self.v, s, b)
         return y if self._bias is None else y + self._bias
+
+    def snapshot(self) -> dict[str, mx.array]:
+        """The module's state, compact: its codes (uint8), log scales and shifts; :meth:`restore` returns to it."""
+        s, b = self.scales_biases()
+        out = {"codes": self._codes(s, b).astype(mx.uint8), "log_scale": self.log_scale, "shift": self.shift}
+        mx.eval(out)
+        return out
+
+    def restore(self, state: dict[str, mx.array]) -> None:
+        """Set the values that give ``state``'s codes, scales and biases (each code mid-level)."""
+        self.log_scale = state.get("log_scale", self.log_scale)
+        self.shift = state.get("shift", self.shift)
+        s, b = self.scales_biases()
+        self.v = state["codes"].astype(mx.float32) - _grid(self._w, s, b)
+        mx.eval(self.v, self.log_scale, self.shift)
 
     def stored(self, path: str) -> dict[str, mx.array]:
         """The module's tensors as mlx writes them: packed codes, scales and biases."""
         s, b = self.scales_biases()
-        q = mx.clip(mx.round((self._w - b[..., None]) / s[..., None] + self.v), 0.0, self._maxq)
-        codes = np.asarray(q.astype(mx.uint8).reshape(q.shape[0], -1))
+        codes = np.asarray(self._codes(s, b).astype(mx.uint8).reshape(self._w.shape[0], -1))
         step = max(1, BLOCK_ELEMENTS // codes.shape[1])
         packed = np.concatenate(
             [pack(codes[r : r + step], self._bits) for r in range(0, codes.shape[0], step)]
@@ -102,17 +122,72 @@ class TunedLinear(nn.Module):
             f"{path}.biases": b.astype(self._dtype),
         }
 
-    def changed(self, initial: dict[str, mx.array]) -> int:
-        """Codes that differ from the input's."""
-        s0, b0 = _stored_sb(self._s0, self._b0, self._dtype)
-        before = mx.clip(mx.round((self._w - b0[..., None]) / s0[..., None] + initial["v"]), 0.0, self._maxq)
+    def changed(self, state: dict[str, mx.array]) -> int:
+        """Codes that differ from ``state``'s (a :meth:`snapshot`)."""
         s, b = self.scales_biases()
-        after = mx.clip(mx.round((self._w - b[..., None]) / s[..., None] + self.v), 0.0, self._maxq)
-        return int(mx.sum(before != after).item())
+        return int(mx.sum(self._codes(s, b).astype(mx.uint8) != state["codes"]).item())
 
 
-def _stored_sb(s: mx.array, b: mx.array, dtype: Any) -> tuple[mx.array, mx.array]:
-    return s.astype(dtype).astype(mx.float32), b.astype(dtype).astype(mx.float32)
+def _grid(w: mx.array, s: mx.array, b: mx.array) -> mx.array:
+    """(W - b) / s: the reference's weights in grid steps of their group."""
+    return (w.astype(mx.float32) - b[..., None]) / s[..., None]
+
+
+def _built(w: mx.array, v: mx.array, s: mx.array, b: mx.array, maxq: float) -> tuple[mx.array, ...]:
+    """(Wq as [rows, columns], the grid positions, the codes, where the codes are inside the grid),
+    Wq = clip(round((W - b) / s + v), 0, maxq) * s + b over the groups of ``w``'s last axis."""
+    r = _grid(w, s, b)
+    z = mx.round(r + v)
+    q = mx.clip(z, 0.0, maxq)
+    wq = (q * s[..., None] + b[..., None]).reshape(q.shape[0], -1)
+    return wq, r, q, (z == q).astype(mx.float32)
+
+
+def _weight_grads(dw: mx.array, s: mx.array, r: mx.array, q: mx.array, inside: mx.array) -> tuple:
+    """Wq's gradient into (v, s, b): rounding passes it straight through where the code is inside
+    the grid and not where it is clipped, so a clipped weight moves with its group's scale and bias
+    (as AutoRound's clamp does), and a bias gets none from the weights whose codes its shift
+    cancels (straight through, Wq = W + v s there)."""
+    dw = dw.reshape(q.shape)
+    return (
+        dw * s[..., None] * inside,
+        mx.sum(dw * (q - inside * r), axis=-1),
+        mx.sum(dw * (1.0 - inside), axis=-1),
+    )
+
+
+def _tuned_weight(w: mx.array, maxq: float) -> Callable[..., mx.array]:
+    """``f(v, s, b)``: Wq (:func:`_built`) with :func:`_weight_grads`' gradient."""
+
+    @mx.custom_function
+    def f(v: mx.array, s: mx.array, b: mx.array) -> mx.array:
+        return _built(w, v, s, b, maxq)[0]
+
+    @f.vjp
+    def f_vjp(primals: tuple, dw: mx.array, _out: mx.array) -> tuple:
+        v, s, b = primals
+        _, r, q, inside = _built(w, v, s, b, maxq)
+        return _weight_grads(dw, s, r, q, inside)
+
+    return f
+
+
+def _tuned_matmul(w: mx.array, maxq: float) -> Callable[..., mx.array]:
+    """``f(x, v, s, b) = x @ Wq.T`` (:func:`_built`), whose gradient rebuilds Wq instead of the graph
+    keeping it and its intermediates for every module of the block until the backward pass."""
+
+    @mx.custom_function
+    def f(x: mx.array, v: mx.array, s: mx.array, b: mx.array) -> mx.array:
+        return x @ _built(w, v, s, b, maxq)[0].T
+
+    @f.vjp
+    def f_vjp(primals: tuple, dy: mx.array, _y: mx.array) -> tuple:
+        x, v, s, b = primals
+        wq, r, q, inside = _built(w, v, s, b, maxq)
+        dw = dy.reshape(-1, dy.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        return (dy @ wq, *_weight_grads(dw, s, r, q, inside))
+
+    return f
 
 
 @dataclass
@@ -161,9 +236,13 @@ class SignSGD:
     def __init__(self, lr: float, steps: int) -> None:
         self.lr, self.steps, self.t = lr, max(1, steps), 0
 
-    def update(self, params: dict, grads: dict) -> dict:
+    def rate(self) -> float:
+        """This step's rate (and the step counted)."""
         rate = self.lr * (1.0 - self.t / self.steps)
         self.t += 1
+        return rate
+
+    def update(self, params: dict, grads: dict, rate: float) -> dict:
         return tree_map(lambda p, g: p - rate * mx.sign(g), params, grads)
 
 
@@ -183,7 +262,7 @@ def tune_block(
     towards ``data``'s targets; keep it only when validation improves (module docstring)."""
     t0 = time.monotonic()
     block = stream.blocks[i]
-    initial = {p: dict(tree_flatten(m.trainable_parameters())) for p, m in tuned.items()}
+    initial = {p: m.snapshot() for p, m in tuned.items()}
 
     def fn(x: mx.array) -> mx.array:
         return stream.run(i, x)
@@ -193,13 +272,10 @@ def tune_block(
     if steps > 0 and data.x_train.shape[0]:
         done, after, best_step, training = _train(
             stream, i, block, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds,
-            validate=lambda: batched_mse(fn, data.x_val, data.y_val, batch), start=before,
+            validate=lambda: batched_mse(fn, data.x_val, data.y_val, batch), start=before, initial=initial,
         )  # fmt: skip
-    kept = best_step > 0
-    if not kept:
-        for p, m in tuned.items():
-            m.update(_unflat(initial[p]))
-    changed = sum(m.changed(_unflat_flat(initial[p])) for p, m in tuned.items()) if kept else 0
+    kept = best_step > 0  # when not, _train left the input's values
+    changed = sum(m.changed(initial[p]) for p, m in tuned.items()) if kept else 0
     tensors = {}
     if kept:
         for p, m in tuned.items():
@@ -211,45 +287,44 @@ def tune_block(
     )  # fmt: skip
 
 
-def _unflat(flat: dict[str, mx.array]) -> dict:
-    return tree_unflatten(list(flat.items()))
-
-
-def _unflat_flat(flat: dict[str, mx.array]) -> dict[str, mx.array]:
-    return {k.rpartition(".")[2]: v for k, v in flat.items()}
-
-
 CHECKS = 4  # validation checks over a block's steps: the best of them (or the input) is kept
 
 
 def _train(
     stream: Stream, i: int, block: Any, tuned: dict[str, TunedLinear], data: Windows, *, steps: int, lr: float,
     batch: int, seed: int, seconds: float | None = None, validate: Callable[[], float] | None = None,
-    start: float = math.inf,
+    start: float = math.inf, initial: dict[str, dict[str, mx.array]] | None = None,
 ) -> tuple[int, float, int, float]:  # fmt: skip
     """Up to ``steps`` steps of signed gradient descent over random batches of the training
     windows; with ``seconds``, as many as fit in it at the pace of the steps after the first (which
     compiles kernels); the learning rate decays over the steps that will run. ``validate()`` (the
     validation error of the current values) is checked :data:`CHECKS` times; the values of the
-    best check, or the input's when none is below ``start``, are left in the modules.
-    Returns (steps run, the best validation error, its step: 0 for the input's, the loop's seconds)."""
-    params = {p: m.trainable_parameters() for p, m in tuned.items()}
+    best check, or the input's (``initial``: the modules' snapshots) when none is below ``start``,
+    are left in the modules. Returns (steps run, the best validation error, its step: 0 for the input's, the loop's seconds)."""
     opt = SignSGD(lr, steps)
     rng = np.random.default_rng([seed, i])
     n = data.x_train.shape[0]
-    best, best_val, best_step = params, start, 0
+    if validate is not None and initial is None:
+        initial = {p: m.snapshot() for p, m in tuned.items()}
+    best, best_val, best_step = initial, start, 0
 
     def loss(params: dict, x: mx.array, y: mx.array) -> mx.array:
-        _set(tuned, params)
+        for p, m in tuned.items():
+            m.update(params[p])
         return mse(stream.run(i, x), y)
 
     grad_fn = mx.value_and_grad(loss)
     done, clock, t0 = 0, None, time.monotonic()
     while done < opt.steps:
         pick = mx.array(np.sort(rng.choice(n, size=min(batch, n), replace=False)))
+        params = {p: m.trainable_parameters() for p, m in tuned.items()}
         _, grads = grad_fn(params, data.x_train[pick], data.y_train[pick])
-        params = opt.update(params, grads)
-        mx.eval(params)
+        del params
+        rate = opt.rate()
+        for p, m in tuned.items():  # a module at a time: one module's old and new values at once
+            new = opt.update(m.trainable_parameters(), grads.pop(p), rate)
+            mx.eval(new)
+            m.update(new)
         done += 1
         stop = False
         if seconds is not None:
@@ -261,19 +336,16 @@ def _train(
             elif now - clock >= seconds:
                 stop = True
         if validate is not None and (done % max(1, opt.steps // CHECKS) == 0 or done >= opt.steps or stop):
-            _set(tuned, params)
             value = validate()
-            if value < best_val:
-                best, best_val, best_step = params, value, done
+            if value < best_val:  # kept compactly: codes, not every module's float32 offsets
+                best, best_val, best_step = {p: m.snapshot() for p, m in tuned.items()}, value, done
         if stop:
             break
-    _set(tuned, best if validate is not None else params)
-    return done, best_val, best_step if validate is not None else done, time.monotonic() - t0
-
-
-def _set(tuned: dict[str, TunedLinear], params: dict) -> None:
+    if validate is None:
+        return done, best_val, done, time.monotonic() - t0
     for p, m in tuned.items():
-        m.update(params[p])
+        m.restore(best[p])
+    return done, best_val, best_step, time.monotonic() - t0
 
 
 @dataclass
@@ -319,29 +391,52 @@ def tunable_modules(q: Stream, i: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def _tuned_linears(q: Stream, ref_weights: dict[str, mx.array], i: int) -> dict[str, TunedLinear]:
+def _tuned_linears(q: Stream, ref: Stream, ref_w: dict[str, mx.array], i: int) -> dict[str, TunedLinear]:
+    """Block ``i``'s tunable modules of ``q`` as :class:`TunedLinear`, their reference weights
+    taken out of ``ref_w`` (float32, as read) and held in the reference's stored dtype."""
     out = {}
     rel = len(f"{q.prefix}{i}.")
     for path, c in tunable_modules(q, i).items():
         src = q.sources[f"{path}.weight"][: -len(".weight")]
         module = q.module(path)
         out[path] = TunedLinear(
-            reference=ref_weights[f"{path[rel:]}.weight"], weight=q.reader.array(f"{src}.weight"),
+            reference=ref_w.pop(f"{path[rel:]}.weight").astype(getattr(mx, ref.stored_dtype(f"{path}.weight"))),
+            weight=q.reader.array(f"{src}.weight"),
             scales=q.reader.array(f"{src}.scales"), biases=q.reader.array(f"{src}.biases"), bits=c["bits"],
             group_size=c["group_size"], bias=module.get("bias") if isinstance(module, nn.Module) else None,
         )  # fmt: skip
     return out
 
 
-def kl_between(ref: Stream, h_ref: mx.array, cur: Stream, h_cur: mx.array) -> np.ndarray:
-    """KL(ref || cur) of each token, of two models' heads on their last states (token slices)."""
-    a, b = h_ref.reshape(-1, h_ref.shape[-1]), h_cur.reshape(-1, h_cur.shape[-1])
-    step, out = min(ref.token_rows(), cur.token_rows()), []
+def kl_between(
+    ref: Stream,
+    h_ref: mx.array,
+    cur: Stream,
+    states: list[mx.array],
+    *,
+    tick: Callable[[], None] = lambda: None,
+) -> list[np.ndarray]:
+    """KL(ref || cur) of each token, of the reference's head on its last states ``h_ref`` against
+    ``cur``'s head on each of ``states`` (the same windows through other blocks), in slices of
+    tokens: each slice's reference logits are computed once, and ``cur``'s head casts its weight
+    once for all the states (at a large vocabulary that cast is most of a slice). ``tick()``
+    after each slice."""
+    a = h_ref.reshape(-1, h_ref.shape[-1])
+    bs = [h.reshape(-1, h.shape[-1]) for h in states]
+    step, out = kl_step(ref, cur), [[] for _ in bs]
     for lo in range(0, a.shape[0], step):
-        out.append(
-            np.asarray(kl_rows(ref.head(a[None, lo : lo + step]), cur.head(b[None, lo : lo + step]))[0])
-        )
-    return np.concatenate(out).astype(np.float64)
+        r = ref.head(a[None, lo : lo + step])
+        c = cur.head(mx.concatenate([b[None, lo : lo + step] for b in bs], axis=1))
+        n = r.shape[1]
+        for k in range(len(bs)):
+            out[k].append(np.asarray(kl_rows(r, c[:, k * n : (k + 1) * n])[0]))
+        tick()
+    return [np.concatenate(o).astype(np.float64) for o in out]
+
+
+def kl_step(ref: Stream, cur: Stream) -> int:
+    """Tokens in a slice of :func:`kl_between` (``cur``'s logits are that many per state)."""
+    return min(ref.token_rows(), cur.token_rows())
 
 
 def significantly_lower(after: np.ndarray, before: np.ndarray) -> bool:
@@ -376,10 +471,13 @@ def tune_streamed(
     seed: int,
     max_minutes: float | None = None,
     on_block: Callable[[BlockResult], None] | None = None,
+    on_kl: Callable[[int], Callable[[], None]] | None = None,
 ) -> Outcome:
     """Tune every block of ``q`` against ``ref`` on ``train`` windows, choosing with ``val``
     windows (other kinds of text); ``max_minutes`` sets how many steps each block gets (the
-    first steps are timed after a warm-up step), never whether a block is tuned."""
+    first steps are timed after a warm-up step), never whether a block is tuned. ``on_block``
+    after each block; ``on_kl(slices)`` when the validation KL starts, returning what to call
+    after each of its slices."""
     t0 = time.monotonic()
     x_ref = {"train": ref.embed(train), "val": ref.embed(val)}
     x_q = {"train": q.embed(train), "val": q.embed(val)}
@@ -387,42 +485,45 @@ def tune_streamed(
     results, plan = [], []
     budget = None if max_minutes is None else 60.0 * max_minutes
     outside = 0.0  # the last block's seconds outside its step loop (reference and input passes, checks)
-    for i in range(q.n_blocks):
-        started = time.monotonic()
-        with ref.loaded(i) as ref_w:
-            y = {k: run_batched(lambda x, i=i: ref.run(i, x), v, batch) for k, v in x_ref.items()}
-        _finite(y, ref, i, "tune.reference")
-        q.load(i)
-        tuned = _tuned_linears(q, ref_w, i)
-        del ref_w
-        saved = [(p, q.module(p)) for p in tuned]
-        for p, m in tuned.items():
-            q._set_module(p, m)
-        try:
-            x_in = run_batched(lambda x, i=i: q.run(i, x), x_in, batch)
-            left = None if budget is None else budget - (time.monotonic() - t0)
-            seconds = None if left is None else step_seconds(left, q.n_blocks - i, outside)
-            data = Windows(x_train=x_q["train"], y_train=y["train"], x_val=x_q["val"], y_val=y["val"])
-            res = None
-            if tuned:
-                res = tune_block(
-                    q, i, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds
-                )
-                plan.append(res.steps)
-            x_q = {k: run_batched(lambda x, i=i: q.run(i, x), v, batch) for k, v in x_q.items()}
-            _finite(x_q, q, i, "model.name")
-        finally:
-            for p, m in saved:
+    with ref.outside_released(train.shape[1]), q.outside_released(train.shape[1]):
+        for i in range(q.n_blocks):
+            started = time.monotonic()
+            with ref.loaded(i) as ref_w:
+                y = {k: run_batched(lambda x, i=i: ref.run(i, x), v, batch) for k, v in x_ref.items()}
+            _finite(y, ref, i, "tune.reference")
+            rel = len(f"{q.prefix}{i}.")  # the tuned modules' input weights are read by TunedLinear, packed
+            q.load(i, skip={f"{p[rel:]}.weight" for p in tunable_modules(q, i)})
+            tuned = _tuned_linears(q, ref, ref_w, i)
+            del ref_w
+            saved = [(p, q.module(p)) for p in tuned]
+            for p, m in tuned.items():
                 q._set_module(p, m)
-            q.release(i)
-        x_ref = y
-        if res is not None:
-            outside = time.monotonic() - started - res.training_seconds
-            results.append(res)
-            if on_block is not None:
-                on_block(res)
-    before = kl_between(ref, x_ref["val"], q, x_in)
-    after = kl_between(ref, x_ref["val"], q, x_q["val"])
+            try:
+                x_in = run_batched(lambda x, i=i: q.run(i, x), x_in, batch)
+                left = None if budget is None else budget - (time.monotonic() - t0)
+                seconds = None if left is None else step_seconds(left, q.n_blocks - i, outside)
+                data = Windows(x_train=x_q["train"], y_train=y["train"], x_val=x_q["val"], y_val=y["val"])
+                res = None
+                if tuned:
+                    res = tune_block(
+                        q, i, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds
+                    )
+                    plan.append(res.steps)
+                x_q = {k: run_batched(lambda x, i=i: q.run(i, x), v, batch) for k, v in x_q.items()}
+                _finite(x_q, q, i, "model.name")
+            finally:
+                for p, m in saved:
+                    q._set_module(p, m)
+                q.release(i)
+            x_ref = y
+            if res is not None:
+                outside = time.monotonic() - started - res.training_seconds
+                results.append(res)
+                if on_block is not None:
+                    on_block(res)
+    slices = -(-x_in.shape[0] * x_in.shape[1] // kl_step(ref, q))
+    tick = on_kl(slices) if on_kl is not None else (lambda: None)
+    before, after = kl_between(ref, x_ref["val"], q, [x_in, x_q["val"]], tick=tick)
     tensors = {k: v for r in results if r.kept for k, v in r.tensors.items()}
     better = significantly_lower(after, before)
     return Outcome(

@@ -213,11 +213,18 @@ def run(cfg: Any) -> Any:
         progress.deadline(60.0 * t.max_minutes)
     with Stage.locked(out, kind="tune", key=key, root=stable_root(cfg.paths.outputs, out)) as stage:
         stage.claim(resume=False)
+        phases = [progress]
+
+        def validation(slices: int) -> Any:  # the blocks are done: the validation KL's slices follow
+            progress.close()
+            phases.append(Progress(total=slices, unit="slices", desc="tune (validation KL)", heartbeat=True))
+            return phases[-1].update
+
         outcome = tune_streamed(
             ref, q, train.tokens, val.tokens, steps=t.steps, lr=t.lr, batch=t.batch_size, seed=cfg.seed,
-            max_minutes=t.max_minutes, on_block=lambda r: _block_done(progress, r),
+            max_minutes=t.max_minutes, on_block=lambda r: _block_done(progress, r), on_kl=validation,
         )  # fmt: skip
-        progress.close()
+        phases[-1].close()
         write_tuned(src, stage.dir, outcome.tensors, shard_bytes=cfg.io.shard_bytes)
         stage.publish()
     return _finish(cfg, run_dir, src, ref_dir, out, record, outcome)
