@@ -300,7 +300,12 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     default = QuantSpec(bits=4, group_size=64)
     gptq = QuantSpec(bits=4, group_size=64, method="gptq")
     stream = SimpleNamespace(
-        dir="m", source=lambda: {"current": {}, "dtypes": {}}, stored_dtype=lambda name: "bfloat16"
+        dir="m",
+        source=lambda: {"current": {}, "dtypes": {}},
+        stored_dtype=lambda name: "bfloat16",
+        embedding_path="e",
+        head_paths=("e",),
+        weight_shape=lambda path: (64, 64),
     )
     hessian.save({"a": np.eye(64, dtype=np.float32)}, tmp_path / "h.safetensors", tokens=1)
     kls = {p: {default: 0.05, gptq: 0.03} for p in ("a", "b")}
@@ -339,7 +344,12 @@ def test_a_quantizer_the_corrected_plan_brings_in_is_probed_too(
 
     monkeypatch.setattr(variants, "measure", measure)
     stream = SimpleNamespace(
-        dir="m", source=lambda: {"current": {}, "dtypes": {}}, stored_dtype=lambda name: "bfloat16"
+        dir="m",
+        source=lambda: {"current": {}, "dtypes": {}},
+        stored_dtype=lambda name: "bfloat16",
+        embedding_path="e",
+        head_paths=("e",),
+        weight_shape=lambda path: (64, 64),
     )
     hessian.save({"a": np.eye(64, dtype=np.float32)}, tmp_path / "h.safetensors", tokens=1)
     kls = {p: {rtn: 0.05, gptq: 0.01, clip: 0.02} for p in ("a", "b")}
@@ -357,3 +367,30 @@ def test_a_quantizer_the_corrected_plan_brings_in_is_probed_too(
     assert [(p["key"], p["factor"]) for p in probes] == [("rtn", 1.0), ("gptq", 4.0), ("clip", 1.5)]
     assert passes == [2, 2]  # the first plan's RTN and GPTQ probes, then RTN and clip around the second
     assert fixed["a"][clip] == pytest.approx(0.03) and fixed["a"][gptq] == pytest.approx(0.04)
+
+
+def test_the_probes_progress_counts_their_roundings() -> None:
+    """The probes' time is mostly their clip and GPTQ roundings, not their forwards (at 0.5B the
+    progress counted forwards only: the blocks' roundings were a third of the bar and most of the
+    time, and its ETA ran 1.65-1.85x over). measure() ticks each rounding's weights as work, each
+    module and setting once, and rounding_work() is their total up front."""
+    from mlxbun.quant.sensitivity import variants
+    from mlxbun.quant.streamed import Stream
+
+    stream = Stream(FIXTURE)
+    ref = variants.Reference.capture(stream, np.arange(2 * 16, dtype=np.int32).reshape(2, 16) % 200)
+    q, o, e = (
+        f"{stream.prefix}{i}.{m}"
+        for i, m in ((0, "self_attn.q_proj"), (1, "self_attn.o_proj"), (0, "mlp.up_proj"))
+    )
+    clip, gptq, rtn = (QuantSpec(bits=4, group_size=64, method=m) for m in ("clip", "gptq", "rtn"))
+    wanted = [{q: clip, e: rtn}, {q: clip, o: gptq}, {stream.embedding_path: clip}]
+    ticks = []
+    kl = variants.measure(
+        stream, ref, wanted, fake=lambda p, w, s, out_dtype=mx.float32: w.astype(out_dtype),
+        tick=lambda f, work=0.0: ticks.append((f, work)),
+    )  # fmt: skip
+    size = lambda p: float(np.prod(stream.weight_shape(p)))  # noqa: E731
+    assert sum(w for _, w in ticks) == variants.rounding_work(stream, wanted)
+    assert variants.rounding_work(stream, wanted) == size(q) + size(o) + size(stream.embedding_path)
+    assert len(kl) == 3

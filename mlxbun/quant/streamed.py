@@ -522,6 +522,13 @@ class Stream:
         mod = self.module(path)
         return object.__getattribute__(mod, "_module") if isinstance(mod, _Head) else mod
 
+    def weight_shape(self, path: str) -> tuple[int, ...]:
+        """The shape of module ``path``'s weight as the model computes with it (not as stored)."""
+        if path.startswith(self.prefix):
+            i, _, rel = path[len(self.prefix) :].partition(".")
+            return tuple(self._lazy[int(i)][f"{rel}.weight"].shape)
+        return tuple(self._base(path).weight.shape)
+
     def weight(self, path: str) -> mx.array:
         """The weight of a module outside the blocks (embedding, head), in its stored dtype."""
         return self._base(path).weight

@@ -297,7 +297,14 @@ def corrected(
             {p: s for p, s in layers.items() if s is not None and not s.matches(source["current"].get(p))}
             for layers in settings
         ]
-        progress = Progress(total=len(wanted), unit="probes", desc="sensitivity (probes)", heartbeat=True)
+        work = variants.rounding_work(stream, wanted)  # the roundings are most of the time, not the forwards
+        progress = Progress(
+            total=len(wanted),
+            unit="probes",
+            desc="sensitivity (probes)",
+            heartbeat=True,
+            work_total=work or None,
+        )
         try:  # a probe's blocks (its roundings included) and head tick as they are done
             kl = variants.measure(stream, ref, wanted, fake=written, tick=progress.update)
         finally:

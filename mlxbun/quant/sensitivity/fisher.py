@@ -207,7 +207,7 @@ def estimate(
         return fake_quant(w, spec, dtype=dtypes[path], out_dtype=out_dtype)
 
     kls = variants.measure(
-        stream, ref, [v for _, _, v in group_variants], fake=rtn, tick=lambda f: tick(f * n_sub)
+        stream, ref, [v for _, _, v in group_variants], fake=rtn, tick=lambda f, work=0.0: tick(f * n_sub)
     )
     measured: dict[str, dict[str, float]] = {}
     for (b, k, _), value in zip(group_variants, kls, strict=True):
@@ -217,7 +217,11 @@ def estimate(
     if not probe_variants:
         return est
     values = variants.measure(
-        stream, ref, [{t.path: c} for t, c in probe_variants], fake=rtn, tick=lambda f: tick(f * n_sub)
+        stream,
+        ref,
+        [{t.path: c} for t, c in probe_variants],
+        fake=rtn,
+        tick=lambda f, work=0.0: tick(f * n_sub),
     )
     exact: dict[str, dict[str, float]] = {}
     for (t, c), value in zip(probe_variants, values, strict=True):

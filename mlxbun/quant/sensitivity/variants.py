@@ -80,12 +80,14 @@ def measure(
     variants: Sequence[Variant],
     *,
     fake: Fake,
-    tick: Callable[[float], None] | None = None,
+    tick: Callable[..., None] | None = None,
 ) -> list[float]:
     """Mean KL(reference || variant) per token of each variant on the reference's windows.
-    ``tick(forwards)`` is called as work is done: a block or the head run for one variant over
-    the windows is its part of a forward (:meth:`Stream.head_share`)."""
-    tick = tick or (lambda forwards: None)
+    ``tick(forwards, work=weights)`` is called as work is done: a block or the head run for one
+    variant over the windows is its part of a forward (:meth:`Stream.head_share`), and ``work``
+    the weights clip or GPTQ rounded for it (:func:`rounding_work`: the probes' time is mostly
+    those roundings, not their forwards)."""
+    tick = tick or (lambda forwards, work=0.0: None)
     head_share = stream.head_share()
     share = (1 - head_share) / stream.n_blocks
     emb = stream.embedding_path
@@ -97,6 +99,7 @@ def measure(
                 {emb: fake(emb, stream.weight(emb), v[emb], out_dtype=stream.weight(emb).dtype)}
             ):
                 states[k] = stream.embed(ref.tokens)
+            tick(0.0, work=_work(stream, emb, v[emb]))
     for i in range(max(0, min(starts, default=0)), stream.n_blocks):
         active = [k for k in range(len(variants)) if starts[k] <= i]
         for k in active:
@@ -106,23 +109,42 @@ def measure(
         try:
             for k in active:
                 mine = _in_block(stream, i, variants[k])
-                overrides = {}
+                overrides, work = {}, 0.0
                 for rel, spec in mine.items():
                     if (rel, spec) not in memo:
                         memo[(rel, spec)] = fake(f"{stream.prefix}{i}.{rel}", weights[f"{rel}.weight"], spec)
                         mx.eval(memo[(rel, spec)])
+                        work += _work(stream, f"{stream.prefix}{i}.{rel}", spec)
                     overrides[f"{rel}.weight"] = memo[(rel, spec)]
                 stream.set(i, weights | overrides)
                 states[k] = stream.run(i, states[k])
                 mx.eval(states[k])
-                tick(share)
+                tick(share, work=work)
         finally:
             stream.release(i)
     out = []
     for k, v in enumerate(variants):
         out.append(_head_kl(stream, ref, states.pop(k, ref.final), v, fake))
-        tick(head_share)
+        heads = [p for p in v if p in stream.head_paths and p != emb]  # a tied one was counted above
+        tick(head_share, work=sum(_work(stream, p, v[p]) for p in heads))
     return out
+
+
+def rounding_work(stream: Stream, variants: Sequence[Variant]) -> float:
+    """The weights :func:`measure` has clip or GPTQ round for ``variants`` (each module and setting
+    once in the blocks; an embedding or head once per variant that sets it), as its ``tick``
+    counts them."""
+    ends = {stream.embedding_path, *stream.head_paths}  # a tied head is the embedding: counted once
+    inside = {(p, s) for v in variants for p, s in v.items() if p not in ends}
+    outside = [(p, s) for v in variants for p, s in v.items() if p in ends]
+    return float(sum(_work(stream, p, s) for p, s in (*inside, *outside)))
+
+
+def _work(stream: Stream, path: str, spec: QuantSpec) -> float:
+    """Weights of module ``path`` a clip or GPTQ rounding at ``spec`` takes (0: RTN, microscaling)."""
+    if spec.method == "rtn" or spec.mode != "affine":
+        return 0.0
+    return float(np.prod(stream.weight_shape(path)))
 
 
 def _in_block(stream: Stream, i: int, variant: Variant) -> dict[str, QuantSpec]:
