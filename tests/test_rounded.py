@@ -146,3 +146,42 @@ def test_a_worker_process_loads_the_blas_before_mlx(monkeypatch):
     with workers.pool(threads=2, weights=workers.MIN_WEIGHTS) as pool:
         there = pool.submit(_blas_of_this_process).result()
     assert there["loaded"] and there["library"] == library, there
+
+
+def test_the_probes_round_a_big_weight_in_quantizes_blocks_so_quantize_reads_them_back(
+    gptq_source, tmp_path, caplog, monkeypatch
+):
+    """quantize rounds a big weight in blocks of rows, each kept under its own bytes' key; the
+    probes rounded it whole, under another key, so quantize rounded it again (at 0.5B the tied
+    embedding: most of quantize's time). Written rounds it in the same blocks, GPTQ's factor once:
+    quantize reads every block back and writes the same bytes."""
+    import hashlib
+
+    from mlxbun.quant import probe
+    from mlxbun.quant.hessian import Hessians
+    from mlxbun.quant.quantize import convert
+    from mlxbun.quant.spec import QuantSpec
+
+    src, plan, h = gptq_source
+    monkeypatch.setattr(convert, "BIG_TENSOR", 1000)
+    monkeypatch.setattr(convert, "CHUNK_BYTES", 4096)
+    plain = _quantize(gptq_source, tmp_path / "plain")
+    sha = hashlib.file_digest(open(h, "rb"), "sha256").hexdigest()
+    written = probe.Written(
+        dtype="bfloat16", dtypes={}, hessians=Hessians(h), rounded=rounded.Rounded(tmp_path / "cache", sha)
+    )
+    weights = mx.load(str(src / "model.safetensors"))
+    factors = []
+    real = convert.rounding.gptq_factor
+    monkeypatch.setattr(convert.rounding, "gptq_factor", lambda hh: factors.append(1) or real(hh))
+    for path, spec in ((f"{L0}.mlp.up_proj", QuantSpec(bits=3, group_size=32, method="gptq")),
+                       (f"{L0}.mlp.gate_proj", QuantSpec(bits=3, group_size=64, method="clip")),
+                       (f"{L0}.mlp.down_proj", QuantSpec(bits=4, group_size=64, method="gptq"))):  # fmt: skip
+        written(path, weights[f"{path}.weight"].astype(mx.float32), spec)
+    assert len(factors) == 2  # one per GPTQ module, not one per block
+    blocks = len(list((tmp_path / "cache").rglob("*.safetensors")))
+    assert blocks > 3
+    with caplog.at_level(logging.INFO, logger="mlxbun"):
+        again = _quantize(gptq_source, tmp_path / "again", tmp_path / "cache")
+    assert f"{blocks} rounded module(s) read back" in caplog.text and "0 rounded here" in caplog.text
+    assert _bytes(plain) == _bytes(again)

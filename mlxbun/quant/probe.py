@@ -207,14 +207,39 @@ class Written:
         dtype = self.dtype or self.dtypes.get(path, "bfloat16")
         if spec.method == "rtn" or spec.mode != "affine":
             return fake_quant(w, spec, dtype=dtype, out_dtype=out_dtype)
+        from mlxbun.quant.quantize.convert import piece_rows  # quantize's blocks: its cache keys
+
         src = w.astype(getattr(mx, dtype))
         setting = {"bits": spec.bits, "group_size": spec.group_size, "method": spec.method}
+        itemsize = getattr(mx, self.dtypes.get(path, "bfloat16")).size  # the source's, as quantize reads it
+        step = piece_rows(src.shape[0], src.shape[-1], itemsize) if src.ndim == 2 else None
+        factor: dict[str, Any] = {}  # GPTQ's factor of the module's H: once for all its blocks
+        if step is None:
+            wq, scales, biases = self._rounded(path, src, setting, factor)
+        else:  # in quantize's blocks of rows (rows round alone: the same values as whole)
+            rows = range(0, src.shape[0], step)
+            parts = [self._rounded(path, src[r : r + step], setting, factor) for r in rows]
+            wq = np.concatenate([np.asarray(p[0]) for p in parts])
+            scales, biases = (mx.concatenate([p[k] for p in parts]) for k in (1, 2))
+            del parts
+        return rounding.dequantized(
+            mx.array(wq), scales, biases, group_size=spec.group_size, bits=spec.bits, dtype=out_dtype
+        )
+
+    def _rounded(
+        self, path: str, src: Any, setting: dict[str, Any], factor: dict[str, Any]
+    ) -> tuple[Any, Any, Any]:
+        """``src`` (module ``path``'s weight, or a block of its rows) rounded at ``setting``: read
+        back from ``rounded`` when kept there, else rounded with the module's Hessian and kept
+        (``factor``: GPTQ's factor of it, filled by the first block that needs it)."""
         file = None if self.rounded is None else self.rounded.file(path, src, **setting)
         out = None if file is None else self.rounded.get(file, path)
         if out is None:
             h = self.hessians[path] if self.hessians is not None and path in self.hessians else None
             try:
-                out = rounding.quantize(src, hessian=h, **setting)
+                if h is not None and setting["method"] == "gptq" and "f" not in factor:
+                    factor["f"] = rounding.gptq_factor(h)
+                out = rounding.quantize(src, hessian=h, factor=factor.get("f"), **setting)
             except rounding.NotPositiveDefinite as e:
                 raise hessian.refused(
                     getattr(self.hessians, "path", "quant.hessians"), path, str(e)
@@ -223,10 +248,7 @@ class Written:
             rounding.check_finite(path, {f"{path}.scales": out[1], f"{path}.biases": out[2]})
             if file is not None:
                 self.rounded.put(file, out, path)
-        wq, scales, biases = out
-        return rounding.dequantized(
-            mx.array(wq), scales, biases, group_size=spec.group_size, bits=spec.bits, dtype=out_dtype
-        )
+        return out
 
 
 def _rounded(

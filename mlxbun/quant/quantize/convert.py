@@ -36,6 +36,20 @@ from mlxbun.quant.skeleton import Skeleton
 # CHUNK_BYTES (quantization groups never cross a row, so the bytes are the same).
 BIG_TENSOR = 128 << 20
 CHUNK_BYTES = 32 << 20
+
+
+def piece_rows(rows: int, cols: int, itemsize: int, natural: int = 1) -> int | None:
+    """Rows per block a (rows, cols) weight of ``itemsize``-byte source values is quantized in
+    (None: whole, up to :data:`BIG_TENSOR` bytes): about :data:`CHUNK_BYTES` of float32, a multiple
+    of ``natural``. The probes round a big weight in the same blocks, so a clip or GPTQ rounding
+    kept by one (:class:`mlxbun.quant.quantize.cache.Rounded`, keyed by the block's bytes) is read
+    back by the other."""
+    if rows * cols * itemsize <= BIG_TENSOR:
+        return None
+    step = max(1, CHUNK_BYTES // max(1, cols * 4))
+    return max(natural, step - step % natural)
+
+
 _build_lock = threading.Lock()  # to_quantized draws from MLX's global PRNG: build graphs one at a time
 
 
@@ -134,14 +148,14 @@ class Converter:
         if unit.quant is None or type(self.sk.originals.get(unit.path)) not in (nn.Linear, nn.Embedding):
             return False
         name = f"{unit.path}.weight"
-        return name in self.sk.sources and self.sk.weights[name].nbytes > BIG_TENSOR
+        return name in self.sk.sources and self.step(name) is not None
 
-    def step(self, name: str, width: int) -> int:
-        """Rows per block of a big weight: about CHUNK_BYTES of f32, a multiple of the source's
-        natural block (a synthetic tensor's RNG stream) when that is smaller."""
-        step = max(1, CHUNK_BYTES // max(1, width * 4))
+    def step(self, name: str) -> int | None:
+        """Rows per block of a big weight (:func:`piece_rows`; a multiple of the source's natural
+        block: a synthetic tensor's RNG stream); None: whole."""
+        w = self.sk.weights[name]
         natural = self.src.row_step(self.sk.sources[name])
-        return max(natural, step - step % natural)
+        return piece_rows(w.shape[0], w.shape[-1], w.nbytes // max(w.size, 1), natural)
 
     def quantize_rows(self, unit: Unit) -> dict[str, Any]:
         """mx.quantize of a big weight, block of rows by block of rows.
@@ -150,14 +164,15 @@ class Converter:
         memory holds the output once, not parts plus their concatenation.
         """
         name, q = f"{unit.path}.weight", unit.quant
+        step, src = self.step(name), self.sk.sources[name]
         rows, width = self.sk.weights.pop(name).shape
-        step, src = self.step(name, width), self.sk.sources[name]
         packed: Any = None
         small: list[list[Any]] = []
+        factor: dict[str, Any] = {}  # GPTQ's factor of the module's H: once for all its blocks
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             chunk = self.cast(name, self.folded(name, self.src.rows(src, r0, r1), r0))
-            w, *rest = self.quantize_weight(chunk, q, unit.path)
+            w, *rest = self.quantize_weight(chunk, q, unit.path, factor)
             mx.eval(w, *rest)
             if packed is None:
                 packed = np.empty((rows, w.shape[1]), dtype=np.uint32)
@@ -198,8 +213,12 @@ class Converter:
     def varies(self, q: dict[str, Any], path: str) -> bool:
         return self.method_of(path) != "rtn" and q.get("mode", "affine") == "affine"
 
-    def quantize_weight(self, w: Any, q: dict[str, Any], path: str) -> tuple[Any, ...]:
-        """The hook where a quantizer variant (``mlxbun.quant.rounding``) replaces mx.quantize."""
+    def quantize_weight(
+        self, w: Any, q: dict[str, Any], path: str, factor: dict[str, Any] | None = None
+    ) -> tuple[Any, ...]:
+        """The hook where a quantizer variant (``mlxbun.quant.rounding``) replaces mx.quantize.
+        ``factor``: GPTQ's factor of the module's H, kept there by the first block of its rows
+        that needs it (a worker process factors its own)."""
         if not self.varies(q, path):
             return tuple(mx.quantize(w, q["group_size"], q["bits"], mode=q.get("mode", "affine")))
         setting = {"bits": q["bits"], "group_size": q["group_size"], "method": self.method_of(path)}
@@ -208,7 +227,11 @@ class Converter:
             return kept
         try:
             if self.pool is None:
-                out = rounding.quantize(w, hessian=self.hessians.get(path), **setting)
+                h = self.hessians.get(path)
+                if factor is not None and h is not None and setting["method"] == "gptq" and "f" not in factor:
+                    factor["f"] = rounding.gptq_factor(h)
+                f = None if factor is None else factor.get("f")
+                out = rounding.quantize(w, hessian=h, factor=f, **setting)
             else:
                 out = workers.quantize(
                     self.pool, w, hessian=workers.hessian_for(self.hessians, path), **setting
