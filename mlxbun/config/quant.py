@@ -306,6 +306,10 @@ class TuneCfg:
     # Minutes tune may take, > 0: sets how many steps each block gets, timed after a warm-up step;
     # null: tune.steps each.
     max_minutes: float | None = 60.0
+    # The tuned model is written only when its validation KL is at least this fraction below the
+    # input's (and significantly so), in [0, 0.99]: smaller validation gains did not carry to
+    # held-out text.
+    min_gain: float = 0.05
     # Where the tuned model goes (null: <run_dir>/model); a pipeline whose tune step follows
     # quantize writes its final model to quant.out, when that is given, through this key.
     out: str | None = None
@@ -322,5 +326,7 @@ class TuneCfg:
         positive("tune.seq_len", self.seq_len)
         at_least("tune.seq_len", self.seq_len, 2, "one token predicts none")
         positive("tune.max_minutes", self.max_minutes)
+        positive("tune.min_gain", self.min_gain, allow_zero=True)
+        at_most("tune.min_gain", self.min_gain, 0.99, "a gain of the whole KL is none to find")
         if not self.validation_kinds:
             raise InputError("tune.validation_kinds is empty; name at least one document kind, e.g. [prose]")

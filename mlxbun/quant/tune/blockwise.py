@@ -366,7 +366,7 @@ class Windows:
 class Outcome:
     """What :func:`tune_streamed` did: per-block results, the validation KL of the input and of
     the tuned model, and the tensors to write (empty when the input is kept: no block kept, or
-    the tuned model's validation KL not significantly lower, :func:`significantly_lower`)."""
+    the tuned model's validation KL not lower enough, :func:`gained`)."""
 
     blocks: list[BlockResult]
     kl_before: float
@@ -439,6 +439,14 @@ def kl_step(ref: Stream, cur: Stream) -> int:
     return min(ref.token_rows(), cur.token_rows())
 
 
+def gained(after: np.ndarray, before: np.ndarray, min_gain: float) -> bool:
+    """Is the tuned model's mean per-token validation KL ``after`` at least ``min_gain`` (a
+    fraction) below the input's ``before``, and :func:`significantly_lower`? Validation gains of
+    2.5% and 4% (significant: tokens of a window are not independent, so the standard error
+    reads small) came with held-out KL 1% and 7% worse (BENCHMARKS.md, tune's gain)."""
+    return bool(after.mean() <= (1.0 - min_gain) * before.mean()) and significantly_lower(after, before)
+
+
 def significantly_lower(after: np.ndarray, before: np.ndarray) -> bool:
     """Is the mean of ``after`` below ``before``'s by more than :data:`SIGNIFICANCE` standard errors
     of their per-token difference (a paired test: a gain inside the validation's noise is none)?"""
@@ -470,6 +478,7 @@ def tune_streamed(
     batch: int,
     seed: int,
     max_minutes: float | None = None,
+    min_gain: float = 0.0,
     on_block: Callable[[BlockResult], None] | None = None,
     on_kl: Callable[[int], Callable[[], None]] | None = None,
 ) -> Outcome:
@@ -525,7 +534,7 @@ def tune_streamed(
     tick = on_kl(slices) if on_kl is not None else (lambda: None)
     before, after = kl_between(ref, x_ref["val"], q, [x_in, x_q["val"]], tick=tick)
     tensors = {k: v for r in results if r.kept for k, v in r.tensors.items()}
-    better = significantly_lower(after, before)
+    better = gained(after, before, min_gain)
     return Outcome(
         results,
         float(before.mean()),

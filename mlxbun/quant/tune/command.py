@@ -9,9 +9,9 @@ the depth.
 Training and validation never share text: the training windows come from the calibration
 documents of other kinds than ``tune.validation_kinds``, the validation windows from those kinds.
 A block keeps the best of four validation checks over its steps (or the input's values); the
-tuned model is written only when its validation KL against the reference is below the input's by
-more than twice the standard error of their per-token difference, otherwise the input's values
-are (``tune.json`` says which). ``tune.max_minutes`` sets how many steps each block gets, measured
+tuned model is written only when its validation KL against the reference is at least
+``tune.min_gain`` below the input's and by more than twice the standard error of their per-token
+difference, otherwise the input's values are (``tune.json`` says which). ``tune.max_minutes`` sets how many steps each block gets, measured
 after a warm-up step; it never skips the step.
 
     <run_dir>/
@@ -199,7 +199,7 @@ def run(cfg: Any) -> Any:
         "validation": val.to_dict() | {"split": split},
         "settings": {
             "steps": t.steps, "lr": t.lr, "batch_size": t.batch_size, "max_minutes": t.max_minutes,
-            "validation_kinds": list(t.validation_kinds),
+            "validation_kinds": list(t.validation_kinds), "min_gain": t.min_gain,
         },
     }  # fmt: skip
     if t.steps == 0:
@@ -222,7 +222,8 @@ def run(cfg: Any) -> Any:
 
         outcome = tune_streamed(
             ref, q, train.tokens, val.tokens, steps=t.steps, lr=t.lr, batch=t.batch_size, seed=cfg.seed,
-            max_minutes=t.max_minutes, on_block=lambda r: _block_done(progress, r), on_kl=validation,
+            max_minutes=t.max_minutes, min_gain=t.min_gain, on_block=lambda r: _block_done(progress, r),
+            on_kl=validation,
         )  # fmt: skip
         phases[-1].close()
         write_tuned(src, stage.dir, outcome.tensors, shard_bytes=cfg.io.shard_bytes)
@@ -260,8 +261,9 @@ def _finish(
         f" {len(outcome.blocks)} blocks, {changed} codes moved, {outcome.seconds:.0f} s) -> {out}"
         f" (registered as {name})"
         if tuned
-        else f"{src.name} unchanged by tune: the tuned blocks' validation KL {after:.4g} is not significantly"
-        f" below the input's {before:.4g}; its values are written to {out} (registered as {name})"
+        else f"{src.name} unchanged by tune: the tuned blocks' validation KL {after:.4g} is not"
+        f" significantly and tune.min_gain={record['settings']['min_gain']:g} below the input's {before:.4g};"
+        f" its values are written to {out} (registered as {name})"
     )
     return RunResult(
         outputs=[out, run_dir / TUNE_FILE],
