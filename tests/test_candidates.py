@@ -392,5 +392,15 @@ def test_the_probes_progress_counts_their_roundings() -> None:
     )  # fmt: skip
     size = lambda p: float(np.prod(stream.weight_shape(p)))  # noqa: E731
     assert sum(w for _, w in ticks) == variants.rounding_work(stream, wanted)
-    assert variants.rounding_work(stream, wanted) == size(q) + size(o) + size(stream.embedding_path)
+    tied = stream.embedding_path in stream.head_paths  # rounded for the lookups and the logits
+    assert variants.rounding_work(stream, wanted) == size(q) + size(o) + (1 + tied) * size(
+        stream.embedding_path
+    )
     assert len(kl) == 3
+    # the probes' Written ticks each rounding itself (a big weight a block of rows at a time)
+    from mlxbun.quant.probe import Written
+
+    written, ticks, own = Written(dtype="bfloat16", dtypes={}), [], []
+    written.tick = own.append
+    variants.measure(stream, ref, wanted, fake=written, tick=lambda f, work=0.0: ticks.append(work))
+    assert sum(ticks) == 0 and sum(own) == variants.rounding_work(stream, wanted)

@@ -202,6 +202,9 @@ class Written:
         self, *, dtype: str | None, dtypes: dict[str, str], hessians: Any = None, rounded: Any = None
     ) -> None:
         self.dtype, self.dtypes, self.hessians, self.rounded = dtype, dtypes, hessians, rounded
+        # called with the weights of each clip or GPTQ rounding (a block of rows of a big weight)
+        # as it is done: a 262,144-word embedding's rounding is minutes of the probes
+        self.tick: Any = None
 
     def __call__(self, path: str, w: Any, spec: QuantSpec, out_dtype: Any = mx.float32) -> Any:
         dtype = self.dtype or self.dtypes.get(path, "bfloat16")
@@ -248,6 +251,8 @@ class Written:
             rounding.check_finite(path, {f"{path}.scales": out[1], f"{path}.biases": out[2]})
             if file is not None:
                 self.rounded.put(file, out, path)
+        if self.tick is not None:
+            self.tick(float(src.size))
         return out
 
 

@@ -305,9 +305,11 @@ def corrected(
             heartbeat=True,
             work_total=work or None,
         )
-        try:  # a probe's blocks (its roundings included) and head tick as they are done
+        written.tick = lambda weights: progress.update(0, work=weights)  # each rounding as it is done
+        try:  # a probe's blocks and head tick as they are done
             kl = variants.measure(stream, ref, wanted, fake=written, tick=progress.update)
         finally:
+            written.tick = None
             progress.close()
         log.info(
             "sensitivity.candidates: %d probes measured KL %s (%.1f s)",

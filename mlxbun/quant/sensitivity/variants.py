@@ -99,7 +99,7 @@ def measure(
                 {emb: fake(emb, stream.weight(emb), v[emb], out_dtype=stream.weight(emb).dtype)}
             ):
                 states[k] = stream.embed(ref.tokens)
-            tick(0.0, work=_work(stream, emb, v[emb]))
+            tick(0.0, work=_work(stream, emb, v[emb], fake))
     for i in range(max(0, min(starts, default=0)), stream.n_blocks):
         active = [k for k in range(len(variants)) if starts[k] <= i]
         for k in active:
@@ -114,7 +114,7 @@ def measure(
                     if (rel, spec) not in memo:
                         memo[(rel, spec)] = fake(f"{stream.prefix}{i}.{rel}", weights[f"{rel}.weight"], spec)
                         mx.eval(memo[(rel, spec)])
-                        work += _work(stream, f"{stream.prefix}{i}.{rel}", spec)
+                        work += _work(stream, f"{stream.prefix}{i}.{rel}", spec, fake)
                     overrides[f"{rel}.weight"] = memo[(rel, spec)]
                 stream.set(i, weights | overrides)
                 states[k] = stream.run(i, states[k])
@@ -125,24 +125,26 @@ def measure(
     out = []
     for k, v in enumerate(variants):
         out.append(_head_kl(stream, ref, states.pop(k, ref.final), v, fake))
-        heads = [p for p in v if p in stream.head_paths and p != emb]  # a tied one was counted above
-        tick(head_share, work=sum(_work(stream, p, v[p]) for p in heads))
+        heads = [p for p in v if p in stream.head_paths]  # a tied one is rounded again (read back)
+        tick(head_share, work=sum(_work(stream, p, v[p], fake) for p in heads))
     return out
 
 
 def rounding_work(stream: Stream, variants: Sequence[Variant]) -> float:
     """The weights :func:`measure` has clip or GPTQ round for ``variants`` (each module and setting
-    once in the blocks; an embedding or head once per variant that sets it), as its ``tick``
-    counts them."""
-    ends = {stream.embedding_path, *stream.head_paths}  # a tied head is the embedding: counted once
-    inside = {(p, s) for v in variants for p, s in v.items() if p not in ends}
-    outside = [(p, s) for v in variants for p, s in v.items() if p in ends]
-    return float(sum(_work(stream, p, s) for p, s in (*inside, *outside)))
+    once in the blocks; the embedding for the lookups and each head for the logits, once per
+    variant that sets them: a tied one twice), as its ``tick`` counts them."""
+    emb, heads = stream.embedding_path, set(stream.head_paths)
+    inside = {(p, s) for v in variants for p, s in v.items() if p != emb and p not in heads}
+    lookups = [(p, s) for v in variants for p, s in v.items() if p == emb]
+    logits = [(p, s) for v in variants for p, s in v.items() if p in heads]
+    return float(sum(_work(stream, p, s) for p, s in (*inside, *lookups, *logits)))
 
 
-def _work(stream: Stream, path: str, spec: QuantSpec) -> float:
-    """Weights of module ``path`` a clip or GPTQ rounding at ``spec`` takes (0: RTN, microscaling)."""
-    if spec.method == "rtn" or spec.mode != "affine":
+def _work(stream: Stream, path: str, spec: QuantSpec, fake: Fake | None = None) -> float:
+    """Weights of module ``path`` a clip or GPTQ rounding at ``spec`` takes (0: RTN, microscaling,
+    or a ``fake`` that ticks its roundings itself: ``fake.tick`` set)."""
+    if spec.method == "rtn" or spec.mode != "affine" or getattr(fake, "tick", None) is not None:
         return 0.0
     return float(np.prod(stream.weight_shape(path)))
 
