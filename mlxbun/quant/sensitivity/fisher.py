@@ -206,9 +206,10 @@ def estimate(
     def rtn(path: str, w: Any, spec: QuantSpec, out_dtype: Any = mx.float32) -> Any:
         return fake_quant(w, spec, dtype=dtypes[path], out_dtype=out_dtype)
 
-    kls = variants.measure(
-        stream, ref, [v for _, _, v in group_variants], fake=rtn, tick=lambda f, work=0.0: tick(f * n_sub)
-    )
+    def on_subset(forwards: float, work: float = 0.0) -> None:  # RTN: no roundings to count
+        tick(forwards * n_sub)
+
+    kls = variants.measure(stream, ref, [v for _, _, v in group_variants], fake=rtn, tick=on_subset)
     measured: dict[str, dict[str, float]] = {}
     for (b, k, _), value in zip(group_variants, kls, strict=True):
         measured.setdefault(b, {})[k] = value
@@ -216,13 +217,7 @@ def estimate(
     est = _calibrate(raw, measured, groups, carried(cands), unfitted, forward_equivalents=fwd / n)
     if not probe_variants:
         return est
-    values = variants.measure(
-        stream,
-        ref,
-        [{t.path: c} for t, c in probe_variants],
-        fake=rtn,
-        tick=lambda f, work=0.0: tick(f * n_sub),
-    )
+    values = variants.measure(stream, ref, [{t.path: c} for t, c in probe_variants], fake=rtn, tick=on_subset)
     exact: dict[str, dict[str, float]] = {}
     for (t, c), value in zip(probe_variants, values, strict=True):
         exact.setdefault(t.path, {})[str(c.bits)] = value

@@ -100,28 +100,32 @@ def measure(
             ):
                 states[k] = stream.embed(ref.tokens)
             tick(0.0, work=_work(stream, emb, v[emb], fake))
-    for i in range(max(0, min(starts, default=0)), stream.n_blocks):
-        active = [k for k in range(len(variants)) if starts[k] <= i]
-        for k in active:
-            states.setdefault(k, ref.states[i])
-        weights = stream.load(i)
-        memo: dict[tuple[str, QuantSpec], mx.array] = {}
-        try:
+    # the blocks alone: neither the embedding nor the head is held while they run
+    with stream.outside_released(ref.tokens.shape[1]):
+        for i in range(max(0, min(starts, default=0)), stream.n_blocks):
+            active = [k for k in range(len(variants)) if starts[k] <= i]
             for k in active:
-                mine = _in_block(stream, i, variants[k])
-                overrides, work = {}, 0.0
-                for rel, spec in mine.items():
-                    if (rel, spec) not in memo:
-                        memo[(rel, spec)] = fake(f"{stream.prefix}{i}.{rel}", weights[f"{rel}.weight"], spec)
-                        mx.eval(memo[(rel, spec)])
-                        work += _work(stream, f"{stream.prefix}{i}.{rel}", spec, fake)
-                    overrides[f"{rel}.weight"] = memo[(rel, spec)]
-                stream.set(i, weights | overrides)
-                states[k] = stream.run(i, states[k])
-                mx.eval(states[k])
-                tick(share, work=work)
-        finally:
-            stream.release(i)
+                states.setdefault(k, ref.states[i])
+            weights = stream.load(i)
+            memo: dict[tuple[str, QuantSpec], mx.array] = {}
+            try:
+                for k in active:
+                    mine = _in_block(stream, i, variants[k])
+                    overrides, work = {}, 0.0
+                    for rel, spec in mine.items():
+                        if (rel, spec) not in memo:
+                            memo[(rel, spec)] = fake(
+                                f"{stream.prefix}{i}.{rel}", weights[f"{rel}.weight"], spec
+                            )
+                            mx.eval(memo[(rel, spec)])
+                            work += _work(stream, f"{stream.prefix}{i}.{rel}", spec, fake)
+                        overrides[f"{rel}.weight"] = memo[(rel, spec)]
+                    stream.set(i, weights | overrides)
+                    states[k] = stream.run(i, states[k])
+                    mx.eval(states[k])
+                    tick(share, work=work)
+            finally:
+                stream.release(i)
     out = []
     for k, v in enumerate(variants):
         out.append(_head_kl(stream, ref, states.pop(k, ref.final), v, fake))
