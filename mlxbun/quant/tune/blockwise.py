@@ -17,8 +17,8 @@ the blocks' outputs then feed the next block. Rounding passes the gradient strai
 where a code is inside the grid and not where it is clipped (AutoRound's clamp).
 
 Memory, whatever the depth: the block's reference weights in their stored dtype, its float32
-offsets and their gradients, one module's float32 weight at a time (built again in the backward
-pass, :func:`_tuned_matmul`), the windows' hidden states; neither model's embedding nor head
+offsets and their gradients, the modules' weights as the gradient builds them, the input's and
+the best check's codes (uint8), the windows' hidden states; neither model's embedding nor head
 while the blocks train (:meth:`mlxbun.quant.streamed.Stream.outside_released`). Time grows with
 depth.
 
@@ -50,9 +50,9 @@ log = logging.getLogger("mlxbun")
 class TunedLinear(nn.Module):
     """An affine quantized linear with trainable rounding offsets, group scales and biases.
 
-    The reference weight is held in its stored dtype and the float32 weight is built inside the
-    matmul's own gradient (:func:`_tuned_matmul`), so training holds the block's reference and
-    offsets and one module's float32 weight at a time, not every intermediate of every module."""
+    The reference weight is held in its stored dtype. The matmul's gradient is written out
+    (:func:`_tuned_matmul`): through autodiff a bias's gradient inside the grid is a difference of
+    two equal terms, whose float noise signed descent would follow at the full rate."""
 
     def __init__(
         self, *, reference: mx.array, weight: mx.array, scales: mx.array, biases: mx.array, bits: int,
@@ -173,8 +173,8 @@ def _tuned_weight(w: mx.array, maxq: float) -> Callable[..., mx.array]:
 
 
 def _tuned_matmul(w: mx.array, maxq: float) -> Callable[..., mx.array]:
-    """``f(x, v, s, b) = x @ Wq.T`` (:func:`_built`), whose gradient rebuilds Wq instead of the graph
-    keeping it and its intermediates for every module of the block until the backward pass."""
+    """``f(x, v, s, b) = x @ Wq.T`` (:func:`_built`) with :func:`_weight_grads`' gradient (Wq built
+    again in the backward pass)."""
 
     @mx.custom_function
     def f(x: mx.array, v: mx.array, s: mx.array, b: mx.array) -> mx.array:
