@@ -280,10 +280,19 @@ def test_a_row_sample_scores_a_big_weight_close_to_all_its_rows(monkeypatch: pyt
             assert sample[path][spec] == pytest.approx(v, rel=0.1), (path, spec)
 
 
+def _probed_stream() -> object:
+    """The least of a Stream that corrected() reads when variants.measure is replaced."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        dir="m", source=lambda: {"current": {}, "dtypes": {}}, stored_dtype=lambda name: "bfloat16",
+        embedding_path="e", head_paths=("e",), weight_shape=lambda path: (64, 64),
+    )  # fmt: skip
+
+
 def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The probes' whole-model KL runs on the samples the estimate's own KLs were measured on,
     every probe in one streamed pass."""
-    from types import SimpleNamespace
 
     from mlxbun.quant import hessian
     from mlxbun.quant.sensitivity import fisher, variants
@@ -299,14 +308,7 @@ def test_probes_measure_on_the_calibration_subset(tmp_path: Path, monkeypatch: p
     )
     default = QuantSpec(bits=4, group_size=64)
     gptq = QuantSpec(bits=4, group_size=64, method="gptq")
-    stream = SimpleNamespace(
-        dir="m",
-        source=lambda: {"current": {}, "dtypes": {}},
-        stored_dtype=lambda name: "bfloat16",
-        embedding_path="e",
-        head_paths=("e",),
-        weight_shape=lambda path: (64, 64),
-    )
+    stream = _probed_stream()
     hessian.save({"a": np.eye(64, dtype=np.float32)}, tmp_path / "h.safetensors", tokens=1)
     kls = {p: {default: 0.05, gptq: 0.03} for p in ("a", "b")}
     tokens = np.zeros((32, 16), dtype=np.int32)
@@ -327,7 +329,6 @@ def test_a_quantizer_the_corrected_plan_brings_in_is_probed_too(
 ) -> None:
     """GPTQ's estimates are 4x too low: its probe corrects them, the plan moves to clip, and clip
     (never measured) is probed in a second round instead of standing on its raw estimate."""
-    from types import SimpleNamespace
 
     from mlxbun.quant import hessian
     from mlxbun.quant.sensitivity import variants
@@ -343,14 +344,7 @@ def test_a_quantizer_the_corrected_plan_brings_in_is_probed_too(
         return [sum(true[s] for s in v.values()) for v in vs]
 
     monkeypatch.setattr(variants, "measure", measure)
-    stream = SimpleNamespace(
-        dir="m",
-        source=lambda: {"current": {}, "dtypes": {}},
-        stored_dtype=lambda name: "bfloat16",
-        embedding_path="e",
-        head_paths=("e",),
-        weight_shape=lambda path: (64, 64),
-    )
+    stream = _probed_stream()
     hessian.save({"a": np.eye(64, dtype=np.float32)}, tmp_path / "h.safetensors", tokens=1)
     kls = {p: {rtn: 0.05, gptq: 0.01, clip: 0.02} for p in ("a", "b")}
 
