@@ -381,7 +381,7 @@ def test_the_probes_progress_counts_their_roundings() -> None:
     wanted = [{q: clip, e: rtn}, {q: clip, o: gptq}, {stream.embedding_path: clip}]
     ticks = []
     kl = variants.measure(
-        stream, ref, wanted, fake=lambda p, w, s, out_dtype=mx.float32: w.astype(out_dtype),
+        stream, ref, wanted, fake=lambda p, w, s, out_dtype=mx.float32, codes=False: w.astype(out_dtype),
         tick=lambda f, work=0.0: ticks.append((f, work)),
     )  # fmt: skip
     size = lambda p: float(np.prod(stream.weight_shape(p)))  # noqa: E731

@@ -375,6 +375,44 @@ def test_written_gives_a_rounding_in_the_dtype_asked_fresh_and_read_back(tmp_pat
         assert got.dtype == mx.bfloat16 and mx.array_equal(got, f32.astype(mx.bfloat16)).item()
 
 
+@pytest.mark.parametrize("method", ["rtn", "clip"])
+def test_a_probed_head_is_swapped_in_as_codes(tmp_path, monkeypatch, method):
+    """A probe that rounds a tied head swaps its codes in, the values made a slice of vocabulary
+    at a time beside the stored weight: the same KL as the rounded weight swapped in whole, and
+    no second copy of the head (Gemma-3-27B's tied head: 2.8 GB in bfloat16 beside the stored
+    one, the probes' peak at its width)."""
+    from mlxbun.quant import streamed
+    from mlxbun.quant.sensitivity import variants
+
+    stream = streamed.Stream(FIXTURE)
+    head = stream.embedding_path
+    ref = variants.Reference.capture(stream, np.arange(16).reshape(2, 8))
+    ref.logits = None  # the reference's logits made a slice at a time too, as at a large vocabulary
+    spec = QuantSpec(bits=4, group_size=64, method=method)
+    from mlxbun.quant.quantize.cache import Rounded
+
+    fake = probe.Written(dtype="bfloat16", dtypes={}, rounded=Rounded(tmp_path, "0" * 64))
+
+    def whole(
+        path: str, w: mx.array, s: QuantSpec, out_dtype: Any = mx.float32, codes: bool = False
+    ) -> mx.array:
+        return fake(path, w, s, out_dtype=out_dtype)  # the rounded weight made whole
+
+    want = variants.measure(stream, ref, [{head: spec}], fake=whole)[0]
+    stored = stream.weight(head).nbytes
+    monkeypatch.setattr(streamed, "HEAD_CHUNK_BYTES", stored // 16)  # 8 slices of float32
+    monkeypatch.setattr(rounding, "CHUNK", stored // 16)  # rtn's codes made in 8 slices too
+    # (clip's rounding is read back from the cache, as quantize's blocks of rows are at scale)
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    held = mx.get_active_memory()
+    variants._head_kl(stream, ref, ref.final, {head: spec}, fake)
+    peak = mx.get_peak_memory() - held
+    got = variants.measure(stream, ref, [{head: spec}], fake=fake)[0]
+    assert got == pytest.approx(want, rel=1e-5) and got > 0  # slices sum in another order
+    assert peak < stored, peak / stored  # codes, slices and logits; whole: above 2x (the copy, its slices)
+
+
 def test_merge_names_a_shard_written_before_a_setting_was_recorded():
     new = {"kind": "x", "batch_size": 8, "estimator": 5}
     old = {"kind": "x", "estimator": 5}

@@ -37,7 +37,7 @@ from mlxbun.io.staging import ScratchDir
 from mlxbun.quant import hessian, rounding
 from mlxbun.quant.mlxlm import load
 from mlxbun.quant.spec import QuantSpec
-from mlxbun.quant.streamed import find_blocks
+from mlxbun.quant.streamed import Dequantized, find_blocks
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,7 @@ def fake_quant(
     hessian: Any = None,
     factor: Any = None,
     out_dtype: Any = mx.float32,
+    codes: bool = False,
 ) -> Any:
     """quantize -> dequantize of ``weight`` cast to its source dtype, returned as float32.
 
@@ -176,11 +177,23 @@ def fake_quant(
     made one module at a time. Large rtn weights go in slices of rows (quantization groups never
     cross a row: the same values), each evaluated before the next, so the temporaries stay near
     ``rounding.CHUNK`` weights. ``out_dtype``: the dtype of the values returned (float32; the source dtype
-    for a weight swapped in whole, so no float32 copy of an embedding is made)."""
+    for a weight swapped in whole, so no float32 copy of an embedding is made). ``codes``: the
+    rounding as a :class:`Dequantized` (codes, scales and biases; its values made a slice at a
+    time where used): a large vocabulary's head swapped in beside its stored weight."""
     if cand.method != "rtn":
-        return _rounded(weight, cand, dtype, hessian, factor, out_dtype)
-
+        return _rounded(weight, cand, dtype, hessian, factor, out_dtype, codes)
     rows = max(1, rounding.CHUNK // max(1, weight.size // max(1, weight.shape[-2])))
+    if codes:
+        parts = []
+        for lo in range(0, weight.shape[-2], rows):
+            q = weight[..., lo : lo + rows, :].astype(getattr(mx, dtype))
+            parts.append(mx.quantize(q, group_size=cand.group_size, bits=cand.bits, mode=cand.mode))
+            mx.eval(*parts[-1])
+        joined = (
+            parts[0] if len(parts) == 1 else [mx.concatenate(a, axis=-2) for a in zip(*parts, strict=True)]
+        )
+        wq, scales, *biases = joined
+        return as_values(wq, scales, biases[0] if biases else None, cand, out_dtype, codes=True)
     if weight.shape[-2] <= rows:
         return _fake_quant(weight, cand, dtype).astype(out_dtype)
 
@@ -206,10 +219,12 @@ class Written:
         # as it is done: a 262,144-word embedding's rounding is minutes of the probes
         self.tick: Any = None
 
-    def __call__(self, path: str, w: Any, spec: QuantSpec, out_dtype: Any = mx.float32) -> Any:
+    def __call__(
+        self, path: str, w: Any, spec: QuantSpec, out_dtype: Any = mx.float32, codes: bool = False
+    ) -> Any:
         dtype = self.dtype or self.dtypes.get(path, "bfloat16")
         if spec.method == "rtn" or spec.mode != "affine":
-            return fake_quant(w, spec, dtype=dtype, out_dtype=out_dtype)
+            return fake_quant(w, spec, dtype=dtype, out_dtype=out_dtype, codes=codes)
         from mlxbun.quant.quantize.convert import piece_rows  # quantize's blocks: its cache keys
 
         src = w.astype(getattr(mx, dtype))
@@ -225,9 +240,7 @@ class Written:
             wq = np.concatenate([np.asarray(p[0]) for p in parts])
             scales, biases = (mx.concatenate([p[k] for p in parts]) for k in (1, 2))
             del parts
-        return rounding.dequantized(
-            mx.array(wq), scales, biases, group_size=spec.group_size, bits=spec.bits, dtype=out_dtype
-        )
+        return as_values(mx.array(wq), scales, biases, spec, out_dtype, codes=codes)
 
     def _rounded(
         self, path: str, src: Any, setting: dict[str, Any], factor: dict[str, Any]
@@ -257,7 +270,7 @@ class Written:
 
 
 def _rounded(
-    weight: Any, cand: QuantSpec, dtype: str, hessian: Any, factor: Any, out_dtype: Any = mx.float32
+    weight: Any, cand: QuantSpec, dtype: str, hessian: Any, factor: Any, out_dtype: Any, codes: bool
 ) -> Any:
     if cand.method not in ("clip", "gptq"):
         raise ValueError(f"fake_quant: method {cand.method!r} cannot be applied to one module alone")
@@ -265,7 +278,15 @@ def _rounded(
     wq, s, b = rounding.quantize(
         src, bits=cand.bits, group_size=cand.group_size, method=cand.method, hessian=hessian, factor=factor
     )
-    return rounding.dequantized(wq, s, b, group_size=cand.group_size, bits=cand.bits, dtype=out_dtype)
+    return as_values(wq, s, b, cand, out_dtype, codes=codes)
+
+
+def as_values(wq: Any, scales: Any, biases: Any, cand: QuantSpec, dtype: Any, *, codes: bool) -> Any:
+    """A rounding's values as ``dtype``: made whole, or (``codes``) a :class:`Dequantized`."""
+    how = {"group_size": cand.group_size, "bits": cand.bits, "mode": cand.mode}
+    if codes:
+        return Dequantized(wq, scales, biases, dtype=dtype, **how)
+    return rounding.dequantized(wq, scales, biases, dtype=dtype, **how)
 
 
 def _fake_quant(weight: Any, cand: QuantSpec, dtype: str) -> Any:

@@ -172,20 +172,28 @@ def chunked_matmul(x: mx.array, w: mx.array) -> mx.array:
 
 
 class Dequantized:
-    """A quantized embedding's or head's weight, float32 only where it is taken: the rows a lookup
-    selects, or the slices of vocabulary :func:`chunked_matmul` multiplies by. An exact stream
-    (tune's quantized model) holds the packed codes and float32 scales and biases, about a
-    fifth of the float32 matrix (Gemma-3-27B's embedding: 5.6 GB in float32)."""
+    """A quantized embedding's or head's weight, its values (``dtype``) made only where they are
+    taken: the rows a lookup selects, or the slices of vocabulary :func:`chunked_matmul`
+    multiplies by. An exact stream (tune's quantized model) holds the packed codes and float32
+    scales and biases, about a fifth of the float32 matrix (Gemma-3-27B's embedding: 5.6 GB in
+    float32); a probe's rounded head or embedding swapped in (:meth:`Stream.swapped`) its codes
+    beside the stored weight, not a second copy of it."""
 
-    dtype = mx.float32
-
-    def __init__(self, packed: mx.array, scales: mx.array, biases: mx.array | None, **how: Any) -> None:
-        self.packed, self.scales, self.biases, self.how = packed, scales, biases, how
+    def __init__(
+        self,
+        packed: mx.array,
+        scales: mx.array,
+        biases: mx.array | None,
+        *,
+        dtype: Any = mx.float32,
+        **how: Any,
+    ) -> None:
+        self.packed, self.scales, self.biases, self.dtype, self.how = packed, scales, biases, dtype, how
         self.shape = (packed.shape[0], packed.shape[1] * 32 // how["bits"])
 
     def __getitem__(self, rows: Any) -> mx.array:
         biases = None if self.biases is None else self.biases[rows]
-        return dequantized(self.packed[rows], self.scales[rows], biases, dtype=mx.float32, **self.how)
+        return dequantized(self.packed[rows], self.scales[rows], biases, dtype=self.dtype, **self.how)
 
     def astype(self, dtype: Any) -> mx.array:
         return self[:].astype(dtype)
@@ -213,6 +221,17 @@ class _Head(nn.Module):
 
     def as_linear(self, x: Any) -> Any:
         return chunked_matmul(x, object.__getattribute__(self, "_module").weight)
+
+
+def _set_weight(mod: Any, w: mx.array | Dequantized) -> None:
+    """A module's weight: an array as its parameter, a :class:`Dequantized` as a plain attribute
+    (no parameter of the model holds it whole)."""
+    if isinstance(w, Dequantized):
+        mod.pop("weight", None)
+        object.__setattr__(mod, "weight", w)
+    else:
+        mod.__dict__.pop("weight", None)
+        mod["weight"] = w
 
 
 def find_blocks(model: Any) -> tuple[Any, str]:
@@ -340,9 +359,7 @@ class Stream:
                 continue
             mod = self._base(n[: -len(".weight")])
             if self.exact and (quantized := self._quantized(n)) is not None:
-                if "weight" in mod:  # a plain attribute: no parameter of the model holds it whole
-                    del mod["weight"]
-                object.__setattr__(mod, "weight", quantized)
+                _set_weight(mod, quantized)
                 continue
             if self._quant_of(n) is None:  # as stored: never a float32 copy of a large vocabulary
                 w = self.reader.array(self.sources[n])
@@ -350,7 +367,7 @@ class Stream:
             else:
                 w = self.read(n).astype(getattr(mx, self.stored_dtype(n)))
             mx.eval(w)
-            mod["weight"] = w
+            _set_weight(mod, w)
         self.model.update(tree_unflatten(params))
 
     @contextmanager
@@ -534,17 +551,20 @@ class Stream:
         return self._base(path).weight
 
     @contextmanager
-    def swapped(self, weights: dict[str, mx.array]) -> Iterator[None]:
-        """Modules outside the blocks with other weights for a while (path -> weight)."""
+    def swapped(self, weights: dict[str, mx.array | Dequantized]) -> Iterator[None]:
+        """Modules outside the blocks with other weights for a while (path -> weight, or a
+        :class:`Dequantized` one: its codes, its values made a slice at a time)."""
         saved = {p: self._base(p).weight for p in weights}
         try:
             for p, w in weights.items():  # a fake-quantized weight is exact in the stored dtype
-                self._base(p).weight = w.astype(saved[p].dtype)
-                mx.eval(self._base(p).weight)  # cast once, here: not inside every slice's logits
+                if not isinstance(w, Dequantized):
+                    w = w.astype(saved[p].dtype)
+                    mx.eval(w)  # cast once, here: not inside every slice's logits
+                _set_weight(self._base(p), w)
             yield
         finally:
             for p, w in saved.items():
-                self._base(p).weight = w
+                _set_weight(self._base(p), w)
 
     @property
     def vocab(self) -> int:

@@ -203,8 +203,8 @@ def estimate(
         fp.close()
     dtypes = {t.path: t.dtype for t in tgts}
 
-    def rtn(path: str, w: Any, spec: QuantSpec, out_dtype: Any = mx.float32) -> Any:
-        return fake_quant(w, spec, dtype=dtypes[path], out_dtype=out_dtype)
+    def rtn(path: str, w: Any, spec: QuantSpec, out_dtype: Any = mx.float32, codes: bool = False) -> Any:
+        return fake_quant(w, spec, dtype=dtypes[path], out_dtype=out_dtype, codes=codes)
 
     def on_subset(forwards: float, work: float = 0.0) -> None:  # RTN: no roundings to count
         tick(forwards * n_sub)

@@ -9,10 +9,10 @@ reference at the head. Memory: one block, one hidden state of the windows per va
     ref = Reference.capture(stream, tokens)          # boundary states and the reference's last state
     kls = measure(stream, ref, [{"model.layers.3.mlp.down_proj": QuantSpec(bits=3)}, ...], fake=fq)
 
-``fake(path, weight, spec, out_dtype=float32)`` gives a module's weight at a setting (float32
-in, ``out_dtype`` out):
-quantize -> dequantize for RTN and the microscaling modes, a rounding with the module's Hessian
-for clip and GPTQ.
+``fake(path, weight, spec, out_dtype=float32, codes=False)`` gives a module's weight at a
+setting (float32 in, ``out_dtype`` out; with ``codes`` a
+:class:`mlxbun.quant.streamed.Dequantized`): quantize -> dequantize for RTN and the microscaling
+modes, a rounding with the module's Hessian for clip and GPTQ.
 """
 
 from __future__ import annotations
@@ -95,9 +95,8 @@ def measure(
     states: dict[int, mx.array] = {}
     for k, v in enumerate(variants):
         if starts[k] < 0:  # the embedding changes: the lookups differ from block 0 on
-            with stream.swapped(
-                {emb: fake(emb, stream.weight(emb), v[emb], out_dtype=stream.weight(emb).dtype)}
-            ):
+            rounded = fake(emb, stream.weight(emb), v[emb], out_dtype=stream.weight(emb).dtype, codes=True)
+            with stream.swapped({emb: rounded}):
                 states[k] = stream.embed(ref.tokens)
             tick(0.0, work=_work(stream, emb, v[emb], fake))
     # the blocks alone: neither the embedding nor the head is held while they run
@@ -160,10 +159,12 @@ def _in_block(stream: Stream, i: int, variant: Variant) -> dict[str, QuantSpec]:
 
 
 def _head_kl(stream: Stream, ref: Reference, final: mx.array, variant: Variant, fake: Fake) -> float:
-    """Mean KL at the head; a variant that sets the head (or a tied embedding) swaps its weight."""
+    """Mean KL at the head; a variant that sets the head (or a tied embedding) swaps its weight:
+    its codes, made into values in the stored dtype a slice of vocabulary at a time (neither a
+    float32 nor a second stored-dtype copy of a large vocabulary's head)."""
     heads = {p: s for p, s in variant.items() if p in stream.head_paths}
-    swaps = {}
-    for p, s in heads.items():  # in the stored dtype, slice by slice: no float32 copy of the head
-        swaps[p] = fake(p, stream.weight(p), s, out_dtype=stream.weight(p).dtype)
-        mx.eval(swaps[p])
+    swaps = {
+        p: fake(p, stream.weight(p), s, out_dtype=stream.weight(p).dtype, codes=True)
+        for p, s in heads.items()
+    }
     return stream.kl_sum(ref.final, final, head=swaps, ref_logits=ref.logits) / ref.tokens_total
