@@ -159,11 +159,9 @@ def test_a_time_budget_sets_the_steps_after_a_warm_up_step(monkeypatch: pytest.M
     lin = blockwise.TunedLinear(reference=w, weight=wq, scales=s, biases=b, bits=4, group_size=64)
     data = blockwise.Windows(x_train=mx.ones((4, 2, 3)), y_train=mx.zeros((4, 2, 3)), x_val=mx.ones((1, 2, 3)),
                              y_val=mx.zeros((1, 2, 3)))  # fmt: skip
-    done, *_ = blockwise._train(
-        Fake(), 0, None, {"m": lin}, data, steps=200, lr=1e-3, batch=2, seed=0, seconds=10
-    )
+    done, *_ = blockwise._train(Fake(), 0, {"m": lin}, data, steps=200, lr=1e-3, batch=2, seed=0, seconds=10)
     assert done == 11
-    assert blockwise._train(Fake(), 0, None, {"m": lin}, data, steps=5, lr=1e-3, batch=2, seed=0)[0] == 5
+    assert blockwise._train(Fake(), 0, {"m": lin}, data, steps=5, lr=1e-3, batch=2, seed=0)[0] == 5
 
 
 def test_a_blocks_step_time_leaves_room_for_what_a_block_costs_besides_steps() -> None:
@@ -195,7 +193,7 @@ def test_the_best_validation_check_is_kept_not_the_last_step() -> None:
         return next(values)
 
     done, best, step, _ = blockwise._train(
-        Fake(), 0, None, {"m": lin}, data, steps=8, lr=1e-2, batch=2, seed=0, validate=validate, start=4.0
+        Fake(), 0, {"m": lin}, data, steps=8, lr=1e-2, batch=2, seed=0, validate=validate, start=4.0
     )
     assert (done, best, step) == (8, 1.0, 4) and len(seen) == blockwise.CHECKS
     kept = lin.snapshot()  # the second check's codes, scales and biases, not the last step's
@@ -206,7 +204,6 @@ def test_the_best_validation_check_is_kept_not_the_last_step() -> None:
         blockwise._train(
             Fake(),
             0,
-            None,
             {"m": lin},
             data,
             steps=8,

@@ -261,7 +261,6 @@ def tune_block(
     """Train block ``i`` of ``stream`` (its quantized modules swapped for ``tuned``, keyed by path)
     towards ``data``'s targets; keep it only when validation improves (module docstring)."""
     t0 = time.monotonic()
-    block = stream.blocks[i]
     initial = {p: m.snapshot() for p, m in tuned.items()}
 
     def fn(x: mx.array) -> mx.array:
@@ -271,7 +270,7 @@ def tune_block(
     done, after, best_step, training = 0, before, 0, 0.0
     if steps > 0 and data.x_train.shape[0]:
         done, after, best_step, training = _train(
-            stream, i, block, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds,
+            stream, i, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds,
             validate=lambda: batched_mse(fn, data.x_val, data.y_val, batch), start=before, initial=initial,
         )  # fmt: skip
     kept = best_step > 0  # when not, _train left the input's values
@@ -291,7 +290,7 @@ CHECKS = 4  # validation checks over a block's steps: the best of them (or the i
 
 
 def _train(
-    stream: Stream, i: int, block: Any, tuned: dict[str, TunedLinear], data: Windows, *, steps: int, lr: float,
+    stream: Stream, i: int, tuned: dict[str, TunedLinear], data: Windows, *, steps: int, lr: float,
     batch: int, seed: int, seconds: float | None = None, validate: Callable[[], float] | None = None,
     start: float = math.inf, initial: dict[str, dict[str, mx.array]] | None = None,
 ) -> tuple[int, float, int, float]:  # fmt: skip
