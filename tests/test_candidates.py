@@ -385,11 +385,10 @@ def test_the_probes_progress_counts_their_roundings() -> None:
         tick=lambda f, work=0.0: ticks.append((f, work)),
     )  # fmt: skip
     size = lambda p: float(np.prod(stream.weight_shape(p)))  # noqa: E731
-    assert sum(w for _, w in ticks) == variants.rounding_work(stream, wanted)
+    work = variants.rounding_work(stream, variants.roundings(stream, wanted))
+    assert sum(w for _, w in ticks) == work
     tied = stream.embedding_path in stream.head_paths  # rounded for the lookups and the logits
-    assert variants.rounding_work(stream, wanted) == size(q) + size(o) + (1 + tied) * size(
-        stream.embedding_path
-    )
+    assert tied and work == size(q) + size(o) + 2 * size(stream.embedding_path)
     assert len(kl) == 3
     # the probes' Written ticks each rounding itself (a big weight a block of rows at a time)
     from mlxbun.quant.probe import Written
@@ -397,4 +396,30 @@ def test_the_probes_progress_counts_their_roundings() -> None:
     written, ticks, own = Written(dtype="bfloat16", dtypes={}), [], []
     written.tick = own.append
     variants.measure(stream, ref, wanted, fake=written, tick=lambda f, work=0.0: ticks.append(work))
-    assert sum(ticks) == 0 and sum(own) == variants.rounding_work(stream, wanted)
+    assert sum(ticks) == 0 and sum(own) == work
+
+
+def test_the_probes_progress_counts_no_rounding_read_back(tmp_path) -> None:
+    """Written keeping its roundings ticks each module and setting once: the tied head's
+    rounding after its lookups', and a second probe round's repeats, are read back in moments
+    (counted as work they took 42% of a 0.5B second round's bar, and its ETA ran 1.68x over)."""
+    from mlxbun.quant.probe import Written
+    from mlxbun.quant.quantize.cache import Rounded
+    from mlxbun.quant.sensitivity import variants
+    from mlxbun.quant.streamed import Stream
+
+    stream = Stream(FIXTURE)
+    ref = variants.Reference.capture(stream, np.arange(2 * 16, dtype=np.int32).reshape(2, 16) % 200)
+    q, o = (f"{stream.prefix}{i}.{m}" for i, m in ((0, "self_attn.q_proj"), (1, "self_attn.o_proj")))
+    clip, gptq = (QuantSpec(bits=4, group_size=64, method=m) for m in ("clip", "gptq"))
+    size = lambda p: float(np.prod(stream.weight_shape(p)))  # noqa: E731
+    written = Written(dtype="bfloat16", dtypes={}, rounded=Rounded(tmp_path, "0" * 64))
+    for wanted, want in (
+        ([{q: clip}, {q: clip, stream.embedding_path: clip}], size(q) + size(stream.embedding_path)),
+        ([{q: clip, o: gptq}], size(o)),  # the next round: q at clip is kept already
+    ):
+        own = []
+        written.tick = own.append
+        work = variants.rounding_work(stream, written.to_round(variants.roundings(stream, wanted)))
+        variants.measure(stream, ref, wanted, fake=written)
+        assert sum(own) == work == want

@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -218,6 +219,15 @@ class Written:
         # called with the weights of each clip or GPTQ rounding (a block of rows of a big weight)
         # as it is done: a 262,144-word embedding's rounding is minutes of the probes
         self.tick: Any = None
+        self.kept: set[tuple[str, QuantSpec]] = set()  # made here and kept in ``rounded``
+
+    def to_round(self, pairs: Sequence[tuple[str, QuantSpec]]) -> list[tuple[str, QuantSpec]]:
+        """Of these (module, setting) roundings, those this will make and tick: with ``rounded``
+        each once, and none it has kept already (again, it is read back from ``rounded`` in
+        moments, e.g. a tied head's after its lookups', or a second probe round's)."""
+        if self.rounded is None:
+            return list(pairs)
+        return [p for p in dict.fromkeys(pairs) if p not in self.kept]
 
     def __call__(
         self, path: str, w: Any, spec: QuantSpec, out_dtype: Any = mx.float32, codes: bool = False
@@ -232,22 +242,26 @@ class Written:
         itemsize = getattr(mx, self.dtypes.get(path, "bfloat16")).size  # the source's, as quantize reads it
         step = piece_rows(src.shape[0], src.shape[-1], itemsize) if src.ndim == 2 else None
         factor: dict[str, Any] = {}  # GPTQ's factor of the module's H: once for all its blocks
+        tick = self.tick if self.to_round([(path, spec)]) else None
         if step is None:
-            wq, scales, biases = self._rounded(path, src, setting, factor)
+            wq, scales, biases = self._rounded(path, src, setting, factor, tick)
         else:  # in quantize's blocks of rows (rows round alone: the same values as whole)
             rows = range(0, src.shape[0], step)
-            parts = [self._rounded(path, src[r : r + step], setting, factor) for r in rows]
+            parts = [self._rounded(path, src[r : r + step], setting, factor, tick) for r in rows]
             wq = np.concatenate([np.asarray(p[0]) for p in parts])
             scales, biases = (mx.concatenate([p[k] for p in parts]) for k in (1, 2))
             del parts
+        if self.rounded is not None:
+            self.kept.add((path, spec))
         return as_values(mx.array(wq), scales, biases, spec, out_dtype, codes=codes)
 
     def _rounded(
-        self, path: str, src: Any, setting: dict[str, Any], factor: dict[str, Any]
+        self, path: str, src: Any, setting: dict[str, Any], factor: dict[str, Any], tick: Any
     ) -> tuple[Any, Any, Any]:
         """``src`` (module ``path``'s weight, or a block of its rows) rounded at ``setting``: read
         back from ``rounded`` when kept there, else rounded with the module's Hessian and kept
-        (``factor``: GPTQ's factor of it, filled by the first block that needs it)."""
+        (``factor``: GPTQ's factor of it, filled by the first block that needs it); ``tick``
+        (or None) is called with its weights."""
         file = None if self.rounded is None else self.rounded.file(path, src, **setting)
         out = None if file is None else self.rounded.get(file, path)
         if out is None:
@@ -264,8 +278,8 @@ class Written:
             rounding.check_finite(path, {f"{path}.scales": out[1], f"{path}.biases": out[2]})
             if file is not None:
                 self.rounded.put(file, out, path)
-        if self.tick is not None:
-            self.tick(float(src.size))
+        if tick is not None:
+            tick(float(src.size))
         return out
 
 

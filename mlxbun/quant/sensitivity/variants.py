@@ -85,7 +85,7 @@ def measure(
     """Mean KL(reference || variant) per token of each variant on the reference's windows.
     ``tick(forwards, work=weights)`` is called as work is done: a block or the head run for one
     variant over the windows is its part of a forward (:meth:`Stream.head_share`), and ``work``
-    the weights clip or GPTQ rounded for it (:func:`rounding_work`: the probes' time is mostly
+    the weights clip or GPTQ rounded for it (:func:`roundings`: the probes' time is mostly
     those roundings, not their forwards)."""
     tick = tick or (lambda forwards, work=0.0: None)
     head_share = stream.head_share()
@@ -133,15 +133,20 @@ def measure(
     return out
 
 
-def rounding_work(stream: Stream, variants: Sequence[Variant]) -> float:
-    """The weights :func:`measure` has clip or GPTQ round for ``variants`` (each module and setting
-    once in the blocks; the embedding for the lookups and each head for the logits, once per
-    variant that sets them: a tied one twice), as its ``tick`` counts them."""
+def roundings(stream: Stream, variants: Sequence[Variant]) -> list[tuple[str, QuantSpec]]:
+    """The clip and GPTQ roundings :func:`measure` makes for ``variants`` (module, setting): each
+    module and setting once in the blocks; the embedding for the lookups and each head for the
+    logits, once per variant that sets them (a tied one twice)."""
     emb, heads = stream.embedding_path, set(stream.head_paths)
-    inside = {(p, s) for v in variants for p, s in v.items() if p != emb and p not in heads}
     lookups = [(p, s) for v in variants for p, s in v.items() if p == emb]
+    inside = dict.fromkeys((p, s) for v in variants for p, s in v.items() if p != emb and p not in heads)
     logits = [(p, s) for v in variants for p, s in v.items() if p in heads]
-    return float(sum(_work(stream, p, s) for p, s in (*inside, *lookups, *logits)))
+    return [(p, s) for p, s in (*lookups, *inside, *logits) if _work(stream, p, s)]
+
+
+def rounding_work(stream: Stream, pairs: Sequence[tuple[str, QuantSpec]]) -> float:
+    """The weights of these roundings (:func:`roundings`), as :func:`measure`'s ``tick`` counts them."""
+    return float(sum(_work(stream, p, s) for p, s in pairs))
 
 
 def _work(stream: Stream, path: str, spec: QuantSpec, fake: Fake | None = None) -> float:
