@@ -185,15 +185,7 @@ def fake_quant(
         return _rounded(weight, cand, dtype, hessian, factor, out_dtype, codes)
     rows = max(1, rounding.CHUNK // max(1, weight.size // max(1, weight.shape[-2])))
     if codes:
-        parts = []
-        for lo in range(0, weight.shape[-2], rows):
-            q = weight[..., lo : lo + rows, :].astype(getattr(mx, dtype))
-            parts.append(mx.quantize(q, group_size=cand.group_size, bits=cand.bits, mode=cand.mode))
-            mx.eval(*parts[-1])
-        joined = (
-            parts[0] if len(parts) == 1 else [mx.concatenate(a, axis=-2) for a in zip(*parts, strict=True)]
-        )
-        wq, scales, *biases = joined
+        wq, scales, *biases = _codes(weight, cand, getattr(mx, dtype), rows)
         return as_values(wq, scales, biases[0] if biases else None, cand, out_dtype, codes=True)
     if weight.shape[-2] <= rows:
         return _fake_quant(weight, cand, dtype).astype(out_dtype)
@@ -293,6 +285,27 @@ def _rounded(
         src, bits=cand.bits, group_size=cand.group_size, method=cand.method, hessian=hessian, factor=factor
     )
     return as_values(wq, s, b, cand, out_dtype, codes=codes)
+
+
+def _codes(weight: Any, cand: QuantSpec, dtype: Any, rows: int) -> list[Any]:
+    """``mx.quantize`` of ``weight`` (cast to ``dtype``) a slice of ``rows`` rows at a time, each
+    written into its place in the codes, scales and biases as it is made: slices and their
+    concatenation would hold the codes twice (8-bit codes of a 262,144-word embedding: 1.4 GB)."""
+
+    def part(lo: int) -> list[Any]:
+        q = weight[..., lo : lo + rows, :].astype(dtype)
+        return list(mx.quantize(q, group_size=cand.group_size, bits=cand.bits, mode=cand.mode))
+
+    first, n = part(0), weight.shape[-2]
+    if n <= rows:
+        mx.eval(*first)
+        return first
+    out = [mx.zeros((*a.shape[:-2], n, a.shape[-1]), a.dtype) for a in first]
+    for lo in range(0, n, rows):
+        for o, a in zip(out, first if lo == 0 else part(lo), strict=True):
+            o[..., lo : lo + rows, :] = a
+        mx.eval(*out)  # each update in its array's buffer: it has no other reader
+    return out
 
 
 def as_values(wq: Any, scales: Any, biases: Any, cand: QuantSpec, dtype: Any, *, codes: bool) -> Any:
