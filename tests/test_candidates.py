@@ -423,3 +423,34 @@ def test_the_probes_progress_counts_no_rounding_read_back(tmp_path) -> None:
         work = variants.rounding_work(stream, written.to_round(variants.roundings(stream, wanted)))
         variants.measure(stream, ref, wanted, fake=written)
         assert sum(own) == work == want
+
+
+def test_two_big_roundings_never_run_on_the_workers_at_once(monkeypatch) -> None:
+    """A worker's task for a module with a big H (GPTQ's factorization holds three H-sized
+    arrays: 5.5 GB at a 21,504-wide MLP) waits while another such task runs; small ones do not
+    wait (two down_proj at once set the candidate scores' peak at Gemma-3-27B's width, 12.7 GB)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlxbun.quant import workers
+
+    monkeypatch.setattr(workers, "BIG_H_BYTES", 4 * 100 * 100)
+    running, most, lock = [0, 0], [0, 0], threading.Lock()
+
+    def task(kind: int) -> int:
+        with lock:
+            running[kind] += 1
+            most[kind] = max(most[kind], running[kind])
+        time.sleep(0.05)
+        with lock:
+            running[kind] -= 1
+        return kind
+
+    with ThreadPoolExecutor(max_workers=4) as ex:
+        ex.big = threading.Lock()  # as workers.pool gives it
+        widths = [100, 100, 100, 10, 10, 10]
+        with ThreadPoolExecutor(max_workers=6) as callers:
+            got = list(callers.map(lambda w: workers.run(ex, task, int(w < 100), width=w), widths))
+    assert got == [0, 0, 0, 1, 1, 1]
+    assert most[0] == 1, most  # the big ones one at a time (the small ones are not held)

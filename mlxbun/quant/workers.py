@@ -18,9 +18,10 @@ Example:
 from __future__ import annotations
 
 import multiprocessing
+import threading
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,10 @@ from mlxbun.quant.hessian import Hessians
 # Below this many weights to round, the work stays on threads: the processes' start-up would cost
 # more than they save.
 MIN_WEIGHTS = 1 << 27
+# A task whose H is at least this many bytes (float32) runs while no other such task does: GPTQ's
+# factorization holds three H-sized arrays (5.5 GB at a 21,504-wide MLP), and two workers on two
+# such modules at once set the candidate scores' peak at Gemma-3-27B's width.
+BIG_H_BYTES = 256 << 20
 
 
 @contextmanager
@@ -53,7 +58,17 @@ def pool(*, threads: int, weights: int) -> Iterator[ProcessPoolExecutor | None]:
     with ProcessPoolExecutor(
         max_workers=threads, mp_context=ctx, initializer=blas.load, initargs=(library,)
     ) as ex:
+        ex.big = threading.Lock()  # type: ignore[attr-defined]  # see :func:`run`
         yield ex
+
+
+def run(ex: Any, fn: Any, *args: Any, width: int) -> Any:
+    """``fn(*args)`` on a worker of ``ex`` (:func:`pool`'s), its result; a task for a module whose
+    H is ``width`` wide waits while another task at least :data:`BIG_H_BYTES` big runs, when it is
+    one too."""
+    big = getattr(ex, "big", None) if 4 * width * width >= BIG_H_BYTES else None
+    with big or nullcontext():
+        return ex.submit(fn, *args).result()
 
 
 @dataclass(frozen=True)
@@ -102,5 +117,5 @@ def quantize(ex: ProcessPoolExecutor, w: Any, *, hessian: Any, **kw: Any) -> tup
     """``rounding.quantize(w, hessian=H, **kw)`` on a worker (``kw``: bits, group_size, method;
     ``hessian``: :func:`hessian_for`'s)."""
     a, dtype = sent(w)
-    packed, s, b = ex.submit(_quantize, a, dtype, hessian, kw).result()
+    packed, s, b = run(ex, _quantize, a, dtype, hessian, kw, width=a.shape[-1])
     return mx.array(packed), received(s, dtype), received(b, dtype)

@@ -239,7 +239,9 @@ def score(
             if pool is None:
                 return module_errors(w, hessians[t.path] if t.path in hessians else None, specs)
             h = workers.hessian_for(hessians, t.path)
-            return pool.submit(_module_errors_on_worker, *workers.sent(w), h, list(specs)).result()
+            return workers.run(
+                pool, _module_errors_on_worker, *workers.sent(w), h, list(specs), width=w.shape[-1]
+            )
 
         def prefetch(t: Any) -> None:  # read and evaluated on this thread: MLX streams are per thread
             read[t.path] = weight(t.path)
