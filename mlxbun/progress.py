@@ -61,7 +61,7 @@ class Progress:
     line every ``log_every`` seconds and once at the end. With ``heartbeat=True`` a daemon thread
     also reports every ``log_every`` seconds while no update arrives (long steps stay visible).
     When items cost unequal work (a deep group's probes vs a shallow one's), ``update(n, work=w)``
-    counts ``w`` of ``work_total``: the percentage and ETA follow work, the rate counts items.
+    counts ``w`` of ``work_total``: the percentage and ETA follow both (below), the rate counts items.
 
     The ETA is the work left at the recent rate: measured from the first update on (setup and
     warm-up before it are not the work's pace) over the last half of that time (a pace that
@@ -105,9 +105,17 @@ class Progress:
             self._thread.start()
 
     def fraction(self) -> float:
-        if self.work_total:
-            return min(self.work / self.work_total, 1.0)
-        return min(self.done / self.total, 1.0) if self.total else 1.0
+        """Done, in [0, 1]: items (or with ``work_total``, the fitted cost of the items and work
+        done against the whole's, or work alone until the fit tells them apart; never whole while
+        items are left: the probes' forwards run after their roundings)."""
+        if not self.work_total:
+            return min(self.done / self.total, 1.0) if self.total else 1.0
+        costs = self._two_costs(self._marks)
+        whole = 0.0 if costs is None else costs[0] * self.total + costs[1] * self.work_total
+        f = self.work / self.work_total
+        if whole > 0:
+            f = (costs[0] * self.done + costs[1] * self.work) / whole  # type: ignore[index]
+        return min(f, 1.0) if self.done >= self.total else min(f, 0.999)
 
     def eta(self) -> float:
         """Seconds left (inf before any work): see the class docstring."""

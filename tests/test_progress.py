@@ -160,3 +160,26 @@ def test_sensitivity_says_what_it_does_before_the_first_progress_line(tiny_model
     first = next(i for i, m in enumerate(lines) if m.startswith("sensitivity") and "% " in m)
     assert any("loading and fingerprinting" in m and "2 x 16 calibration tokens" in m for m in lines[:first])
     assert any("groups to compute" in m and "timing one forward" in m for m in lines[:first])
+
+
+def test_the_forwards_after_the_work_are_not_done_at_100_percent() -> None:
+    """The probes tick their blocks' forwards (items, in forward cost) with their roundings
+    (work), then the heads' forwards with no work: once the work is all done the percentage is
+    not 100% and the ETA not 0 while forwards are left (a 0.5B second probe round sat at 100%,
+    ETA 0 s, for the last 40 s of its 3 minutes)."""
+    clock = Clock()
+    blocks = [(1.0, w, s * (1.0 + 2.0 * w)) for w, s in zip(_noisy(30, 5), _noisy(30, 6, 0.1), strict=True)]
+    heads = [(3.0, 0.0, 3.0 * s) for s in _noisy(8, 7, 0.1)]
+    steps = blocks + heads
+    p = Progress(total=sum(n for n, _, _ in steps), unit="probes", stream=io.StringIO(), log_every=1e9,
+                 work_total=sum(w for _, w, _ in steps), clock=clock)  # fmt: skip
+    clock.now += 2.0
+    seen = []
+    for n, work, secs in steps:
+        clock.now += secs
+        p.update(n, work=work)
+        seen.append((clock.now, p.fraction(), p.eta()))
+    end = clock.now
+    at_heads = [(f, eta, end - t) for t, f, eta in seen[len(blocks) - 1 : -1]]  # the work is all done
+    assert all(f < 1 for f, _, _ in at_heads)
+    assert max(abs(eta - real) / real for _, eta, real in at_heads) <= 0.3
