@@ -1,4 +1,5 @@
-"""KL(ref || cur) of next-token distributions from logits, in float64 numpy: the probes' KL.
+"""KL(ref || cur) of next-token distributions from logits, in float64 numpy: the probes' KL;
+and :func:`kl_logits`, the streamed steps' KL in float32 without cancellation, slice by slice.
 
 (command=eval scores candidates against a top-K record in float32 on MLX's device instead:
 :mod:`mlxbun.eval.score`.)
@@ -74,3 +75,37 @@ def kl_from_stats(stats: tuple[np.ndarray, np.ndarray], logits: Any) -> np.ndarr
     z -= top[..., None]  # in place: one vocabulary-sized float64 array per call
     lse = top + np.log(np.exp(z, out=z).sum(axis=-1))
     return (neg_entropy - cross + lse).mean(axis=-1)
+
+
+def kl_logits(ref_logits: mx.array, cur_logits: mx.array) -> mx.array:
+    """KL(softmax(ref) || softmax(cur)) per row, in float32 without cancellation.
+
+    With p the reference's distribution and d = cur - ref, KL = log E_p[e^d] - E_p[d]
+    = log1p(E_p[expm1(d - E_p[d])]): every term is a small difference, so a KL of 1e-7 keeps its
+    digits in float32 (subtracting log-probs near -log(vocab) would lose them), on any device.
+    On MLX's CPU backend the same formula runs in numpy, whose vectorized exp is many times
+    faster than MLX's CPU exp over a large vocabulary; on a GPU it stays on the device."""
+    if mx.default_device() == mx.cpu:
+        ref, cur = (np.array(z.astype(mx.float32)) for z in (ref_logits, cur_logits))
+        return mx.array(_kl_rows_host(ref, cur))
+    return _kl_rows_device(ref_logits, cur_logits)
+
+
+def _kl_rows_device(ref_logits: mx.array, cur_logits: mx.array) -> mx.array:
+    ref = ref_logits.astype(mx.float32)
+    d = cur_logits.astype(mx.float32) - ref
+    p = mx.softmax(ref, axis=-1)
+    centred = d - (p * d).sum(axis=-1, keepdims=True)
+    return mx.log1p((p * mx.expm1(centred)).sum(axis=-1))
+
+
+def _kl_rows_host(ref: np.ndarray, cur: np.ndarray) -> np.ndarray:
+    """:func:`kl_logits` on float32 numpy arrays it may overwrite (two vocabulary-sized temporaries)."""
+    d = np.subtract(cur, ref, out=cur)
+    ref -= ref.max(axis=-1, keepdims=True)
+    p = np.exp(ref, out=ref)
+    p /= p.sum(axis=-1, keepdims=True)
+    d -= (p * d).sum(axis=-1, keepdims=True)
+    np.expm1(d, out=d)
+    d *= p
+    return np.log1p(d.sum(axis=-1))

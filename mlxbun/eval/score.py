@@ -3,7 +3,7 @@
 The record (:mod:`mlxbun.eval.record`) keeps the reference's K largest logits and merges the other
 V - K tokens into one outcome, the tail (mass P). With d_i = z'_i - z_i the candidate's logit shift
 of each kept token and d_T = lse_tail(z') - lse_tail(z) the tail's, KL of the merged distributions
-is, as in :func:`mlxbun.quant.stream.kl_rows`,
+is, as in :func:`mlxbun.kl.kl_logits`,
 
     KLD_K = log E[e^(d - m)] - E[d - m] = log1p(E[c] + E[expm1(c) - c]) - E[c],   c = d - m, m = E[d]
 

@@ -33,46 +33,13 @@ from mlx.utils import tree_flatten, tree_unflatten
 from mlxbun.errors import InputError
 from mlxbun.io.parameters import quant_params, quantization_block
 from mlxbun.io.safetensors import open_model, read_config
+from mlxbun.kl import kl_logits
 from mlxbun.quant.mlxlm import load_config, model_classes
 from mlxbun.quant.rounding import dequantized
 
 # Logits (and their temporaries, about four copies) of this many bytes at once at most: the
 # head runs on slices of tokens, whatever the vocabulary.
 LOGIT_BYTES = 256 << 20
-
-
-def kl_rows(ref_logits: mx.array, cur_logits: mx.array) -> mx.array:
-    """KL(softmax(ref) || softmax(cur)) per row, in float32 without cancellation.
-
-    With p the reference's distribution and d = cur - ref, KL = log E_p[e^d] - E_p[d]
-    = log1p(E_p[expm1(d - E_p[d])]): every term is a small difference, so a KL of 1e-7 keeps its
-    digits in float32 (subtracting log-probs near -log(vocab) would lose them), on any device.
-    On MLX's CPU backend the same formula runs in numpy, whose vectorized exp is many times
-    faster than MLX's CPU exp over a large vocabulary; on a GPU it stays on the device."""
-    if mx.default_device() == mx.cpu:
-        ref, cur = (np.array(z.astype(mx.float32)) for z in (ref_logits, cur_logits))
-        return mx.array(_kl_rows_host(ref, cur))
-    return _kl_rows_device(ref_logits, cur_logits)
-
-
-def _kl_rows_device(ref_logits: mx.array, cur_logits: mx.array) -> mx.array:
-    ref = ref_logits.astype(mx.float32)
-    d = cur_logits.astype(mx.float32) - ref
-    p = mx.softmax(ref, axis=-1)
-    centred = d - (p * d).sum(axis=-1, keepdims=True)
-    return mx.log1p((p * mx.expm1(centred)).sum(axis=-1))
-
-
-def _kl_rows_host(ref: np.ndarray, cur: np.ndarray) -> np.ndarray:
-    """:func:`kl_rows` on float32 numpy arrays it may overwrite (two vocabulary-sized temporaries)."""
-    d = np.subtract(cur, ref, out=cur)
-    ref -= ref.max(axis=-1, keepdims=True)
-    p = np.exp(ref, out=ref)
-    p /= p.sum(axis=-1, keepdims=True)
-    d -= (p * d).sum(axis=-1, keepdims=True)
-    np.expm1(d, out=d)
-    d *= p
-    return np.log1p(d.sum(axis=-1))
 
 
 class _Stop(Exception):
@@ -607,5 +574,5 @@ class Stream:
                     ref_logits.append(ref)
             with self.swapped(head or {}):
                 cur = self.head(b[None, lo : lo + step])
-            total += float(kl_rows(ref, cur).sum().item())
+            total += float(kl_logits(ref, cur).sum().item())
         return total

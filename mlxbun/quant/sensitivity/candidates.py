@@ -299,7 +299,6 @@ def corrected(
             {p: s for p, s in layers.items() if s is not None and not s.matches(source["current"].get(p))}
             for layers in settings
         ]
-        # the roundings are most of the time, not the forwards; one read back is moments
         work = variants.rounding_work(stream, written.to_round(variants.roundings(stream, wanted)))
         progress = Progress(
             total=len(wanted),

@@ -41,8 +41,9 @@ import numpy as np
 from mlx.utils import tree_map
 
 from mlxbun.errors import InputError
+from mlxbun.kl import kl_logits
 from mlxbun.quant.rounding import BLOCK_ELEMENTS, pack
-from mlxbun.quant.streamed import Stream, kl_rows
+from mlxbun.quant.streamed import Stream
 
 log = logging.getLogger("mlxbun")
 
@@ -428,7 +429,7 @@ def kl_between(
         c = cur.head(mx.concatenate([b[None, lo : lo + step] for b in bs], axis=1))
         n = r.shape[1]
         for k in range(len(bs)):
-            out[k].append(np.asarray(kl_rows(r, c[:, k * n : (k + 1) * n])[0]))
+            out[k].append(np.asarray(kl_logits(r, c[:, k * n : (k + 1) * n])[0]))
         tick()
     return [np.concatenate(o).astype(np.float64) for o in out]
 
