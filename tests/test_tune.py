@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -144,12 +146,7 @@ def test_training_and_validation_share_no_document() -> None:
     assert how == "every fourth document" and val == plain[3::4] and len(train) == len(plain) - len(val)
 
 
-def test_a_time_budget_sets_the_steps_after_a_warm_up_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The first step compiles kernels and is not timed; the pace of the next two sets how many
-    fit (here one clock second a step: a 10-second budget runs 11 steps, not the 200 asked)."""
-    clock = iter(range(0, 10_000))
-    monkeypatch.setattr(blockwise.time, "monotonic", lambda: float(next(clock)))
-
+def _one_module_block() -> tuple[Any, dict, blockwise.Windows]:
     class Fake:
         def run(self, i, x):
             return x * lin.weight().sum()
@@ -159,9 +156,37 @@ def test_a_time_budget_sets_the_steps_after_a_warm_up_step(monkeypatch: pytest.M
     lin = blockwise.TunedLinear(reference=w, weight=wq, scales=s, biases=b, bits=4, group_size=64)
     data = blockwise.Windows(x_train=mx.ones((4, 2, 3)), y_train=mx.zeros((4, 2, 3)), x_val=mx.ones((1, 2, 3)),
                              y_val=mx.zeros((1, 2, 3)))  # fmt: skip
-    done, *_ = blockwise._train(Fake(), 0, {"m": lin}, data, steps=200, lr=1e-3, batch=2, seed=0, seconds=10)
-    assert done == 11
-    assert blockwise._train(Fake(), 0, {"m": lin}, data, steps=5, lr=1e-3, batch=2, seed=0)[0] == 5
+    return Fake(), {"m": lin}, data
+
+
+def _ticking(monkeypatch: pytest.MonkeyPatch, tick: int) -> None:
+    """Each clock reading ``tick`` seconds after the last: a step's pace in clock readings."""
+    clock = iter(range(0, 10_000_000, tick))
+    monkeypatch.setattr(blockwise.time, "monotonic", lambda: float(next(clock)))
+
+
+def test_a_time_budget_sets_the_steps_after_a_warm_up_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step compiles kernels and is not a step's pace; the pace of the next two sets how
+    many fit (here one clock second a step: a 10-second budget runs 10 steps, not the 200 asked)."""
+    _ticking(monkeypatch, 1)
+    stream, tuned, data = _one_module_block()
+    done, *_, pace = blockwise._train(stream, 0, tuned, data, steps=200, lr=1e-3, batch=2, seed=0, seconds=10)
+    assert (done, pace) == (10, 1.0)
+    assert blockwise._train(stream, 0, tuned, data, steps=5, lr=1e-3, batch=2, seed=0)[0] == 5
+
+
+def test_a_step_the_time_left_cannot_hold_is_not_started(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 27B's width on 2 cores a step took ~1.5 minutes: every block still ran the 3 steps that
+    timed it, and tune.max_minutes=8 took 14. Now the first block stops when its next step would
+    not fit, and a later block runs the steps its share holds at the first one's pace: none when
+    not one fits."""
+    _ticking(monkeypatch, 100)
+    stream, tuned, data = _one_module_block()
+    done, *_ = blockwise._train(stream, 0, tuned, data, steps=200, lr=1e-3, batch=2, seed=0, seconds=150)
+    assert done == 1  # the compiling step took 100 of the 150 s: a second would overrun
+    train = functools.partial(blockwise._train, stream, 0, tuned, data, steps=200, lr=1e-3, batch=2, seed=0)
+    assert train(seconds=120, pace=150.0)[0] == 0
+    assert train(seconds=700, pace=150.0)[0] == 4
 
 
 def test_a_blocks_step_time_leaves_room_for_what_a_block_costs_besides_steps() -> None:
@@ -192,7 +217,7 @@ def test_the_best_validation_check_is_kept_not_the_last_step() -> None:
         seen.append({k: np.array(v) for k, v in lin.snapshot().items()})
         return next(values)
 
-    done, best, step, _ = blockwise._train(
+    done, best, step, *_ = blockwise._train(
         Fake(), 0, {"m": lin}, data, steps=8, lr=1e-2, batch=2, seed=0, validate=validate, start=4.0
     )
     assert (done, best, step) == (8, 1.0, 4) and len(seen) == blockwise.CHECKS

@@ -204,6 +204,7 @@ class BlockResult:
     seconds: float
     best_step: int = 0  # the step whose values are kept (0: the input's)
     training_seconds: float = 0.0  # of ``seconds``, those in the step loop
+    pace: float | None = None  # a step's seconds after the first, under a time budget
     tensors: dict[str, mx.array] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -258,9 +259,11 @@ def tune_block(
     batch: int,
     seed: int,
     seconds: float | None = None,
+    pace: float | None = None,
 ) -> BlockResult:
     """Train block ``i`` of ``stream`` (its quantized modules swapped for ``tuned``, keyed by path)
-    towards ``data``'s targets; keep it only when validation improves (module docstring)."""
+    towards ``data``'s targets; keep it only when validation improves (module docstring).
+    ``seconds``, ``pace``: :func:`_train`'s."""
     t0 = time.monotonic()
     initial = {p: m.snapshot() for p, m in tuned.items()}
 
@@ -270,9 +273,10 @@ def tune_block(
     before = batched_mse(fn, data.x_val, data.y_val, batch)
     done, after, best_step, training = 0, before, 0, 0.0
     if steps > 0 and data.x_train.shape[0]:
-        done, after, best_step, training = _train(
+        done, after, best_step, training, pace = _train(
             stream, i, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds,
             validate=lambda: batched_mse(fn, data.x_val, data.y_val, batch), start=before, initial=initial,
+            pace=pace,
         )  # fmt: skip
     kept = best_step > 0  # when not, _train left the input's values
     changed = sum(m.changed(initial[p]) for p, m in tuned.items()) if kept else 0
@@ -284,6 +288,7 @@ def tune_block(
     return BlockResult(
         block=i, steps=done, val_before=before, val_after=after, kept=kept, codes_changed=changed,
         seconds=time.monotonic() - t0, best_step=best_step, tensors=tensors, training_seconds=training,
+        pace=pace,
     )  # fmt: skip
 
 
@@ -293,15 +298,20 @@ CHECKS = 4  # validation checks over a block's steps: the best of them (or the i
 def _train(
     stream: Stream, i: int, tuned: dict[str, TunedLinear], data: Windows, *, steps: int, lr: float,
     batch: int, seed: int, seconds: float | None = None, validate: Callable[[], float] | None = None,
-    start: float = math.inf, initial: dict[str, dict[str, mx.array]] | None = None,
-) -> tuple[int, float, int, float]:  # fmt: skip
+    start: float = math.inf, initial: dict[str, dict[str, mx.array]] | None = None, pace: float | None = None,
+) -> tuple[int, float, int, float, float | None]:  # fmt: skip
     """Up to ``steps`` steps of signed gradient descent over random batches of the training
-    windows; with ``seconds``, as many as fit in it at the pace of the steps after the first (which
-    compiles kernels); the learning rate decays over the steps that will run. ``validate()`` (the
-    validation error of the current values) is checked :data:`CHECKS` times; the values of the
-    best check, or the input's (``initial``: the modules' snapshots) when none is below ``start``,
-    are left in the modules. Returns (steps run, the best validation error, its step: 0 for the input's, the loop's seconds)."""
+    windows; with ``seconds``, as many as fit in it: at ``pace`` (a step's seconds, timed on an
+    earlier block; none when not one fits), else at the pace of the two steps after the first
+    (which compiles kernels), and never a step that the time left cannot hold. The learning rate
+    decays over the steps that will run. ``validate()`` (the validation error of the current
+    values) is checked :data:`CHECKS` times; the values of the best check, or the input's
+    (``initial``: the modules' snapshots) when none is below ``start``, are left in the modules.
+    Returns (steps run, the best validation error, its step: 0 for the input's, the loop's
+    seconds, the pace timed here or ``pace``)."""
     opt = SignSGD(lr, steps)
+    if seconds is not None and pace is not None:
+        opt.steps = min(opt.steps, int(seconds / pace))
     rng = np.random.default_rng([seed, i])
     n = data.x_train.shape[0]
     if validate is not None and initial is None:
@@ -314,7 +324,8 @@ def _train(
         return mse(stream.run(i, x), y)
 
     grad_fn = mx.value_and_grad(loss)
-    done, clock, t0 = 0, None, time.monotonic()
+    done, timed, t0 = 0, [], time.monotonic()
+    mark = t0  # when the step now running started (after the last validation check)
     while done < opt.steps:
         pick = mx.array(np.sort(rng.choice(n, size=min(batch, n), replace=False)))
         params = {p: m.trainable_parameters() for p, m in tuned.items()}
@@ -329,23 +340,27 @@ def _train(
         stop = False
         if seconds is not None:
             now = time.monotonic()
-            if clock is None:  # the first step compiled the kernels: the pace is timed from here
-                clock = now
-            elif done == 3:  # two timed steps give the pace; the decay spreads over the steps that fit
-                opt.steps = max(done, min(steps, 1 + int(seconds / max((now - clock) / 2, 1e-9))))
-            elif now - clock >= seconds:
-                stop = True
+            if done > 1:  # the first step compiles the kernels: not a step's pace
+                timed.append(now - mark)
+            if pace is None and len(timed) == 2:  # the decay spreads over the steps that fit
+                pace = max(sum(timed) / 2, 1e-9)
+                opt.steps = max(done, min(steps, done + int((seconds - (now - t0)) / pace)))
+            # a step the time left cannot hold is not started (at 27B's width a step takes minutes)
+            stop = now - t0 + (pace or (timed[-1] if timed else now - t0)) > seconds
+            mark = now
         if validate is not None and (done % max(1, opt.steps // CHECKS) == 0 or done >= opt.steps or stop):
             value = validate()
             if value < best_val:  # kept compactly: codes, not every module's float32 offsets
                 best, best_val, best_step = {p: m.snapshot() for p, m in tuned.items()}, value, done
+            if seconds is not None:
+                mark = time.monotonic()
         if stop:
             break
     if validate is None:
-        return done, best_val, done, time.monotonic() - t0
+        return done, best_val, done, time.monotonic() - t0, pace
     for p, m in tuned.items():
         m.restore(best[p])
-    return done, best_val, best_step, time.monotonic() - t0
+    return done, best_val, best_step, time.monotonic() - t0, pace
 
 
 @dataclass
@@ -483,8 +498,9 @@ def tune_streamed(
     on_kl: Callable[[int], Callable[[], None]] | None = None,
 ) -> Outcome:
     """Tune every block of ``q`` against ``ref`` on ``train`` windows, choosing with ``val``
-    windows (other kinds of text); ``max_minutes`` sets how many steps each block gets (the
-    first steps are timed after a warm-up step), never whether a block is tuned. ``on_block``
+    windows (other kinds of text); ``max_minutes`` sets how many steps each block gets, at the
+    pace timed on the first block (after a warm-up step): a block whose share cannot hold a step
+    keeps its input's values, and the budget holds. ``on_block``
     after each block; ``on_kl(slices)`` when the validation KL starts, returning what to call
     after each of its slices."""
     t0 = time.monotonic()
@@ -494,6 +510,7 @@ def tune_streamed(
     results, plan = [], []
     budget = None if max_minutes is None else 60.0 * max_minutes
     outside = 0.0  # the last block's seconds outside its step loop (reference and input passes, checks)
+    pace = None  # a step's seconds, timed on the first block trained under the budget
     with ref.outside_released(train.shape[1]), q.outside_released(train.shape[1]):
         for i in range(q.n_blocks):
             started = time.monotonic()
@@ -515,8 +532,10 @@ def tune_streamed(
                 res = None
                 if tuned:
                     res = tune_block(
-                        q, i, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds
-                    )
+                        q, i, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds,
+                        pace=pace,
+                    )  # fmt: skip
+                    pace = res.pace
                     plan.append(res.steps)
                 x_q = {k: run_batched(lambda x, i=i: q.run(i, x), v, batch) for k, v in x_q.items()}
                 _finite(x_q, q, i, "model.name")

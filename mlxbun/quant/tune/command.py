@@ -11,8 +11,9 @@ documents of other kinds than ``tune.validation_kinds``, the validation windows 
 A block keeps the best of four validation checks over its steps (or the input's values); the
 tuned model is written only when its validation KL against the reference is at least
 ``tune.min_gain`` below the input's and by more than twice the standard error of their per-token
-difference, otherwise the input's values are (``tune.json`` says which). ``tune.max_minutes`` sets how many steps each block gets, measured
-after a warm-up step; it never skips the step.
+difference, otherwise the input's values are (``tune.json`` says which). ``tune.max_minutes`` sets how many steps each block gets, at
+the pace timed after a warm-up step (blocks the minutes left cannot hold a step for keep their
+input's values); it never skips the step.
 
     <run_dir>/
         model/          the tuned model (config.json and tokenizer files copied; mlx_lm.load reads it)
