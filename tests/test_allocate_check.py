@@ -72,6 +72,31 @@ def test_a_factor_is_clipped_and_a_missing_reference_is_named():
         )
 
 
+def test_a_tied_embeddings_gptq_is_probed_apart_from_the_blocks():
+    """A tied embedding's GPTQ estimate is the head's error alone (its Hessian is the head's
+    inputs'): with one key its misprediction is charged to every module's GPTQ. Keyed apart, the
+    blocks' GPTQ keeps its own factor."""
+    assert correction_key(GPTQ3, tied=True) == "gptq (tied embedding)"
+    assert correction_key(CLIP4, tied=True) == "clip"  # the range search weighs no Hessian
+    layers = {"emb": GPTQ3, "a": GPTQ3, "b": GPTQ3, "c": RTN4}
+    truth = {"emb": 6.0, "a": 1.2, "b": 1.2}  # the embedding's GPTQ estimate is 6x low
+
+    def measure(settings):
+        return sum(PREDICTED[s] * (truth.get(p, 1.0) if s == GPTQ3 else 1.0) for p, s in settings.items())
+
+    kl = lambda p, s: PREDICTED.get(s)  # noqa: E731
+    probes = {p.key: p for p in correction_factors(layers, kl, _each(measure), tied={"emb"})}
+    assert probes["gptq"].factor == pytest.approx(1.2) and probes["gptq"].modules == 2
+    assert probes["gptq (tied embedding)"].factor == pytest.approx(6.0)
+    mixed = correction_factors(layers, kl, _each(measure))[1]  # one key: the blocks pay for it
+    assert mixed.key == "gptq" and mixed.factor == pytest.approx(2.8)
+    sens = Sensitivity({p: LayerSensitivity(p, 10, dict(PREDICTED)) for p in ("emb", "a")}, "m", "c")
+    out = rescaled(sens, {k: p.factor for k, p in probes.items()}, tied={"emb"})
+    assert out.layers["emb"].kl[GPTQ3] == pytest.approx(1.2) and out.layers["a"].kl[GPTQ3] == pytest.approx(
+        0.24
+    )
+
+
 def test_rescaled_multiplies_each_candidate_by_its_quantizers_factor():
     sens = Sensitivity({"a": LayerSensitivity("a", 10, dict(PREDICTED))}, "m", "c")
     out = rescaled(sens, {"gptq": 3.0, "mxfp4": 0.5})

@@ -21,7 +21,7 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,8 +46,9 @@ FACTOR_RANGE = (0.1, 10.0)  # a probe's factor is clipped to this: one noisy pro
 # that still carries under MIN_PROBE_SHARE is not probed (factor 1).
 PROBE_SHARE = 0.5
 # of the probes: in the name of the corrected estimates a run keeps (2: PROBE_SHARE; 3: rounds
-# of probes until the corrected plan uses no quantizer left unmeasured)
-VERSION = 3
+# of probes until the corrected plan uses no quantizer left unmeasured; 4: a tied embedding's
+# GPTQ probed apart)
+VERSION = 4
 MIN_PROBE_SHARE = 0.05
 
 
@@ -156,9 +157,18 @@ def check_plan(
 # ------------------------------------------------------------------------------- corrections
 
 
-def correction_key(spec: QuantSpec) -> str:
-    """Which quantizer a candidate's KL estimate belongs to: its rounding method, or its mode."""
-    return spec.method if spec.mode == "affine" else spec.mode
+# Rounding methods whose estimate weighs a weight's error by its inputs' Hessian. A tied
+# embedding's is the head's, so the estimate leaves out what the rounding does to the lookups:
+# such a module's estimates get a factor of their own, and the blocks' factor is theirs alone.
+HEAD_WEIGHTED = frozenset({"gptq"})
+TIED = " (tied embedding)"  # the suffix of a tied embedding's own key
+
+
+def correction_key(spec: QuantSpec, *, tied: bool = False) -> str:
+    """Which quantizer a candidate's KL estimate belongs to: its rounding method, or its mode;
+    ``tied``: the module is a tied embedding, whose Hessian-weighted methods are keyed apart."""
+    key = spec.method if spec.mode == "affine" else spec.mode
+    return key + TIED if tied and key in HEAD_WEIGHTED else key
 
 
 def reference_of(spec: QuantSpec) -> QuantSpec:
@@ -190,13 +200,15 @@ def correction_factors(
     kl: Callable[[str, QuantSpec], float | None],
     measure: Callable[[list[Layers]], list[float]],
     keys: set[str] | None = None,
+    tied: Collection[str] = (),
 ) -> list[Probe]:
     """Per-quantizer factors from 1 + (quantizers other than RTN in ``layers``) whole-model probes,
     all measured at once. A probe whose planned modules carry under :data:`PROBE_SHARE` of its
     predicted KL takes the other modules at the quantizer too (:func:`variant`), largest predicted
     KL first, until they do; one that still carries under :data:`MIN_PROBE_SHARE` is not made
     (measured None, factor 1). ``keys``: probe only these quantizers (when none of them is made,
-    nothing is measured and the list is empty).
+    nothing is measured and the list is empty); ``tied``: the tied embedding's path, when the model
+    has one (its Hessian-weighted settings are probed apart, :func:`correction_key`).
 
     Args:
         layers: a plan's setting of every module (None: unquantized).
@@ -215,12 +227,15 @@ def correction_factors(
             total += value
         return total
 
-    planned_rtn = sum(correction_key(layers[p]) == "rtn" for p in scored)
+    def key_of(p: str, s: QuantSpec) -> str:
+        return correction_key(s, tied=p in tied)
+
+    planned_rtn = sum(key_of(p, layers[p]) == "rtn" for p in scored)
     pred_base = predicted(base, scored)
     planned = [("rtn", base, scored, pred_base, 0.0, planned_rtn)]
-    for key in sorted({correction_key(layers[p]) for p in scored} - {"rtn"}):
+    for key in sorted({key_of(p, layers[p]) for p in scored} - {"rtn"}):
         if keys is None or key in keys:
-            planned.append(_probe_settings(key, layers, base, scored, kl, predicted))
+            planned.append(_probe_settings(key, layers, base, scored, kl, predicted, key_of))
     to_measure = [
         i
         for i, (_, settings, _, pk, po, _) in enumerate(planned)
@@ -244,16 +259,22 @@ def correction_factors(
 
 
 def _probe_settings(
-    key: str, layers: Layers, base: Layers, scored: list[str], kl: Callable, predicted: Callable
+    key: str,
+    layers: Layers,
+    base: Layers,
+    scored: list[str],
+    kl: Callable,
+    predicted: Callable,
+    key_of: Callable,
 ) -> tuple[str, dict, list[str], float, float, int]:
     """Quantizer ``key``'s probe: (key, settings, its modules, their predicted KL, the rest's, how
-    many the plan has at ``key``)."""
-    mine = [p for p in scored if correction_key(layers[p]) == key]
+    many the plan has at ``key``); ``key_of(path, setting)``: a module's :func:`correction_key`."""
+    mine = [p for p in scored if key_of(p, layers[p]) == key]
     settings = {p: (layers[p] if p in mine else base[p]) for p in layers}
     n_planned = len(mine)
     pk, po = predicted(settings, mine), predicted(base, [p for p in scored if p not in mine])
     others = [(p, variant(base[p], key)) for p in scored if p not in mine]
-    values = [(kl(p, v), p, v) for p, v in others if v is not None]
+    values = [(kl(p, v), p, v) for p, v in others if v is not None and key_of(p, v) == key]
     for value, p, v in sorted((x for x in values if x[0] is not None), key=lambda x: -x[0]):
         if pk >= PROBE_SHARE * (pk + po):
             break
@@ -267,6 +288,7 @@ def variant(reference: QuantSpec, key: str) -> QuantSpec | None:
     """Quantizer ``key``'s setting at an RTN ``reference``'s bits (and group size, when affine);
     None when the mode has no such bits. (A rounding method's setting the objective has not scored
     has no KL: the probe passes it by.)"""
+    key = key.removesuffix(TIED)
     if key not in MODE_BITS:
         return QuantSpec(bits=reference.bits, group_size=reference.group_size, method=key)
     if key != "affine" and reference.bits in MODE_BITS[key]:
@@ -274,11 +296,14 @@ def variant(reference: QuantSpec, key: str) -> QuantSpec | None:
     return None
 
 
-def rescaled(sens: Sensitivity, factors: Mapping[str, float]) -> Sensitivity:
-    """Every candidate's KL times its quantizer's factor (:func:`correction_key`; absent: 1)."""
+def rescaled(sens: Sensitivity, factors: Mapping[str, float], tied: Collection[str] = ()) -> Sensitivity:
+    """Every candidate's KL times its quantizer's factor (:func:`correction_key`; absent: 1);
+    ``tied``: the tied embedding's path, when the model has one."""
     layers = {
         path: LayerSensitivity(
-            path, layer.params, {s: v * factors.get(correction_key(s), 1.0) for s, v in layer.kl.items()}
+            path,
+            layer.params,
+            {s: v * factors.get(correction_key(s, tied=path in tied), 1.0) for s, v in layer.kl.items()},
         )
         for path, layer in sens.layers.items()
     }

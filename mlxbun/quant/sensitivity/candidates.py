@@ -323,19 +323,21 @@ def corrected(
         return kls[p].get(s) if p in kls else None
 
     sens = Sensitivity({p: LayerSensitivity(p, 0, v) for p, v in kls.items()})
+    tied = {stream.embedding_path} if stream.head_paths == (stream.embedding_path,) else set()
     probes: dict[str, Probe] = {}
     fixed = kls
     for _ in range(PROBE_ROUNDS):
         layers = plan(fixed)
         measured = {k for k, p in probes.items() if p.measured is not None}
-        unmeasured = {correction_key(s) for s in layers.values() if s is not None} - measured - {"rtn"}
+        keys = {correction_key(s, tied=p in tied) for p, s in layers.items() if s is not None}
+        unmeasured = keys - measured - {"rtn"}
         if probes and not unmeasured:
             break
-        found = correction_factors(layers, kl, measure, keys=unmeasured if probes else None)
+        found = correction_factors(layers, kl, measure, keys=unmeasured if probes else None, tied=tied)
         if not found:
             break
         probes |= {p.key: p for p in found if p.key not in measured}
-        scaled = rescaled(sens, {k: p.factor for k, p in probes.items()})
+        scaled = rescaled(sens, {k: p.factor for k, p in probes.items()}, tied)
         fixed = {p: dict(layer.kl) for p, layer in scaled.layers.items()}
     return fixed, [p.to_json() for p in probes.values()]
 
