@@ -186,7 +186,8 @@ def test_a_step_the_time_left_cannot_hold_is_not_started(monkeypatch: pytest.Mon
     assert done == 1  # the compiling step took 100 of the 150 s: a second would overrun
     train = functools.partial(blockwise._train, stream, 0, tuned, data, steps=200, lr=1e-3, batch=2, seed=0)
     assert train(seconds=120, pace=150.0)[0] == 0
-    assert train(seconds=700, pace=150.0)[0] == 4
+    done, *_, pace = train(seconds=700, pace=150.0)
+    assert (done, pace) == (4, 100.0)  # the next block follows this one's pace
 
 
 def test_a_blocks_step_time_leaves_room_for_what_a_block_costs_besides_steps() -> None:

@@ -308,7 +308,7 @@ def _train(
     values) is checked :data:`CHECKS` times; the values of the best check, or the input's
     (``initial``: the modules' snapshots) when none is below ``start``, are left in the modules.
     Returns (steps run, the best validation error, its step: 0 for the input's, the loop's
-    seconds, the pace timed here or ``pace``)."""
+    seconds, the pace of this block's steps after the first, or ``pace`` when under two ran)."""
     opt = SignSGD(lr, steps)
     if seconds is not None and pace is not None:
         opt.steps = min(opt.steps, int(seconds / pace))
@@ -356,6 +356,8 @@ def _train(
                 mark = time.monotonic()
         if stop:
             break
+    if len(timed) >= 2:  # this block's own pace: the next block follows the machine's load
+        pace = sum(timed) / len(timed)
     if validate is None:
         return done, best_val, done, time.monotonic() - t0, pace
     for p, m in tuned.items():
