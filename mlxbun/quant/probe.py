@@ -193,7 +193,7 @@ def fake_quant(
     def part(lo: int) -> Any:
         return _fake_quant(weight[..., lo : lo + rows, :], cand, dtype).astype(out_dtype)
 
-    return rounding.filled_by_rows(tuple(weight.shape), out_dtype, rows, part)
+    return rounding.filled_by_rows(weight.shape[-2], rows, part)
 
 
 class Written:
@@ -296,16 +296,7 @@ def _codes(weight: Any, cand: QuantSpec, dtype: Any, rows: int) -> list[Any]:
         q = weight[..., lo : lo + rows, :].astype(dtype)
         return list(mx.quantize(q, group_size=cand.group_size, bits=cand.bits, mode=cand.mode))
 
-    first, n = part(0), weight.shape[-2]
-    if n <= rows:
-        mx.eval(*first)
-        return first
-    out = [mx.zeros((*a.shape[:-2], n, a.shape[-1]), a.dtype) for a in first]
-    for lo in range(0, n, rows):
-        for o, a in zip(out, first if lo == 0 else part(lo), strict=True):
-            o[..., lo : lo + rows, :] = a
-        mx.eval(*out)  # each update in its array's buffer: it has no other reader
-    return out
+    return rounding.filled_by_rows(weight.shape[-2], rows, part)
 
 
 def as_values(wq: Any, scales: Any, biases: Any, cand: QuantSpec, dtype: Any, *, codes: bool) -> Any:

@@ -297,23 +297,30 @@ def dequantized(
             None if biases is None else biases[..., lo : lo + step, :], group_size, bits, mode,
         ).astype(dtype)  # fmt: skip
 
-    return filled_by_rows((*wq.shape[:-1], wq.shape[-1] * 32 // bits), dtype, step, part)
+    return filled_by_rows(rows, step, part)
 
 
-def filled_by_rows(shape: tuple[int, ...], dtype: Any, step: int, part: Callable[[int], Any]) -> Any:
-    """An array of ``shape`` whose rows (axis -2) ``lo:lo + step`` are ``part(lo)``, each
-    evaluated into its place before the next is made: memory is the result and one part, where
-    parts and their concatenation are the result twice (a 262,144-word embedding: 2.8 GB more)."""
-    rows = shape[-2]
+def filled_by_rows(rows: int, step: int, part: Callable[[int], Any]) -> Any:
+    """The arrays of ``rows`` rows (axis -2) whose rows ``lo:lo + step`` are ``part(lo)`` (an
+    array, or a list of arrays: codes, scales and biases), each part evaluated into its place
+    before the next is made: memory is the result and one part, where parts and their
+    concatenation are the result twice (a 262,144-word embedding: 2.8 GB more)."""
+    first = part(0)
+    many = isinstance(first, (list, tuple))
+    got = list(first) if many else [first]
+    del first
     if rows <= step:
-        out = part(0)
-        mx.eval(out)
-        return out
-    out = mx.zeros(shape, dtype)
+        mx.eval(*got)
+        return got if many else got[0]
+    out = [mx.zeros((*a.shape[:-2], rows, a.shape[-1]), a.dtype) for a in got]
     for lo in range(0, rows, step):
-        out[..., lo : lo + step, :] = part(lo)
-        mx.eval(out)  # the update is done in out's buffer: it has no other reader
-    return out
+        if lo:
+            got = list(part(lo)) if many else [part(lo)]
+        for o, a in zip(out, got, strict=True):
+            o[..., lo : lo + step, :] = a
+        del got
+        mx.eval(*out)  # each update is done in its array's buffer: it has no other reader
+    return out if many else out[0]
 
 
 def check_finite(path: str, arrays: dict[str, Any]) -> None:
