@@ -108,9 +108,12 @@ class Progress:
         """Done, in [0, 1]: items (or with ``work_total``, the fitted cost of the items and work
         done against the whole's, or work alone until the fit tells them apart; never whole while
         items are left: the probes' forwards run after their roundings)."""
+        return self._fraction(self._two_costs(self._marks))
+
+    def _fraction(self, costs: tuple[float, float] | None) -> float:
+        """:meth:`fraction` with the fitted ``costs`` given (fitted once a line)."""
         if not self.work_total:
             return min(self.done / self.total, 1.0) if self.total else 1.0
-        costs = self._two_costs(self._marks)
         whole = 0.0 if costs is None else costs[0] * self.total + costs[1] * self.work_total
         f = self.work / self.work_total
         if whole > 0:
@@ -119,7 +122,10 @@ class Progress:
 
     def eta(self) -> float:
         """Seconds left (inf before any work): see the class docstring."""
-        now, f = self._clock(), self.fraction()
+        return self._eta(self._two_costs(self._marks))
+
+    def _eta(self, costs: tuple[float, float] | None) -> float:
+        now, f = self._clock(), self._fraction(costs)
         if f >= 1:
             return 0.0
         if self._deadline is not None and now < self._deadline:
@@ -132,7 +138,6 @@ class Progress:
         (ta, _, _), (tl, _, _) = window[0], window[-1]
         if now <= ta or tl <= ta:
             return float("inf")
-        costs = self._two_costs(self._marks)
         if costs is not None:  # the fitted costs, at the window's pace (stretched to now)
             a, b = costs
             (_, na, wa), (_, nl, wl) = window[0], window[-1]
@@ -173,8 +178,9 @@ class Progress:
     def line(self) -> str:
         elapsed = max(self._clock() - self.start, 1e-9)
         rate = self.done / elapsed
-        f = self.fraction()
-        eta_s = human_seconds(self.eta())
+        costs = self._two_costs(self._marks)  # once a line: the percentage and the ETA share them
+        f = self._fraction(costs)
+        eta_s = human_seconds(self._eta(costs))
         if f == 0 and self.eta_hint is not None:
             eta_s = f"~{human_seconds(max(self.eta_hint - elapsed, 0))} (estimated from a timed forward)"
         return (
