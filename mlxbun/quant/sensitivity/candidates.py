@@ -301,12 +301,9 @@ def corrected(
         ]
         work = variants.rounding_work(stream, written.to_round(variants.roundings(stream, wanted)))
         progress = Progress(
-            total=len(wanted),
-            unit="probes",
-            desc="sensitivity (probes)",
-            heartbeat=True,
+            total=len(wanted), unit="probes", desc="sensitivity (probes)", heartbeat=True,
             work_total=work or None,
-        )
+        )  # fmt: skip
         written.tick = lambda weights: progress.update(0, work=weights)  # each rounding as it is done
         try:  # a probe's blocks and head tick as they are done
             kl = variants.measure(stream, ref, wanted, fake=written, tick=progress.update)
