@@ -6,11 +6,13 @@ are skipped without it, except under CI=true, where a missing server is a failur
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import multiprocessing as mp
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,11 +45,14 @@ def _drop_all(database: pw.Database) -> None:
 @pytest.fixture(
     params=[
         "sqlite",
-        pytest.param("postgres", marks=[pytest.mark.postgres, pytest.mark.xdist_group("postgres")]),
+        pytest.param("postgres", marks=pytest.mark.postgres),
     ]
 )
 def dburl(request, tmp_path):
-    """A fresh, empty registry database URL: sqlite in tmp_path, or the test PostgreSQL database."""
+    """A fresh, empty registry database URL: sqlite in tmp_path, or the test PostgreSQL database,
+    held by one test at a time across xdist workers (each starts by dropping its tables, so two
+    at once failed on each other's: xdist_group marks did not keep them on one worker)."""
+    lock = None
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'registry.db'}"
     else:
@@ -56,16 +61,22 @@ def dburl(request, tmp_path):
         if not PG_URL:
             pytest.skip('MLXBUN_TEST_PG_URL is not set (eval "$(bash .ci/postgres.sh)")')
         url = PG_URL
+        lock = open(Path(tempfile.gettempdir()) / "mlxbun-test-postgres.lock", "w")  # noqa: SIM115
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if the test dies
         from playhouse.db_url import connect
 
         d = connect(url)
         _drop_all(d)
         d.close()
     registry.database._target = None
-    yield url
-    if registry.db.obj is not None:
-        registry.db.obj.close()
-    registry.database._target = None
+    try:
+        yield url
+    finally:
+        if registry.db.obj is not None:
+            registry.db.obj.close()
+        registry.database._target = None
+        if lock is not None:
+            lock.close()
 
 
 @pytest.fixture
