@@ -128,12 +128,18 @@ class Progress:
         now, f = self._clock(), self._fraction(costs)
         if f >= 1:
             return 0.0
-        if self._deadline is not None and now < self._deadline:
-            return self._deadline - now
         if f <= 0:
-            return float("inf")
-        if len(self._marks) < 2:
-            return (now - self.start) * (1 - f) / f
+            paced = float("inf")
+        elif len(self._marks) < 2:
+            paced = (now - self.start) * (1 - f) / f
+        else:
+            paced = self._paced(now, f, costs)
+        if self._deadline is not None and now < self._deadline:  # the budget, or sooner at the pace
+            return min(self._deadline - now, paced)
+        return paced
+
+    def _paced(self, now: float, f: float, costs: tuple[float, float] | None) -> float:
+        """Seconds left at the recent pace (two marks or more)."""
         window = self._window(now)
         (ta, _, _), (tl, _, _) = window[0], window[-1]
         if now <= ta or tl <= ta:

@@ -77,9 +77,23 @@ def test_eta_before_any_work_and_at_the_end() -> None:
     assert p.eta() == 0.0
 
 
+def test_a_time_budget_that_outlasts_the_work_leaves_the_eta_to_the_pace() -> None:
+    """tune on a small model under the recipe's 40 minutes: its 7 blocks ran their tune.steps in
+    51 s while the ETA counted down the 40 minutes. The budget is the latest end, not the end."""
+    clock = Clock()
+    p = Progress(total=7, unit="blocks", stream=io.StringIO(), log_every=1e9, clock=clock)
+    p.deadline(2400.0)
+    assert p.eta() == pytest.approx(2400.0)  # nothing done: only the budget is known
+    for _ in range(3):
+        clock.now += 7.0
+        p.update(1)
+    assert p.eta() == pytest.approx(4 * 7.0)
+
+
 def test_a_time_budget_sets_the_eta_whatever_the_pace_of_its_items() -> None:
     """tune under tune.max_minutes: blocks get fewer steps as the budget runs down, so their pace
-    tells nothing of the end; the budget does (the heartbeat's lines between blocks included)."""
+    tells nothing of the end; the budget does (the heartbeat's lines between blocks included),
+    while the pace says later."""
     clock = Clock()
     p, paced = (
         Progress(total=24, unit="blocks", stream=io.StringIO(), log_every=1e9, clock=clock) for _ in "ab"

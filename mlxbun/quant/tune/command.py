@@ -257,15 +257,24 @@ def _finish(
     atomic_write_json(run_dir / TUNE_FILE, record)
     name = _register(cfg, out, src)
     before, after = outcome.kl_before, outcome.kl_after
-    message = (
-        f"tuned {src.name}: validation KL {before:.4g} -> {after:.4g} ({record['blocks_kept']} of"
-        f" {len(outcome.blocks)} blocks, {changed} codes moved, {outcome.seconds:.0f} s) -> {out}"
-        f" (registered as {name})"
-        if tuned
-        else f"{src.name} unchanged by tune: the tuned blocks' validation KL {after:.4g} is not"
-        f" significantly and tune.min_gain={record['settings']['min_gain']:g} below the input's {before:.4g};"
-        f" its values are written to {out} (registered as {name})"
-    )
+    steps = sum(b.steps for b in outcome.blocks)
+    if tuned:
+        message = (
+            f"tuned {src.name}: validation KL {before:.4g} -> {after:.4g} ({record['blocks_kept']} of"
+            f" {len(outcome.blocks)} blocks, {changed} codes moved, {outcome.seconds:.0f} s) -> {out}"
+        )
+    elif not any(b.kept for b in outcome.blocks):
+        message = (
+            f"{src.name} unchanged by tune: no block's {steps} steps in all lowered its validation"
+            f" error ({outcome.seconds:.0f} s); the input's values are written to {out}"
+        )
+    else:
+        message = (
+            f"{src.name} unchanged by tune: the tuned model's validation KL {after:.4g} against the"
+            f" input's {before:.4g} is not both {record['settings']['min_gain']:.0%} lower (tune.min_gain)"
+            f" and significantly lower ({outcome.seconds:.0f} s); the input's values are written to {out}"
+        )
+    message += f" (registered as {name})"
     return RunResult(
         outputs=[out, run_dir / TUNE_FILE],
         inputs=[src, ref_dir],
