@@ -314,6 +314,20 @@ def test_a_reference_of_the_same_shapes_but_another_model_is_refused(tmp_path: P
     assert r.returncode == 2 and "is not the model model.name was quantized from" in r.stderr, r.stderr
 
 
+def test_a_tuned_model_tuned_again_is_checked_against_its_source(tmp_path: Path, q3: Path) -> None:
+    """A tuned model keeps its input's source record: tuned again, its reference was checked by
+    shapes only (with a warning that mlxbun had not written it) and another model passed."""
+    r, run = _run(tmp_path, f"model.name={q3}", f"tune.reference={FIXTURE}", *SMALL, "tune.steps=1")
+    assert r.returncode == 0, r.stderr
+    again = tmp_path / "again"
+    r2, run2 = _run(again, f"model.name={run / 'model'}", f"tune.reference={FIXTURE}", *SMALL, "tune.steps=1")
+    assert r2.returncode == 0 and "records no source" not in r2.stderr, r2.stderr
+    assert json.loads((run2 / "tune.json").read_text())["reference_checked_by"] == "source content"
+    other = other_model(FIXTURE, tmp_path / "other", metadata={"other": "1"})
+    r3, _ = _run(tmp_path / "other-run", f"model.name={run / 'model'}", f"tune.reference={other}", *SMALL)
+    assert r3.returncode == 2 and "is not the model model.name was quantized from" in r3.stderr, r3.stderr
+
+
 def test_a_reference_of_the_same_headers_but_other_tensor_bytes_is_refused(tmp_path: Path, q3: Path) -> None:
     """The source's config and safetensors header, one tensor byte changed: the header identity
     matches, the content identity quantize recorded does not."""

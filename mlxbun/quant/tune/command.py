@@ -52,6 +52,7 @@ from mlxbun.source.model import model_dir, named_dir
 log = logging.getLogger("mlxbun")
 
 TUNE_FILE = "tune.json"
+SOURCE_RECORD = ".mlxbun-source.json"  # in a tuned model: its input's source, for a later tune's check
 NOTHING_TO_TUNE = "model.name has no affine quantized module below 8 bits; there is nothing to tune"
 VERSION = 3  # of the method: part of the job key (3: block by block, validated on held-out kinds)
 
@@ -88,6 +89,15 @@ def write_tuned(src: Path, tmp: Path, tensors: dict[str, Any], *, shard_bytes: i
         atomic_write_json(tmp / INDEX_FILE, layout.index)
     atomic_write_bytes(tmp / "config.json", (src / "config.json").read_bytes())
     copy_side_files(src, tmp)
+
+
+def record_source(src: Path, out: Path) -> None:
+    """The input's source (quantize's identity and content digests) kept in the tuned model: not
+    quantize's whole record, whose file digests a later quantize to that directory would check."""
+    record = source_record(src)[1]
+    kept = {k: record[k] for k in ("source", "content") if k in record}
+    if kept:
+        atomic_write_json(out / SOURCE_RECORD, kept)
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -135,11 +145,11 @@ def check_reference(q: Any, ref: Any, ref_dir: Path, q_dir: Path, *, digests: Pa
                     f"tune.reference={str(ref_dir)!r} is not the model model.name was quantized from:"
                     f" its {path} is {there}, model.name's is {want[0]} x {want[1]}"
                 )
-    record = read_json_object(q_dir / MARKER) or {}
+    where, record = source_record(q_dir)
     if "source" not in record:
         log.warning(
-            "tune: %s records no source (not written by mlxbun quantize); tune.reference=%s is"
-            " checked by shapes only",
+            "tune: %s records no source (not written by mlxbun quantize or tune); tune.reference=%s"
+            " is checked by shapes only",
             q_dir, ref_dir,
         )  # fmt: skip
         return "shapes"
@@ -147,7 +157,7 @@ def check_reference(q: Any, ref: Any, ref_dir: Path, q_dir: Path, *, digests: Pa
         raise InputError(
             f"tune.reference={str(ref_dir)!r} is not the model model.name was quantized from: its"
             " config.json or weight headers differ from the source quantize recorded"
-            f" in {q_dir / MARKER}"
+            f" in {where}"
         )
     if "content" in record and record["content"] != model_fingerprint(
         ref_dir, depth="content", cache_dir=digests
@@ -155,9 +165,19 @@ def check_reference(q: Any, ref: Any, ref_dir: Path, q_dir: Path, *, digests: Pa
         raise InputError(
             f"tune.reference={str(ref_dir)!r} is not the model model.name was quantized from: its"
             " config.json and weight headers match, its tensor bytes differ from the source quantize"
-            f" recorded in {q_dir / MARKER}"
+            f" recorded in {where}"
         )
     return "source content" if "content" in record else "source identity"
+
+
+def source_record(q_dir: Path) -> tuple[Path, dict[str, Any]]:
+    """(where, what) a quantized model records of its source: quantize's record, or tune's copy
+    of it in a tuned model (so a tuned model tuned again is checked as its input was)."""
+    for name in (MARKER, SOURCE_RECORD):
+        record = read_json_object(q_dir / name)
+        if record is not None:
+            return q_dir / name, record
+    return q_dir / MARKER, {}
 
 
 def _windows(cfg: Any, tokenizer: Any) -> tuple[Any, Any, str]:
@@ -228,6 +248,7 @@ def run(cfg: Any) -> Any:
         )  # fmt: skip
         phases[-1].close()
         write_tuned(src, stage.dir, outcome.tensors, shard_bytes=cfg.io.shard_bytes)
+        record_source(src, stage.dir)
         stage.publish()
     return _finish(cfg, run_dir, src, ref_dir, out, record, outcome)
 
