@@ -144,9 +144,14 @@ class OutputsCheck(Callback):
     directory Hydra cannot make is still recorded failed (:func:`_record_unmade`)."""
 
     config: Any = None
+    made: tuple[
+        Path, ...
+    ] = ()  # paths.outputs and its parents this run makes (removed if bad input stops it)
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         OutputsCheck.config = config
+        outputs = Path(str(config.paths.outputs)).expanduser().absolute()
+        OutputsCheck.made = tuple(p for p in (outputs, *outputs.parents) if not p.exists())
         under = "${paths.outputs}" in str(OmegaConf.to_container(config.hydra.run, resolve=False).get("dir"))
         try:
             checks.check_outputs(config.paths.outputs, on_disk=under)
@@ -232,10 +237,13 @@ def _quiet_stdout() -> None:
 
 
 def _remove_if_empty(dcfg: Any) -> None:
-    """Remove the run directory Hydra made when bad input stopped the run before any output."""
+    """Remove the run directory Hydra made when bad input stopped the run before any output (and
+    ``paths.outputs`` with the parents this run made, while nothing else is there)."""
     try:
         remove_empty_dirs(Path(dcfg.paths.run_dir))
-    except Exception:  # not resolvable: leave it
+        for made in OutputsCheck.made:  # deepest first
+            made.rmdir()
+    except Exception:  # not resolvable, or not empty: leave it
         pass
 
 

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from cli_util import REPO, run_cli
+from cli_util import REPO, isolated_args, run_cli
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -262,3 +262,17 @@ def test_submitit_local_sweep_records_each_job(tmp_path: Path) -> None:
 def test_read_only_commands_leave_no_run_directory(tmp_path: Path, command: str) -> None:
     run_cli(f"command={command}", tmp=tmp_path)
     assert not (tmp_path / "outputs").exists()
+
+
+def test_bad_input_leaves_no_outputs_directory_it_made(tmp_path: Path) -> None:
+    """A first run with a bad value left an empty paths.outputs (and the parents Hydra made for
+    it) behind; one that was there already, with what is in it, stays."""
+    fresh = tmp_path / "new" / "outputs"
+    isolated = [a for a in isolated_args(tmp_path) if not a.startswith("paths.outputs=")]
+    res = run_cli("command=tune", "tune.max_minutes=-1", f"paths.outputs={fresh}", *isolated,
+                  tmp=tmp_path, isolate=False)  # fmt: skip
+    assert res.returncode == 2 and "tune.max_minutes=-1.0" in res.stderr, res.stderr
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "outputs" / "keep").mkdir(parents=True)
+    res = run_cli("command=tune", "tune.max_minutes=-1", tmp=tmp_path)
+    assert res.returncode == 2 and (tmp_path / "outputs" / "keep").is_dir()
