@@ -16,7 +16,8 @@ the pace timed after a warm-up step (blocks the minutes left cannot hold a step 
 input's values); it never skips the step.
 
     <run_dir>/
-        model/          the tuned model (config.json and tokenizer files copied; mlx_lm.load reads it)
+        model/          the tuned model (config.json and tokenizer files copied; mlx_lm.load reads it;
+                        .mlxbun-source.json: its input's source record, for a later tune's check)
         tune.json       {"status", "reference", "calibration", "validation", "kl_before", "kl_after",
                          "blocks": [per block: steps, validation error before/after, kept], ...}
 
