@@ -285,8 +285,9 @@ class TuneCfg:
     # the targets (a path, registry name or org/repo).
     reference: str | None = None
     # Steps of signed gradient descent per decoder block, >= 0 (fewer when tune.max_minutes says
-    # so); 0 hands the input on.
-    steps: int = 200
+    # so); 0 hands the input on. The rate decays over them, so fewer steps also move less
+    # (BENCHMARKS.md: how this was chosen).
+    steps: int = 400
     # Each step moves every rounding offset (in grid steps), log scale and bias shift (in scales)
     # by up to this, in (0, 0.5], falling linearly to 0 over the block's steps.
     lr: float = 5.0e-3
