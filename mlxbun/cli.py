@@ -144,9 +144,8 @@ class OutputsCheck(Callback):
     directory Hydra cannot make is still recorded failed (:func:`_record_unmade`)."""
 
     config: Any = None
-    made: tuple[
-        Path, ...
-    ] = ()  # paths.outputs and its parents this run makes (removed if bad input stops it)
+    # paths.outputs and the parents of it that this run makes (removed if bad input stops it)
+    made: tuple[Path, ...] = ()
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         OutputsCheck.config = config

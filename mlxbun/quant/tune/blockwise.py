@@ -501,8 +501,8 @@ def tune_streamed(
 ) -> Outcome:
     """Tune every block of ``q`` against ``ref`` on ``train`` windows, choosing with ``val``
     windows (other kinds of text); ``max_minutes`` sets how many steps each block gets, at the
-    pace timed on the first block (after a warm-up step): a block whose share cannot hold a step
-    keeps its input's values, and the budget holds. ``on_block``
+    pace of the block before (the first block times its own after a warm-up step): a block whose
+    share cannot hold a step keeps its input's values, and the budget holds. ``on_block``
     after each block; ``on_kl(slices)`` when the validation KL starts, returning what to call
     after each of its slices."""
     t0 = time.monotonic()
@@ -512,7 +512,7 @@ def tune_streamed(
     results, plan = [], []
     budget = None if max_minutes is None else 60.0 * max_minutes
     outside = 0.0  # the last block's seconds outside its step loop (reference and input passes, checks)
-    pace = None  # a step's seconds, timed on the first block trained under the budget
+    pace = None  # a step's seconds, as the block before ran them
     with ref.outside_released(train.shape[1]), q.outside_released(train.shape[1]):
         for i in range(q.n_blocks):
             started = time.monotonic()
