@@ -149,8 +149,8 @@ def final_out(cfg: Any, steps: list[str]) -> Any:
 
 _now = time.monotonic  # the run's clock (tests replace it)
 MIN_TUNE_MINUTES = 0.5  # a tune step past the run's budget still trains: a few steps per block
-# tune.max_minutes bounds tune's blocks; its closing (the validation KLs, writing and checking
-# the model) comes after them and grows with the model as the blocks' share does
+# tune.max_minutes bounds tune's blocks and validation KL; writing and checking the model come
+# after them and grow with the model as the blocks' share does
 TUNE_CLOSING_SHARE = 0.1
 
 

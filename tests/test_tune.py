@@ -441,6 +441,35 @@ def test_the_block_loop_holds_no_embedding_or_head(q3: Path) -> None:
     assert all(mx.array_equal(a, b).item() for a, b in zip(before, after, strict=True))
 
 
+def test_the_time_budget_holds_the_closing_validation_kl(monkeypatch: pytest.MonkeyPatch, q3: Path) -> None:
+    """tune.max_minutes=8 at 27B's width ended the blocks on time, then the validation KL took 4
+    minutes more. Its time is now taken from the budget before the blocks share it: a KL expected
+    to fill the budget leaves each block only the step that times it."""
+    from mlxbun.quant.streamed import Stream
+
+    ref, q = Stream(FIXTURE), Stream(q3, exact=True)
+    tokens = np.arange(4 * 16, dtype=np.int32).reshape(4, 16) % 200
+    monkeypatch.setattr(blockwise, "kl_seconds", lambda *a: 59.9)
+    given = []
+    out = blockwise.tune_streamed(
+        ref, q, tokens, tokens[:2], steps=20, lr=1e-3, batch=2, seed=0, max_minutes=1.0, on_budget=given.append
+    )  # fmt: skip
+    assert [r.steps for r in out.blocks] == [1, 1, 1, 1]  # 20 each when the KL was not counted
+    assert out.kl_seconds_expected == 59.9 and len(given) == 1 and given[0] <= 0.1
+    assert out.kl_seconds > 0
+
+
+def test_one_timed_slice_gives_the_validation_kls_seconds(monkeypatch: pytest.MonkeyPatch, q3: Path) -> None:
+    """:func:`kl_seconds` runs one slice of the KL and counts the slices the whole will take."""
+    from mlxbun.quant.streamed import Stream
+
+    ref, q = Stream(FIXTURE), Stream(q3, exact=True)
+    h = ref.embed(np.arange(3 * 16, dtype=np.int32).reshape(3, 16) % 200)
+    monkeypatch.setattr(blockwise, "kl_step", lambda *a: 10)
+    _ticking(monkeypatch, 2)
+    assert blockwise.kl_seconds(ref, h, q, h) == 2 * 5  # 48 tokens in slices of 10: 5 of 2 s
+
+
 def test_a_significant_gain_below_min_gain_is_none() -> None:
     """Validation gains of 2.5% and 4% passed the significance test and came with held-out KL
     1% and 7% worse (tokens of a window are not independent): the tuned model is written only

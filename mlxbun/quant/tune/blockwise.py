@@ -391,6 +391,8 @@ class Outcome:
     steps_per_block: list[int]
     seconds: float
     tensors: dict[str, mx.array]
+    kl_seconds: float = 0.0  # the closing validation KL's
+    kl_seconds_expected: float | None = None  # as :func:`kl_seconds` timed it (under a time budget)
 
     @property
     def improved(self) -> bool:
@@ -456,6 +458,20 @@ def kl_step(ref: Stream, cur: Stream) -> int:
     return min(ref.token_rows(), cur.token_rows())
 
 
+def kl_seconds(ref: Stream, h_ref: mx.array, cur: Stream, h_cur: mx.array) -> float:
+    """The seconds :func:`kl_between` will take on states of ``h_ref``'s and ``h_cur``'s shapes
+    (``cur`` on two of them), from one of its slices run now: its head and KL work does not depend
+    on the states' values, so a time budget can keep room for the closing validation KL (at 27B's
+    width on 2 cores it took half as long as the blocks it closed)."""
+    step = kl_step(ref, cur)
+    tokens = h_ref.shape[0] * h_ref.shape[1]
+    a = h_ref.reshape(-1, h_ref.shape[-1])[None, :step]
+    b = h_cur.reshape(-1, h_cur.shape[-1])[None, :step]
+    t0 = time.monotonic()
+    kl_between(ref, a, cur, [b, b])
+    return (time.monotonic() - t0) * -(-tokens // step)
+
+
 def gained(after: np.ndarray, before: np.ndarray, min_gain: float) -> bool:
     """Is the tuned model's mean per-token validation KL ``after`` at least ``min_gain`` (a
     fraction) below the input's ``before``, and :func:`significantly_lower`? Validation gains of
@@ -497,13 +513,16 @@ def tune_streamed(
     max_minutes: float | None = None,
     min_gain: float = 0.0,
     on_block: Callable[[BlockResult], None] | None = None,
-    on_kl: Callable[[int], Callable[[], None]] | None = None,
+    on_kl: Callable[[int, float | None], Callable[[], None]] | None = None,
+    on_budget: Callable[[float], None] | None = None,
 ) -> Outcome:
     """Tune every block of ``q`` against ``ref`` on ``train`` windows, choosing with ``val``
-    windows (other kinds of text); ``max_minutes`` sets how many steps each block gets, at the
-    pace of the block before (the first block times its own after a warm-up step): a block whose
-    share cannot hold a step keeps its input's values, and the budget holds. ``on_block``
-    after each block; ``on_kl(slices)`` when the validation KL starts, returning what to call
+    windows (other kinds of text); ``max_minutes`` holds the blocks and the closing validation KL
+    (timed on one of its slices first, :func:`kl_seconds`): it sets how many steps each block
+    gets, at the pace of the block before (the first block times its own after a warm-up step); a
+    block whose share cannot hold a step keeps its input's values. ``on_budget(seconds)`` with
+    the blocks' seconds from then on (under a budget); ``on_block`` after each block;
+    ``on_kl(slices, expected seconds)`` when the validation KL starts, returning what to call
     after each of its slices."""
     t0 = time.monotonic()
     x_ref = {"train": ref.embed(train), "val": ref.embed(val)}
@@ -511,6 +530,12 @@ def tune_streamed(
     x_in = x_q["val"]  # the input model's own path on the validation windows
     results, plan = [], []
     budget = None if max_minutes is None else 60.0 * max_minutes
+    expected = None
+    if budget is not None:  # the budget ends with the validation KL, not before it
+        expected = kl_seconds(ref, x_ref["val"], q, x_in)
+        budget = max(0.0, budget - expected)
+        if on_budget is not None:
+            on_budget(max(0.0, budget - (time.monotonic() - t0)))
     outside = 0.0  # the last block's seconds outside its step loop (reference and input passes, checks)
     pace = None  # a step's seconds, as the block before ran them
     with ref.outside_released(train.shape[1]), q.outside_released(train.shape[1]):
@@ -552,7 +577,8 @@ def tune_streamed(
                 if on_block is not None:
                     on_block(res)
     slices = -(-x_in.shape[0] * x_in.shape[1] // kl_step(ref, q))
-    tick = on_kl(slices) if on_kl is not None else (lambda: None)
+    tick = on_kl(slices, expected) if on_kl is not None else (lambda: None)
+    started = time.monotonic()
     before, after = kl_between(ref, x_ref["val"], q, [x_in, x_q["val"]], tick=tick)
     tensors = {k: v for r in results if r.kept for k, v in r.tensors.items()}
     better = gained(after, before, min_gain)
@@ -563,6 +589,8 @@ def tune_streamed(
         plan,
         time.monotonic() - t0,
         tensors if better else {},
+        kl_seconds=time.monotonic() - started,
+        kl_seconds_expected=expected,
     )
 
 

@@ -11,15 +11,17 @@ documents of other kinds than ``tune.validation_kinds``, the validation windows 
 A block keeps the best of four validation checks over its steps (or the input's values); the
 tuned model is written only when its validation KL against the reference is at least
 ``tune.min_gain`` below the input's and by more than twice the standard error of their per-token
-difference, otherwise the input's values are (``tune.json`` says which). ``tune.max_minutes`` sets how many steps each block gets, at
-the pace timed after a warm-up step (blocks the minutes left cannot hold a step for keep their
-input's values); it never skips the step.
+difference, otherwise the input's values are (``tune.json`` says which). ``tune.max_minutes``
+holds the blocks and the closing validation KL (timed on one of its slices first): it sets how
+many steps each block gets, at the pace timed after a warm-up step (blocks the minutes left cannot
+hold a step for keep their input's values); it never skips the step.
 
     <run_dir>/
         model/          the tuned model (config.json and tokenizer files copied; mlx_lm.load reads it;
                         .mlxbun-source.json: its input's source record, for a later tune's check)
         tune.json       {"status", "reference", "calibration", "validation", "kl_before", "kl_after",
-                         "blocks": [per block: steps, validation error before/after, kept], ...}
+                         "blocks": [per block: steps, validation error before/after, kept],
+                         "validation_kl_seconds": {"measured", "expected"}, ...}
 
 Example:
     python -m mlxbun command=tune model.name=<quantized dir> tune.reference=<its source>
@@ -237,15 +239,17 @@ def run(cfg: Any) -> Any:
         stage.claim(resume=False)
         phases = [progress]
 
-        def validation(slices: int) -> Any:  # the blocks are done: the validation KL's slices follow
+        def validation(slices: int, expected: float | None) -> Any:  # the blocks are done
             progress.close()
             phases.append(Progress(total=slices, unit="slices", desc="tune (validation KL)", heartbeat=True))
+            if expected is not None:
+                phases[-1].hint(expected)
             return phases[-1].update
 
         outcome = tune_streamed(
             ref, q, train.tokens, val.tokens, steps=t.steps, lr=t.lr, batch=t.batch_size, seed=cfg.seed,
             max_minutes=t.max_minutes, min_gain=t.min_gain, on_block=lambda r: _block_done(progress, r),
-            on_kl=validation,
+            on_kl=validation, on_budget=progress.deadline,
         )  # fmt: skip
         phases[-1].close()
         write_tuned(src, stage.dir, outcome.tensors, shard_bytes=cfg.io.shard_bytes)
@@ -275,6 +279,12 @@ def _finish(
         "codes_changed": changed,
         "blocks": [b.to_json() for b in outcome.blocks],
         "seconds": round(outcome.seconds, 3),
+        "validation_kl_seconds": {
+            "measured": round(outcome.kl_seconds, 3),
+            "expected": None
+            if outcome.kl_seconds_expected is None
+            else round(outcome.kl_seconds_expected, 3),
+        },
     }
     atomic_write_json(run_dir / TUNE_FILE, record)
     name = _register(cfg, out, src)
