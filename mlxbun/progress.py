@@ -54,6 +54,20 @@ def _human(n: float, unit: str) -> str:
     return human_bytes(n)
 
 
+def _at_pace(now: float, ta: float, tl: float, gaps: int, moved: float, left: float) -> float:
+    """Seconds for ``left`` at the pace of ``moved`` from ``ta`` to the last update ``tl`` (``gaps``
+    updates apart). The time since ``tl`` is the item in flight's: within an update's usual gap it
+    is spent from the time left (a heartbeat between coarse items, e.g. tune's validation KL's
+    5-14 s slices, read up to 1.8x the time left when it stretched the pace to now); past the gap
+    the item is late, and the pace is stretched to now with the item counted done."""
+    if moved <= 0 or tl <= ta:
+        return float("inf")
+    since, gap, item = now - tl, (tl - ta) / gaps, moved / gaps
+    if since <= gap:
+        return max(left * (tl - ta) / moved - since, 0.0)
+    return max(left - item, 0.0) * (now - ta) / (moved + item)
+
+
 class Progress:
     """Counts work done against a total and reports rate and ETA.
 
@@ -65,7 +79,9 @@ class Progress:
 
     The ETA is the work left at the recent rate: measured from the first update on (setup and
     warm-up before it are not the work's pace) over the last half of that time (a pace that
-    drifts is followed, one slow item does not swing it); with one update, from the start. With
+    drifts is followed, one slow item does not swing it); with one update, from the start. Between
+    updates the time since the last one is spent from it, until an item is later than the usual
+    gap (:func:`_at_pace`). With
     ``work_total``, an item's time is fitted as a fixed cost per item plus a cost per unit of work
     (a probe's logits and KL cost the same in every group), when the window tells them apart.
 
@@ -131,7 +147,7 @@ class Progress:
         if f <= 0:
             paced = float("inf")
         elif len(self._marks) < 2:
-            paced = (now - self.start) * (1 - f) / f
+            paced = _at_pace(now, self.start, self._marks[-1][0], 1, f, 1 - f)
         else:
             paced = self._paced(now, f, costs)
         if self._deadline is not None and now < self._deadline:  # the budget, or sooner at the pace
@@ -141,18 +157,14 @@ class Progress:
     def _paced(self, now: float, f: float, costs: tuple[float, float] | None) -> float:
         """Seconds left at the recent pace (two marks or more)."""
         window = self._window(now)
-        (ta, _, _), (tl, _, _) = window[0], window[-1]
-        if now <= ta or tl <= ta:
-            return float("inf")
-        if costs is not None:  # the fitted costs, at the window's pace (stretched to now)
+        (ta, na, wa), (tl, nl, wl) = window[0], window[-1]
+        if costs is not None:  # the fitted costs, at the window's pace
             a, b = costs
-            (_, na, wa), (_, nl, wl) = window[0], window[-1]
-            expected = a * (nl - na) + b * (wl - wa)
+            moved = a * (nl - na) + b * (wl - wa)
             left = a * max(self.total - self.done, 0.0) + b * max(self.work_total - self.work, 0.0)
-            return left * (now - ta) / expected if expected > 0 else float("inf")
+            return _at_pace(now, ta, tl, len(window) - 1, moved, left)
         amount = (lambda m: m[2] / self.work_total) if self.work_total else (lambda m: m[1] / self.total)
-        moved = f - amount(window[0])
-        return (now - ta) * (1 - f) / moved if moved > 0 else float("inf")
+        return _at_pace(now, ta, tl, len(window) - 1, f - amount(window[0]), 1 - f)
 
     def _window(self, now: float) -> list[tuple[float, float, float]]:
         """The marks of the last half of the time since the first update, from the one before it."""

@@ -197,3 +197,37 @@ def test_the_forwards_after_the_work_are_not_done_at_100_percent() -> None:
     at_heads = [(f, eta, end - t) for t, f, eta in seen[len(blocks) - 1 : -1]]  # the work is all done
     assert all(f < 1 for f, _, _ in at_heads)
     assert max(abs(eta - real) / real for _, eta, real in at_heads) <= 0.3
+
+
+def test_eta_between_coarse_updates_counts_the_item_in_flight() -> None:
+    """tune's validation KL: 17 slices of ~10 s after a 5 s set-up, its ETA read by the heartbeat
+    between slices. Stretching the pace to the heartbeat's time read up to 1.8x the time left;
+    the time since the last slice is now spent from it, within 30% once a tenth is done."""
+    clock = Clock()
+    p = Progress(total=17, unit="slices", stream=io.StringIO(), log_every=1e9, clock=clock)
+    clock.now = 5.0
+    ends = [5.0 + 10.0 * s for s in range(1, 18)]
+    seen = []
+    for k, end in enumerate(ends):
+        while clock.now + 3.0 < end:  # a heartbeat every 3 s inside the slice
+            clock.now += 3.0
+            if k:
+                seen.append((clock.now, p.fraction(), p.eta()))
+        clock.now = end
+        p.update(1)
+    worst = max(abs(eta - (ends[-1] - t)) / (ends[-1] - t) for t, f, eta in seen if f >= 0.1)
+    assert worst <= 0.3
+
+
+def test_eta_of_an_item_later_than_the_usual_gap_grows() -> None:
+    """A slice that takes longer than the others stretches the pace: the ETA does not count down
+    to zero while the work has slowed."""
+    clock = Clock()
+    p = Progress(total=10, unit="slices", stream=io.StringIO(), log_every=1e9, clock=clock)
+    for _ in range(3):
+        clock.now += 10.0
+        p.update(1)
+    clock.now += 5.0
+    assert p.eta() == pytest.approx(65.0)  # 7 slices of 10 s, 5 s into the fourth
+    clock.now += 30.0  # the fourth slice is late: 35 s in
+    assert p.eta() > 65.0
