@@ -2,7 +2,8 @@
 # The GPU tier: the recipes and commands on MLX's default device (a GPU: Metal, or a CUDA build),
 # each step's wall time and GPU busy %, and the same run with device=cpu for comparison.
 #
-#   bash scripts/gpu_check.sh [OUT_DIR] [STAGES]     STAGES: quick,fixture,fixturecpu,eval,big,serve (default all)
+#   bash scripts/gpu_check.sh [OUT_DIR] [STAGES]     STAGES: quick,fixture,fixturecpu,eval,big,tune,serve
+#                                                    (default all but tune, which big's recipe covers)
 #
 # Writes OUT_DIR/summary.tsv (stage, device, seconds, GPU busy % mean/max, exit code) and a log per
 # run. Needs MLX with a GPU; GPU busy % needs nvidia-smi (CUDA) and is "-" elsewhere.
@@ -61,6 +62,13 @@ if has big; then  # Qwen2.5-0.5B's shapes, synthetic weights
     synth.num_layers=24 synth.num_heads=14 synth.num_kv_heads=2 synth.head_dim=64 synth.vocab_size=151936 \
     synth.tie_embeddings=true synth.out="$OUT/q05"
   run best-0.5b gpu +recipe=best model.name="$OUT/q05" allocate.budget_bpw=4.5
+fi
+if has tune; then  # tune alone at Qwen2.5-0.5B's shapes under a small budget: the block loop on the GPU
+  [ -d "$OUT/q05" ] || run synth-0.5b gpu command=synth synth.arch=qwen2 synth.hidden_size=896 \
+    synth.intermediate_size=4864 synth.num_layers=24 synth.num_heads=14 synth.num_kv_heads=2 synth.head_dim=64 \
+    synth.vocab_size=151936 synth.tie_embeddings=true synth.out="$OUT/q05"
+  run quantize-0.5b gpu command=quantize model.name="$OUT/q05" quant.bits=4 quant.group_size=64 quant.out="$OUT/q05-q4"
+  run tune-0.5b gpu command=tune model.name="$OUT/q05-q4" tune.reference="$OUT/q05" tune.max_minutes=2
 fi
 if has serve; then  # a few requests to command=serve, then the KV cache commands
   port=18421
