@@ -185,3 +185,58 @@ def test_the_probes_round_a_big_weight_in_quantizes_blocks_so_quantize_reads_the
         again = _quantize(gptq_source, tmp_path / "again", tmp_path / "cache")
     assert f"{blocks} rounded module(s) read back" in caplog.text and "0 rounded here" in caplog.text
     assert _bytes(plain) == _bytes(again)
+
+
+def test_quantizes_progress_weighs_only_the_roundings_it_does(gptq_source, tmp_path, monkeypatch):
+    """At 0.5B's shapes the probes had rounded every module but the tied embedding, which quantize
+    rounded first: its bytes (28% of the model) took most of the minute and a half, the rest was
+    read back in seconds, and the ETA read 3.6x the time left. The kept files say their setting,
+    so quantize's progress counts as work only the modules it rounds itself."""
+    from mlxbun.quant.quantize import command
+
+    src, plan, h = gptq_source
+    seen = []
+
+    class Recorded(command.Progress):
+        def update(self, n: float = 1, *, work: float = 0.0) -> None:
+            super().update(n, work=work)
+            seen.append((self.done / self.total, work, self._fraction(None)))  # before costs are fitted
+
+    monkeypatch.setattr(command, "Progress", Recorded)
+    _quantize(gptq_source, tmp_path / "first", tmp_path / "cache")
+    assert sum(w > 0 for _, w, _ in seen) == 3  # no rounding kept yet: all three are work
+    (d,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    kept = rounded.Rounded(tmp_path / "cache", d.name).kept()
+    assert {(p.rsplit(".", 1)[-1], m, b, g) for p, m, b, g in kept} == {
+        ("up_proj", "gptq", 3, 32), ("gate_proj", "clip", 3, 64), ("down_proj", "gptq", 4, 64)
+    }  # fmt: skip
+    layers = json.loads(plan.read_text())
+    layers["layers"][f"{L0}.mlp.up_proj"]["bits"] = 2  # one module at a new setting: rounded here
+    plan2 = tmp_path / "plan2.json"
+    plan2.write_text(json.dumps(layers))
+    seen.clear()
+    quantize_model_dir(src, tmp_path / "second", plan=plan2, hessians=h, rounded=tmp_path / "cache")
+    (at,) = [i for i, (_, w, _) in enumerate(seen) if w > 0]  # the one module rounded here
+    assert seen[at][0] < 0.5 and seen[at][2] >= 0.99  # its bytes are a few, its time nearly all
+
+
+def test_a_kept_file_without_its_setting_is_not_listed(tmp_path):
+    """Files kept before the setting was recorded read back as before; they are only not listed."""
+    cache = rounded.Rounded(tmp_path, "ab" * 32)
+    w = mx.ones((4, 64))
+    out = tuple(mx.quantize(w, 64, 4))
+    old = cache.file("m.a", w, bits=4, group_size=64, method="clip")
+    old.parent.mkdir(parents=True)
+    mx.save_safetensors(
+        str(old), dict(zip(rounded.NAMES, out, strict=True)), metadata={"sha256": rounded._digest(out)}
+    )
+    cache.put(
+        cache.file("m.b", w, bits=4, group_size=64, method="gptq"),
+        out,
+        "m.b",
+        method="gptq",
+        bits=4,
+        group_size=64,
+    )
+    assert cache.kept() == {("m.b", "gptq", 4, 64)}
+    assert cache.get(old, "m.a") is not None

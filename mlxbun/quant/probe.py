@@ -269,7 +269,7 @@ class Written:
             mx.eval(*out)
             rounding.check_finite(path, {f"{path}.scales": out[1], f"{path}.biases": out[2]})
             if file is not None:
-                self.rounded.put(file, out, path)
+                self.rounded.put(file, out, path, **setting)
         if tick is not None:
             tick(float(src.size))
         return out

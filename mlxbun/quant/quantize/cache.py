@@ -10,7 +10,8 @@ settings (and a run at another budget keeps most again). :class:`Rounded` is wha
     <paths.cache>/rounded/<sha256 of the Hessians file, 16 hex>/<key[:2]>/<key>.safetensors
         key = sha256 of (FORMAT, rounding.VERSION, mlx's version, module path, method, bits, group size,
               the weight's dtype, shape and bytes, as quantize rounds it)
-        tensors: weight (packed codes), scales, biases; metadata "sha256": of their bytes
+        tensors: weight (packed codes), scales, biases; metadata "sha256": of their bytes, and the
+        setting ("path", "method", "bits", "group_size": what :meth:`Rounded.kept` lists)
 
 A file is written atomically (temporary name, fsync, rename) and read only when its digest
 verifies: one that does not read or verify is a miss, rounded again and replaced. The same inputs
@@ -19,7 +20,7 @@ give the same bytes whether rounded here or read back (tests/test_rounded.py).
 Example:
     >>> cache = Rounded(Path("~/.cache/mlxbun/rounded").expanduser(), hessians_sha256)
     >>> file = cache.file("model.layers.0.mlp.down_proj", w, bits=4, group_size=64, method="gptq")
-    >>> cache.get(file, "model.layers.0.mlp.down_proj")  # None: round it, then cache.put(file, out, path)
+    >>> cache.get(file, "model.layers.0.mlp.down_proj")  # None: round it, then cache.put(file, out, path, ...)
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxbun.errors import InputError
 from mlxbun.io.atomic import atomic_save
+from mlxbun.io.safetensors import read_header
 from mlxbun.quant import rounding
 
 FORMAT = 1
@@ -95,10 +98,27 @@ class Rounded:
         self.hits += 1
         return out
 
-    def put(self, file: Path, out: tuple[Any, ...], path: str) -> None:
-        """Keep module ``path``'s ``out`` (weight, scales, biases) in ``file``; written atomically
-        (a write that fails, e.g. a full disk, is logged with the path and skipped)."""
-        arrays, meta = dict(zip(NAMES, out, strict=True)), {"sha256": _digest(out)}
+    def kept(self) -> set[tuple[str, str, int, int]]:
+        """The (module path, method, bits, group size) of every rounding kept here, from the files'
+        headers (no tensor is read): quantize's progress weighs the modules still to round, not
+        those it will read back in a moment (one with the same setting but other weight bytes
+        reads as kept here and is rounded all the same)."""
+        found = set()
+        for file in self.dir.glob("*/*.safetensors"):
+            try:
+                meta = read_header(file).get("__metadata__", {})
+                found.add((meta["path"], meta["method"], int(meta["bits"]), int(meta["group_size"])))
+            except (OSError, InputError, KeyError, ValueError, AttributeError):
+                continue  # an older file (no setting recorded) or an unreadable one: rounded again
+        return found
+
+    def put(self, file: Path, out: tuple[Any, ...], path: str, *, method: str, bits: int, group_size: int) -> None:
+        """Keep module ``path``'s ``out`` (weight, scales, biases) in ``file`` with its setting;
+        written atomically (a write that fails, e.g. a full disk, is
+        logged with the path and skipped)."""
+        arrays = dict(zip(NAMES, out, strict=True))
+        setting = {"method": method, "bits": str(bits), "group_size": str(group_size)}
+        meta = {"sha256": _digest(out), "path": path} | setting
         try:
             file.parent.mkdir(parents=True, exist_ok=True)
             atomic_save(file, lambda name: mx.save_safetensors(name, arrays, metadata=meta))

@@ -241,7 +241,7 @@ class Converter:
         if file is not None:
             mx.eval(*out)
             rounding.check_finite(path, dict(zip((f"{path}.scales", f"{path}.biases"), out[1:], strict=True)))
-            self.rounded.put(file, out, path)
+            self.rounded.put(file, out, path, **setting)
         return out
 
     def finish(self, unit: Unit, out: dict[str, Any]) -> list[tuple[str, Any]]:
