@@ -459,6 +459,21 @@ def test_the_time_budget_holds_the_closing_validation_kl(monkeypatch: pytest.Mon
     assert out.kl_seconds > 0
 
 
+def test_the_first_blocks_share_leaves_room_for_its_passes(monkeypatch: pytest.MonkeyPatch, q3: Path) -> None:
+    """The first block had no block before it to say what its passes and checks cost, so its steps
+    took its whole share and those took the next block's (at 27B's width block 1 got no step).
+    Its reference and input passes, timed before its steps, stand in for them."""
+    from mlxbun.quant.streamed import Stream
+
+    ref, q = Stream(FIXTURE), Stream(q3, exact=True)
+    tokens = np.arange(4 * 16, dtype=np.int32).reshape(4, 16) % 200
+    outside = []
+    real = blockwise.step_seconds
+    monkeypatch.setattr(blockwise, "step_seconds", lambda left, n, o: outside.append(o) or real(left, n, o))
+    blockwise.tune_streamed(ref, q, tokens, tokens[:2], steps=2, lr=1e-3, batch=2, seed=0, max_minutes=1.0)
+    assert len(outside) == 4 and all(o > 0 for o in outside)
+
+
 def test_one_timed_slice_gives_the_validation_kls_seconds(monkeypatch: pytest.MonkeyPatch, q3: Path) -> None:
     """:func:`kl_seconds` runs one slice of the KL and counts the slices the whole will take."""
     from mlxbun.quant.streamed import Stream

@@ -536,13 +536,14 @@ def tune_streamed(
         budget = max(0.0, budget - expected)
         if on_budget is not None:
             on_budget(max(0.0, budget - (time.monotonic() - t0)))
-    outside = 0.0  # the last block's seconds outside its step loop (reference and input passes, checks)
+    outside = None  # the last block's seconds outside its step loop (reference and input passes, checks)
     pace = None  # a step's seconds, as the block before ran them
     with ref.outside_released(train.shape[1]), q.outside_released(train.shape[1]):
         for i in range(q.n_blocks):
             started = time.monotonic()
             with ref.loaded(i) as ref_w:
                 y = {k: run_batched(lambda x, i=i: ref.run(i, x), v, batch) for k, v in x_ref.items()}
+            passes = time.monotonic() - started
             _finite(y, ref, i, "tune.reference")
             rel = len(f"{q.prefix}{i}.")  # the tuned modules' input weights are read by TunedLinear, packed
             q.load(i, skip={f"{p[rel:]}.weight" for p in tunable_modules(q, i)})
@@ -552,9 +553,13 @@ def tune_streamed(
             for p, m in tuned.items():
                 q._set_module(p, m)
             try:
+                mark = time.monotonic()
                 x_in = run_batched(lambda x, i=i: q.run(i, x), x_in, batch)
+                passes += time.monotonic() - mark
                 left = None if budget is None else budget - (time.monotonic() - t0)
-                seconds = None if left is None else step_seconds(left, q.n_blocks - i, outside)
+                # before a block has run, what the next passes cost is what these did (the input's
+                # passes over all the windows after the steps, its validation check before them)
+                seconds = None if left is None else step_seconds(left, q.n_blocks - i, outside or passes)
                 data = Windows(x_train=x_q["train"], y_train=y["train"], x_val=x_q["val"], y_val=y["val"])
                 res = None
                 if tuned:
