@@ -156,8 +156,8 @@ TUNE_CLOSING_SHARE = 0.1
 
 def budgeted_tune(cfg: Any, elapsed_minutes: float) -> Any:
     """``cfg`` with tune.max_minutes lowered to what ``pipeline.max_minutes`` leaves after
-    ``elapsed_minutes``, less tune's closing (:data:`TUNE_CLOSING_SHARE`), at least
-    :data:`MIN_TUNE_MINUTES`; unchanged without a run budget."""
+    ``elapsed_minutes``, less writing and checking tune's model (:data:`TUNE_CLOSING_SHARE`), at
+    least :data:`MIN_TUNE_MINUTES`; unchanged without a run budget."""
     budget = cfg.pipeline.max_minutes
     if budget is None:
         return cfg
@@ -166,7 +166,7 @@ def budgeted_tune(cfg: Any, elapsed_minutes: float) -> Any:
     if own is not None and own <= left:
         return cfg
     log.info(
-        "pipeline: %.1f of pipeline.max_minutes=%g minutes used; tune's blocks get %.1f of those left",
+        "pipeline: %.1f of pipeline.max_minutes=%g minutes used; tune gets %.1f of those left",
         elapsed_minutes, budget, left,
     )  # fmt: skip
     return set_key(cfg, "tune.max_minutes", round(left, 2))
