@@ -197,8 +197,8 @@ class BlockResult:
 
     block: int
     steps: int
-    val_before: float
-    val_after: float
+    val_before: float | None  # None: carried untrained (the time budget held no step), not checked
+    val_after: float | None
     kept: bool
     codes_changed: int
     seconds: float
@@ -308,7 +308,8 @@ def _train(
     values) is checked :data:`CHECKS` times; the values of the best check, or the input's
     (``initial``: the modules' snapshots) when none is below ``start``, are left in the modules.
     Returns (steps run, the best validation error, its step: 0 for the input's, the loop's
-    seconds, the pace of this block's steps after the first, or ``pace`` when under two ran)."""
+    seconds, the pace of this block's steps after the first, or when only the first ran and no
+    ``pace`` was given, that step's time, else ``pace``)."""
     opt = SignSGD(lr, steps)
     if seconds is not None and pace is not None:
         opt.steps = min(opt.steps, int(seconds / pace))
@@ -324,7 +325,7 @@ def _train(
         return mse(stream.run(i, x), y)
 
     grad_fn = mx.value_and_grad(loss)
-    done, timed, t0 = 0, [], time.monotonic()
+    done, timed, first, t0 = 0, [], 0.0, time.monotonic()
     mark = t0  # when the step now running started (after the last validation check)
     while done < opt.steps:
         pick = mx.array(np.sort(rng.choice(n, size=min(batch, n), replace=False)))
@@ -342,6 +343,8 @@ def _train(
             now = time.monotonic()
             if done > 1:  # the first step compiles the kernels: not a step's pace
                 timed.append(now - mark)
+            else:
+                first = now - mark
             if pace is None and len(timed) == 2:  # the decay spreads over the steps that fit
                 pace = max(sum(timed) / 2, 1e-9)
                 opt.steps = max(done, min(steps, done + int((seconds - (now - t0)) / pace)))
@@ -356,8 +359,10 @@ def _train(
                 mark = time.monotonic()
         if stop:
             break
-    if len(timed) >= 2:  # this block's own pace: the next block follows the machine's load
+    if timed:  # this block's own pace: the next block follows the machine's load
         pace = sum(timed) / len(timed)
+    elif pace is None and done and seconds is not None:  # the first step's, kernels compiled in: a
+        pace = first  # bound that keeps the next block from a step its share cannot hold
     if validate is None:
         return done, best_val, done, time.monotonic() - t0, pace
     for p, m in tuned.items():
@@ -538,9 +543,22 @@ def tune_streamed(
             on_budget(max(0.0, budget - (time.monotonic() - t0)))
     outside = None  # the last block's seconds outside its step loop (reference and input passes, checks)
     pace = None  # a step's seconds, as the block before ran them
+    spent = False  # no block left can hold a step: they are carried through on the validation windows
     with ref.outside_released(train.shape[1]), q.outside_released(train.shape[1]):
         for i in range(q.n_blocks):
             started = time.monotonic()
+            if budget is not None and pace is not None and not spent:
+                share = step_seconds(budget - (started - t0), q.n_blocks - i, outside or 0.0)
+                spent = share < pace
+            if spent:
+                x_ref, x_in, x_q = _carried(ref, q, i, x_ref, x_in, x_q, batch)
+                res = BlockResult(block=i, steps=0, val_before=None, val_after=None, kept=False, codes_changed=0,
+                                  seconds=time.monotonic() - started)  # fmt: skip
+                plan.append(0)
+                results.append(res)
+                if on_block is not None:
+                    on_block(res)
+                continue
             with ref.loaded(i) as ref_w:
                 y = {k: run_batched(lambda x, i=i: ref.run(i, x), v, batch) for k, v in x_ref.items()}
             passes = time.monotonic() - started
@@ -597,6 +615,25 @@ def tune_streamed(
         kl_seconds=time.monotonic() - started,
         kl_seconds_expected=expected,
     )
+
+
+def _carried(
+    ref: Stream, q: Stream, i: int, x_ref: dict[str, mx.array], x_in: mx.array, x_q: dict[str, mx.array], batch: int
+) -> tuple[dict[str, mx.array], mx.array, dict[str, mx.array]]:  # fmt: skip
+    """Block ``i`` untrained, once the budget holds no step: the reference's, the input's and the
+    tuned path's validation states through it (the closing KL's), not the training windows'
+    (eight times as many by default: their passes were most of a block's time without steps)."""
+    with ref.loaded(i):
+        y = {"val": run_batched(lambda x: ref.run(i, x), x_ref["val"], batch)}
+    _finite(y, ref, i, "tune.reference")
+    q.load(i)
+    try:
+        x_in = run_batched(lambda x: q.run(i, x), x_in, batch)
+        x_q = {"val": run_batched(lambda x: q.run(i, x), x_q["val"], batch)}
+        _finite(x_q, q, i, "model.name")
+    finally:
+        q.release(i)
+    return y, x_in, x_q
 
 
 def _finite(states: dict[str, mx.array], stream: Stream, i: int, key: str) -> None:

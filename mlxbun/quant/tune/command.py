@@ -259,6 +259,10 @@ def run(cfg: Any) -> Any:
 
 
 def _block_done(progress: Progress, r: Any) -> None:
+    if r.val_before is None:
+        log.info("tune: block %d carried through untrained (tune.max_minutes holds no more steps)", r.block)
+        progress.update(1)
+        return
     log.info(
         "tune: block %d, %d steps, validation error %.6g -> %.6g (%s)",
         r.block, r.steps, r.val_before, r.val_after, "kept" if r.kept else "the input's kept",
