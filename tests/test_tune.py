@@ -482,6 +482,17 @@ def test_the_first_blocks_share_leaves_room_for_its_passes(monkeypatch: pytest.M
     assert outside[0] > 0  # block 0's share (0 before: its passes and checks took block 1's)
 
 
+def test_a_tight_budget_trains_the_first_blocks_it_holds_and_carries_the_rest() -> None:
+    """At 0.5B's shapes under tune.max_minutes=5 a block's passes took about 10 s and a step 0.9 s:
+    the 220 s left after the KL's could not take 23 blocks through their passes and a step each,
+    and every block after the first was carried through untrained, 124 s used of 300. Carried
+    blocks cost a few seconds, so the first ones that fit beside them train."""
+    assert blockwise.blocks_to_train(195.0, 23, 10.0, 1.5, 0.9) == 17  # 17 x (10 + 0.9) + 6 x 1.5 <= 195
+    assert blockwise.blocks_to_train(1000.0, 23, 10.0, 1.5, 0.9) == 23  # all of them, as without a budget
+    assert blockwise.blocks_to_train(20.0, 23, 10.0, 1.5, 0.9) == 0  # not one: all carried
+    assert blockwise.blocks_to_train(0.0, 1, 0.0, 0.0, 0.9) == 0
+
+
 def test_one_timed_slice_gives_the_validation_kls_seconds(monkeypatch: pytest.MonkeyPatch, q3: Path) -> None:
     """:func:`kl_seconds` runs one slice of the KL and counts the slices the whole will take."""
     from mlxbun.quant.streamed import Stream

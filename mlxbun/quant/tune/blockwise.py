@@ -505,6 +505,17 @@ def step_seconds(left: float, blocks: int, outside: float) -> float:
     return max(0.0, left / blocks - outside)
 
 
+def blocks_to_train(left: float, blocks: int, outside: float, carry: float, pace: float) -> int:
+    """How many of the ``blocks`` still to tune the ``left`` seconds can train, a step each at least
+    (``pace``) besides their passes and checks (``outside``), the rest carried through untrained
+    (``carry`` seconds each): the most that fit, so the time is shared as evenly as it holds.
+    0 when not one does."""
+    for m in range(blocks, 0, -1):
+        if step_seconds(left - (blocks - m) * carry, m, outside) >= pace:
+            return m
+    return 0
+
+
 def tune_streamed(
     ref: Stream,
     q: Stream,
@@ -543,13 +554,18 @@ def tune_streamed(
             on_budget(max(0.0, budget - (time.monotonic() - t0)))
     outside = None  # the last block's seconds outside its step loop (reference and input passes, checks)
     pace = None  # a step's seconds, as the block before ran them
+    # a block carried through untrained runs the three validation passes of the input, tuned and
+    # reference paths, of the two over every window and the checks a trained block runs besides
+    carry_share = 3 * val.shape[0] / (2 * train.shape[0] + 4 * val.shape[0])
     spent = False  # no block left can hold a step: they are carried through on the validation windows
     with ref.outside_released(train.shape[1]), q.outside_released(train.shape[1]):
         for i in range(q.n_blocks):
             started = time.monotonic()
+            trained = q.n_blocks - i  # of the blocks left, those the budget trains (the first ones)
             if budget is not None and pace is not None and not spent:
-                share = step_seconds(budget - (started - t0), q.n_blocks - i, outside or 0.0)
-                spent = share < pace
+                o = outside or 0.0
+                trained = blocks_to_train(budget - (started - t0), q.n_blocks - i, o, o * carry_share, pace)
+                spent = trained == 0
             if spent:
                 x_ref, x_in, x_q = _carried(ref, q, i, x_ref, x_in, x_q, batch)
                 res = BlockResult(block=i, steps=0, val_before=None, val_after=None, kept=False, codes_changed=0,
@@ -574,10 +590,14 @@ def tune_streamed(
                 mark = time.monotonic()
                 x_in = run_batched(lambda x, i=i: q.run(i, x), x_in, batch)
                 passes += time.monotonic() - mark
-                left = None if budget is None else budget - (time.monotonic() - t0)
-                # before a block has run, what the next passes cost is what these did (the input's
-                # passes over all the windows after the steps, its validation check before them)
-                seconds = None if left is None else step_seconds(left, q.n_blocks - i, outside or passes)
+                seconds = None
+                if budget is not None:
+                    left = budget - (time.monotonic() - t0)
+                    # before a block has run, what the next passes cost is what these did (the
+                    # input's passes over all the windows after the steps, its check before them)
+                    o = outside or passes
+                    carried = (q.n_blocks - i - trained) * o * carry_share  # kept for the blocks carried
+                    seconds = step_seconds(left - carried, trained, o)
                 data = Windows(x_train=x_q["train"], y_train=y["train"], x_val=x_q["val"], y_val=y["val"])
                 res = None
                 if tuned:
