@@ -493,6 +493,27 @@ def test_a_tight_budget_trains_the_first_blocks_it_holds_and_carries_the_rest() 
     assert blockwise.blocks_to_train(0.0, 1, 0.0, 0.0, 0.9) == 0
 
 
+def test_a_validation_kl_over_half_the_budget_reads_fewer_tokens(
+    monkeypatch: pytest.MonkeyPatch, q3: Path
+) -> None:
+    """At 27B's width on 2 cores the closing KL over all validation tokens took 6.5 of
+    tune.max_minutes=8: the blocks got 1.5 minutes, and their one warm-up step ran the budget over.
+    The KL now takes at most half the budget, over the whole slices that fit."""
+    assert blockwise.kl_tokens(1024, 64, 100.0, 480.0) == 1024  # fits half: all of them
+    assert blockwise.kl_tokens(1088, 64, 390.0, 480.0) == 640  # 17 slices, 10 of them fit 240 s
+    assert blockwise.kl_tokens(1024, 64, 9999.0, 1.0) == 64  # one slice at least
+    from mlxbun.quant.streamed import Stream
+
+    ref, q = Stream(FIXTURE), Stream(q3, exact=True)
+    tokens = np.arange(4 * 16, dtype=np.int32).reshape(4, 16) % 200
+    monkeypatch.setattr(blockwise, "kl_seconds", lambda *a: 120.0)
+    monkeypatch.setattr(blockwise, "kl_step", lambda *a: 8)
+    out = blockwise.tune_streamed(
+        ref, q, tokens, tokens[:2], steps=2, lr=1e-3, batch=2, seed=0, max_minutes=1.0
+    )
+    assert out.kl_tokens == 8 and out.kl_seconds_expected == pytest.approx(30.0)  # 1 of 4 slices
+
+
 def test_one_timed_slice_gives_the_validation_kls_seconds(monkeypatch: pytest.MonkeyPatch, q3: Path) -> None:
     """:func:`kl_seconds` runs one slice of the KL and counts the slices the whole will take."""
     from mlxbun.quant.streamed import Stream

@@ -397,6 +397,7 @@ class Outcome:
     seconds: float
     tensors: dict[str, mx.array]
     kl_seconds: float = 0.0  # the closing validation KL's
+    kl_tokens: int = 0  # the validation tokens it read (fewer than all under a tight budget)
     kl_seconds_expected: float | None = None  # as :func:`kl_seconds` timed it (under a time budget)
 
     @property
@@ -461,6 +462,21 @@ def kl_between(
 def kl_step(ref: Stream, cur: Stream) -> int:
     """Tokens in a slice of :func:`kl_between` (``cur``'s logits are that many per state)."""
     return min(ref.token_rows(), cur.token_rows())
+
+
+KL_SHARE = 0.5  # of tune.max_minutes, at most, for the closing validation KL: the rest trains
+
+
+def kl_tokens(tokens: int, step: int, seconds: float, budget: float) -> int:
+    """Validation tokens the closing KL reads: all ``tokens`` when their ``seconds`` fit
+    :data:`KL_SHARE` of the ``budget``, else the whole slices (of ``step`` tokens) that do, one at
+    least. At 27B's width on 2 cores the KL over all of them took 6.5 of tune.max_minutes=8, and
+    the blocks' warm-up step ran the budget over; fewer tokens read a gain less surely, so a
+    tight budget falls back to the input more often, never to a worse model."""
+    slices = -(-tokens // step)
+    if seconds <= KL_SHARE * budget:
+        return tokens
+    return min(tokens, step * max(1, int(slices * KL_SHARE * budget / seconds)))
 
 
 def kl_seconds(ref: Stream, h_ref: mx.array, cur: Stream, h_cur: mx.array) -> float:
@@ -534,7 +550,8 @@ def tune_streamed(
 ) -> Outcome:
     """Tune every block of ``q`` against ``ref`` on ``train`` windows, choosing with ``val``
     windows (other kinds of text); ``max_minutes`` holds the blocks and the closing validation KL
-    (timed on one of its slices first, :func:`kl_seconds`): it sets how many steps each block
+    (timed on one of its slices first, :func:`kl_seconds`; over fewer tokens when it would take
+    more than :data:`KL_SHARE` of the budget, :func:`kl_tokens`): it sets how many steps each block
     gets, at the pace of the block before (the first block times its own after a warm-up step); a
     block whose share cannot hold a step keeps its input's values. ``on_budget(seconds)`` with
     the blocks' seconds from then on (under a budget); ``on_block`` after each block;
@@ -546,9 +563,11 @@ def tune_streamed(
     x_in = x_q["val"]  # the input model's own path on the validation windows
     results, plan = [], []
     budget = None if max_minutes is None else 60.0 * max_minutes
-    expected = None
+    expected, kept = None, val.size  # the validation KL's seconds, over its first ``kept`` tokens
     if budget is not None:  # the budget ends with the validation KL, not before it
         expected = kl_seconds(ref, x_ref["val"], q, x_in)
+        kept = kl_tokens(val.size, kl_step(ref, q), expected, budget)
+        expected *= -(-kept // kl_step(ref, q)) / -(-val.size // kl_step(ref, q))
         budget = max(0.0, budget - expected)
         if on_budget is not None:
             on_budget(max(0.0, budget - (time.monotonic() - t0)))
@@ -619,10 +638,11 @@ def tune_streamed(
                 results.append(res)
                 if on_block is not None:
                     on_block(res)
-    slices = -(-x_in.shape[0] * x_in.shape[1] // kl_step(ref, q))
+    slices = -(-kept // kl_step(ref, q))
     tick = on_kl(slices, expected) if on_kl is not None else (lambda: None)
     started = time.monotonic()
-    before, after = kl_between(ref, x_ref["val"], q, [x_in, x_q["val"]], tick=tick)
+    first = [h.reshape(1, -1, h.shape[-1])[:, :kept] for h in (x_ref["val"], x_in, x_q["val"])]
+    before, after = kl_between(ref, first[0], q, first[1:], tick=tick)
     tensors = {k: v for r in results if r.kept for k, v in r.tensors.items()}
     better = gained(after, before, min_gain)
     return Outcome(
@@ -633,6 +653,7 @@ def tune_streamed(
         time.monotonic() - t0,
         tensors if better else {},
         kl_seconds=time.monotonic() - started,
+        kl_tokens=len(before),
         kl_seconds_expected=expected,
     )
 

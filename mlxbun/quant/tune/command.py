@@ -12,7 +12,8 @@ A block keeps the best of four validation checks over its steps (or the input's 
 tuned model is written only when its validation KL against the reference is at least
 ``tune.min_gain`` below the input's and by more than twice the standard error of their per-token
 difference, otherwise the input's values are (``tune.json`` says which). ``tune.max_minutes``
-holds the blocks and the closing validation KL (timed on one of its slices first): it sets how
+holds the blocks and the closing validation KL (timed on one of its slices first; over fewer
+tokens when it would take more than half the budget): it sets how
 many steps each block gets, at the pace timed after a warm-up step (blocks the minutes left cannot
 hold a step for keep their input's values); it never skips the step.
 
@@ -21,7 +22,8 @@ hold a step for keep their input's values); it never skips the step.
                         .mlxbun-source.json: its input's source record, for a later tune's check)
         tune.json       {"status", "reference", "calibration", "validation", "kl_before", "kl_after",
                          "blocks": [per block: steps, validation error before/after, kept],
-                         "validation_kl_seconds": {"measured", "expected"}, ...}
+                         "validation_kl_tokens", "validation_kl_seconds": {"measured", "expected"},
+                         ...}
 
 Example:
     python -m mlxbun command=tune model.name=<quantized dir> tune.reference=<its source>
@@ -283,6 +285,7 @@ def _finish(
         "codes_changed": changed,
         "blocks": [b.to_json() for b in outcome.blocks],
         "seconds": round(outcome.seconds, 3),
+        "validation_kl_tokens": outcome.kl_tokens,
         "validation_kl_seconds": {
             "measured": round(outcome.kl_seconds, 3),
             "expected": None
