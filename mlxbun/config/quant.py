@@ -306,8 +306,9 @@ class TuneCfg:
     validation_kinds: list[str] = field(default_factory=lambda: ["prose", "math"])
     # Minutes tune's blocks and its closing validation KL may take, > 0: sets how many steps each
     # block gets, at the pace timed after a warm-up step, after room for the KL (timed on one of
-    # its slices); a step the minutes left cannot hold is not started (the last blocks may keep
-    # their input's values). null: tune.steps each.
+    # its slices; over fewer tokens when it would take more than half); a step the minutes left
+    # cannot hold is not started (the last blocks may keep their input's values). null:
+    # tune.steps each.
     max_minutes: float | None = 60.0
     # The tuned model is written only when its validation KL is at least this fraction below the
     # input's (and significantly so), in [0, 0.99]: smaller validation gains did not carry to
