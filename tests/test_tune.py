@@ -15,7 +15,7 @@ from cli_util import other_model, run_cli
 
 from mlxbun.quant.calibration import read_documents, split_kinds
 from mlxbun.quant.quantize.command import MARKER, quantize_model_dir
-from mlxbun.quant.tune import blockwise
+from mlxbun.quant.tune import blockwise, budget, validation
 
 pytestmark = pytest.mark.blas
 
@@ -197,9 +197,9 @@ def test_a_blocks_step_time_leaves_room_for_what_a_block_costs_besides_steps() -
     """Under tune.max_minutes each block's steps get its share of what is left less the last
     block's time outside its steps: at 0.5B's shapes a block's passes and checks took about 5 s
     besides its steps, and without this the budget ran over by that much a block."""
-    assert blockwise.step_seconds(240.0, 24, 4.0) == pytest.approx(6.0)
-    assert blockwise.step_seconds(240.0, 24, 0.0) == pytest.approx(10.0)
-    assert blockwise.step_seconds(20.0, 10, 5.0) == 0.0  # over: the warm-up steps only
+    assert budget.step_seconds(240.0, 24, 4.0) == pytest.approx(6.0)
+    assert budget.step_seconds(240.0, 24, 0.0) == pytest.approx(10.0)
+    assert budget.step_seconds(20.0, 10, 5.0) == 0.0  # over: the warm-up steps only
 
 
 def test_the_best_validation_check_is_kept_not_the_last_step() -> None:
@@ -419,9 +419,9 @@ def test_a_gain_inside_the_validation_noise_is_none() -> None:
     rng = np.random.default_rng(0)
     before = rng.exponential(0.2, 1024)
     noise = rng.normal(0, 0.05, 1024)
-    assert not blockwise.significantly_lower(before + noise - 0.001, before)  # 0.5% lower: noise
-    assert blockwise.significantly_lower(before + noise - 0.02, before)  # 10% lower: a gain
-    assert not blockwise.significantly_lower(before + 0.01, before)
+    assert not validation.significantly_lower(before + noise - 0.001, before)  # 0.5% lower: noise
+    assert validation.significantly_lower(before + noise - 0.02, before)  # 10% lower: a gain
+    assert not validation.significantly_lower(before + 0.01, before)
 
 
 def test_the_block_loop_holds_no_embedding_or_head(q3: Path) -> None:
@@ -476,8 +476,8 @@ def test_the_first_blocks_share_leaves_room_for_its_passes(monkeypatch: pytest.M
     ref, q = Stream(FIXTURE), Stream(q3, exact=True)
     tokens = np.arange(4 * 16, dtype=np.int32).reshape(4, 16) % 200
     outside = []
-    real = blockwise.step_seconds
-    monkeypatch.setattr(blockwise, "step_seconds", lambda left, n, o: outside.append(o) or real(left, n, o))
+    real = budget.step_seconds
+    monkeypatch.setattr(budget, "step_seconds", lambda left, n, o: outside.append(o) or real(left, n, o))
     blockwise.tune_streamed(ref, q, tokens, tokens[:2], steps=2, lr=1e-3, batch=2, seed=0, max_minutes=1.0)
     assert outside[0] > 0  # block 0's share (0 before: its passes and checks took block 1's)
 
@@ -487,10 +487,10 @@ def test_a_tight_budget_trains_the_first_blocks_it_holds_and_carries_the_rest() 
     the 220 s left after the KL's could not take 23 blocks through their passes and a step each,
     and every block after the first was carried through untrained, 124 s used of 300. Carried
     blocks cost a few seconds, so the first ones that fit beside them train."""
-    assert blockwise.blocks_to_train(195.0, 23, 10.0, 1.5, 0.9) == 17  # 17 x (10 + 0.9) + 6 x 1.5 <= 195
-    assert blockwise.blocks_to_train(1000.0, 23, 10.0, 1.5, 0.9) == 23  # all of them, as without a budget
-    assert blockwise.blocks_to_train(20.0, 23, 10.0, 1.5, 0.9) == 0  # not one: all carried
-    assert blockwise.blocks_to_train(0.0, 1, 0.0, 0.0, 0.9) == 0
+    assert budget.blocks_to_train(195.0, 23, 10.0, 1.5, 0.9) == 17  # 17 x (10 + 0.9) + 6 x 1.5 <= 195
+    assert budget.blocks_to_train(1000.0, 23, 10.0, 1.5, 0.9) == 23  # all of them, as without a budget
+    assert budget.blocks_to_train(20.0, 23, 10.0, 1.5, 0.9) == 0  # not one: all carried
+    assert budget.blocks_to_train(0.0, 1, 0.0, 0.0, 0.9) == 0
 
 
 def test_a_validation_kl_over_half_the_budget_reads_fewer_tokens(
@@ -499,9 +499,9 @@ def test_a_validation_kl_over_half_the_budget_reads_fewer_tokens(
     """At 27B's width on 2 cores the closing KL over all validation tokens took 6.5 of
     tune.max_minutes=8: the blocks got 1.5 minutes, and their one warm-up step ran the budget over.
     The KL now takes at most half the budget, over the whole slices that fit."""
-    assert blockwise.kl_tokens(1024, 64, 100.0, 480.0) == 1024  # fits half: all of them
-    assert blockwise.kl_tokens(1088, 64, 390.0, 480.0) == 640  # 17 slices, 10 of them fit 240 s
-    assert blockwise.kl_tokens(1024, 64, 9999.0, 1.0) == 64  # one slice at least
+    assert budget.kl_tokens(1024, 64, 100.0, 480.0) == 1024  # fits half: all of them
+    assert budget.kl_tokens(1088, 64, 390.0, 480.0) == 640  # 17 slices, 10 of them fit 240 s
+    assert budget.kl_tokens(1024, 64, 9999.0, 1.0) == 64  # one slice at least
     from mlxbun.quant.streamed import Stream
 
     ref, q = Stream(FIXTURE), Stream(q3, exact=True)
@@ -520,9 +520,9 @@ def test_one_timed_slice_gives_the_validation_kls_seconds(monkeypatch: pytest.Mo
 
     ref, q = Stream(FIXTURE), Stream(q3, exact=True)
     h = ref.embed(np.arange(3 * 16, dtype=np.int32).reshape(3, 16) % 200)
-    monkeypatch.setattr(blockwise, "kl_step", lambda *a: 10)
+    monkeypatch.setattr(validation, "kl_step", lambda *a: 10)
     _ticking(monkeypatch, 2)
-    assert blockwise.kl_seconds(ref, h, q, h) == 2 * 5  # 48 tokens in slices of 10: 5 of 2 s
+    assert validation.kl_seconds(ref, h, q, h) == 2 * 5  # 48 tokens in slices of 10: 5 of 2 s
 
 
 def test_a_significant_gain_below_min_gain_is_none() -> None:
@@ -532,9 +532,9 @@ def test_a_significant_gain_below_min_gain_is_none() -> None:
     rng = np.random.default_rng(0)
     before = rng.exponential(0.2, 4096)
     after = before * 0.97 + rng.normal(0, 0.002, 4096)  # 3% lower, far beyond twice the error
-    assert blockwise.significantly_lower(after, before)
-    assert not blockwise.gained(after, before, 0.05) and blockwise.gained(after, before, 0.0)
-    assert blockwise.gained(before * 0.9, before, 0.05)
+    assert validation.significantly_lower(after, before)
+    assert not validation.gained(after, before, 0.05) and validation.gained(after, before, 0.0)
+    assert validation.gained(before * 0.9, before, 0.05)
 
 
 def test_min_gain_out_of_range_is_refused(tmp_path: Path, q3: Path) -> None:

@@ -112,7 +112,9 @@ class Rounded:
                 continue  # an older file (no setting recorded) or an unreadable one: rounded again
         return found
 
-    def put(self, file: Path, out: tuple[Any, ...], path: str, *, method: str, bits: int, group_size: int) -> None:
+    def put(
+        self, file: Path, out: tuple[Any, ...], path: str, *, method: str, bits: int, group_size: int
+    ) -> None:
         """Keep module ``path``'s ``out`` (weight, scales, biases) in ``file`` with its setting;
         written atomically (a write that fails, e.g. a full disk, is
         logged with the path and skipped)."""

@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -41,9 +42,10 @@ import numpy as np
 from mlx.utils import tree_map
 
 from mlxbun.errors import InputError
-from mlxbun.kl import kl_logits
 from mlxbun.quant.rounding import BLOCK_ELEMENTS, pack
 from mlxbun.quant.streamed import Stream
+from mlxbun.quant.tune.budget import blocks_to_train, carried_share, kl_tokens, seconds_until
+from mlxbun.quant.tune.validation import gained, kl_between, kl_seconds, kl_step
 
 log = logging.getLogger("mlxbun")
 
@@ -433,105 +435,6 @@ def _tuned_linears(q: Stream, ref: Stream, ref_w: dict[str, mx.array], i: int) -
     return out
 
 
-def kl_between(
-    ref: Stream,
-    h_ref: mx.array,
-    cur: Stream,
-    states: list[mx.array],
-    *,
-    tick: Callable[[], None] = lambda: None,
-) -> list[np.ndarray]:
-    """KL(ref || cur) of each token, of the reference's head on its last states ``h_ref`` against
-    ``cur``'s head on each of ``states`` (the same windows through other blocks), in slices of
-    tokens: each slice's reference logits are computed once, and ``cur``'s head casts its weight
-    once for all the states (at a large vocabulary that cast is most of a slice). ``tick()``
-    after each slice."""
-    a = h_ref.reshape(-1, h_ref.shape[-1])
-    bs = [h.reshape(-1, h.shape[-1]) for h in states]
-    step, out = kl_step(ref, cur), [[] for _ in bs]
-    for lo in range(0, a.shape[0], step):
-        r = ref.head(a[None, lo : lo + step])
-        c = cur.head(mx.concatenate([b[None, lo : lo + step] for b in bs], axis=1))
-        n = r.shape[1]
-        for k in range(len(bs)):
-            out[k].append(np.asarray(kl_logits(r, c[:, k * n : (k + 1) * n])[0]))
-        tick()
-    return [np.concatenate(o).astype(np.float64) for o in out]
-
-
-def kl_step(ref: Stream, cur: Stream) -> int:
-    """Tokens in a slice of :func:`kl_between` (``cur``'s logits are that many per state)."""
-    return min(ref.token_rows(), cur.token_rows())
-
-
-KL_SHARE = 0.5  # of tune.max_minutes, at most, for the closing validation KL: the rest trains
-
-
-def kl_tokens(tokens: int, step: int, seconds: float, budget: float) -> int:
-    """Validation tokens the closing KL reads: all ``tokens`` when their ``seconds`` fit
-    :data:`KL_SHARE` of the ``budget``, else the whole slices (of ``step`` tokens) that do, one at
-    least. At 27B's width on 2 cores the KL over all of them took 6.5 of tune.max_minutes=8, and
-    the blocks' warm-up step ran the budget over; fewer tokens read a gain less surely, so a
-    tight budget falls back to the input more often, never to a worse model."""
-    slices = -(-tokens // step)
-    if seconds <= KL_SHARE * budget:
-        return tokens
-    return min(tokens, step * max(1, int(slices * KL_SHARE * budget / seconds)))
-
-
-def kl_seconds(ref: Stream, h_ref: mx.array, cur: Stream, h_cur: mx.array) -> float:
-    """The seconds :func:`kl_between` will take on states of ``h_ref``'s and ``h_cur``'s shapes
-    (``cur`` on two of them), from one of its slices run now: its head and KL work does not depend
-    on the states' values, so a time budget can keep room for the closing validation KL (at 27B's
-    width on 2 cores it took half as long as the blocks it closed)."""
-    step = kl_step(ref, cur)
-    tokens = h_ref.shape[0] * h_ref.shape[1]
-    a = h_ref.reshape(-1, h_ref.shape[-1])[None, :step]
-    b = h_cur.reshape(-1, h_cur.shape[-1])[None, :step]
-    t0 = time.monotonic()
-    kl_between(ref, a, cur, [b, b])
-    return (time.monotonic() - t0) * -(-tokens // step)
-
-
-def gained(after: np.ndarray, before: np.ndarray, min_gain: float) -> bool:
-    """Is the tuned model's mean per-token validation KL ``after`` at least ``min_gain`` (a
-    fraction) below the input's ``before``, and :func:`significantly_lower`? Validation gains of
-    2.5% and 4% (significant: tokens of a window are not independent, so the standard error
-    reads small) came with held-out KL 1% and 7% worse (BENCHMARKS.md, tune's gain)."""
-    return bool(after.mean() <= (1.0 - min_gain) * before.mean()) and significantly_lower(after, before)
-
-
-def significantly_lower(after: np.ndarray, before: np.ndarray) -> bool:
-    """Is the mean of ``after`` below ``before``'s by more than :data:`SIGNIFICANCE` standard errors
-    of their per-token difference (a paired test: a gain inside the validation's noise is none)?"""
-    d = after - before
-    if len(d) < 2:
-        return bool(d.mean() < 0)
-    return bool(d.mean() < -SIGNIFICANCE * d.std(ddof=1) / np.sqrt(len(d)))
-
-
-SIGNIFICANCE = 2.0
-
-
-def step_seconds(left: float, blocks: int, outside: float) -> float:
-    """A block's seconds for its steps: its share of the ``left`` seconds over the ``blocks`` still
-    to tune, less what a block costs besides its steps (``outside``: the last one's reference and
-    input passes and validation checks), so the budget holds to the end instead of running over by
-    that much a block."""
-    return max(0.0, left / blocks - outside)
-
-
-def blocks_to_train(left: float, blocks: int, outside: float, carry: float, pace: float) -> int:
-    """How many of the ``blocks`` still to tune the ``left`` seconds can train, a step each at least
-    (``pace``) besides their passes and checks (``outside``), the rest carried through untrained
-    (``carry`` seconds each): the most that fit, so the time is shared as evenly as it holds.
-    0 when not one does."""
-    for m in range(blocks, 0, -1):
-        if step_seconds(left - (blocks - m) * carry, m, outside) >= pace:
-            return m
-    return 0
-
-
 def tune_streamed(
     ref: Stream,
     q: Stream,
@@ -552,8 +455,8 @@ def tune_streamed(
     windows (other kinds of text); ``max_minutes`` holds the blocks and the closing validation KL
     (timed on one of its slices first, :func:`kl_seconds`; over fewer tokens when it would take
     more than :data:`KL_SHARE` of the budget, :func:`kl_tokens`): it sets how many steps each block
-    gets, at the pace of the block before (the first block times its own after a warm-up step); a
-    block whose share cannot hold a step keeps its input's values. ``on_budget(seconds)`` with
+    gets, at the pace of the block before (the first block times its own after a warm-up step);
+    blocks it cannot train are carried through untrained (:func:`blocks_to_train`). ``on_budget(seconds)`` with
     the blocks' seconds from then on (under a budget); ``on_block`` after each block;
     ``on_kl(slices, expected seconds)`` when the validation KL starts, returning what to call
     after each of its slices."""
@@ -565,17 +468,13 @@ def tune_streamed(
     budget = None if max_minutes is None else 60.0 * max_minutes
     expected, kept = None, val.size  # the validation KL's seconds, over its first ``kept`` tokens
     if budget is not None:  # the budget ends with the validation KL, not before it
-        expected = kl_seconds(ref, x_ref["val"], q, x_in)
-        kept = kl_tokens(val.size, kl_step(ref, q), expected, budget)
-        expected *= -(-kept // kl_step(ref, q)) / -(-val.size // kl_step(ref, q))
+        expected, kept = _closing_kl(ref, q, x_ref["val"], x_in, budget)
         budget = max(0.0, budget - expected)
         if on_budget is not None:
             on_budget(max(0.0, budget - (time.monotonic() - t0)))
     outside = None  # the last block's seconds outside its step loop (reference and input passes, checks)
     pace = None  # a step's seconds, as the block before ran them
-    # a block carried through untrained runs the three validation passes of the input, tuned and
-    # reference paths, of the two over every window and the checks a trained block runs besides
-    carry_share = 3 * val.shape[0] / (2 * train.shape[0] + 4 * val.shape[0])
+    share = carried_share(train.shape[0], val.shape[0])
     spent = False  # no block left can hold a step: they are carried through on the validation windows
     with ref.outside_released(train.shape[1]), q.outside_released(train.shape[1]):
         for i in range(q.n_blocks):
@@ -583,79 +482,88 @@ def tune_streamed(
             trained = q.n_blocks - i  # of the blocks left, those the budget trains (the first ones)
             if budget is not None and pace is not None and not spent:
                 o = outside or 0.0
-                trained = blocks_to_train(budget - (started - t0), q.n_blocks - i, o, o * carry_share, pace)
+                trained = blocks_to_train(budget - (started - t0), q.n_blocks - i, o, o * share, pace)
                 spent = trained == 0
             if spent:
                 x_ref, x_in, x_q = _carried(ref, q, i, x_ref, x_in, x_q, batch)
-                res = BlockResult(block=i, steps=0, val_before=None, val_after=None, kept=False, codes_changed=0,
-                                  seconds=time.monotonic() - started)  # fmt: skip
+                results.append(BlockResult(i, 0, None, None, False, 0, time.monotonic() - started))
                 plan.append(0)
-                results.append(res)
                 if on_block is not None:
-                    on_block(res)
+                    on_block(results[-1])
                 continue
-            with ref.loaded(i) as ref_w:
-                y = {k: run_batched(lambda x, i=i: ref.run(i, x), v, batch) for k, v in x_ref.items()}
-            passes = time.monotonic() - started
-            _finite(y, ref, i, "tune.reference")
-            rel = len(f"{q.prefix}{i}.")  # the tuned modules' input weights are read by TunedLinear, packed
-            q.load(i, skip={f"{p[rel:]}.weight" for p in tunable_modules(q, i)})
-            tuned = _tuned_linears(q, ref, ref_w, i)
-            del ref_w
-            saved = [(p, q.module(p)) for p in tuned]
-            for p, m in tuned.items():
-                q._set_module(p, m)
-            try:
-                mark = time.monotonic()
-                x_in = run_batched(lambda x, i=i: q.run(i, x), x_in, batch)
-                passes += time.monotonic() - mark
-                seconds = None
-                if budget is not None:
-                    left = budget - (time.monotonic() - t0)
-                    # before a block has run, what the next passes cost is what these did (the
-                    # input's passes over all the windows after the steps, its check before them)
-                    o = outside or passes
-                    carried = (q.n_blocks - i - trained) * o * carry_share  # kept for the blocks carried
-                    seconds = step_seconds(left - carried, trained, o)
-                data = Windows(x_train=x_q["train"], y_train=y["train"], x_val=x_q["val"], y_val=y["val"])
-                res = None
-                if tuned:
-                    res = tune_block(
-                        q, i, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds,
-                        pace=pace,
-                    )  # fmt: skip
-                    pace = res.pace
-                    plan.append(res.steps)
-                x_q = {k: run_batched(lambda x, i=i: q.run(i, x), v, batch) for k, v in x_q.items()}
-                _finite(x_q, q, i, "model.name")
-            finally:
-                for p, m in saved:
-                    q._set_module(p, m)
-                q.release(i)
-            x_ref = y
+
+            left_after = q.n_blocks - i - trained  # blocks carried after the trained ones
+            res, x_ref, x_in, x_q = _trained_block(
+                ref, q, i, x_ref, x_in, x_q, steps=steps, lr=lr, batch=batch, seed=seed, pace=pace,
+                seconds_for=None if budget is None else functools.partial(
+                    seconds_until, budget + t0, outside, trained, left_after * share
+                ),
+            )  # fmt: skip
             if res is not None:
-                outside = time.monotonic() - started - res.training_seconds
+                pace, outside = res.pace, time.monotonic() - started - res.training_seconds
+                plan.append(res.steps)
                 results.append(res)
                 if on_block is not None:
                     on_block(res)
-    slices = -(-kept // kl_step(ref, q))
-    tick = on_kl(slices, expected) if on_kl is not None else (lambda: None)
+    tick = on_kl(-(-kept // kl_step(ref, q)), expected) if on_kl is not None else (lambda: None)
     started = time.monotonic()
     first = [h.reshape(1, -1, h.shape[-1])[:, :kept] for h in (x_ref["val"], x_in, x_q["val"])]
     before, after = kl_between(ref, first[0], q, first[1:], tick=tick)
     tensors = {k: v for r in results if r.kept for k, v in r.tensors.items()}
-    better = gained(after, before, min_gain)
     return Outcome(
-        results,
-        float(before.mean()),
-        float(after.mean()),
-        plan,
-        time.monotonic() - t0,
-        tensors if better else {},
-        kl_seconds=time.monotonic() - started,
-        kl_tokens=len(before),
-        kl_seconds_expected=expected,
-    )
+        results, float(before.mean()), float(after.mean()), plan, time.monotonic() - t0,
+        tensors if gained(after, before, min_gain) else {}, kl_seconds=time.monotonic() - started,
+        kl_tokens=len(before), kl_seconds_expected=expected,
+    )  # fmt: skip
+
+
+def _closing_kl(ref: Stream, q: Stream, h_ref: mx.array, h_in: mx.array, budget: float) -> tuple[float, int]:
+    """(seconds, tokens) of the closing validation KL under a ``budget`` of seconds: timed on one
+    slice (:func:`kl_seconds`), over the tokens that fit its share (:func:`kl_tokens`)."""
+    step, tokens = kl_step(ref, q), h_in.shape[0] * h_in.shape[1]
+    expected = kl_seconds(ref, h_ref, q, h_in)
+    kept = kl_tokens(tokens, step, expected, budget)
+    return expected * -(-kept // step) / -(-tokens // step), kept
+
+
+def _trained_block(
+    ref: Stream, q: Stream, i: int, x_ref: dict[str, mx.array], x_in: mx.array, x_q: dict[str, mx.array],
+    *, steps: int, lr: float, batch: int, seed: int, pace: float | None,
+    seconds_for: Callable[[float], float] | None,
+) -> tuple[BlockResult | None, dict[str, mx.array], mx.array, dict[str, mx.array]]:  # fmt: skip
+    """Block ``i`` trained (:func:`tune_block`): the reference's states through it, the input's and
+    the tuned path's after it. ``seconds_for(passes)``: the seconds its steps get, given what its
+    passes before them took (None: no budget). Returns (its result, or None with nothing to tune; the reference's,
+    the input's and the tuned path's states after it)."""
+    started = time.monotonic()
+    with ref.loaded(i) as ref_w:
+        y = {k: run_batched(lambda x: ref.run(i, x), v, batch) for k, v in x_ref.items()}
+    passes = time.monotonic() - started
+    _finite(y, ref, i, "tune.reference")
+    rel = len(f"{q.prefix}{i}.")  # the tuned modules' input weights are read by TunedLinear, packed
+    q.load(i, skip={f"{p[rel:]}.weight" for p in tunable_modules(q, i)})
+    tuned = _tuned_linears(q, ref, ref_w, i)
+    del ref_w
+    saved = [(p, q.module(p)) for p in tuned]
+    for p, m in tuned.items():
+        q._set_module(p, m)
+    try:
+        mark = time.monotonic()
+        x_in = run_batched(lambda x: q.run(i, x), x_in, batch)
+        seconds = None if seconds_for is None else seconds_for(passes + time.monotonic() - mark)
+        data = Windows(x_train=x_q["train"], y_train=y["train"], x_val=x_q["val"], y_val=y["val"])
+        res = None
+        if tuned:
+            res = tune_block(
+                q, i, tuned, data, steps=steps, lr=lr, batch=batch, seed=seed, seconds=seconds, pace=pace
+            )
+        x_q = {k: run_batched(lambda x: q.run(i, x), v, batch) for k, v in x_q.items()}
+        _finite(x_q, q, i, "model.name")
+    finally:
+        for p, m in saved:
+            q._set_module(p, m)
+        q.release(i)
+    return res, y, x_in, x_q
 
 
 def _carried(
