@@ -456,10 +456,10 @@ def tune_streamed(
     (timed on one of its slices first, :func:`kl_seconds`; over fewer tokens when it would take
     more than :data:`KL_SHARE` of the budget, :func:`kl_tokens`): it sets how many steps each block
     gets, at the pace of the block before (the first block times its own after a warm-up step);
-    blocks it cannot train are carried through untrained (:func:`blocks_to_train`). ``on_budget(seconds)`` with
-    the blocks' seconds from then on (under a budget); ``on_block`` after each block;
-    ``on_kl(slices, expected seconds)`` when the validation KL starts, returning what to call
-    after each of its slices."""
+    the blocks it cannot train are carried through untrained (:func:`blocks_to_train`).
+    ``on_budget(seconds)`` with the blocks' seconds from then on (under a budget); ``on_block``
+    after each block; ``on_kl(slices, expected seconds)`` when the validation KL starts,
+    returning what to call after each of its slices."""
     t0 = time.monotonic()
     x_ref = {"train": ref.embed(train), "val": ref.embed(val)}
     x_q = {"train": q.embed(train), "val": q.embed(val)}
@@ -533,8 +533,8 @@ def _trained_block(
 ) -> tuple[BlockResult | None, dict[str, mx.array], mx.array, dict[str, mx.array]]:  # fmt: skip
     """Block ``i`` trained (:func:`tune_block`): the reference's states through it, the input's and
     the tuned path's after it. ``seconds_for(passes)``: the seconds its steps get, given what its
-    passes before them took (None: no budget). Returns (its result, or None with nothing to tune; the reference's,
-    the input's and the tuned path's states after it)."""
+    passes before them took (None: no budget). Returns (its result, or None with nothing to tune;
+    the reference's, the input's and the tuned path's states after it)."""
     started = time.monotonic()
     with ref.loaded(i) as ref_w:
         y = {k: run_batched(lambda x: ref.run(i, x), v, batch) for k, v in x_ref.items()}
