@@ -13,9 +13,9 @@ tuned model is written only when its validation KL against the reference is at l
 ``tune.min_gain`` below the input's and by more than twice the standard error of their per-token
 difference, otherwise the input's values are (``tune.json`` says which). ``tune.max_minutes``
 holds the blocks and the closing validation KL (timed on one of its slices first; over fewer
-tokens when it would take more than half the budget): it sets how
-many steps each block gets, at the pace timed after a warm-up step (blocks the minutes left cannot
-hold a step for keep their input's values); it never skips the step.
+tokens when it would take more than half the budget): it sets how many steps each block gets,
+at the pace timed after a warm-up step (the blocks the minutes left cannot train are carried
+through with their input's values); it never skips the step.
 
     <run_dir>/
         model/          the tuned model (config.json and tokenizer files copied; mlx_lm.load reads it;
