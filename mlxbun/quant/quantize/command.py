@@ -183,14 +183,14 @@ def _to_round(convert: Converter, units: list[Unit]) -> dict[str, int]:
     """The modules this run clips or GPTQ-rounds itself: path -> source bytes. Not those whose
     rounding at their setting is kept (the probes' of a ``+recipe=best`` run): those are read
     back in a moment, and weighing them as roundings read 3.6x the time left at 0.5B's shapes."""
-    kept = convert.rounded.kept() if convert.rounded is not None else set()
-    out = {}
-    for u in units:
-        if u.quant is None or not convert.varies(u.quant, u.path):
-            continue
-        if (u.path, convert.method_of(u.path), u.quant["bits"], u.quant["group_size"]) not in kept:
-            out[u.path] = u.nbytes
-    return out
+    varied = [u for u in units if u.quant is not None and convert.varies(u.quant, u.path)]
+    # the kept files' headers are read only when some module is rounded at all (not for RTN)
+    kept = convert.rounded.kept() if convert.rounded is not None and varied else set()
+    return {
+        u.path: u.nbytes
+        for u in varied
+        if (u.path, convert.method_of(u.path), u.quant["bits"], u.quant["group_size"]) not in kept
+    }
 
 
 def _progress(partial: Path, units: list[Unit], todo: list[Unit], rounds: dict[str, int]) -> Progress:
